@@ -1,0 +1,79 @@
+/* fmkv C API: compressed KV cache (Hadamard rotation + Lloyd-Max codes, 2-4 bits) and attention
+ * directly on it. Every function returns FMKV_OK or an error code; fmkv_last_error() then names
+ * the problem (thread-local). Nothing is written on error. */
+#ifndef FMKV_H
+#define FMKV_H
+
+#include "fmkv/format.h"
+#include "fmkv/params.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FMKV_VERSION "0.1.0"
+
+typedef enum fmkv_status {
+  FMKV_OK = 0,
+  FMKV_ERR_INVALID_ARGUMENT = 1, /* shape, dtype, bits, head_dim, stride, null pointer */
+  FMKV_ERR_OUT_OF_RANGE = 2,     /* page table entry, slot or length outside the storage */
+  FMKV_ERR_NON_FINITE = 3,       /* NaN/Inf or beyond-fp16 value in K/V, NaN/Inf in Q */
+  FMKV_ERR_OVERFLOW = 4,         /* a size or offset does not fit the index types */
+  FMKV_ERR_UNSUPPORTED = 5,      /* backend or combination not compiled / not available */
+  FMKV_ERR_BACKEND = 6,          /* CUDA/Metal runtime failure */
+  FMKV_ERR_INTERNAL = 7
+} fmkv_status;
+
+const char* fmkv_version(void);
+int fmkv_format_version(void);
+const char* fmkv_last_error(void);
+const char* fmkv_backend_name(fmkv_backend b);
+/* 1 if compiled in and a device is usable, 0 otherwise. */
+int fmkv_backend_available(fmkv_backend b);
+/* Human-readable device name of a backend ("" when unavailable). */
+const char* fmkv_backend_device(fmkv_backend b);
+
+/* Defaults: head_dim 128, 8 kv heads, k3v3, page 64, no sink/window, LSQ scales, seed 0. */
+void fmkv_config_default(fmkv_config* cfg);
+fmkv_status fmkv_config_validate(const fmkv_config* cfg);
+/* Bytes of one page (one layer, all kv heads, K and V), or -1 on an invalid config. */
+int64_t fmkv_config_page_bytes(const fmkv_config* cfg);
+/* Bytes of the fp16 sink+window region of one sequence slot, K and V, one layer. */
+int64_t fmkv_config_fp16_slot_bytes(const fmkv_config* cfg);
+
+/* Append the rows of k and v ([rows][kv_heads][head_dim]) to the batch's sequences. */
+fmkv_status fmkv_append(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer_cache* layer,
+                        const fmkv_batch* batch, const fmkv_tensor* k, const fmkv_tensor* v,
+                        void* stream);
+
+/* out[row][qh][d] = attention of q[row][qh][d] over the cache (causal for multi-row queries). */
+fmkv_status fmkv_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer_cache* layer,
+                           const fmkv_batch* batch, const fmkv_tensor* q,
+                           const fmkv_attention_opts* opts, fmkv_tensor* out, void* workspace,
+                           size_t workspace_bytes, void* stream);
+
+/* Workspace bytes fmkv_attention needs on backend b for at most max_rows query rows of
+ * q_heads heads and sequences of at most max_seq_len tokens (0 for host backends). */
+int64_t fmkv_attention_workspace_bytes(fmkv_backend b, const fmkv_config* cfg, int32_t q_heads,
+                                       int64_t max_rows, int32_t num_seqs, int64_t max_seq_len);
+
+/* Memory of a backend's device (host malloc for ref/cpu): for tests, the CLI and bindings. */
+void* fmkv_device_alloc(fmkv_backend b, size_t bytes);
+void fmkv_device_free(fmkv_backend b, void* p);
+/* to_device = 1: host -> device, 0: device -> host. Synchronous. */
+fmkv_status fmkv_device_copy(fmkv_backend b, void* dst, const void* src, size_t bytes, int to_device);
+fmkv_status fmkv_device_synchronize(fmkv_backend b);
+
+/* Format primitives on one head vector (host memory, reference arithmetic). */
+fmkv_status fmkv_quantize_vector(int32_t head_dim, int32_t bits, int32_t scale_rule, uint64_t seed,
+                                 int32_t layer, const uint16_t* x_f16, uint8_t* codes,
+                                 uint16_t* scales);
+fmkv_status fmkv_dequantize_vector(int32_t head_dim, int32_t bits, uint64_t seed, int32_t layer,
+                                   const uint8_t* codes, const uint16_t* scales, float* x_out);
+/* The 2^(bits-1) positive levels of the b-bit codebook (fp16 values as float), ascending. */
+fmkv_status fmkv_codebook(int32_t bits, float* mags);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FMKV_H */

@@ -1,0 +1,152 @@
+// fmkv C++ API: exceptions over the C API, and HostCache, a paged compressed KV cache that owns
+// host memory for all layers (page allocation, block tables, per-layer lengths).
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "fmkv/fmkv.h"
+
+namespace fmkv {
+
+class Error : public std::runtime_error {
+ public:
+  Error(int code, const std::string& msg) : std::runtime_error(msg), code_(code) {}
+  int code() const { return code_; }
+
+ private:
+  int code_;
+};
+
+inline void check(fmkv_status s) {
+  if (s != FMKV_OK) throw Error((int)s, fmkv_last_error());
+}
+
+inline fmkv_tensor make_tensor(const void* data, fmkv_dtype dt, int64_t rows, int32_t heads, int32_t dim) {
+  return fmkv_tensor{const_cast<void*>(data), (int32_t)dt, rows, heads, dim, (int64_t)heads * dim, dim};
+}
+
+class HostCache {
+ public:
+  HostCache(const fmkv_config& cfg, int32_t num_layers, int64_t num_pages, int32_t max_seqs)
+      : cfg_(cfg), num_layers_(num_layers), num_pages_(num_pages), max_seqs_(max_seqs) {
+    check(fmkv_config_validate(&cfg));
+    if (num_layers < 1 || num_pages < 0 || max_seqs < 1)
+      throw Error(FMKV_ERR_INVALID_ARGUMENT, "HostCache: need num_layers >= 1, num_pages >= 0, max_seqs >= 1");
+    page_bytes_ = fmkv_config_page_bytes(&cfg);
+    slot_elems_ = fmkv_config_fp16_slot_bytes(&cfg) / 4;  // fp16 elements of K (or V) per slot
+    pages_.resize(num_layers);
+    fp16_k_.resize(num_layers);
+    fp16_v_.resize(num_layers);
+    for (int32_t l = 0; l < num_layers; ++l) {
+      pages_[l].assign((size_t)(num_pages * page_bytes_), 0);
+      fp16_k_[l].assign((size_t)(slot_elems_ * max_seqs), 0);
+      fp16_v_[l].assign((size_t)(slot_elems_ * max_seqs), 0);
+    }
+    for (int64_t p = num_pages - 1; p >= 0; --p) free_pages_.push_back((int32_t)p);
+    lens_.assign((size_t)num_layers * max_seqs, -1);
+    tables_.resize(max_seqs);
+  }
+
+  const fmkv_config& config() const { return cfg_; }
+  int32_t num_layers() const { return num_layers_; }
+  int64_t free_pages() const { return (int64_t)free_pages_.size(); }
+
+  int32_t add_sequence() {
+    for (int32_t s = 0; s < max_seqs_; ++s)
+      if (lens_[s] < 0) {
+        for (int32_t l = 0; l < num_layers_; ++l) lens_[(size_t)l * max_seqs_ + s] = 0;
+        tables_[s].clear();
+        return s;
+      }
+    throw Error(FMKV_ERR_OUT_OF_RANGE, "HostCache: all " + std::to_string(max_seqs_) + " sequence slots are in use");
+  }
+  void remove_sequence(int32_t s) {
+    check_seq(s);
+    for (int32_t p : tables_[s]) free_pages_.push_back(p);
+    tables_[s].clear();
+    for (int32_t l = 0; l < num_layers_; ++l) lens_[(size_t)l * max_seqs_ + s] = -1;
+  }
+  int64_t length(int32_t layer, int32_t s) const { check_seq(s); return lens_[(size_t)layer * max_seqs_ + s]; }
+
+  // Append rows of k/v ([rows][kv_heads][head_dim]) to sequence s of one layer.
+  void append(fmkv_backend b, int32_t layer, int32_t s, const fmkv_tensor& k, const fmkv_tensor& v) {
+    check_seq(s);
+    check_layer(layer);
+    int64_t len = lens_[(size_t)layer * max_seqs_ + s];
+    reserve(s, len + k.rows);
+    int64_t rows[2] = {0, k.rows};
+    fmkv_layer_cache lc = layer_view(layer);
+    fmkv_batch bt{1, &s, &len, rows, tables_[s].data(), (int64_t)tables_[s].size()};
+    check(fmkv_append(b, &cfg_, &lc, &bt, &k, &v, nullptr));
+    lens_[(size_t)layer * max_seqs_ + s] = len + k.rows;
+  }
+
+  // Attention of q rows (the last q.rows tokens of s, already appended) over layer `layer`.
+  void attention(fmkv_backend b, int32_t layer, int32_t s, const fmkv_tensor& q, fmkv_tensor& out,
+                 fmkv_attention_opts opts = {0.0f, 0.0f}) const {
+    check_seq(s);
+    check_layer(layer);
+    int64_t len = lens_[(size_t)layer * max_seqs_ + s];
+    int64_t rows[2] = {0, q.rows};
+    fmkv_layer_cache lc = const_cast<HostCache*>(this)->layer_view(layer);
+    const std::vector<int32_t>& t = tables_[s];
+    fmkv_batch bt{1, &s, &len, rows, t.data(), (int64_t)t.size()};
+    check(fmkv_attention(b, &cfg_, &lc, &bt, &q, &opts, &out, nullptr, 0, nullptr));
+  }
+
+  fmkv_layer_cache layer_view(int32_t layer) {
+    check_layer(layer);
+    return fmkv_layer_cache{pages_[layer].data(), num_pages_, fp16_k_[layer].data(), fp16_v_[layer].data(),
+                            max_seqs_, layer};
+  }
+  const std::vector<int32_t>& block_table(int32_t s) const { check_seq(s); return tables_[s]; }
+
+  // Bytes actually allocated (pages of all layers + fp16 regions).
+  int64_t resident_bytes() const {
+    return num_layers_ * (num_pages_ * page_bytes_ + 2 * 2 * slot_elems_ * (int64_t)max_seqs_);
+  }
+  // Bytes of the pages in use by live sequences plus their fp16 regions.
+  int64_t used_bytes() const {
+    int64_t pages = 0, seqs = 0;
+    for (int32_t s = 0; s < max_seqs_; ++s)
+      if (lens_[s] >= 0) { pages += (int64_t)tables_[s].size(); ++seqs; }
+    return num_layers_ * (pages * page_bytes_ + 2 * 2 * slot_elems_ * seqs);
+  }
+
+ private:
+  void check_seq(int32_t s) const {
+    if (s < 0 || s >= max_seqs_ || lens_[s] < 0)
+      throw Error(FMKV_ERR_OUT_OF_RANGE, "HostCache: sequence " + std::to_string(s) + " does not exist");
+  }
+  void check_layer(int32_t l) const {
+    if (l < 0 || l >= num_layers_)
+      throw Error(FMKV_ERR_OUT_OF_RANGE, "HostCache: layer " + std::to_string(l) + " outside [0, " + std::to_string(num_layers_) + ")");
+  }
+  // Make sure sequence s has pages for `len` tokens (all layers share the block table).
+  void reserve(int32_t s, int64_t len) {
+    int64_t comp = len - cfg_.window_tokens > cfg_.sink_tokens ? len - cfg_.window_tokens - cfg_.sink_tokens : 0;
+    int64_t need = (comp + cfg_.page_size - 1) / cfg_.page_size;
+    if (need - (int64_t)tables_[s].size() > (int64_t)free_pages_.size())
+      throw Error(FMKV_ERR_OUT_OF_RANGE, "HostCache: out of pages (" + std::to_string(free_pages_.size()) +
+                                             " free, sequence needs " + std::to_string(need - (int64_t)tables_[s].size()) + " more)");
+    while ((int64_t)tables_[s].size() < need) {
+      tables_[s].push_back(free_pages_.back());
+      free_pages_.pop_back();
+    }
+  }
+
+  fmkv_config cfg_;
+  int32_t num_layers_;
+  int64_t num_pages_;
+  int32_t max_seqs_;
+  int64_t page_bytes_ = 0, slot_elems_ = 0;
+  std::vector<std::vector<uint8_t>> pages_;
+  std::vector<std::vector<uint16_t>> fp16_k_, fp16_v_;
+  std::vector<int32_t> free_pages_;
+  std::vector<int64_t> lens_;  // [layer][seq], -1 = no sequence
+  std::vector<std::vector<int32_t>> tables_;
+};
+
+}  // namespace fmkv

@@ -1,0 +1,103 @@
+/* fmkv compressed KV-cache format, version 1: layout arithmetic.
+ *
+ * docs/FORMAT.md is normative; this header is its executable form. Every backend (reference, CPU,
+ * CUDA, Metal) locates bytes only through these functions. Plain C99, no allocation, usable from
+ * host C/C++ and CUDA device code (FMKV_HD).
+ */
+#ifndef FMKV_FORMAT_H
+#define FMKV_FORMAT_H
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define FMKV_HD __host__ __device__ __forceinline__
+#else
+#define FMKV_HD static inline
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FMKV_FORMAT_VERSION 1
+#define FMKV_GROUP_SIZE 32 /* rotated coordinates per scale group */
+#define FMKV_FP16_BITS 16  /* k_bits value meaning "K kept in fp16, unrotated" */
+#define FMKV_MIN_PAGE_SIZE 16
+#define FMKV_MAX_PAGE_SIZE 256
+
+/* Scale rule (FORMAT.md "Scale"): how a group's fp16 scale is chosen. */
+enum fmkv_scale_rule {
+  FMKV_SCALE_RMS = 0, /* scale = RMS of the group */
+  FMKV_SCALE_LSQ = 1  /* code with the RMS scale, then least-squares rescale (v1 default) */
+};
+
+/* Is head_dim supported by format v1? (power of two, 64..256) */
+FMKV_HD int fmkv_head_dim_supported(int32_t d) { return d == 64 || d == 128 || d == 256; }
+/* Is this a supported code width (for K: 2,3,4 or 16 = fp16; for V: 2,3,4)? */
+FMKV_HD int fmkv_code_bits_supported(int32_t bits) { return bits >= 2 && bits <= 4; }
+
+FMKV_HD int32_t fmkv_groups(int32_t d) { return d / FMKV_GROUP_SIZE; }
+
+/* Bytes of one token of one kv head for one of K or V (codes + scales, or fp16 when bits == 16). */
+FMKV_HD int64_t fmkv_bytes_per_token_head(int32_t d, int32_t bits) {
+  if (bits == FMKV_FP16_BITS) return 2 * (int64_t)d;
+  return (int64_t)fmkv_groups(d) * (4 * (int64_t)bits + 2);
+}
+
+/* ---- page layout -------------------------------------------------------------------------
+ * A page holds page_size (P) consecutive compressed tokens of one layer, all kv heads, K and V:
+ *   page = for head h in [0, H): { K section, V section }
+ *   quantized section (bits b) = codes[G][b][P] uint32  then  scales[G][P] fp16
+ *   fp16 section (k_bits == 16) = values[P][d] fp16 (unrotated)
+ * Every section size is a multiple of 16 bytes because P is a power of two >= 16.
+ */
+FMKV_HD int64_t fmkv_section_bytes(int32_t d, int32_t bits, int32_t page_size) {
+  return fmkv_bytes_per_token_head(d, bits) * page_size;
+}
+FMKV_HD int64_t fmkv_head_stride_bytes(int32_t d, int32_t k_bits, int32_t v_bits, int32_t page_size) {
+  return fmkv_section_bytes(d, k_bits, page_size) + fmkv_section_bytes(d, v_bits, page_size);
+}
+FMKV_HD int64_t fmkv_page_bytes(int32_t d, int32_t kv_heads, int32_t k_bits, int32_t v_bits,
+                                int32_t page_size) {
+  return (int64_t)kv_heads * fmkv_head_stride_bytes(d, k_bits, v_bits, page_size);
+}
+/* Byte offset, inside a page, of the K (is_v = 0) or V (is_v = 1) section of kv head h. */
+FMKV_HD int64_t fmkv_section_offset(int32_t d, int32_t k_bits, int32_t v_bits, int32_t page_size,
+                                    int32_t h, int is_v) {
+  return (int64_t)h * fmkv_head_stride_bytes(d, k_bits, v_bits, page_size) +
+         (is_v ? fmkv_section_bytes(d, k_bits, page_size) : 0);
+}
+/* Inside a quantized section: index (in uint32 words) of code word w of group g for token slot t. */
+FMKV_HD int64_t fmkv_code_word_index(int32_t bits, int32_t page_size, int32_t g, int32_t w,
+                                     int32_t t) {
+  return ((int64_t)g * bits + w) * page_size + t;
+}
+/* Inside a quantized section: byte offset of the scale array (fp16 [G][P]). */
+FMKV_HD int64_t fmkv_scales_offset(int32_t d, int32_t bits, int32_t page_size) {
+  return (int64_t)fmkv_groups(d) * bits * page_size * 4;
+}
+
+/* ---- codes and bit planes -----------------------------------------------------------------
+ * A b-bit code is sign-magnitude: bit (b-1) is the sign (1 = negative), bits [0, b-2] are the
+ * magnitude index m into the codebook's ascending positive levels. The 32 codes of a group are
+ * stored in b uint32 words ("planes"):
+ *   b=2: word 0 = magnitude bit plane,              word 1 = sign plane
+ *   b=3: words 0,1 = 2-bit magnitude field plane,   word 2 = sign plane
+ *   b=4: words 0,1 = magnitude bits 0-1 field plane, word 2 = magnitude bit 2 plane, word 3 = sign
+ * In a 1-bit plane coordinate j is bit j. In the 2-bit field plane coordinate j occupies two bits
+ * of word fmkv_field_word(j) at fmkv_field_shift(j); with i = j & 15, lo = j >> 4:
+ *   word = i >> 3, shift = 8 * (2 * (i & 1) + lo) + 2 * ((i >> 1) & 3).
+ * So (word >> 2s) & 0x03030303 yields coordinates (i0, i0+16, i0+1, i0+17), i0 = 8*word + 2s, in
+ * bytes 0..3, and the sign bits of the pair (i, i+16) sit 16 bits apart: both map to fp16x2
+ * registers with a byte permute and one shift (see docs/FORMAT.md, "Why this bit order").
+ */
+FMKV_HD int32_t fmkv_field_word(int32_t j) { return (j & 15) >> 3; }
+FMKV_HD int32_t fmkv_field_shift(int32_t j) {
+  int32_t i = j & 15, lo = j >> 4;
+  return 8 * (2 * (i & 1) + lo) + 2 * ((i >> 1) & 3);
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FMKV_FORMAT_H */

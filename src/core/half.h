@@ -1,0 +1,58 @@
+// fp16 / bf16 conversions with exact IEEE round-to-nearest-even, host and CUDA device.
+// The format's bytes depend on these roundings, so every backend uses these or a hardware
+// instruction proven bit-identical to them (tests/test_half.cpp).
+#pragma once
+#include <stdint.h>
+#include <string.h>
+#include "fmkv/format.h"
+
+namespace fmkv {
+
+FMKV_HD uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+FMKV_HD float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+// float32 -> fp16 bits, round to nearest even; overflow gives +-inf, NaN gives a quiet NaN.
+FMKV_HD uint16_t f32_to_f16(float f) {
+  uint32_t x = f32_bits(f);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return (uint16_t)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  int e = (int)(ax >> 23) - 127;
+  if (e < -25) return (uint16_t)sign;
+  uint32_t m = (ax & 0x7fffffu) | 0x800000u;  // 24-bit significand
+  if (e < -14) {                              // fp16 subnormal: units of 2^-24
+    int sh = -(e + 1);                        // 14..24
+    uint32_t r = m >> sh, rem = m & ((1u << sh) - 1u), half = 1u << (sh - 1);
+    if (rem > half || (rem == half && (r & 1u))) r++;
+    return (uint16_t)(sign | r);
+  }
+  if (e > 15) return (uint16_t)(sign | 0x7c00u);
+  uint32_t r = ((uint32_t)(e + 15) << 10) | ((ax & 0x7fffffu) >> 13), rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;  // a carry may reach inf: correct
+  return (uint16_t)(sign | r);
+}
+
+FMKV_HD float f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1f) return bits_f32(sign | 0x7f800000u | (m << 13));
+  if (e == 0) {
+    if (m == 0) return bits_f32(sign);
+    float v = (float)m * 5.9604644775390625e-8f;  // m * 2^-24, exact
+    return sign ? -v : v;
+  }
+  return bits_f32(sign | ((e + 112) << 23) | (m << 13));
+}
+
+FMKV_HD float bf16_to_f32(uint16_t b) { return bits_f32((uint32_t)b << 16); }
+
+// float32 -> bf16 bits, round to nearest even (NaN stays NaN).
+FMKV_HD uint16_t f32_to_bf16(float f) {
+  uint32_t x = f32_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return (uint16_t)(x >> 16);
+}
+
+inline bool f16_is_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
+
+}  // namespace fmkv

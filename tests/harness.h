@@ -1,0 +1,227 @@
+// Cross-backend test harness: builds random paged-cache scenarios, runs an op on any backend
+// through the public C API (device memory via fmkv_device_*), and compares with the reference.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/half.h"
+#include "fmkv/fmkv.hpp"
+
+namespace fmkv::test {
+
+inline std::mt19937_64& rng() {
+  static std::mt19937_64 r(std::random_device{}());  // fresh inputs every run
+  return r;
+}
+
+// Buffer mirrored between host and a backend's device memory.
+struct DeviceBuf {
+  fmkv_backend b;
+  size_t n = 0;
+  void* p = nullptr;
+  DeviceBuf(fmkv_backend be, size_t bytes) : b(be), n(bytes) { p = fmkv_device_alloc(b, bytes); }
+  ~DeviceBuf() { fmkv_device_free(b, p); }
+  DeviceBuf(const DeviceBuf&) = delete;
+  template <typename T> void upload(const std::vector<T>& v) { check(fmkv_device_copy(b, p, v.data(), v.size() * sizeof(T), 1)); }
+  template <typename T> std::vector<T> download() const {
+    std::vector<T> v(n / sizeof(T));
+    check(fmkv_device_copy(b, v.data(), p, n, 0));
+    return v;
+  }
+};
+
+// Random values of a given dtype, stored as raw bytes; heavy-tailed channels like real keys.
+inline std::vector<uint8_t> random_tensor(fmkv_dtype dt, int64_t rows, int32_t heads, int32_t d,
+                                          double outlier_scale = 1.0) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> chan(d);
+  for (auto& c : chan) c = 1.0f + (float)outlier_scale * std::fabs(nd(rng()));
+  size_t es = dt == FMKV_F32 ? 4 : 2, n = (size_t)rows * heads * d;
+  std::vector<uint8_t> out(n * es);
+  for (size_t i = 0; i < n; ++i) {
+    float x = nd(rng()) * chan[i % d];
+    if (dt == FMKV_F32) std::memcpy(&out[i * 4], &x, 4);
+    else {
+      uint16_t h = dt == FMKV_F16 ? f32_to_f16(x) : f32_to_bf16(x);
+      std::memcpy(&out[i * 2], &h, 2);
+    }
+  }
+  return out;
+}
+
+inline std::vector<uint8_t> random_bytes(size_t n) {
+  std::vector<uint8_t> v(n);
+  for (auto& x : v) x = (uint8_t)rng()();
+  return v;
+}
+
+// A batch of sequences with a host image of the whole layer state.
+struct Scenario {
+  fmkv_config cfg;
+  int32_t layer = 0;
+  std::vector<int64_t> lens;    // tokens in cache before the op
+  std::vector<int64_t> rows;    // new rows per sequence
+  int64_t table_stride = 0;
+  std::vector<int32_t> table;   // [seqs][table_stride], a random permutation of pages
+  std::vector<int32_t> slots;
+  int64_t num_pages = 0;
+  std::vector<uint8_t> pages;   // host image (poisoned with random bytes)
+  std::vector<uint16_t> fp16_k, fp16_v;
+
+  int32_t seqs() const { return (int32_t)lens.size(); }
+  std::vector<int64_t> offsets() const {
+    std::vector<int64_t> o(1, 0);
+    for (auto r : rows) o.push_back(o.back() + r);
+    return o;
+  }
+};
+
+inline Scenario make_scenario(const fmkv_config& cfg, std::vector<int64_t> lens, std::vector<int64_t> rows) {
+  Scenario s;
+  s.cfg = cfg;
+  s.layer = (int32_t)(rng()() % 40);
+  s.lens = lens;
+  s.rows = rows;
+  int64_t max_pages = 0;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    int64_t comp = std::max<int64_t>(0, lens[i] + rows[i] - cfg.window_tokens - cfg.sink_tokens);
+    max_pages = std::max(max_pages, (comp + cfg.page_size - 1) / cfg.page_size);
+  }
+  s.table_stride = max_pages + 1;
+  s.num_pages = s.table_stride * (int64_t)lens.size() + 3;
+  std::vector<int32_t> perm(s.num_pages);
+  for (int64_t i = 0; i < s.num_pages; ++i) perm[i] = (int32_t)i;
+  std::shuffle(perm.begin(), perm.end(), rng());
+  s.table.assign(perm.begin(), perm.begin() + s.table_stride * lens.size());
+  for (size_t i = 0; i < lens.size(); ++i) s.slots.push_back((int32_t)(lens.size() - 1 - i));
+  s.pages = random_bytes((size_t)(s.num_pages * fmkv_config_page_bytes(&cfg)));
+  size_t fe = (size_t)(fmkv_config_fp16_slot_bytes(&cfg) / 4) * lens.size();
+  s.fp16_k.resize(fe);
+  s.fp16_v.resize(fe);
+  for (auto& x : s.fp16_k) x = f32_to_f16(std::normal_distribution<float>()(rng()));
+  for (auto& x : s.fp16_v) x = f32_to_f16(std::normal_distribution<float>()(rng()));
+  return s;
+}
+
+// Runs append on backend b over a copy of the scenario's state; returns the new host image.
+struct LayerState {
+  std::vector<uint8_t> pages;
+  std::vector<uint16_t> fp16_k, fp16_v;
+};
+
+inline LayerState run_append(fmkv_backend b, const Scenario& s, const fmkv_tensor& k_host,
+                             const fmkv_tensor& v_host, fmkv_status* status = nullptr) {
+  auto off = s.offsets();
+  size_t es = k_host.dtype == FMKV_F32 ? 4 : 2;
+  size_t kv_bytes = (size_t)k_host.rows * k_host.heads * k_host.dim * es;
+  DeviceBuf pages(b, s.pages.size()), fk(b, s.fp16_k.size() * 2 + 2), fv(b, s.fp16_v.size() * 2 + 2),
+      k(b, kv_bytes + 1), v(b, kv_bytes + 1), lens(b, s.lens.size() * 8 + 8), offs(b, off.size() * 8),
+      table(b, s.table.size() * 4 + 4), slots(b, s.slots.size() * 4 + 4);
+  pages.upload(s.pages);
+  fk.upload(s.fp16_k);
+  fv.upload(s.fp16_v);
+  check(fmkv_device_copy(b, k.p, k_host.data, kv_bytes, 1));
+  check(fmkv_device_copy(b, v.p, v_host.data, kv_bytes, 1));
+  lens.upload(s.lens);
+  offs.upload(off);
+  table.upload(s.table);
+  slots.upload(s.slots);
+  int32_t nslots = std::max<int32_t>(1, s.seqs());
+  fmkv_layer_cache lc{(uint8_t*)pages.p, s.num_pages, (uint16_t*)fk.p, (uint16_t*)fv.p, nslots, s.layer};
+  fmkv_batch bt{s.seqs(), (int32_t*)slots.p, (int64_t*)lens.p, (int64_t*)offs.p, (int32_t*)table.p, s.table_stride};
+  fmkv_tensor kt = k_host, vt = v_host;
+  kt.data = k.p;
+  vt.data = v.p;
+  fmkv_status st = fmkv_append(b, &s.cfg, &lc, &bt, &kt, &vt, nullptr);
+  if (status) *status = st;
+  else check(st);
+  check(fmkv_device_synchronize(b));
+  LayerState out;
+  out.pages = pages.download<uint8_t>();
+  out.fp16_k = fk.download<uint16_t>();
+  out.fp16_v = fv.download<uint16_t>();
+  out.fp16_k.resize(s.fp16_k.size());
+  out.fp16_v.resize(s.fp16_v.size());
+  return out;
+}
+
+// Runs attention on backend b over the given layer state; output is fp32 [rows][q_heads][d],
+// poisoned with NaN before the call.
+inline std::vector<float> run_attention(fmkv_backend b, const Scenario& s, const LayerState& st,
+                                        const fmkv_tensor& q_host, fmkv_dtype out_dtype,
+                                        fmkv_attention_opts opts = {0.0f, 0.0f}) {
+  // For attention, lens = tokens in cache including the query rows.
+  std::vector<int64_t> lens(s.lens.size());
+  for (size_t i = 0; i < lens.size(); ++i) lens[i] = s.lens[i] + s.rows[i];
+  auto off = s.offsets();
+  size_t qe = q_host.dtype == FMKV_F32 ? 4 : 2, oe = out_dtype == FMKV_F32 ? 4 : 2;
+  size_t n = (size_t)q_host.rows * q_host.heads * q_host.dim;
+  DeviceBuf pages(b, st.pages.size()), fk(b, st.fp16_k.size() * 2 + 2), fv(b, st.fp16_v.size() * 2 + 2),
+      q(b, n * qe + 1), o(b, n * oe + 1), lb(b, lens.size() * 8 + 8), offs(b, off.size() * 8),
+      table(b, s.table.size() * 4 + 4), slots(b, s.slots.size() * 4 + 4);
+  pages.upload(st.pages);
+  fk.upload(st.fp16_k);
+  fv.upload(st.fp16_v);
+  check(fmkv_device_copy(b, q.p, q_host.data, n * qe, 1));
+  std::vector<uint8_t> poison(n * oe + 1, 0xFF);  // NaN in every float format
+  check(fmkv_device_copy(b, o.p, poison.data(), poison.size(), 1));
+  lb.upload(lens);
+  offs.upload(off);
+  table.upload(s.table);
+  slots.upload(s.slots);
+  int64_t max_len = 0;
+  for (auto l : lens) max_len = std::max(max_len, l);
+  int64_t ws = fmkv_attention_workspace_bytes(b, &s.cfg, q_host.heads, q_host.rows, s.seqs(), max_len);
+  DeviceBuf work(b, (size_t)ws + 16);
+  fmkv_layer_cache lc{(uint8_t*)pages.p, s.num_pages, (uint16_t*)fk.p, (uint16_t*)fv.p, std::max<int32_t>(1, s.seqs()), s.layer};
+  fmkv_batch bt{s.seqs(), (int32_t*)slots.p, (int64_t*)lb.p, (int64_t*)offs.p, (int32_t*)table.p, s.table_stride};
+  fmkv_tensor qt = q_host, ot = make_tensor(o.p, out_dtype, q_host.rows, q_host.heads, q_host.dim);
+  qt.data = q.p;
+  check(fmkv_attention(b, &s.cfg, &lc, &bt, &qt, &opts, &ot, work.p, (size_t)ws, nullptr));
+  check(fmkv_device_synchronize(b));
+  std::vector<uint8_t> raw = o.download<uint8_t>();
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (out_dtype == FMKV_F32) std::memcpy(&out[i], &raw[i * 4], 4);
+    else {
+      uint16_t h;
+      std::memcpy(&h, &raw[i * 2], 2);
+      out[i] = out_dtype == FMKV_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+    }
+  }
+  return out;
+}
+
+// ||a - b|| / ||b||; NaN anywhere gives +inf.
+inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
+    num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+    den += (double)b[i] * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+inline fmkv_config config(int32_t d, int32_t kb, int32_t vb, int32_t kv_heads = 2, int32_t page = 16,
+                          int32_t sink = 0, int32_t window = 0, int32_t rule = FMKV_SCALE_LSQ) {
+  fmkv_config c;
+  fmkv_config_default(&c);
+  c.head_dim = d;
+  c.num_kv_heads = kv_heads;
+  c.k_bits = kb;
+  c.v_bits = vb;
+  c.page_size = page;
+  c.sink_tokens = sink;
+  c.window_tokens = window;
+  c.scale_rule = rule;
+  c.seed = rng()();
+  return c;
+}
+
+}  // namespace fmkv::test

@@ -1,0 +1,101 @@
+// One harness for every backend: each compiled, usable backend is compared with the reference.
+// Quantize/append: bit-exact bytes (pages and fp16 regions, untouched bytes included).
+// Attention: within a stated relative error of the float64 reference, output poisoned first.
+#include "harness.h"
+
+namespace fmkv::test {
+namespace {
+
+// Stated error bounds (||out - ref|| / ||ref||) per backend and output dtype.
+double attention_tolerance(fmkv_backend b, fmkv_dtype out) {
+  double base = b == FMKV_BACKEND_CPU ? 1e-5 : b == FMKV_BACKEND_CUDA ? 4e-3 : 1e-6;
+  return out == FMKV_F32 ? base : std::max(base, out == FMKV_F16 ? 2e-3 : 1.2e-2);
+}
+
+class Backends : public ::testing::TestWithParam<fmkv_backend> {
+ protected:
+  void SetUp() override {
+    if (!fmkv_backend_available(GetParam()))
+      GTEST_SKIP() << "backend " << fmkv_backend_name(GetParam()) << " not available in this build/machine";
+  }
+};
+
+struct Shape {
+  int d, kb, vb, kv_heads, group, page, sink, window, rule;
+  std::vector<int64_t> lens, rows;
+  fmkv_dtype in;
+};
+
+std::vector<Shape> shapes() {
+  std::vector<Shape> v;
+  for (int d : {64, 128, 256})
+    for (int kb : {2, 3, 4, 16})
+      for (int vb : {2, 3, 4}) {
+        int page = kb == 3 ? 16 : kb == 4 ? 64 : 32;
+        v.push_back({d, kb, vb, 2, 4, page, 0, 0, (kb + vb) % 2, {37, 0, 120}, {1, 2, 1}, FMKV_F16});
+      }
+  v.push_back({128, 3, 3, 8, 4, 16, 4, 16, FMKV_SCALE_LSQ, {300, 9, 64}, {1, 16, 3}, FMKV_BF16});
+  v.push_back({64, 4, 2, 3, 3, 128, 0, 32, FMKV_SCALE_RMS, {500}, {7}, FMKV_F32});
+  v.push_back({128, 2, 2, 1, 8, 256, 2, 0, FMKV_SCALE_LSQ, {700, 1}, {1, 12}, FMKV_F16});
+  return v;
+}
+
+TEST_P(Backends, AppendBitExact) {
+  const fmkv_backend b = GetParam();
+  for (const Shape& sh : shapes()) {
+    fmkv_config c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
+    Scenario s = make_scenario(c, sh.lens, sh.rows);
+    // Existing content: fill the cache up to lens first with the reference.
+    Scenario fill = s;
+    fill.lens.assign(s.lens.size(), 0);
+    fill.rows = s.lens;
+    int64_t n0 = 0, n1 = 0;
+    for (auto x : s.lens) n0 += x;
+    for (auto x : s.rows) n1 += x;
+    auto k0 = random_tensor(sh.in, n0, c.num_kv_heads, c.head_dim, 3.0), v0 = random_tensor(sh.in, n0, c.num_kv_heads, c.head_dim);
+    LayerState st = run_append(FMKV_BACKEND_REF, fill, make_tensor(k0.data(), sh.in, n0, c.num_kv_heads, c.head_dim),
+                               make_tensor(v0.data(), sh.in, n0, c.num_kv_heads, c.head_dim));
+    s.pages = st.pages;
+    s.fp16_k = st.fp16_k;
+    s.fp16_v = st.fp16_v;
+    auto k1 = random_tensor(sh.in, n1, c.num_kv_heads, c.head_dim, 3.0), v1 = random_tensor(sh.in, n1, c.num_kv_heads, c.head_dim);
+    fmkv_tensor kt = make_tensor(k1.data(), sh.in, n1, c.num_kv_heads, c.head_dim);
+    fmkv_tensor vt = make_tensor(v1.data(), sh.in, n1, c.num_kv_heads, c.head_dim);
+    LayerState want = run_append(FMKV_BACKEND_REF, s, kt, vt), got = run_append(b, s, kt, vt);
+    EXPECT_TRUE(got.pages == want.pages) << "pages differ: d=" << sh.d << " k" << sh.kb << "v" << sh.vb;
+    EXPECT_TRUE(got.fp16_k == want.fp16_k && got.fp16_v == want.fp16_v) << "fp16 regions differ";
+  }
+}
+
+TEST_P(Backends, AttentionMatchesReference) {
+  const fmkv_backend b = GetParam();
+  for (const Shape& sh : shapes())
+    for (fmkv_dtype out : {FMKV_F32, FMKV_F16, FMKV_BF16}) {
+      if (out != FMKV_F32 && sh.kb != 3) continue;
+      fmkv_config c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
+      Scenario s = make_scenario(c, sh.lens, sh.rows);
+      Scenario fill = s;
+      fill.lens.assign(s.lens.size(), 0);
+      int64_t n = 0, nq = 0;
+      for (size_t i = 0; i < s.lens.size(); ++i) { fill.rows[i] = s.lens[i] + s.rows[i]; n += fill.rows[i]; nq += s.rows[i]; }
+      auto kb = random_tensor(sh.in, n, c.num_kv_heads, c.head_dim, 3.0), vb = random_tensor(sh.in, n, c.num_kv_heads, c.head_dim);
+      LayerState st = run_append(FMKV_BACKEND_REF, fill, make_tensor(kb.data(), sh.in, n, c.num_kv_heads, c.head_dim),
+                                 make_tensor(vb.data(), sh.in, n, c.num_kv_heads, c.head_dim));
+      int32_t HQ = sh.kv_heads * sh.group;
+      auto qb = random_tensor(sh.in, nq, HQ, c.head_dim, 1.0);
+      fmkv_tensor q = make_tensor(qb.data(), sh.in, nq, HQ, c.head_dim);
+      fmkv_attention_opts o{0.0f, sh.d == 256 ? 20.0f : 0.0f};
+      auto want = run_attention(FMKV_BACKEND_REF, s, st, q, FMKV_F32, o);
+      auto got = run_attention(b, s, st, q, out, o);
+      double err = rel_error(got, want);
+      EXPECT_LT(err, attention_tolerance(b, out)) << fmkv_backend_name(b) << " d=" << sh.d << " k" << sh.kb << "v" << sh.vb
+                                                  << " out dtype " << out;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, Backends,
+                         ::testing::Values(FMKV_BACKEND_CPU, FMKV_BACKEND_CUDA, FMKV_BACKEND_METAL),
+                         [](const ::testing::TestParamInfo<fmkv_backend>& i) { return std::string(fmkv_backend_name(i.param)); });
+
+}  // namespace
+}  // namespace fmkv::test

@@ -1,0 +1,96 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "core/lloyd_max.h"
+#include "core/quant_math.h"
+
+namespace {
+
+// Max (1960), "Quantizing for minimum distortion", Table I/II: mean squared error and the
+// positive output levels of the optimum N(0,1) quantizers.
+TEST(Codebook, DistortionMatchesMax1960) {
+  const double max_d[4] = {0.3634, 0.1175, 0.03455, 0.009497};
+  for (int b = 1; b <= 3; ++b) {
+    fmkv::LloydMax q = fmkv::lloyd_max_gaussian(b);
+    EXPECT_NEAR(q.distortion, max_d[b - 1], 0.5e-4 * max_d[b - 1] * 10) << b << " bits";
+    char ours[32], theirs[32];
+    std::snprintf(ours, sizeof ours, "%.4g", q.distortion);
+    std::snprintf(theirs, sizeof theirs, "%.4g", max_d[b - 1]);
+    EXPECT_STREQ(ours, theirs) << b << "-bit distortion to 4 significant digits";
+  }
+  // 4 bits: Max printed 0.009497; the converged quantizer (also checked with 30-digit mpmath, see
+  // docs/FORMAT.md) has 0.009501008 while its levels agree with Max's to all printed digits.
+  fmkv::LloydMax q4 = fmkv::lloyd_max_gaussian(4);
+  EXPECT_NEAR(q4.distortion, 0.0095010080, 1e-9);
+  EXPECT_NEAR(q4.distortion, max_d[3], 5e-6);
+}
+
+TEST(Codebook, LevelsMatchMax1960) {
+  const double l3[4] = {0.2451, 0.7560, 1.344, 2.152};
+  const double l4[8] = {0.1284, 0.3881, 0.6568, 0.9424, 1.256, 1.618, 2.069, 2.733};
+  fmkv::LloydMax q3 = fmkv::lloyd_max_gaussian(3), q4 = fmkv::lloyd_max_gaussian(4);
+  for (int m = 0; m < 4; ++m) EXPECT_NEAR(q3.levels[4 + m], l3[m], 6e-4 * l3[m]);
+  for (int m = 0; m < 8; ++m) EXPECT_NEAR(q4.levels[8 + m], l4[m], 6e-4 * l4[m]);
+  EXPECT_NEAR(fmkv::lloyd_max_gaussian(2).levels[3], 1.510, 1e-3);
+  EXPECT_NEAR(fmkv::lloyd_max_gaussian(1).levels[1], std::sqrt(2.0 / M_PI), 1e-12);
+}
+
+TEST(Codebook, Fp16LevelsAreNearestToExact) {
+  for (int b = 1; b <= 4; ++b) {
+    fmkv::LloydMax q = fmkv::lloyd_max_gaussian(b);
+    for (int m = 0; m < (1 << (b - 1)); ++m) {
+      double exact = q.levels[(1 << (b - 1)) + m];
+      float f = fmkv::codebook_mag(b, m);
+      EXPECT_LE(std::fabs(f - exact), std::ldexp(std::fabs(exact), -11)) << b << " " << m;
+      EXPECT_EQ(fmkv::f32_to_f16(f), fmkv::f64_to_f16_bits(exact));
+    }
+    // The format quantizer (fp16 levels, midpoint thresholds) loses almost nothing.
+    std::vector<double> lv, th;
+    int n = 1 << b;
+    for (int i = 0; i < n; ++i) {
+      int m = i < n / 2 ? n / 2 - 1 - i : i - n / 2;
+      lv.push_back((i < n / 2 ? -1 : 1) * (double)fmkv::codebook_mag(b, m));
+    }
+    for (int i = 0; i + 1 < n; ++i) th.push_back(0.5 * (lv[i] + lv[i + 1]));
+    EXPECT_LT(fmkv::gaussian_distortion(lv, th), q.distortion * (1 + 1e-4));
+  }
+}
+
+TEST(Codebook, ThresholdsAreExactMidpoints) {
+  for (int b = 2; b <= 4; ++b)
+    for (int m = 0; m + 1 < (1 << (b - 1)); ++m) {
+      double mid = 0.5 * ((double)fmkv::codebook_mag(b, m) + (double)fmkv::codebook_mag(b, m + 1));
+      EXPECT_EQ((double)fmkv::codebook_threshold(b, m), mid);
+    }
+}
+
+TEST(Codebook, CommittedTableEqualsGenerator) {
+  std::string tmp = ::testing::TempDir() + "/codebooks.inc";
+  ASSERT_EQ(std::system((std::string(FMKV_GEN_CODEBOOKS) + " " + tmp).c_str()), 0);
+  std::ifstream a(tmp), b(std::string(FMKV_SOURCE_DIR) + "/src/core/codebooks.inc");
+  std::stringstream sa, sb;
+  sa << a.rdbuf();
+  sb << b.rdbuf();
+  ASSERT_FALSE(sa.str().empty());
+  EXPECT_EQ(sa.str(), sb.str()) << "src/core/codebooks.inc is stale: run tools/gen_codebooks";
+}
+
+TEST(Codebook, EncodeTiesAndSigns) {
+  for (int b = 2; b <= 4; ++b) {
+    EXPECT_EQ(fmkv::encode_value(0.0f, b), 0u);
+    EXPECT_EQ(fmkv::encode_value(-0.0f, b), 0u);
+    for (int m = 0; m + 1 < (1 << (b - 1)); ++m) {
+      float t = fmkv::codebook_threshold(b, m);
+      EXPECT_EQ(fmkv::encode_value(t, b), (uint32_t)m) << "tie goes to the smaller magnitude";
+      EXPECT_EQ(fmkv::encode_value(std::nextafter(t, 10.0f), b), (uint32_t)m + 1);
+      EXPECT_EQ(fmkv::encode_value(-t, b), (1u << (b - 1)) | (uint32_t)m);
+    }
+    EXPECT_EQ(fmkv::decode_level(fmkv::encode_value(-100.0f, b), b), -fmkv::codebook_mag(b, (1 << (b - 1)) - 1));
+  }
+}
+
+}  // namespace

@@ -1,0 +1,130 @@
+// Golden vectors of format v1 (tests/golden/v1.txt): inputs -> page bytes -> dequantized values ->
+// attention output. Every backend must reproduce the bytes bit-exactly and the output to 1e-5.
+// Inputs come from splitmix64 (not <random>) so the file is platform independent.
+// Regenerate (only with a format version change): FMKV_WRITE_GOLDEN=1 fmkv_tests --gtest_filter=Golden.*
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "core/rotation.h"
+#include "harness.h"
+
+namespace fmkv::test {
+namespace {
+
+struct GoldenCase {
+  int d, kb, vb, page, sink, window, rule;
+  int64_t tokens;
+};
+const GoldenCase kCases[] = {
+    {64, 2, 3, 16, 0, 0, FMKV_SCALE_LSQ, 21},
+    {128, 3, 3, 16, 2, 4, FMKV_SCALE_RMS, 23},
+    {128, 4, 2, 32, 0, 0, FMKV_SCALE_LSQ, 19},
+    {256, 16, 4, 16, 1, 0, FMKV_SCALE_LSQ, 18},
+};
+
+// Deterministic approximately-Gaussian fp16 inputs (sum of 4 uniforms, scaled).
+std::vector<uint16_t> golden_values(uint64_t seed, size_t n) {
+  std::vector<uint16_t> v(n);
+  uint64_t st = seed;
+  for (auto& x : v) {
+    double s = 0;
+    for (int k = 0; k < 4; ++k) s += (double)(splitmix64_next(&st) >> 11) * 0x1.0p-53 - 0.5;
+    x = f32_to_f16((float)(s * 1.7320508 * 2.0));
+  }
+  return v;
+}
+
+std::string hex(const void* p, size_t n) {
+  std::string s;
+  char b[3];
+  for (size_t i = 0; i < n; ++i) {
+    std::snprintf(b, 3, "%02x", ((const uint8_t*)p)[i]);
+    s += b;
+  }
+  return s;
+}
+
+struct Produced {
+  std::string pages, fp16;
+  std::vector<float> out;
+};
+
+Produced produce(fmkv_backend b, const GoldenCase& g, int idx) {
+  fmkv_config c;
+  fmkv_config_default(&c);
+  c.head_dim = g.d; c.num_kv_heads = 1; c.k_bits = g.kb; c.v_bits = g.vb; c.page_size = g.page;
+  c.sink_tokens = g.sink; c.window_tokens = g.window; c.scale_rule = g.rule; c.seed = 0x0123456789ABCDEFull + idx;
+  Scenario s;
+  s.cfg = c;
+  s.layer = idx;
+  s.lens = {0};
+  s.rows = {g.tokens};
+  s.table_stride = 4;
+  s.table = {2, 0, 3, 1};
+  s.slots = {0};
+  s.num_pages = 4;
+  s.pages.assign((size_t)(4 * fmkv_config_page_bytes(&c)), 0xA5);
+  s.fp16_k.assign((size_t)fmkv_config_fp16_slot_bytes(&c) / 4, 0x7E00);
+  s.fp16_v = s.fp16_k;
+  auto k = golden_values(100 + idx, (size_t)g.tokens * g.d), v = golden_values(200 + idx, (size_t)g.tokens * g.d);
+  auto q = golden_values(300 + idx, (size_t)2 * g.d);
+  LayerState st = run_append(b, s, make_tensor(k.data(), FMKV_F16, g.tokens, 1, g.d), make_tensor(v.data(), FMKV_F16, g.tokens, 1, g.d));
+  Scenario qs = s;
+  qs.lens = {g.tokens - 1};
+  qs.rows = {1};
+  Produced p;
+  p.pages = hex(st.pages.data(), st.pages.size());
+  p.fp16 = hex(st.fp16_k.data(), st.fp16_k.size() * 2) + hex(st.fp16_v.data(), st.fp16_v.size() * 2);
+  p.out = run_attention(b, qs, st, make_tensor(q.data(), FMKV_F16, 1, 2, g.d), FMKV_F32);
+  return p;
+}
+
+std::string golden_path() { return std::string(FMKV_SOURCE_DIR) + "/tests/golden/v1.txt"; }
+
+std::vector<std::string> read_golden() {
+  std::ifstream f(golden_path());
+  std::vector<std::string> lines;
+  for (std::string l; std::getline(f, l);)
+    if (!l.empty() && l[0] != '#') lines.push_back(l);
+  return lines;
+}
+
+TEST(Golden, ReproducedByEveryBackend) {
+  if (std::getenv("FMKV_WRITE_GOLDEN")) {
+    std::ofstream f(golden_path());
+    f << "# fmkv format v1 golden vectors: per case the config, page bytes (hex), fp16 sink/window\n"
+         "# bytes (hex), attention output (float32 bits, hex). Inputs: tests/test_golden.cpp.\n";
+    for (int i = 0; i < (int)(sizeof kCases / sizeof kCases[0]); ++i) {
+      const GoldenCase& g = kCases[i];
+      Produced p = produce(FMKV_BACKEND_REF, g, i);
+      f << "case d=" << g.d << " k" << g.kb << "v" << g.vb << " page=" << g.page << " sink=" << g.sink
+        << " window=" << g.window << " rule=" << g.rule << " tokens=" << g.tokens << "\n";
+      f << p.pages << "\n" << (p.fp16.empty() ? "-" : p.fp16) << "\n" << hex(p.out.data(), p.out.size() * 4) << "\n";
+    }
+    GTEST_SKIP() << "wrote " << golden_path();
+  }
+  std::vector<std::string> lines = read_golden();
+  const int n = (int)(sizeof kCases / sizeof kCases[0]);
+  ASSERT_EQ((int)lines.size(), 4 * n) << "golden file missing or malformed: " << golden_path();
+  for (fmkv_backend b : {FMKV_BACKEND_REF, FMKV_BACKEND_CPU, FMKV_BACKEND_CUDA, FMKV_BACKEND_METAL}) {
+    if (!fmkv_backend_available(b)) continue;
+    for (int i = 0; i < n; ++i) {
+      Produced p = produce(b, kCases[i], i);
+      EXPECT_EQ(p.pages, lines[4 * i + 1]) << fmkv_backend_name(b) << ": " << lines[4 * i];
+      EXPECT_EQ(p.fp16.empty() ? "-" : p.fp16, lines[4 * i + 2]) << fmkv_backend_name(b) << ": " << lines[4 * i];
+      std::vector<float> want(p.out.size());
+      const std::string& h = lines[4 * i + 3];
+      ASSERT_EQ(h.size(), want.size() * 8);
+      for (size_t j = 0; j < want.size(); ++j) {
+        uint8_t bytes[4];
+        for (int k = 0; k < 4; ++k) bytes[k] = (uint8_t)std::stoul(h.substr(j * 8 + k * 2, 2), nullptr, 16);
+        std::memcpy(&want[j], bytes, 4);
+      }
+      EXPECT_LT(rel_error(p.out, want), b == FMKV_BACKEND_CUDA ? 4e-3 : 1e-5) << fmkv_backend_name(b) << ": " << lines[4 * i];
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fmkv::test

@@ -1,0 +1,83 @@
+#include <gtest/gtest.h>
+
+#include <random>
+#include <set>
+
+#include "core/quant_math.h"
+#include "ref/quantize.h"
+
+namespace {
+
+TEST(Pack, FieldPositionsAreABijection) {
+  std::set<int> seen;
+  for (int j = 0; j < 32; ++j) {
+    int pos = fmkv_field_word(j) * 32 + fmkv_field_shift(j);
+    EXPECT_EQ(pos % 2, 0);
+    seen.insert(pos);
+  }
+  EXPECT_EQ(seen.size(), 32u);
+  // (word >> 2s) & 0x03030303 yields coordinates i0, i0+16, i0+1, i0+17 in bytes 0..3.
+  for (int w = 0; w < 2; ++w)
+    for (int s = 0; s < 4; ++s) {
+      int i0 = 8 * w + 2 * s, want[4] = {i0, i0 + 16, i0 + 1, i0 + 17};
+      for (int byte = 0; byte < 4; ++byte) {
+        EXPECT_EQ(fmkv_field_word(want[byte]), w);
+        EXPECT_EQ(fmkv_field_shift(want[byte]), 8 * byte + 2 * s);
+      }
+    }
+}
+
+TEST(Pack, RoundTripEveryBitWidthAndHeadDim) {
+  std::mt19937 r(std::random_device{}());
+  for (int bits = 2; bits <= 4; ++bits)
+    for (int d : {64, 128, 256}) {
+      const int64_t stride = 16;
+      std::vector<uint8_t> codes(d), back(d);
+      std::vector<uint32_t> words((size_t)(d / 32) * bits * stride, 0xDEADBEEFu);
+      for (auto& c : codes) c = (uint8_t)(r() % (1u << bits));
+      for (int g = 0; g < d / 32; ++g) fmkv::ref::pack_group(&codes[g * 32], bits, &words[(size_t)g * bits * stride], stride);
+      for (int g = 0; g < d / 32; ++g) fmkv::ref::unpack_group(&words[(size_t)g * bits * stride], stride, bits, &back[g * 32]);
+      EXPECT_EQ(codes, back) << bits << " bits, d=" << d;
+      // 100% storage efficiency: every bit of every written word carries information.
+      uint32_t all_or = 0;
+      for (int g = 0; g < d / 32; ++g)
+        for (int w = 0; w < bits; ++w) all_or |= ~words[(size_t)(g * bits + w) * stride] | words[(size_t)(g * bits + w) * stride];
+      EXPECT_EQ(all_or, 0xFFFFFFFFu);
+    }
+}
+
+TEST(Pack, EveryBitIsUsed) {
+  for (int bits = 2; bits <= 4; ++bits) {
+    std::vector<uint32_t> acc(bits, 0);
+    for (int j = 0; j < 32; ++j) {
+      uint8_t codes[32] = {0};
+      for (uint32_t bit = 0; bit < (uint32_t)bits; ++bit) {
+        codes[j] = (uint8_t)(1u << bit);
+        uint32_t w[4] = {0, 0, 0, 0};
+        fmkv::ref::pack_group(codes, bits, w, 1);
+        int set = 0;
+        for (int k = 0; k < bits; ++k) { set += __builtin_popcount(w[k]); acc[k] |= w[k]; }
+        EXPECT_EQ(set, 1);
+      }
+    }
+    for (int k = 0; k < bits; ++k) EXPECT_EQ(acc[k], 0xFFFFFFFFu) << bits << " bits word " << k;
+  }
+}
+
+TEST(Format, BytesPerTokenPerHead) {
+  EXPECT_EQ(fmkv_bytes_per_token_head(128, 3), 56);
+  EXPECT_EQ(fmkv_bytes_per_token_head(128, 4), 72);
+  EXPECT_EQ(fmkv_bytes_per_token_head(128, 2), 40);
+  EXPECT_EQ(fmkv_bytes_per_token_head(128, 16), 256);
+  EXPECT_EQ(fmkv_bytes_per_token_head(64, 3), 28);
+  for (int P = 16; P <= 256; P *= 2)
+    for (int d : {64, 128, 256})
+      for (int b : {2, 3, 4, 16}) {
+        EXPECT_EQ(fmkv_section_bytes(d, b, P) % 16, 0);
+        if (b != 16) {
+          EXPECT_EQ(fmkv_scales_offset(d, b, P) % 16, 0);
+        }
+      }
+}
+
+}  // namespace
