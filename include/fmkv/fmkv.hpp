@@ -96,6 +96,13 @@ class HostCache {
     check(fmkv_attention(b, &cfg_, &lc, &bt, &q, &opts, &out, nullptr, 0, nullptr));
   }
 
+  // Give sequence s pages for len tokens and set its length in every layer (restoring a snapshot).
+  void restore_length(int32_t s, int64_t len) {
+    check_seq(s);
+    reserve(s, len);
+    for (int32_t l = 0; l < num_layers_; ++l) lens_[(size_t)l * max_seqs_ + s] = len;
+  }
+
   fmkv_layer_cache layer_view(int32_t layer) {
     check_layer(layer);
     return fmkv_layer_cache{pages_[layer].data(), num_pages_, fp16_k_[layer].data(), fp16_v_[layer].data(),

@@ -44,6 +44,10 @@ void require_backend(fmkv_backend b) {
 }
 }  // namespace
 
+namespace fmkv {
+void set_last_error(const std::string& msg) { g_last_error = msg; }  // used by src/io (snapshots)
+}  // namespace fmkv
+
 extern "C" {
 
 const char* fmkv_version(void) { return FMKV_VERSION; }

@@ -42,8 +42,10 @@ void validate_tensor(const char* name, const fmkv_tensor& t, int64_t rows, int32
 
 void validate_batch_arrays(const fmkv_batch& b) {
   if (b.num_seqs < 0) fail(kInvalidArgument, "batch: num_seqs is negative");
-  if (b.num_seqs > 0 && (!b.seq_lens || !b.row_offsets || !b.block_table))
-    fail(kInvalidArgument, "batch: seq_lens, row_offsets and block_table must not be NULL");
+  if (b.num_seqs > 0 && (!b.seq_lens || !b.row_offsets))
+    fail(kInvalidArgument, "batch: seq_lens and row_offsets must not be NULL");
+  if (b.block_table_stride > 0 && !b.block_table)
+    fail(kInvalidArgument, "batch: block_table is NULL but block_table_stride is " + S(b.block_table_stride));
   if (b.block_table_stride < 0) fail(kInvalidArgument, "batch: negative block_table_stride");
 }
 
