@@ -1,0 +1,269 @@
+"""fmkv: compressed LLM KV cache (Hadamard rotation + Lloyd-Max 2/3/4-bit codes in pages) with
+attention computed directly on the compressed cache.
+
+Tensors may be numpy arrays or any DLPack-capable CPU tensor (torch tensors included) of dtype
+float32, float16 or bfloat16. Every error raised by the library, or detected here (shape, dtype,
+device), is an :class:`FmkvError` (a ``ValueError``) with ``.code`` / ``.status`` set.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from . import _fmkv
+from ._fmkv import FmkvError
+
+__all__ = [
+    "__version__",
+    "FmkvError",
+    "Config",
+    "Cache",
+    "format_version",
+    "backends",
+    "default_backend",
+    "codebook",
+    "bytes_per_token_head",
+    "quantize_vector",
+    "dequantize_vector",
+]
+
+__version__: str = _fmkv.version()
+
+_SCALE_RULES = {"lsq": _fmkv.SCALE_LSQ, "rms": _fmkv.SCALE_RMS}
+_OUT_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def format_version() -> int:
+    """Version of the compressed byte format (docs/FORMAT.md)."""
+    return _fmkv.format_version()
+
+
+def backends() -> Dict[str, Dict[str, Any]]:
+    """``{name: {"available": bool, "device": str}}`` for ref, cpu, cuda, metal."""
+    return _fmkv.backends()
+
+
+def default_backend() -> str:
+    """'cpu' when the SIMD backend is compiled in, else the scalar reference 'ref'."""
+    return "cpu" if backends()["cpu"]["available"] else "ref"
+
+
+def bytes_per_token_head(head_dim: int, bits: int) -> int:
+    """Bytes of one token of one kv head for K or V at ``bits`` (2, 3, 4; 16 = fp16 K)."""
+    return _fmkv.bytes_per_token_head(int(head_dim), int(bits))
+
+
+def _as_array(x: Any, dtype: Any = None) -> Any:
+    """numpy arrays and DLPack objects pass through; anything else (lists, scalars, objects with
+    __array__) becomes a numpy array of ``dtype`` (float32 for token data)."""
+    if isinstance(x, np.ndarray) or hasattr(x, "__dlpack__"):
+        return x
+    try:
+        return np.asarray(x, dtype=dtype)
+    except (TypeError, ValueError) as e:
+        raise FmkvError(f"cannot convert {type(x).__name__} to an array: {e}") from None
+
+
+def _dtype_name(dt: Any) -> str:
+    if isinstance(dt, str):
+        name = dt.replace("torch.", "")
+    else:
+        name = str(dt).replace("torch.", "")
+        try:
+            name = np.dtype(dt).name
+        except TypeError:
+            pass
+    aliases = {"float": "float32", "half": "float16", "f4": "float32", "f2": "float16", "bf16": "bfloat16"}
+    name = aliases.get(name, name)
+    if name not in _OUT_DTYPES:
+        raise FmkvError(f"out_dtype {dt!r} is not supported (expected float32, float16 or bfloat16)")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Cache-wide format parameters (fixed for a cache's life); validated on construction.
+
+    head_dim: 64, 128 or 256. k_bits: 2, 3, 4 or 16 (K kept in fp16). v_bits: 2, 3, 4.
+    page_size: tokens per page, a power of two in [16, 256]. sink_tokens / window_tokens: first /
+    last tokens kept in fp16. scale_rule: 'lsq' (default) or 'rms'. seed: rotation seed.
+    """
+
+    head_dim: int = 128
+    num_kv_heads: int = 8
+    k_bits: int = 3
+    v_bits: int = 3
+    page_size: int = 64
+    sink_tokens: int = 0
+    window_tokens: int = 0
+    scale_rule: str = "lsq"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scale_rule not in _SCALE_RULES:
+            raise FmkvError(f"scale_rule {self.scale_rule!r} is not supported (expected 'lsq' or 'rms')")
+        for f in ("head_dim", "num_kv_heads", "k_bits", "v_bits", "page_size", "sink_tokens", "window_tokens"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not -(2**31) <= int(v) < 2**31:
+                raise FmkvError(f"{f} must be a 32-bit integer, got {v!r}")
+            object.__setattr__(self, f, int(v))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not 0 <= int(self.seed) < 2**64:
+            raise FmkvError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))
+        _fmkv.config_validate(self._raw())
+
+    def _raw(self) -> "_fmkv.RawConfig":
+        c = _fmkv.RawConfig()
+        c.head_dim = self.head_dim
+        c.num_kv_heads = self.num_kv_heads
+        c.k_bits = self.k_bits
+        c.v_bits = self.v_bits
+        c.page_size = self.page_size
+        c.sink_tokens = self.sink_tokens
+        c.window_tokens = self.window_tokens
+        c.scale_rule = _SCALE_RULES[self.scale_rule]
+        c.seed = self.seed
+        return c
+
+    @property
+    def k_bytes_per_token_per_head(self) -> int:
+        """Compressed bytes of one token of one kv head for K (codes + scales, or fp16)."""
+        return bytes_per_token_head(self.head_dim, self.k_bits)
+
+    @property
+    def v_bytes_per_token_per_head(self) -> int:
+        """Compressed bytes of one token of one kv head for V."""
+        return bytes_per_token_head(self.head_dim, self.v_bits)
+
+    @property
+    def bytes_per_token_per_head(self) -> int:
+        """Compressed bytes of one token of one kv head, K and V together."""
+        return self.k_bytes_per_token_per_head + self.v_bytes_per_token_per_head
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: page_size tokens of one layer, all kv heads, K and V."""
+        return _fmkv.config_page_bytes(self._raw())
+
+    @property
+    def fp16_slot_bytes(self) -> int:
+        """Bytes of the fp16 sink + window region of one sequence in one layer (K and V)."""
+        return _fmkv.config_fp16_slot_bytes(self._raw())
+
+
+def codebook(bits: int) -> np.ndarray:
+    """The 2^(bits-1) positive Lloyd-Max levels (ascending, fp16 values as float32) for bits 1..4."""
+    return _fmkv.codebook(int(bits))
+
+
+def quantize_vector(x: Any, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq") -> Tuple[np.ndarray, np.ndarray]:
+    """Quantize one head vector (length head_dim; rounded to fp16 first, like the cache does).
+
+    Returns ``(codes, scales)``: codes uint8 [head_dim] (sign-magnitude, in rotated order),
+    scales float16 [head_dim / 32].
+    """
+    if scale_rule not in _SCALE_RULES:
+        raise FmkvError(f"scale_rule {scale_rule!r} is not supported (expected 'lsq' or 'rms')")
+    codes, scale_bits = _fmkv.quantize_vector(_as_array(x, np.float32), int(bits), int(seed), int(layer), _SCALE_RULES[scale_rule])
+    return codes, scale_bits.view(np.float16)
+
+
+def dequantize_vector(codes: Any, scales: Any, bits: int, seed: int = 0, layer: int = 0) -> np.ndarray:
+    """Inverse of :func:`quantize_vector`: float32 [head_dim] in the original (unrotated) basis."""
+    codes = _as_array(codes, np.uint8)
+    scales = _as_array(scales, np.float16)
+    if isinstance(scales, np.ndarray) and scales.dtype == np.float16:
+        scales = np.ascontiguousarray(scales).view(np.uint16)
+    elif isinstance(scales, np.ndarray) and scales.dtype != np.uint16:
+        raise FmkvError(f"scales: dtype {scales.dtype} is not supported (expected float16, or uint16 bits)")
+    elif not isinstance(scales, np.ndarray):  # a DLPack tensor: take its fp16 bits through numpy
+        try:
+            scales = np.from_dlpack(scales)
+        except Exception as e:  # noqa: BLE001
+            raise FmkvError(f"scales: cannot read tensor ({e}); pass a numpy float16 array") from None
+        return dequantize_vector(codes, scales, bits, seed, layer)
+    return _fmkv.dequantize_vector(codes, scales, int(bits), int(seed), int(layer))
+
+
+class Cache:
+    """Paged compressed KV cache in host memory for ``num_layers`` layers (fmkv::HostCache).
+
+    ``num_pages`` pages per layer are shared by up to ``max_seqs`` sequences; all layers of a
+    sequence share one block table. Append K/V token rows per (layer, sequence), then run
+    attention of the last query rows (causal) over that layer.
+    """
+
+    def __init__(self, config: Config, num_layers: int, num_pages: int, max_seqs: int, backend: Optional[str] = None):
+        if not isinstance(config, Config):
+            raise FmkvError(f"config must be an fmkv.Config, got {type(config).__name__}")
+        self._config = config
+        self._impl = _fmkv.Cache(config._raw(), int(num_layers), int(num_pages), int(max_seqs),
+                                 default_backend() if backend is None else str(backend))
+
+    def __repr__(self) -> str:
+        return (f"fmkv.Cache(num_layers={self.num_layers}, free_pages={self.free_pages}, "
+                f"backend={self.backend!r}, config={self._config!r})")
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @property
+    def backend(self) -> str:
+        return self._impl.backend
+
+    @property
+    def num_layers(self) -> int:
+        return self._impl.num_layers
+
+    @property
+    def free_pages(self) -> int:
+        return self._impl.free_pages
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes allocated: pages of all layers plus the fp16 sink/window regions."""
+        return self._impl.resident_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of pages held by live sequences plus their fp16 regions."""
+        return self._impl.used_bytes
+
+    def add_sequence(self) -> int:
+        """Claim a free sequence slot (length 0 in every layer); returns its id."""
+        return self._impl.add_sequence()
+
+    def remove_sequence(self, seq: int) -> None:
+        """Release a sequence and its pages."""
+        self._impl.remove_sequence(int(seq))
+
+    def length(self, layer: int, seq: int) -> int:
+        """Tokens appended so far to ``seq`` in ``layer``."""
+        return self._impl.length(int(layer), int(seq))
+
+    def block_table(self, seq: int) -> List[int]:
+        """Pages (indices into each layer's pool) holding the compressed tokens of ``seq``."""
+        return self._impl.block_table(int(seq))
+
+    def append(self, layer: int, seq: int, k: Any, v: Any) -> None:
+        """Append token rows ``k``, ``v`` of shape [tokens, num_kv_heads, head_dim].
+
+        Values are rounded to fp16 and compressed. On error nothing is appended.
+        """
+        self._impl.append(int(layer), int(seq), _as_array(k, np.float32), _as_array(v, np.float32))
+
+    def attention(self, layer: int, seq: int, q: Any, softmax_scale: Optional[float] = None,
+                  softcap: float = 0.0, out_dtype: Any = "float32") -> np.ndarray:
+        """Attention of the last ``q.shape[0]`` tokens of ``seq`` (already appended; causal).
+
+        q: [query_tokens, q_heads, head_dim] with q_heads a multiple of num_kv_heads (GQA).
+        softmax_scale: None for 1/sqrt(head_dim). softcap > 0 applies cap * tanh(score / cap).
+        out_dtype: precision the kernel writes (float32, float16 or bfloat16); the result is
+        always returned as a float32 numpy array [query_tokens, q_heads, head_dim].
+        """
+        return self._impl.attention(int(layer), int(seq), _as_array(q, np.float32),
+                                    None if softmax_scale is None else float(softmax_scale),
+                                    float(softcap), _dtype_name(out_dtype))

@@ -1,0 +1,164 @@
+"""torch.library custom ops fmkv::append / fmkv::attention: results, opcheck, fake tensors, errors."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch to run the torch.library op tests")
+
+import fmkv  # noqa: E402
+from fmkv import reference, torch_ops  # noqa: E402
+
+TOL = 1e-5
+
+
+@pytest.fixture
+def tgen(rng):
+    return torch.Generator().manual_seed(int(rng.integers(0, 2**62)))
+
+
+def layer_tensors(config, num_pages, num_slots):
+    R = config.sink_tokens + config.window_tokens
+    pages = torch.zeros(num_pages, config.page_bytes, dtype=torch.uint8)
+    fk = torch.zeros(num_slots, config.num_kv_heads, R, config.head_dim, dtype=torch.float16)
+    return pages, fk, fk.clone()
+
+
+def batch(slots, lens, rows, tables):
+    offs = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    return (torch.tensor(slots, dtype=torch.int32), torch.tensor(lens, dtype=torch.int64), torch.from_numpy(offs),
+            torch.tensor(tables, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_torch_cache_matches_reference(backend, tgen, dtype):
+    config = fmkv.Config(head_dim=64, num_kv_heads=2, page_size=16, sink_tokens=2, window_tokens=3,
+                         seed=2**64 - 1 - int(torch.randint(0, 2**62, (1,), generator=tgen)))
+    tc = torch_ops.TorchCache(config, 2, 8, 2, backend=backend)
+    s = tc.add_sequence()
+    k = torch.randn(30, 2, 64, generator=tgen).to(dtype)
+    v = torch.randn(30, 2, 64, generator=tgen).to(dtype)
+    tc.append(1, s, k[:1], v[:1])  # first tokens only in the fp16 sink: no pages yet
+    tc.append(1, s, k[1:], v[1:])
+    assert tc.length(1, s) == 30 and tc.length(0, s) == 0 and len(tc.block_table(s)) == 2
+    q = torch.randn(3, 4, 64, generator=tgen).to(dtype)
+    out = tc.attention(1, s, q)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = reference.attention(config, 1, k, v, q)
+    tol = TOL if dtype == torch.float32 else (2e-3 if dtype == torch.float16 else 1e-2)
+    assert reference.rel_error(out.float().numpy(), ref) < tol
+    # Same bytes as fmkv.Cache: identical float32 results.
+    cache = fmkv.Cache(config, 2, 8, 2, backend=backend)
+    cs = cache.add_sequence()
+    cache.append(1, cs, k[:20], v[:20])
+    cache.append(1, cs, k[20:], v[20:])
+    if dtype == torch.float32:
+        assert np.array_equal(cache.attention(1, cs, q), out.numpy())
+    tc.remove_sequence(s)
+    assert tc.free_pages == 8
+
+
+def test_batched_ops(backend, tgen):
+    # Two sequences in one call, permuted pages and slots.
+    config = fmkv.Config(head_dim=64, num_kv_heads=1, k_bits=4, v_bits=2, page_size=16, seed=77)
+    cfg = torch_ops.config_to_list(config)
+    pages, fk, fv = layer_tensors(config, 6, 2)
+    ks = [torch.randn(n, 1, 64, generator=tgen) for n in (20, 33)]
+    vs = [torch.randn(n, 1, 64, generator=tgen) for n in (20, 33)]
+    tables = [[5, 1, 0], [3, 2, 4]]
+    torch.ops.fmkv.append(pages, fk, fv, torch.cat(ks), torch.cat(vs), *batch([1, 0], [0, 0], [20, 33], tables), cfg, 3)
+    q = torch.randn(4, 2, 64, generator=tgen)
+    out = torch.ops.fmkv.attention(pages, fk, fv, q, *batch([1, 0], [20, 33], [1, 3], tables), cfg, 3, 0.0, 0.0, backend)
+    assert reference.rel_error(out[:1].numpy(), reference.attention(config, 3, ks[0], vs[0], q[:1])) < TOL
+    assert reference.rel_error(out[1:].numpy(), reference.attention(config, 3, ks[1], vs[1], q[1:])) < TOL
+
+
+def opcheck_args(config, tgen, backend):
+    cfg = torch_ops.config_to_list(config)
+    pages, fk, fv = layer_tensors(config, 4, 1)
+    k = torch.randn(20, config.num_kv_heads, config.head_dim, generator=tgen)
+    v = torch.randn(20, config.num_kv_heads, config.head_dim, generator=tgen)
+    app = (pages, fk, fv, k, v, *batch([0], [0], [20], [[2, 0]]), cfg, 0, backend)
+    torch.ops.fmkv.append(*app)
+    q = torch.randn(2, 2 * config.num_kv_heads, config.head_dim, generator=tgen)
+    att = (pages, fk, fv, q, *batch([0], [20], [2], [[2, 0]]), cfg, 0, 0.0, 0.0, backend)
+    return app, att
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_opcheck(backend, tgen, window):
+    config = fmkv.Config(head_dim=64, num_kv_heads=2, page_size=16, window_tokens=window, seed=1)
+    app, att = opcheck_args(config, tgen, backend)
+    torch.library.opcheck(torch.ops.fmkv.append.default, app)
+    torch.library.opcheck(torch.ops.fmkv.attention.default, att)
+
+
+def test_fake_tensor_mode(tgen):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    config = fmkv.Config(head_dim=64, num_kv_heads=2, page_size=16)
+    app, att = opcheck_args(config, tgen, "ref")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in att]
+        fake[3] = torch.empty(5, 4, 64, dtype=torch.bfloat16)
+        out = torch.ops.fmkv.attention(*fake)
+        assert out.shape == (5, 4, 64) and out.dtype == torch.bfloat16
+        fa = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in app]
+        assert torch.ops.fmkv.append(*fa) is None
+    # meta tensors go through the fake implementation too
+    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in att]
+    out = torch.ops.fmkv.attention(*meta)
+    assert out.device.type == "meta" and out.shape == att[3].shape
+
+
+def test_op_errors(tgen):
+    config = fmkv.Config(head_dim=64, num_kv_heads=2, page_size=16)
+    app, att = opcheck_args(config, tgen, "ref")
+    bad = list(att)
+    bad[3] = att[3].double()
+    with pytest.raises(fmkv.FmkvError, match=r"fmkv::attention: q: dtype torch.float64 is not supported"):
+        torch.ops.fmkv.attention(*bad)
+    bad = list(app)
+    bad[3] = app[3].to(torch.int32)
+    with pytest.raises(fmkv.FmkvError, match=r"fmkv::append: k: dtype torch.int32 is not supported"):
+        torch.ops.fmkv.append(*bad)
+    bad = list(app)
+    bad[0] = app[0].to(torch.int16)
+    with pytest.raises(fmkv.FmkvError, match=r"pages: dtype int16 is not supported \(expected uint8\)"):
+        torch.ops.fmkv.append(*bad)
+    bad = list(app)
+    bad[0] = app[0][:, :100]
+    with pytest.raises(fmkv.FmkvError, match=r"pages: must be contiguous"):
+        torch.ops.fmkv.append(*bad)
+    bad = list(app)
+    bad[8] = app[8][:, :1]  # block table too short for 20 tokens
+    with pytest.raises(fmkv.FmkvError, match=r"needs 2 pages but block_table_stride is 1"):
+        torch.ops.fmkv.append(*bad)
+    bad = list(app)
+    bad[3] = app[3].clone()
+    bad[3][4, 0, 0] = float("inf")
+    before = app[0].clone()
+    with pytest.raises(fmkv.FmkvError, match=r"k\[4\]\[0\]\[0\] is NaN, Inf"):
+        torch.ops.fmkv.append(*bad)
+    assert torch.equal(app[0], before)  # nothing written on error
+    bad = list(att)
+    bad[9] = -1
+    with pytest.raises(fmkv.FmkvError, match=r"layer must be"):
+        torch.ops.fmkv.attention(*bad)
+    bad = list(att)
+    bad[8] = [1, 2, 3]
+    with pytest.raises(fmkv.FmkvError, match=r"expected the 9 ints"):
+        torch.ops.fmkv.attention(*bad)
+    bad = list(att)
+    bad[12] = "cuda"
+    with pytest.raises(fmkv.FmkvError, match=r"backend 'cuda' is not compiled"):
+        torch.ops.fmkv.attention(*bad)
+    with pytest.raises(fmkv.FmkvError, match=r"backend 'metal' is not available"):
+        torch_ops.TorchCache(config, 1, 4, 1, backend="metal")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to check the device error")
+def test_op_rejects_cuda_tensors(tgen):
+    config = fmkv.Config(head_dim=64, num_kv_heads=2, page_size=16)
+    app, att = opcheck_args(config, tgen, "ref")
+    bad = list(att)
+    bad[3] = att[3].cuda()
+    with pytest.raises(fmkv.FmkvError, match=r"q is on device 'cuda:0'.*CPU tensors only"):
+        torch.ops.fmkv.attention(*bad)
