@@ -18,7 +18,8 @@ int main(int argc, char** argv) {
        "#define FMKV_CODEBOOK_OFFSET(b) ((1 << ((b) - 1)) - 1)\n"
        "#define FMKV_CODEBOOK_SIZE 15\n";
   std::string f16 = "FMKV_TABLE unsigned short fmkv_codebook_mag_f16[FMKV_CODEBOOK_SIZE] = {\n";
-  std::string ex = "/* Unrounded Lloyd-Max levels (double), for documentation and tests. */\n"
+  std::string ex = "#ifndef FMKV_CODEBOOK_LEVELS_ONLY /* kernels (MSL has no double) define this */\n"
+                   "/* Unrounded Lloyd-Max levels (double), for documentation and tests. */\n"
                    "FMKV_TABLE double fmkv_codebook_mag_exact[FMKV_CODEBOOK_SIZE] = {\n";
   std::string dist = "/* Distortion E[(X-Q(X))^2] of the unrounded quantizers, bits 1..4. */\n"
                      "FMKV_TABLE double fmkv_codebook_distortion[FMKV_CODEBOOK_MAX_BITS] = {";
@@ -39,7 +40,7 @@ int main(int argc, char** argv) {
     std::snprintf(buf, sizeof buf, "%s%.17g", b > 1 ? ", " : " ", q.distortion);
     dist += buf;
   }
-  s += f16 + "};\n" + ex + "};\n" + dist + " };\n";
+  s += f16 + "};\n" + ex + "};\n" + dist + " };\n#endif\n";
   FILE* out = argc > 1 ? std::fopen(argv[1], "wb") : stdout;
   if (!out) { std::perror(argv[1]); return 1; }
   std::fputs(s.c_str(), out);

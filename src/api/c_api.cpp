@@ -10,6 +10,9 @@
 #include "../ref/quantize.h"
 #include "fmkv/fmkv.h"
 #include "validate.h"
+#ifdef FMKV_WITH_METAL
+#include "../metal/backend.h"
+#endif
 
 namespace {
 thread_local std::string g_last_error;
@@ -79,8 +82,14 @@ int fmkv_backend_available(fmkv_backend b) {
 #else
       return 0;
 #endif
-    default: return 0;
+    case FMKV_BACKEND_METAL:
+#ifdef FMKV_WITH_METAL
+      return fmkv::metal::available() ? 1 : 0;
+#else
+      return 0;
+#endif
   }
+  return 0;
 }
 
 const char* fmkv_backend_device(fmkv_backend b) {
@@ -92,6 +101,9 @@ const char* fmkv_backend_device(fmkv_backend b) {
 #endif
 #ifdef FMKV_WITH_CUDA
   if (b == FMKV_BACKEND_CUDA && fmkv::cuda::available()) name = fmkv::cuda::device_name();
+#endif
+#ifdef FMKV_WITH_METAL
+  if (b == FMKV_BACKEND_METAL && fmkv::metal::available()) name = fmkv::metal::device_name();
 #endif
   return name.c_str();
 }
@@ -137,8 +149,11 @@ fmkv_status fmkv_append(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer
 #endif
       return;
     }
-    fmkv::validate_append_host(a);
+    fmkv::validate_append_host(a);  // ref, cpu and metal (unified memory) arrays are host-visible
     if (b == FMKV_BACKEND_REF) fmkv::ref::append(a);
+#ifdef FMKV_WITH_METAL
+    if (b == FMKV_BACKEND_METAL) fmkv::metal::append(a);
+#endif
 #ifdef FMKV_WITH_CPU
     if (b == FMKV_BACKEND_CPU) fmkv::cpu::append(a);
 #endif
@@ -163,6 +178,9 @@ fmkv_status fmkv_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_la
     }
     fmkv::validate_attention_host(a);
     if (b == FMKV_BACKEND_REF) fmkv::ref::decode_attention(a);
+#ifdef FMKV_WITH_METAL
+    if (b == FMKV_BACKEND_METAL) fmkv::metal::decode_attention(a);
+#endif
 #ifdef FMKV_WITH_CPU
     if (b == FMKV_BACKEND_CPU) fmkv::cpu::decode_attention(a);
 #endif
@@ -175,6 +193,10 @@ int64_t fmkv_attention_workspace_bytes(fmkv_backend b, const fmkv_config* cfg, i
   if (b == FMKV_BACKEND_CUDA && cfg && fmkv_config_validate(cfg) == FMKV_OK)
     return fmkv::cuda::attention_workspace_bytes(*cfg, q_heads, max_rows, num_seqs, max_seq_len);
 #endif
+#ifdef FMKV_WITH_METAL
+  if (b == FMKV_BACKEND_METAL && cfg && fmkv_config_validate(cfg) == FMKV_OK)
+    return fmkv::metal::attention_workspace_bytes(*cfg, q_heads, max_rows, num_seqs, max_seq_len);
+#endif
   (void)b; (void)cfg; (void)q_heads; (void)max_rows; (void)num_seqs; (void)max_seq_len;
   return 0;
 }
@@ -183,12 +205,18 @@ void* fmkv_device_alloc(fmkv_backend b, size_t bytes) {
 #ifdef FMKV_WITH_CUDA
   if (b == FMKV_BACKEND_CUDA) return fmkv_backend_available(b) ? fmkv::cuda::alloc(bytes) : nullptr;
 #endif
+#ifdef FMKV_WITH_METAL
+  if (b == FMKV_BACKEND_METAL) return fmkv_backend_available(b) ? fmkv::metal::alloc(bytes) : nullptr;
+#endif
   return b == FMKV_BACKEND_REF || b == FMKV_BACKEND_CPU ? std::malloc(bytes ? bytes : 1) : nullptr;
 }
 
 void fmkv_device_free(fmkv_backend b, void* p) {
 #ifdef FMKV_WITH_CUDA
   if (b == FMKV_BACKEND_CUDA) { fmkv::cuda::free(p); return; }
+#endif
+#ifdef FMKV_WITH_METAL
+  if (b == FMKV_BACKEND_METAL) { fmkv::metal::free(p); return; }
 #endif
   if (b == FMKV_BACKEND_REF || b == FMKV_BACKEND_CPU) std::free(p);
 }
@@ -201,6 +229,9 @@ fmkv_status fmkv_device_copy(fmkv_backend b, void* dst, const void* src, size_t 
 #ifdef FMKV_WITH_CUDA
     if (b == FMKV_BACKEND_CUDA) { fmkv::cuda::copy(dst, src, bytes, to_device != 0); return; }
 #endif
+#ifdef FMKV_WITH_METAL
+    if (b == FMKV_BACKEND_METAL) { fmkv::metal::copy(dst, src, bytes, to_device != 0); return; }
+#endif
     std::memcpy(dst, src, bytes);
   });
 }
@@ -210,6 +241,9 @@ fmkv_status fmkv_device_synchronize(fmkv_backend b) {
     require_backend(b);
 #ifdef FMKV_WITH_CUDA
     if (b == FMKV_BACKEND_CUDA) fmkv::cuda::synchronize();
+#endif
+#ifdef FMKV_WITH_METAL
+    if (b == FMKV_BACKEND_METAL) fmkv::metal::synchronize();
 #endif
   });
 }

@@ -1,0 +1,49 @@
+// Test kernel for the per-SIMD-group primitives of src/metal/kernel_core.h (not shipped): runs in the
+// CPU emulator on adversarial inputs (tests/metal/test_metal.cpp "core" cases) and is type-checked
+// against the MSL shim like the real kernels. One SIMD group per vector of head_dim floats:
+//   sums[(v*G + g)*32 + lane] = group sum of group g in every lane (must equal tree_sum32),
+//   codes / scales / words    = quantization of each group taken as rotated values y
+//                               (must equal quantize_group + pack_group),
+//   rotated                   = the vector rotated (must equal ref::rotate, bitwise).
+#include "../../src/metal/portability.h"
+#include "../../src/metal/params_msl.h"
+#include "../../src/metal/kernel_core.h"
+
+struct fmkv_core_test_params {
+  fmkv_i32 head_dim, bits, scale_rule, layer;
+  fmkv_u64 seed;
+  fmkv_i32 vectors, reserved;
+};
+
+kernel void fmkv_core_test(device const fmkv_core_test_params& p [[buffer(0)]],
+                           device const float* x [[buffer(1)]],
+                           device float* sums [[buffer(2)]],
+                           device float* rotated [[buffer(3)]],
+                           device fmkv_u32* codes [[buffer(4)]],
+                           device fmkv_u16* scales [[buffer(5)]],
+                           device fmkv_u32* words [[buffer(6)]],
+                           uint tg [[threadgroup_position_in_grid]],
+                           uint sg [[simdgroup_index_in_threadgroup]],
+                           uint nsg [[simdgroups_per_threadgroup]],
+                           uint lane [[thread_index_in_simdgroup]]) {
+  const fmkv_i64 vec = (fmkv_i64)tg * nsg + sg;
+  if (vec >= p.vectors) return;
+  const int d = p.head_dim, G = d / 32;
+  float v[FMKV_METAL_GMAX];
+  for (int g = 0; g < G; ++g) v[g] = x[vec * d + g * 32 + lane];
+  for (int g = 0; g < G; ++g) {
+    sums[(vec * G + g) * 32 + lane] = fmkv_simd_tree_sum(v[g]);
+    fmkv_u16 scale;
+    fmkv_u32 code = fmkv_quantize_group_lane(v[g], p.bits, p.scale_rule, &scale);
+    codes[vec * d + g * 32 + lane] = code;
+    fmkv_u32 w[4];
+    fmkv_pack_group_lanes(code, p.bits, w);
+    for (int b = 0; b < p.bits; ++b)
+      if ((int)lane == b) words[(vec * G + g) * 4 + b] = w[b];
+    if (lane == 0u) scales[vec * G + g] = scale;
+  }
+  fmkv_u64 sw[4];
+  fmkv_sign_words(p.seed, p.layer, d, sw);
+  fmkv_rotate_lanes(v, G, sw, fmkv_rotation_norm(d), lane);
+  for (int g = 0; g < G; ++g) rotated[vec * d + g * 32 + lane] = v[g];
+}

@@ -1,0 +1,594 @@
+// Metal backend tests on Linux: the exact MSL kernel text runs in the fiber emulator and is compared
+// with the reference backend (src/ref through the public C API, FMKV_BACKEND_REF) on the same inputs:
+//   * quantize-append: pages and fp16 regions bit-exact (untouched bytes included; state poisoned
+//     with random bytes first), several threadgroup sizes (partial SIMD groups for the fp16 pass)
+//     and fiber schedule orders, multi-call appends, sink/window rings, k16;
+//   * decode attention: outputs (poisoned with NaN first, workspace too) within the stated relative
+//     error (||out - ref|| / ||ref||, as tests/test_backends.cpp) of the float64 reference;
+//   * kernel-side error reporting (block table out of range, bad threadgroup size).
+// Prints one line per case and a final "N passed, M failed"; exit status 1 on any failure.
+// FMKV_METAL_SEED=<n> fixes the inputs (the seed is printed); FMKV_METAL_QUICK=1 runs a subset.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/half.h"
+#include "core/ops.h"
+#include "core/quant_math.h"
+#include "ref/quantize.h"
+#include "fmkv/fmkv.hpp"
+#include "kernels_emu.h"
+#include "metal/host_plan.h"
+
+namespace {
+
+using emu::Order;
+
+int g_passed = 0, g_failed = 0;
+std::mt19937_64 g_rng;
+
+const char* order_name(Order o) { return o == Order::kForward ? "fwd" : o == Order::kReverse ? "rev" : "rand"; }
+
+void report(bool ok, const std::string& name, const std::string& detail, double seconds) {
+  (ok ? g_passed : g_failed)++;
+  printf("%s %s (%.2fs)%s%s\n", ok ? "PASS" : "FAIL", name.c_str(), seconds, detail.empty() ? "" : ": ",
+         detail.c_str());
+  fflush(stdout);
+}
+
+std::vector<uint8_t> random_tensor(fmkv_dtype dt, int64_t rows, int32_t heads, int32_t d) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> chan(d);
+  for (auto& c : chan) c = 1.0f + std::fabs(nd(g_rng));  // heavy-tailed channels like real keys
+  size_t es = dt == FMKV_F32 ? 4 : 2, n = (size_t)rows * heads * d;
+  std::vector<uint8_t> out(n * es + 16);
+  for (size_t i = 0; i < n; ++i) {
+    float x = nd(g_rng) * chan[i % d];
+    if (dt == FMKV_F32) {
+      std::memcpy(&out[i * 4], &x, 4);
+    } else {
+      uint16_t h = dt == FMKV_F16 ? fmkv::f32_to_f16(x) : fmkv::f32_to_bf16(x);
+      std::memcpy(&out[i * 2], &h, 2);
+    }
+  }
+  return out;
+}
+
+// One layer's storage plus a batch's block table / slots (tests/harness.h make_scenario).
+struct Layer {
+  fmkv_config cfg{};
+  int32_t layer = 0;
+  int64_t stride = 0, num_pages = 0;
+  std::vector<int32_t> table, slots;
+  std::vector<uint8_t> pages;
+  std::vector<uint16_t> fk, fv;
+  int32_t seqs() const { return (int32_t)slots.size(); }
+  fmkv_layer_cache cache() {
+    return fmkv_layer_cache{pages.data(), num_pages, fk.data(), fv.data(), std::max<int32_t>(1, seqs()), layer};
+  }
+};
+
+Layer make_layer(const fmkv_config& cfg, const std::vector<int64_t>& final_lens) {
+  Layer L;
+  L.cfg = cfg;
+  L.layer = (int32_t)(g_rng() % 40);
+  int64_t max_pages = 0;
+  for (int64_t len : final_lens) {
+    int64_t comp = std::max<int64_t>(0, len - cfg.window_tokens - cfg.sink_tokens);
+    max_pages = std::max(max_pages, (comp + cfg.page_size - 1) / cfg.page_size);
+  }
+  L.stride = max_pages + 1;
+  L.num_pages = L.stride * (int64_t)final_lens.size() + 3;
+  std::vector<int32_t> perm(L.num_pages);
+  for (int64_t i = 0; i < L.num_pages; ++i) perm[i] = (int32_t)i;
+  std::shuffle(perm.begin(), perm.end(), g_rng);
+  L.table.assign(perm.begin(), perm.begin() + L.stride * final_lens.size());
+  for (size_t i = 0; i < final_lens.size(); ++i) L.slots.push_back((int32_t)(final_lens.size() - 1 - i));
+  L.pages.resize((size_t)(L.num_pages * fmkv_config_page_bytes(&cfg)));
+  for (auto& b : L.pages) b = (uint8_t)g_rng();
+  size_t fe = (size_t)(fmkv_config_fp16_slot_bytes(&cfg) / 4) * final_lens.size() + 1;
+  L.fk.resize(fe);
+  L.fv.resize(fe);
+  std::normal_distribution<float> nd;
+  for (auto& x : L.fk) x = fmkv::f32_to_f16(nd(g_rng));
+  for (auto& x : L.fv) x = fmkv::f32_to_f16(nd(g_rng));
+  return L;
+}
+
+std::vector<int64_t> offsets_of(const std::vector<int64_t>& rows) {
+  std::vector<int64_t> o(1, 0);
+  for (auto r : rows) o.push_back(o.back() + r);
+  return o;
+}
+
+fmkv_config make_config(int d, int kb, int vb, int H, int page, int sink, int window, int rule) {
+  fmkv_config c;
+  fmkv_config_default(&c);
+  c.head_dim = d;
+  c.k_bits = kb;
+  c.v_bits = vb;
+  c.num_kv_heads = H;
+  c.page_size = page;
+  c.sink_tokens = sink;
+  c.window_tokens = window;
+  c.scale_rule = rule;
+  c.seed = g_rng();
+  return c;
+}
+
+std::string config_name(const fmkv_config& c) {
+  char b[128];
+  snprintf(b, sizeof b, "d%d k%dv%d H%d P%d S%d W%d %s", c.head_dim, c.k_bits, c.v_bits, c.num_kv_heads, c.page_size,
+           c.sink_tokens, c.window_tokens, c.scale_rule == FMKV_SCALE_RMS ? "rms" : "lsq");
+  return b;
+}
+
+// Appends one batch with the reference and with the emulated Metal kernels; returns the emulator's
+// status words.
+void append_both(Layer& ref, Layer& met, const std::vector<int64_t>& lens, const std::vector<int64_t>& rows,
+                 fmkv_dtype dt, uint32_t threads, uint32_t fp16_threads, Order order, uint32_t status[2]) {
+  const fmkv_config& c = ref.cfg;
+  const auto offs = offsets_of(rows);
+  const int64_t total = offs.back();
+  auto kbytes = random_tensor(dt, total, c.num_kv_heads, c.head_dim);
+  auto vbytes = random_tensor(dt, total, c.num_kv_heads, c.head_dim);
+  fmkv_tensor k = fmkv::make_tensor(kbytes.data(), dt, total, c.num_kv_heads, c.head_dim);
+  fmkv_tensor v = fmkv::make_tensor(vbytes.data(), dt, total, c.num_kv_heads, c.head_dim);
+  fmkv_batch bt{ref.seqs(), ref.slots.data(), lens.data(), offs.data(), ref.table.data(), ref.stride};
+  fmkv_layer_cache rl = ref.cache();
+  fmkv::check(fmkv_append(FMKV_BACKEND_REF, &c, &rl, &bt, &k, &v, nullptr));
+
+  fmkv_batch mb{met.seqs(), met.slots.data(), lens.data(), offs.data(), met.table.data(), met.stride};
+  fmkv::AppendArgs a{c, met.cache(), mb, k, v, nullptr};
+  const fmkv_metal_append_params p = fmkv::metal::append_params(a);
+  const fmkv::metal::AppendLaunch launch = fmkv::metal::append_launch(p, threads);
+  emu_kernels::AppendBuffers b{met.pages.data(), met.fk.data(), met.fv.data(), kbytes.data(), vbytes.data(),
+                               lens.data(),      offs.data(),    met.table.data(), met.slots.data(), status};
+  const uint64_t seed = g_rng();
+  if (launch.compress_groups > 0)
+    emu_kernels::append_compress(p, b, {launch.compress_groups, launch.compress_threads, order, seed});
+  if (launch.fp16_threads > 0)
+    emu_kernels::append_fp16(p, b, {(launch.fp16_threads + fp16_threads - 1) / fp16_threads, fp16_threads, order, seed});
+}
+
+template <typename T>
+std::string first_diff(const std::vector<T>& a, const std::vector<T>& b, const char* what) {
+  if (a.size() != b.size()) return std::string(what) + ": sizes differ";
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) {
+      char m[160];
+      snprintf(m, sizeof m, "%s differ at element %zu of %zu (metal %#x, ref %#x)", what, i, a.size(), (unsigned)a[i],
+               (unsigned)b[i]);
+      return m;
+    }
+  return "";
+}
+
+struct AppendCase {
+  fmkv_config cfg;
+  std::vector<int64_t> lens;
+  std::vector<std::vector<int64_t>> steps;  // rows per sequence, one entry per append call
+  fmkv_dtype dt;
+  uint32_t threads, fp16_threads;
+  Order order;
+};
+
+void run_append_case(const AppendCase& ac) {
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<int64_t> final_lens = ac.lens;
+  for (auto& st : ac.steps)
+    for (size_t i = 0; i < st.size(); ++i) final_lens[i] += st[i];
+  Layer ref = make_layer(ac.cfg, final_lens), met = ref;
+  std::vector<int64_t> lens = ac.lens;
+  std::string err;
+  for (auto& st : ac.steps) {
+    uint32_t status[2] = {0, 0};
+    append_both(ref, met, lens, st, ac.dt, ac.threads, ac.fp16_threads, ac.order, status);
+    if (status[0] || status[1]) err = "kernel status " + std::to_string(status[0]) + "/" + std::to_string(status[1]);
+    for (size_t i = 0; i < st.size(); ++i) lens[i] += st[i];
+  }
+  if (err.empty()) err = first_diff(met.pages, ref.pages, "page bytes");
+  if (err.empty()) err = first_diff(met.fk, ref.fk, "fp16_k region");
+  if (err.empty()) err = first_diff(met.fv, ref.fv, "fp16_v region");
+  char name[256];
+  snprintf(name, sizeof name, "append %s %s calls=%zu tg=%u fp16_tg=%u %s", config_name(ac.cfg).c_str(),
+           ac.dt == FMKV_F32 ? "f32" : ac.dt == FMKV_F16 ? "f16" : "bf16", ac.steps.size(), ac.threads,
+           ac.fp16_threads, order_name(ac.order));
+  report(err.empty(), name, err, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+std::vector<float> as_floats(const std::vector<uint8_t>& bytes, fmkv_dtype dt, size_t n) {
+  std::vector<float> f(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (dt == FMKV_F32) {
+      std::memcpy(&f[i], &bytes[i * 4], 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, &bytes[i * 2], 2);
+      f[i] = dt == FMKV_F16 ? fmkv::f16_to_f32(h) : fmkv::bf16_to_f32(h);
+    }
+  }
+  return f;
+}
+
+double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
+    num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+    den += (double)b[i] * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+struct AttentionCase {
+  fmkv_config cfg;
+  int group;
+  std::vector<int64_t> lens, rows;  // lens include the query rows
+  fmkv_dtype q_dt, out_dt;
+  float scale, softcap;
+  int simdgroups, splits, merge_simdgroups;
+  Order order;
+};
+
+void run_attention_case(const AttentionCase& ac) {
+  auto t0 = std::chrono::steady_clock::now();
+  const fmkv_config& c = ac.cfg;
+  const int d = c.head_dim, HQ = c.num_kv_heads * ac.group;
+  Layer L = make_layer(c, ac.lens);
+  // Fill the cache with the reference append (the Metal append is tested bit-exact separately).
+  {
+    std::vector<int64_t> zeros(ac.lens.size(), 0);
+    auto offs = offsets_of(ac.lens);
+    auto kb = random_tensor(FMKV_F16, offs.back(), c.num_kv_heads, d);
+    auto vb = random_tensor(FMKV_F16, offs.back(), c.num_kv_heads, d);
+    fmkv_tensor k = fmkv::make_tensor(kb.data(), FMKV_F16, offs.back(), c.num_kv_heads, d);
+    fmkv_tensor v = fmkv::make_tensor(vb.data(), FMKV_F16, offs.back(), c.num_kv_heads, d);
+    fmkv_batch bt{L.seqs(), L.slots.data(), zeros.data(), offs.data(), L.table.data(), L.stride};
+    fmkv_layer_cache lc = L.cache();
+    fmkv::check(fmkv_append(FMKV_BACKEND_REF, &c, &lc, &bt, &k, &v, nullptr));
+  }
+  const auto offs = offsets_of(ac.rows);
+  const int64_t nrows = offs.back();
+  auto qbytes = random_tensor(ac.q_dt, nrows, HQ, d);
+  fmkv_tensor q = fmkv::make_tensor(qbytes.data(), ac.q_dt, nrows, HQ, d);
+  const size_t out_es = ac.out_dt == FMKV_F32 ? 4 : 2, nout = (size_t)nrows * HQ * d;
+  std::vector<uint8_t> out_ref(nout * out_es, 0xFF), out_met(nout * out_es, 0xFF);  // NaN poison
+  fmkv_tensor oref = fmkv::make_tensor(out_ref.data(), ac.out_dt, nrows, HQ, d);
+  fmkv_tensor omet = fmkv::make_tensor(out_met.data(), ac.out_dt, nrows, HQ, d);
+  fmkv_batch bt{L.seqs(), L.slots.data(), ac.lens.data(), offs.data(), L.table.data(), L.stride};
+  fmkv_layer_cache lc = L.cache();
+  fmkv_attention_opts opts{ac.scale, ac.softcap};
+  fmkv::check(fmkv_attention(FMKV_BACKEND_REF, &c, &lc, &bt, &q, &opts, &oref, nullptr, 0, nullptr));
+
+  fmkv::AttentionArgs a{c, lc, bt, q, omet, opts, nullptr, 0, nullptr};
+  const fmkv_metal_attention_params p = fmkv::metal::attention_params(a, ac.simdgroups, ac.splits);
+  std::vector<float> ws((size_t)fmkv::metal::attention_workspace_floats(p), NAN);
+  uint32_t status[2] = {0, 0};
+  emu_kernels::AttentionBuffers b{L.pages.data(), L.fk.data(), L.fv.data(),   qbytes.data(), ac.lens.data(),
+                                  offs.data(),    L.table.data(), L.slots.data(), ws.data(),  out_met.data(),
+                                  status};
+  const uint64_t seed = g_rng();
+  emu_kernels::attention_partial(p, b, {fmkv::metal::attention_partial_groups(p), (uint32_t)ac.simdgroups * 32, ac.order, seed});
+  emu_kernels::attention_merge(p, b, {fmkv::metal::attention_merge_groups(p, ac.merge_simdgroups),
+                                      (uint32_t)ac.merge_simdgroups * 32, ac.order, seed + 1});
+  const double tol = ac.out_dt == FMKV_F32 ? 1e-5 : ac.out_dt == FMKV_F16 ? 2e-3 : 1.2e-2;
+  const double err = rel_error(as_floats(out_met, ac.out_dt, nout), as_floats(out_ref, ac.out_dt, nout));
+  std::string detail;
+  char buf[160];
+  snprintf(buf, sizeof buf, "rel error %.3g (bound %.0e)", err, tol);
+  detail = buf;
+  if (status[0] || status[1]) detail += ", kernel status " + std::to_string(status[0]) + "/" + std::to_string(status[1]);
+  char name[300];
+  int64_t maxq = *std::max_element(ac.rows.begin(), ac.rows.end());
+  snprintf(name, sizeof name, "attention %s group%d q_len<=%lld %s->%s scale=%g cap=%g sg=%d splits=%d merge_sg=%d %s",
+           config_name(c).c_str(), ac.group, (long long)maxq, ac.q_dt == FMKV_F32 ? "f32" : ac.q_dt == FMKV_F16 ? "f16" : "bf16",
+           ac.out_dt == FMKV_F32 ? "f32" : ac.out_dt == FMKV_F16 ? "f16" : "bf16", ac.scale, ac.softcap, ac.simdgroups,
+           ac.splits, ac.merge_simdgroups, order_name(ac.order));
+  report(err <= tol && !status[0] && !status[1], name, detail,
+         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+// Per-SIMD-group primitives of kernel_core.h (tests/metal/core_test.metal) against the scalar
+// definitions (quant_math.h tree_sum32 / quantize_group, ref pack_group / rotate), bit for bit, on
+// adversarial inputs: wide dynamic range (summation order shows), values exactly on decision
+// thresholds (ties), zero / -0 / subnormal / overflowing groups (saturating scales).
+void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
+  auto t0 = std::chrono::steady_clock::now();
+  const int G = d / 32, nvec = 48;
+  std::vector<float> x((size_t)nvec * d);
+  std::normal_distribution<float> nd;
+  std::uniform_int_distribution<int> ex(-40, 40);
+  for (int vi = 0; vi < nvec; ++vi)
+    for (int g = 0; g < G; ++g) {
+      float* y = &x[((size_t)vi * G + g) * 32];
+      const int kind = (vi + g) % 6;
+      for (int j = 0; j < 32; ++j) {
+        if (kind == 0) y[j] = nd(g_rng) * std::pow(10.0f, (float)(g_rng() % 7) - 3.0f);
+        else if (kind == 1) y[j] = (g_rng() & 1 ? -1.0f : 1.0f) * std::ldexp(1.0f + (float)(g_rng() % 1024) / 1024.0f, ex(g_rng));
+        else if (kind == 2 || kind == 5) y[j] = nd(g_rng);
+        else if (kind == 3 && vi % 2) y[j] = j % 3 == 0 ? 0.0f : j % 3 == 1 ? -0.0f : (j == 2 ? 1e-41f : 0.0f);
+        else if (kind == 3) y[j] = j % 4 == 1 ? -0.0f : j % 4 == 3 ? 0.0f : nd(g_rng);  // -0 codes as positive
+        else y[j] = (j % 2 ? -1.0f : 1.0f) * (vi % 2 ? 1e30f : 3.0e-39f) * (1.0f + (float)j / 32.0f);
+      }
+      if (kind == 2 || kind == 5) {  // put coordinates exactly on thresholds of the group's scale
+        const int nm = fmkv::magnitude_count(bits);
+        int ms[32];
+        for (int j = 0; j < 32; ++j) ms[j] = (int)(g_rng() % (uint64_t)(nm - 1));
+        for (int it = 0; it < 8; ++it) {  // iterate to a fixed point of the group's fp16 scale
+          float t[32];
+          for (int j = 0; j < 32; ++j) t[j] = y[j] * y[j];
+          const float s0f = fmkv::f16_to_f32(fmkv::scale_to_f16(__builtin_sqrtf(fmkv::tree_sum32(t) / 32.0f)));
+          for (int j = 0; j < 32; j += 3) y[j] = (j % 2 ? -1.0f : 1.0f) * fmkv::codebook_threshold(bits, ms[j]) * s0f;
+        }
+      }
+    }
+  const size_t nsum = (size_t)nvec * G * 32;
+  std::vector<float> sums(nsum, NAN), rot((size_t)nvec * d, NAN);
+  std::vector<uint32_t> codes((size_t)nvec * d, 0xDEADBEEFu), words((size_t)nvec * G * 4, 0xDEADBEEFu);
+  std::vector<uint16_t> scales((size_t)nvec * G, 0xFFFFu);
+  emu_kernels::CoreTestParams p{d, bits, rule, (int32_t)(g_rng() % 40), g_rng(), nvec, 0};
+  emu_kernels::CoreTestBuffers b{x.data(), sums.data(), rot.data(), codes.data(), scales.data(), words.data()};
+  const uint32_t nsg = threads / 32;
+  emu_kernels::core_test(p, b, {(uint32_t)((nvec + nsg - 1) / nsg), threads, order, g_rng()});
+  std::string err;
+  const std::vector<uint64_t> sw = fmkv::ref::sign_words(p.seed, p.layer, d);
+  int ties = 0;
+  for (int vi = 0; vi < nvec && err.empty(); ++vi) {
+    std::vector<float> ry(d);
+    fmkv::ref::rotate(&x[(size_t)vi * d], d, sw.data(), ry.data());
+    for (int i = 0; i < d && err.empty(); ++i)
+      if (fmkv::f32_bits(ry[i]) != fmkv::f32_bits(rot[(size_t)vi * d + i]))
+        err = "rotation differs at vector " + std::to_string(vi) + " coordinate " + std::to_string(i);
+    for (int g = 0; g < G && err.empty(); ++g) {
+      const float* y = &x[((size_t)vi * G + g) * 32];
+      float t[32];
+      std::memcpy(t, y, sizeof t);
+      const float want = fmkv::tree_sum32(t);
+      for (int lane = 0; lane < 32; ++lane)
+        if (fmkv::f32_bits(sums[((size_t)vi * G + g) * 32 + lane]) != fmkv::f32_bits(want))
+          err = "group sum differs from tree_sum32 (vector " + std::to_string(vi) + ", group " + std::to_string(g) +
+                ", lane " + std::to_string(lane) + ")";
+      uint8_t rc[32];
+      const uint16_t rs = fmkv::quantize_group(y, bits, rule, rc);
+      uint32_t rw[4] = {0, 0, 0, 0};
+      fmkv::ref::pack_group(rc, bits, rw, 1);
+      if (scales[(size_t)vi * G + g] != rs) err = "scale differs (vector " + std::to_string(vi) + ", group " + std::to_string(g) + ")";
+      for (int j = 0; j < 32 && err.empty(); ++j) {
+        if (codes[(size_t)vi * d + g * 32 + j] != rc[j]) err = "code differs (vector " + std::to_string(vi) + ")";
+        const float s0f = fmkv::f16_to_f32(rs);
+        (void)s0f;
+      }
+      for (int w = 0; w < bits && err.empty(); ++w)
+        if (words[((size_t)vi * G + g) * 4 + w] != rw[w]) err = "plane word " + std::to_string(w) + " differs";
+      if ((vi + g) % 6 == 2 || (vi + g) % 6 == 5) {  // count coordinates that landed on a threshold
+        float t2[32];
+        for (int j = 0; j < 32; ++j) t2[j] = y[j] * y[j];
+        const float s0f = fmkv::f16_to_f32(fmkv::scale_to_f16(__builtin_sqrtf(fmkv::tree_sum32(t2) / 32.0f)));
+        for (int j = 0; j < 32; ++j)
+          for (int m = 0; m + 1 < fmkv::magnitude_count(bits); ++m)
+            ties += s0f != 0.0f && std::fabs(y[j] / s0f) == fmkv::codebook_threshold(bits, m);
+      }
+    }
+  }
+  char name[160];
+  snprintf(name, sizeof name, "core primitives d%d %d-bit %s tg=%u %s (tree sum, FWHT, scale, codes, planes)", d, bits,
+           rule ? "lsq" : "rms", threads, order_name(order));
+  report(err.empty() && ties > 0, name, err.empty() ? std::to_string(ties) + " threshold ties" : err,
+         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+// Kernel-side error reporting: an out-of-range block table entry sets status[0] and writes nothing
+// for that token; a threadgroup size that is not a multiple of 32 sets status[1].
+void run_error_cases() {
+  auto t0 = std::chrono::steady_clock::now();
+  fmkv_config c = make_config(64, 3, 3, 1, 16, 0, 0, FMKV_SCALE_LSQ);
+  std::vector<int64_t> lens{0}, rows{20};
+  Layer L = make_layer(c, {20});
+  L.table[1] = (int32_t)L.num_pages + 7;  // tokens 16..19 point outside the pool
+  const std::vector<uint8_t> before = L.pages;
+  const auto offs = offsets_of(rows);
+  auto kb = random_tensor(FMKV_F16, 20, 1, 64), vb = random_tensor(FMKV_F16, 20, 1, 64);
+  fmkv_tensor k = fmkv::make_tensor(kb.data(), FMKV_F16, 20, 1, 64), v = fmkv::make_tensor(vb.data(), FMKV_F16, 20, 1, 64);
+  fmkv_batch bt{1, L.slots.data(), lens.data(), offs.data(), L.table.data(), L.stride};
+  fmkv::AppendArgs a{c, L.cache(), bt, k, v, nullptr};
+  const auto p = fmkv::metal::append_params(a);
+  uint32_t status[2] = {0, 0};
+  emu_kernels::AppendBuffers b{L.pages.data(), L.fk.data(), L.fv.data(), kb.data(), vb.data(), lens.data(),
+                               offs.data(),    L.table.data(), L.slots.data(), status};
+  auto launch = fmkv::metal::append_launch(p, 64);
+  emu_kernels::append_compress(p, b, {launch.compress_groups, 64, Order::kForward, 1});
+  // Only page table[0] may have changed.
+  const int64_t pb = fmkv_config_page_bytes(&c);
+  bool outside_untouched = true;
+  for (int64_t pg = 0; pg < L.num_pages; ++pg)
+    if (pg != L.table[0])
+      outside_untouched = outside_untouched && std::equal(before.begin() + pg * pb, before.begin() + (pg + 1) * pb,
+                                                          L.pages.begin() + pg * pb);
+  report(status[0] == FMKV_METAL_ERR_BLOCK_TABLE && status[1] == 0 && outside_untouched,
+         "append: out-of-range block table entry is reported, nothing written for it",
+         "status " + std::to_string(status[0]) + "/" + std::to_string(status[1]),
+         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  t0 = std::chrono::steady_clock::now();
+  uint32_t st2[2] = {0, 0};
+  b.status = st2;
+  const std::vector<uint8_t> before2 = L.pages;
+  emu_kernels::append_compress(p, b, {4, 48, Order::kForward, 1});
+  report(st2[1] == FMKV_METAL_ERR_LAUNCH && L.pages == before2,
+         "append: threadgroup size 48 (partial SIMD group) is refused by the SIMD-group kernel",
+         "status " + std::to_string(st2[0]) + "/" + std::to_string(st2[1]),
+         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+// The parameter blocks must have the layout python/fmkv/mlx.py packs (no implicit padding).
+void run_layout_case() {
+  bool ok = sizeof(fmkv_metal_append_params) == 128 && sizeof(fmkv_metal_attention_params) == 160 &&
+            offsetof(fmkv_metal_append_params, seed) == 32 && offsetof(fmkv_metal_append_params, page_bytes) == 120 &&
+            offsetof(fmkv_metal_attention_params, softmax_scale) == 120 &&
+            offsetof(fmkv_metal_attention_params, page_bytes) == 152;
+  char d[128];
+  snprintf(d, sizeof d, "sizeof append %zu, attention %zu", sizeof(fmkv_metal_append_params),
+           sizeof(fmkv_metal_attention_params));
+  report(ok, "parameter block layout (128 / 160 bytes, natural alignment, no padding)", d, 0.0);
+}
+
+// Parameter blocks of a fixed configuration as hex, for tests/metal/run.sh to compare with
+// python/fmkv/mlx.py's packing.
+int dump_params() {
+  fmkv_config c = make_config(128, 3, 4, 2, 16, 2, 8, FMKV_SCALE_RMS);
+  c.seed = 0x1234567890abcdefull;
+  std::vector<int64_t> lens{40, 100}, offs{0, 3, 4};
+  std::vector<int32_t> slots{1, 0}, table(18, 0);
+  fmkv_layer_cache lc{nullptr, 77, nullptr, nullptr, 3, 5};
+  fmkv_batch bt{2, slots.data(), lens.data(), offs.data(), table.data(), 9};
+  fmkv_tensor k{nullptr, FMKV_F16, 4, 2, 128, 256, 128}, v{nullptr, FMKV_BF16, 4, 2, 128, 256, 128};
+  fmkv::AppendArgs a{c, lc, bt, k, v, nullptr};
+  const fmkv_metal_append_params ap = fmkv::metal::append_params(a);
+  fmkv_tensor q{nullptr, FMKV_F32, 4, 8, 128, 1024, 128}, out{nullptr, FMKV_F16, 4, 8, 128, 1024, 128};
+  fmkv::AttentionArgs at{c, lc, bt, q, out, fmkv_attention_opts{0.0f, 30.0f}, nullptr, 0, nullptr};
+  const fmkv_metal_attention_params tp = fmkv::metal::attention_params(at, 4, 3);
+  const unsigned char* b = (const unsigned char*)&ap;
+  for (size_t i = 0; i < sizeof ap; ++i) printf("%02x", b[i]);
+  printf("\n");
+  b = (const unsigned char*)&tp;
+  for (size_t i = 0; i < sizeof tp; ++i) printf("%02x", b[i]);
+  printf("\n");
+  return 0;
+}
+
+// Emulator self-tests: each scenario breaks one rule and must abort with the emulator's message
+// (tests/metal/run.sh runs them as negative controls). Scenario "ok" must run cleanly.
+int emulator_selftest(const std::string& what) {
+  using emu::Op;
+  auto run = [&](uint32_t threads, const std::function<void(const emu::ThreadIds&)>& body) {
+    emu::dispatch(1, threads, Order::kRandom, 7, body);
+  };
+  if (what == "ok") {  // shuffles, ballots and a barrier in a 64-thread group
+    run(64, [](const emu::ThreadIds& t) {
+      uint64_t v = emu::sync_op(Op::kShuffleXor, t.lane, 5);
+      uint64_t b = emu::sync_op(Op::kBallot, t.lane & 1, 0);
+      emu::sync_op(Op::kBarrier, 0, 0);
+      if (v != (t.lane ^ 5u) || b != 0xAAAAAAAAull) emu::fail("wrong shuffle/ballot result");
+    });
+  } else if (what == "divergent") {  // half the lanes shuffle, the other half ballot
+    run(32, [](const emu::ThreadIds& t) {
+      if (t.lane < 16) emu::sync_op(Op::kShuffleXor, 1, 1);
+      else emu::sync_op(Op::kBallot, 1, 0);
+    });
+  } else if (what == "exited") {  // lanes return before a SIMD operation of the others
+    run(32, [](const emu::ThreadIds& t) {
+      if (t.lane >= 8) emu::sync_op(Op::kShuffleXor, 1, 1);
+    });
+  } else if (what == "partial") {  // xor-shuffle across a 20-lane partial SIMD group
+    run(52, [](const emu::ThreadIds& t) { emu::sync_op(Op::kShuffleXor, 1, 16); });
+  } else if (what == "barrier") {  // a barrier some threads never reach
+    run(64, [](const emu::ThreadIds& t) {
+      if (t.simdgroup == 0) emu::sync_op(Op::kBarrier, 0, 0);
+    });
+  } else if (what == "tgmem") {  // more than 32 KiB of threadgroup memory
+    run(32, [](const emu::ThreadIds&) {
+      static const char k1 = 0, k2 = 0;
+      emu::threadgroup_alloc(&k1, 20000);
+      emu::threadgroup_alloc(&k2, 20000);
+    });
+  } else {
+    fprintf(stderr, "unknown self-test %s\n", what.c_str());
+    return 2;
+  }
+  printf("self-test %s ran to completion\n", what.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--dump-params") return dump_params();
+  if (argc > 2 && std::string(argv[1]) == "--emulator-selftest") return emulator_selftest(argv[2]);
+  const char* seed_env = std::getenv("FMKV_METAL_SEED");
+  const uint64_t seed = seed_env ? std::strtoull(seed_env, nullptr, 10)
+                                 : (uint64_t)std::chrono::system_clock::now().time_since_epoch().count() % 1000000007ull;
+  const bool quick = std::getenv("FMKV_METAL_QUICK") != nullptr;
+  g_rng.seed(seed);
+  printf("metal emulator tests, FMKV_METAL_SEED=%llu\n", (unsigned long long)seed);
+  auto t0 = std::chrono::steady_clock::now();
+
+  run_layout_case();
+
+  // ---- kernel core primitives, bit-exact on adversarial inputs ----
+  for (int d : {64, 128, 256})
+    for (int bits : {2, 3, 4})
+      for (int rule : {0, 1}) {
+        if (quick && (d + bits + rule) % 2) continue;
+        run_core_case(d, bits, rule, 32u * (uint32_t)(1 + (d / 64 + bits + rule) % 4), (Order)((bits + rule) % 3));
+      }
+
+  // ---- quantize-append, bit-exact ----
+  std::vector<AppendCase> ap;
+  for (int d : {64, 128, 256})
+    for (int kb : {2, 3, 4, 16})
+      for (int vb : {2, 3, 4}) {
+        if (quick && (kb + vb + d / 64) % 3 != 0) continue;
+        int page = kb == 3 ? 16 : kb == 4 ? 64 : 32;
+        Order o = (Order)((kb + vb) % 3);
+        ap.push_back({make_config(d, kb, vb, 2, page, 0, 0, (kb + vb) % 2), {37, 0, 20}, {{3, 17, 2}}, FMKV_F16,
+                      (uint32_t)(32 * (1 + (d + kb + vb) % 4)), 64, o});
+      }
+  ap.push_back({make_config(128, 3, 3, 2, 16, 4, 16, FMKV_SCALE_LSQ), {30, 9, 0}, {{1, 16, 25}}, FMKV_BF16, 96, 48,
+                Order::kReverse});
+  ap.push_back({make_config(64, 4, 2, 3, 128, 0, 32, FMKV_SCALE_RMS), {50}, {{40}}, FMKV_F32, 32, 7, Order::kRandom});
+  ap.push_back({make_config(128, 2, 2, 1, 256, 2, 0, FMKV_SCALE_LSQ), {70, 1}, {{1, 12}}, FMKV_F16, 128, 33,
+                Order::kRandom});
+  ap.push_back({make_config(256, 16, 4, 2, 16, 3, 5, FMKV_SCALE_LSQ), {10, 0}, {{4, 9}}, FMKV_F32, 64, 1,
+                Order::kReverse});
+  ap.push_back({make_config(128, 3, 4, 2, 16, 2, 8, FMKV_SCALE_RMS), {0, 5}, {{7, 3}, {1, 1}, {12, 0}, {0, 9}},
+                FMKV_F16, 64, 64, Order::kRandom});
+  ap.push_back({make_config(64, 2, 4, 2, 32, 3, 6, FMKV_SCALE_LSQ), {5, 9, 0}, {{4, 0, 30}, {0, 2, 0}}, FMKV_F16, 64,
+                40, Order::kReverse});  // sequences without rows
+  for (Order o : {Order::kForward, Order::kReverse, Order::kRandom})
+    for (uint32_t tg : {32u, 96u, 256u}) {
+      if (quick && tg != 96u) continue;
+      ap.push_back({make_config(256, 4, 3, 1, 16, 1, 4, FMKV_SCALE_LSQ), {3, 20}, {{9, 2}}, FMKV_F32, tg, tg / 2 + 1, o});
+    }
+  for (auto& c : ap) run_append_case(c);
+
+  // ---- decode attention ----
+  std::vector<AttentionCase> at;
+  for (int d : {64, 128, 256})
+    for (int kb : {2, 3, 4, 16}) {
+      if (quick && (kb + d / 64) % 2) continue;
+      int vb = kb == 16 ? 4 : kb == 4 ? 2 : kb + 1;
+      int page = kb == 3 ? 16 : 32;
+      at.push_back({make_config(d, kb, vb, 2, page, 0, 0, (kb + vb) % 2), 2, {37, 5, 90}, {1, 3, 1}, FMKV_F32, FMKV_F32,
+                    0.0f, 0.0f, 1 + (d / 64 + kb) % 3, 1 + kb % 3, 2, (Order)((d / 64 + kb) % 3)});
+    }
+  at.push_back({make_config(128, 3, 3, 2, 16, 4, 16, FMKV_SCALE_LSQ), 4, {120, 9, 30}, {16, 2, 5}, FMKV_BF16,
+                FMKV_F32, 0.0f, 0.0f, 4, 2, 1, Order::kRandom});
+  at.push_back({make_config(64, 4, 2, 3, 128, 0, 32, FMKV_SCALE_RMS), 3, {150}, {7}, FMKV_F32, FMKV_F16, 0.2f, 0.0f,
+                2, 3, 4, Order::kReverse});
+  at.push_back({make_config(128, 2, 2, 1, 256, 2, 0, FMKV_SCALE_LSQ), 8, {100, 13}, {1, 12}, FMKV_F16, FMKV_F32, 0.0f,
+                30.0f, 3, 1, 2, Order::kForward});
+  at.push_back({make_config(256, 16, 4, 2, 16, 3, 5, FMKV_SCALE_LSQ), 1, {40, 6}, {2, 6}, FMKV_F32, FMKV_BF16, 0.0f,
+                5.0f, 1, 4, 1, Order::kRandom});
+  at.push_back({make_config(64, 3, 4, 1, 16, 1, 1, FMKV_SCALE_LSQ), 1, {1, 2, 17}, {1, 2, 16}, FMKV_F32, FMKV_F32,
+                0.0f, 0.0f, 2, 5, 1, Order::kReverse});
+  at.push_back({make_config(128, 4, 3, 2, 16, 2, 4, FMKV_SCALE_RMS), 2, {30, 7, 12}, {2, 0, 3}, FMKV_F16, FMKV_F32,
+                0.0f, 0.0f, 2, 2, 2, Order::kRandom});  // a sequence without query rows
+  for (auto& c : at) run_attention_case(c);
+
+  run_error_cases();
+
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const emu::Stats& st = emu::stats();
+  printf("emulator: %llu threads, %llu fiber switches, %llu SIMD-group ops, %llu barriers in %.1f s\n",
+         (unsigned long long)st.threads, (unsigned long long)st.switches, (unsigned long long)st.simd_ops,
+         (unsigned long long)st.barriers, secs);
+  printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
