@@ -83,6 +83,27 @@ void validate_batch_host(const fmkv_config& c, const fmkv_layer_cache& l, const 
   }
 }
 
+// Index of the first element of row r, head h that is NaN/Inf or rounds to Inf in fp16, or -1.
+// Branch-free scans per dtype (vectorised by the compiler); the slow path only locates the element.
+int32_t first_non_fp16(const fmkv_tensor& t, int64_t r, int32_t h) {
+  const void* p = tensor_ptr(t, r, h);
+  bool bad = false;
+  if (t.dtype == FMKV_F16) {
+    const uint16_t* x = (const uint16_t*)p;
+    for (int32_t i = 0; i < t.dim; ++i) bad |= (x[i] & 0x7c00u) == 0x7c00u;
+  } else if (t.dtype == FMKV_BF16) {
+    const uint16_t* x = (const uint16_t*)p;  // |x| >= 65520 is bf16 bits >= 0x4780 (65536)
+    for (int32_t i = 0; i < t.dim; ++i) bad |= (x[i] & 0x7fffu) >= 0x4780u;
+  } else {
+    const uint32_t* x = (const uint32_t*)p;  // 65520.0f = 0x477ff000: rounds to fp16 inf
+    for (int32_t i = 0; i < t.dim; ++i) bad |= (x[i] & 0x7fffffffu) >= 0x477ff000u;
+  }
+  if (!bad) return -1;
+  for (int32_t i = 0; i < t.dim; ++i)
+    if (!f16_is_finite(load_f16(t, r, h, i))) return i;
+  return -1;
+}
+
 }  // namespace
 
 void validate_config(const fmkv_config& c) {
@@ -140,11 +161,12 @@ void validate_append_host(const AppendArgs& a) {
   for (int which = 0; which < 2; ++which) {
     const fmkv_tensor& t = which ? a.v : a.k;
     for (int64_t r = 0; r < t.rows; ++r)
-      for (int32_t h = 0; h < t.heads; ++h)
-        for (int32_t i = 0; i < t.dim; ++i)
-          if (!f16_is_finite(load_f16(t, r, h, i)))
-            fail(kNonFinite, std::string(which ? "v" : "k") + "[" + S(r) + "][" + S(h) + "][" + S(i) +
-                                 "] is NaN, Inf or beyond the fp16 range (|x| >= 65520)");
+      for (int32_t h = 0; h < t.heads; ++h) {
+        int32_t i = first_non_fp16(t, r, h);
+        if (i >= 0)
+          fail(kNonFinite, std::string(which ? "v" : "k") + "[" + S(r) + "][" + S(h) + "][" + S(i) +
+                               "] is NaN, Inf or beyond the fp16 range (|x| >= 65520)");
+      }
   }
 }
 

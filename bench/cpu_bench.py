@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""CPU benchmark: fmkv decode attention / quantize-append vs torch SDPA on the same shapes, same run.
+
+Runs bench/cpu_bench (C++; prints JSON lines), times torch.nn.functional.scaled_dot_product_attention
+on CPU (fp32 and bf16, GQA via enable_gqa) for the same decode shapes, prints a table and writes
+  docs/results/cpu_decode.jsonl, docs/results/cpu_quantize.jsonl, docs/results/cpu_decode.png
+with the fields of BENCHMARKS.md ("baseline" = the faster torch dtype; the fp32 time is kept too).
+
+Usage: python3 bench/cpu_bench.py [--bin build-cpu/bench/cpu_bench] [--contexts 4096,32768,131072]
+       [--out docs/results] [--quick]
+Threads: both sides use all cores (FMKV_NUM_THREADS / torch.set_num_threads override).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIELDS = ["suite", "backend", "device", "commit", "op", "batch", "q_len", "context", "head_dim", "q_heads",
+          "kv_heads", "layers", "k_bits", "v_bits", "page_size", "time_us", "bytes", "gbps", "copy_gbps",
+          "pct_copy_bw", "baseline", "baseline_time_us", "speedup"]
+
+
+def find_bin(arg):
+    cands = [arg] if arg else [os.path.join(ROOT, p) for p in
+                               ("build-cpu/bench/cpu_bench", "build/bench/cpu_bench", "build-cpu/cpu_bench")]
+    for c in cands:
+        if c and os.path.exists(c):
+            return c
+    sys.exit("cpu_bench binary not found (build it: add_subdirectory(bench) + ninja cpu_bench); tried %s" % cands)
+
+
+def commit():
+    try:
+        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def torch_times(shapes, threads, quick):
+    """Median SDPA time (us) per (q_heads, kv_heads, d, ctx) and dtype, best of two GQA formulations:
+    enable_gqa=True, and the q heads of a group laid out as query rows ([1, kv, group, d] against
+    [1, kv, ctx, d], exact for q_len = 1, no K/V repetition)."""
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(threads)
+    out = {}
+    for (hq, hkv, d, ctx) in shapes:
+        res = {}
+        for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            g = torch.Generator().manual_seed(0)
+            k = torch.randn(1, hkv, ctx, d, generator=g).to(dt)
+            v = torch.randn(1, hkv, ctx, d, generator=g).to(dt)
+            variants = {"gqa": torch.randn(1, hq, 1, d, generator=g).to(dt),
+                        "grouped": torch.randn(1, hkv, hq // hkv, d, generator=g).to(dt)}
+            reps = 3 if quick else (5 if ctx >= 100000 else 9 if ctx >= 30000 else 25)
+            best = None
+            for vname, q in variants.items():
+                kw = {"enable_gqa": True} if vname == "gqa" else {}
+                with torch.no_grad():
+                    F.scaled_dot_product_attention(q, k, v, **kw)
+                    ts = []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        F.scaled_dot_product_attention(q, k, v, **kw)
+                        ts.append((time.perf_counter() - t0) * 1e6)
+                m = statistics.median(ts)
+                if best is None or m < best[0]:
+                    best = (m, vname)
+            res[name] = best
+            del k, v, variants
+        out[(hq, hkv, d, ctx)] = res
+    return out, torch.__version__
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin")
+    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results"))
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    binp = find_bin(a.bin)
+    threads = int(os.environ.get("FMKV_NUM_THREADS", "0")) or os.cpu_count() or 1
+    cmd = [binp, "--contexts", a.contexts] + (["--reps", "3"] if a.quick else [])
+    print("running", " ".join(cmd), flush=True)
+    lines = [json.loads(l) for l in subprocess.check_output(cmd, text=True).splitlines() if l.startswith("{")]
+    info = next(l for l in lines if l["op"] == "info")
+    info_end = next((l for l in lines if l["op"] == "info_end"), {})
+    load = [info.get("loadavg"), info_end.get("loadavg")]
+    device, rev = info["device"], commit()
+    decode = [l for l in lines if l["op"] == "decode_attention"]
+    quant = [l for l in lines if l["op"].startswith("quantize_append")]
+
+    shapes = sorted({(l["q_heads"], l["kv_heads"], l["head_dim"], l["context"]) for l in decode})
+    tt, tver = torch_times(shapes, threads, a.quick)
+
+    rows_d, rows_q = [], []
+    for l in decode:
+        t = tt[(l["q_heads"], l["kv_heads"], l["head_dim"], l["context"])]
+        best = "bf16" if t["bf16"][0] < t["fp32"][0] else "fp32"
+        r = {k: l.get(k) for k in FIELDS}
+        r.update(suite="cpu_decode", backend="cpu", device=device, commit=rev,
+                 baseline="torch_sdpa_%s_%s" % (best, t[best][1]), baseline_time_us=round(t[best][0], 1),
+                 speedup=round(t[best][0] / l["time_us"], 3))
+        r.update(threads=l["threads"], torch_version=tver, torch_fp32_time_us=round(t["fp32"][0], 1),
+                 torch_bf16_time_us=round(t["bf16"][0], 1), speedup_vs_fp32=round(t["fp32"][0] / l["time_us"], 3),
+                 cpu_us=l.get("cpu_us"), loadavg_start_end=load)
+        rows_d.append(r)
+    for l in quant:
+        r = {k: l.get(k) for k in FIELDS}
+        r.update(suite="cpu_quantize", backend="cpu", device=device, commit=rev, baseline=None,
+                 baseline_time_us=None, speedup=None, threads=l["threads"], gbps_per_core=l["gbps_per_core"],
+                 input_dtype="f32", loadavg_start_end=load,
+                 note="bytes = fp32 K+V input; quantize_append_api includes the C API's per-value input validation")
+        rows_q.append(r)
+
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "cpu_decode.jsonl"), "w") as f:
+        for r in rows_d:
+            f.write(json.dumps(r) + "\n")
+    with open(os.path.join(a.out, "cpu_quantize.jsonl"), "w") as f:
+        for r in rows_q:
+            f.write(json.dumps(r) + "\n")
+
+    print("\ndevice: %s   copy bandwidth (read+write): %.2f GB/s   torch %s, %d threads   load avg %s" %
+          (device, info["copy_gbps"], tver, threads, load))
+    print("%-12s %-5s %7s %10s %8s %7s %10s %10s %8s %8s" %
+          ("shape", "fmt", "ctx", "fmkv_us", "GB/s", "%copy", "sdpa32_us", "sdpa16_us", "x_fp32", "x_best"))
+    for r in rows_d:
+        print("%-12s %-5s %7d %10.1f %8.2f %7.1f %10.1f %10.1f %8.2f %8.2f" %
+              ("%dq/%dkv d%d" % (r["q_heads"], r["kv_heads"], r["head_dim"]), "k%dv%d" % (r["k_bits"], r["v_bits"]),
+               r["context"], r["time_us"], r["gbps"], r["pct_copy_bw"], r["torch_fp32_time_us"],
+               r["torch_bf16_time_us"], r["speedup_vs_fp32"], r["speedup"]))
+    print("\n%-20s %-5s %10s %8s %10s" % ("quantize (4096 tok)", "fmt", "time_us", "GB/s", "GB/s/core"))
+    for r in rows_q:
+        print("%-20s %-5s %10.1f %8.3f %10.3f" % (r["op"], "k%dv%d" % (r["k_bits"], r["v_bits"]), r["time_us"],
+                                                r["gbps"], r["gbps_per_core"]))
+
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        geoms = sorted({(r["q_heads"], r["kv_heads"], r["head_dim"]) for r in rows_d}, reverse=True)
+        fig, axes = plt.subplots(1, len(geoms), figsize=(6 * len(geoms), 4.5), squeeze=False)
+        for ax, g in zip(axes[0], geoms):
+            rs = [r for r in rows_d if (r["q_heads"], r["kv_heads"], r["head_dim"]) == g]
+            for fmt in sorted({(r["k_bits"], r["v_bits"]) for r in rs}, reverse=True):
+                pts = sorted((r["context"], r["time_us"]) for r in rs if (r["k_bits"], r["v_bits"]) == fmt)
+                ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], "o-", label="fmkv k%dv%d" % fmt)
+            for key, style in (("torch_fp32_time_us", "k--"), ("torch_bf16_time_us", "k:")):
+                pts = sorted({(r["context"], r[key]) for r in rs})
+                ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], style,
+                        label="torch SDPA " + key.split("_")[1])
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel("decode attention time (ms, median)")
+            ax.set_title("%dq/%dkv d=%d, batch 1, q_len 1" % g)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle("fmkv CPU backend vs torch SDPA: %s" % device, fontsize=10)
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.out, "cpu_decode.png"), dpi=110)
+        print("\nwrote", os.path.join(a.out, "cpu_decode.png"))
+    except ImportError:
+        print("matplotlib missing (pip install matplotlib): no plot")
+
+
+if __name__ == "__main__":
+    main()

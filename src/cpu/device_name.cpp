@@ -1,0 +1,61 @@
+// CPU backend identity and run-time ISA selection.
+//   FMKV_CPU_ISA=scalar|avx2|avx512 forces a kernel set (an unsupported request falls back to the
+//   best supported one); FMKV_NUM_THREADS sets the pool size (thread_pool.h).
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include "../core/backends.h"
+#include "kernels.h"
+#include "thread_pool.h"
+
+namespace fmkv::cpu {
+namespace {
+const Kernels& select_kernels() {
+  const char* e = std::getenv("FMKV_CPU_ISA");
+  std::string want = e ? e : "";
+#if defined(__x86_64__) && defined(FMKV_CPU_HAVE_AVX512)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
+  if (want == "scalar") return kernels_scalar();
+  if (want == "avx2" && avx2) return kernels_avx2();
+  if (avx512) return kernels_avx512();
+  if (avx2) return kernels_avx2();
+#endif
+  return kernels_scalar();
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    for (const char* key : {"model name", "Model", "CPU part"}) {
+      if (line.rfind(key, 0) == 0) {
+        size_t c = line.find(':');
+        if (c != std::string::npos) {
+          size_t b = line.find_first_not_of(" \t", c + 1);
+          return b == std::string::npos ? std::string("unknown CPU") : line.substr(b);
+        }
+      }
+    }
+  }
+#if defined(__aarch64__)
+  return "aarch64 CPU";
+#else
+  return "unknown CPU";
+#endif
+}
+}  // namespace
+
+const Kernels& kernels() {
+  static const Kernels& k = select_kernels();
+  return k;
+}
+
+std::string device_name() {
+  return cpu_model() + " (" + kernels().name + ", " + std::to_string(ThreadPool::instance().num_threads()) + " threads)";
+}
+
+}  // namespace fmkv::cpu

@@ -1,0 +1,370 @@
+// CPU kernels written once over the SIMD traits of simd.h; each per-ISA .cpp includes this file
+// after defining nothing but its -m flags, and instantiates make_kernels<Traits>().
+// Everything here has internal linkage (anonymous namespace, no std:: templates) so that code built
+// with different -m flags is never merged by the linker.
+#pragma once
+#include <cstring>
+
+#include "../core/quant_math.h"
+#include "fmkv/params.h"
+#include "kernels.h"
+#include "simd.h"
+
+namespace fmkv::cpu {
+namespace {
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// scale_to_f16 of quant_math.h with the ISA's float -> fp16 conversion (same rounding).
+template <class T>
+inline uint16_t scale_h(float s) {
+  const uint16_t h = T::h_from_f(s);
+  return (h & 0x7fffu) >= 0x7c00u ? (uint16_t)0x7bffu : h;
+}
+
+// Lane order of V accumulators: lane u (0..31) of a group holds coordinate pi(u), the coordinate
+// whose 2-bit field sits in field word u >> 4 at shift 2 * (u & 15). With this order a broadcast
+// field word shifted by a constant per-lane vector yields every lane's magnitude, no shuffles.
+struct LaneTables {
+  alignas(64) uint32_t pi[32], field_shift[32], pi_srl[32], sign_shl[32], m2_srl[32], m2_sll[32];
+  LaneTables() {
+    for (int j = 0; j < 32; ++j) {
+      int u = 16 * fmkv_field_word(j) + fmkv_field_shift(j) / 2;
+      pi[u] = (uint32_t)j;
+    }
+    for (int u = 0; u < 32; ++u) {
+      int j = (int)pi[u];
+      field_shift[u] = (uint32_t)(2 * (u & 15));
+      pi_srl[u] = (uint32_t)j;                              // bit j -> bit 0
+      sign_shl[u] = (uint32_t)(31 - j);                     // bit j -> bit 31
+      m2_srl[u] = j >= 2 ? (uint32_t)(j - 2) : 32u;         // bit j -> bit 2 (right part)
+      m2_sll[u] = j < 2 ? (uint32_t)(2 - j) : 32u;          // bit j -> bit 2 (left part)
+    }
+  }
+};
+const LaneTables& lane_tables() {
+  static const LaneTables t;
+  return t;
+}
+
+void unpermute_acc(const float* acc, int32_t d, float* out) {
+  const LaneTables& lt = lane_tables();
+  for (int32_t g = 0; g < d / 32; ++g)
+    for (int u = 0; u < 32; ++u) out[g * 32 + (int)lt.pi[u]] = acc[g * 32 + u];
+}
+
+// ---- quantize: rotate (FWHT), group scale, codes, bit planes -------------------------------
+// One head vector per call, single thread. Bit-exact with ref::quantize_vector + pack_group:
+// identical float32 operations (no fma), tree_sum32 pairing reproduced across and inside vectors.
+template <class T, int D, int B>
+void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int32_t P, int32_t t) {
+  using F = typename T::F;
+  using I = typename T::I;
+  constexpr int N = T::N, NV = D / N, K = 32 / N, NM = 1 << (B - 1);
+  F y[NV];
+  for (int k = 0; k < NV; ++k) y[k] = T::xor_i(T::load_h(x + k * N), T::loadi(qp.sign_xor + k * N));
+  for (int h = 1; h < D; h <<= 1) {
+    if (h < N) {  // in-register stage: lane i pairs with lane i ^ h
+      for (int k = 0; k < NV; ++k) {
+        F p = T::perm_xor(y[k], h);
+        y[k] = T::blend_hbit(T::add(y[k], p), T::sub(p, y[k]), h);
+      }
+    } else {
+      const int hv = h / N;
+      for (int k0 = 0; k0 < NV; k0 += 2 * hv)
+        for (int k = k0; k < k0 + hv; ++k) {
+          F a = y[k], b = y[k + hv];
+          y[k] = T::add(a, b);
+          y[k + hv] = T::sub(a, b);
+        }
+    }
+  }
+  const F nv = T::set1(qp.norm);
+  for (int k = 0; k < NV; ++k) y[k] = T::mul(y[k], nv);
+  const typename T::Table tmag = T::load_table(qp.mag16);
+
+  uint32_t* words = (uint32_t*)section;
+  uint16_t* scales = (uint16_t*)(section + fmkv_scales_offset(D, B, P));
+  for (int g = 0; g < D / 32; ++g) {
+    const F* yg = y + g * K;
+    F tt[K];
+    for (int k = 0; k < K; ++k) tt[k] = T::mul(yg[k], yg[k]);
+    for (int s = K / 2; s >= 1; s >>= 1)
+      for (int k = 0; k < s; ++k) tt[k] = T::add(tt[k], tt[k + s]);
+    const float rms = __builtin_sqrtf(T::tree_reduce(tt[0]) / 32.0f);
+    const uint16_t s0 = scale_h<T>(rms);
+    const float s0f = T::f_from_h(s0);
+    uint32_t w[4] = {0, 0, 0, 0};
+    uint16_t sc = 0;
+    if (s0f != 0.0f) {
+      const F sv = T::set1(s0f);
+      uint32_t sign = 0, b0 = 0, b1 = 0, b2 = 0;
+      I mm[K];
+      F u[K];
+      for (int k = 0; k < K; ++k) {
+        u[k] = T::div(yg[k], sv);
+        const F a = T::abs(u[k]);
+        I m = T::set1i(0);
+        for (int i = 0; i + 1 < NM; ++i) m = T::count_gt(m, a, qp.thr[i]);
+        mm[k] = m;
+        sign |= T::ltzero_mask(u[k]) << (k * N);
+        b0 |= T::bitmask(m, 0) << (k * N);
+        if (B >= 3) b1 |= T::bitmask(m, 1) << (k * N);
+        if (B == 4) b2 |= T::bitmask(m, 2) << (k * N);
+      }
+      if (B == 2) {
+        w[0] = b0;
+      } else {
+        for (int fw = 0; fw < 2; ++fw)
+          for (int byte = 0; byte < 4; ++byte) {
+            const int base = 8 * fw + (byte >> 1) + 16 * (byte & 1);
+            const uint32_t v = ((b0 >> base) & 0x55u) | (((b1 >> base) & 0x55u) << 1);
+            w[fw] |= v << (8 * byte);
+          }
+        if (B == 4) w[2] = b2;
+      }
+      w[B - 1] = sign;
+      sc = s0;
+      if (qp.rule == FMKV_SCALE_LSQ) {
+        F nn[K], dd[K];
+        for (int k = 0; k < K; ++k) {
+          const F lv = T::negate_if_lt0(T::lut(tmag, mm[k]), u[k]);
+          nn[k] = T::mul(yg[k], lv);
+          dd[k] = T::mul(lv, lv);
+        }
+        for (int s = K / 2; s >= 1; s >>= 1)
+          for (int k = 0; k < s; ++k) {
+            nn[k] = T::add(nn[k], nn[k + s]);
+            dd[k] = T::add(dd[k], dd[k + s]);
+          }
+        const float num = T::tree_reduce(nn[0]), den = T::tree_reduce(dd[0]);
+        sc = scale_h<T>(num / den);
+      }
+    }
+    for (int wi = 0; wi < B; ++wi) words[((int64_t)g * B + wi) * P + t] = w[wi];
+    scales[(int64_t)g * P + t] = sc;
+  }
+}
+
+template <class T>
+void quantize_dispatch(const QuantParams& qp, const uint16_t* x, uint8_t* section, int32_t P, int32_t t) {
+#define FMKV_Q(D, B) \
+  if (qp.d == D && qp.bits == B) return quantize_t<T, D, B>(qp, x, section, P, t);
+  FMKV_Q(64, 2) FMKV_Q(64, 3) FMKV_Q(64, 4)
+  FMKV_Q(128, 2) FMKV_Q(128, 3) FMKV_Q(128, 4)
+  FMKV_Q(256, 2) FMKV_Q(256, 3) FMKV_Q(256, 4)
+#undef FMKV_Q
+}
+
+// ---- decode attention over compressed pages ------------------------------------------------
+// One call = one kv head, R query vectors (GQA group heads x query rows), compressed tokens
+// [c0, c1) in blocks of N tokens (N = SIMD lanes; a block never crosses a page since P >= 16).
+// K (quantized): lane = token. For each coordinate j the N tokens' codes are extracted from the
+// plane words of N consecutive tokens (one contiguous load per plane) with constant shifts, looked up
+// in the signed codebook (register permute), and fma'd with the broadcast rotated q[j]; per-group
+// fp16 scales multiply the group partial sums. Scores come out as one vector per query.
+// K (fp16, k_bits == 16): lane = coordinate, one dot product per token.
+// Softmax: online, per block (max, exp, sum) in registers.
+// V: lane = coordinate (lane order pi, see LaneTables). Per token: broadcast the plane words,
+// shift by per-lane constants, look up, fma into accumulators with weight p * scale.
+// Nothing is dequantized to memory; each page is read once for all R queries.
+template <class T, int KB, int VB, int R>
+void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, AttnState* st) {
+  using F = typename T::F;
+  using I = typename T::I;
+  constexpr int N = T::N, HV = 32 / N;
+  const int d = job.d, G = d / 32, P = job.P;
+  const LaneTables& lt = lane_tables();
+  const typename T::Table tk = T::load_table(job.tk), tv = T::load_table(job.tv);
+  const float NEG_INF = -__builtin_inff();
+  float m[R], l[R];
+  for (int r = 0; r < R; ++r) m[r] = st[r].m, l[r] = st[r].l;
+  alignas(64) float wbuf[R][N];
+  alignas(64) float sbuf[R][N];
+  // Software prefetch kAhead tokens ahead: each plane of a page is only P * 4 bytes long, too short
+  // for the hardware stream prefetchers, and a block's compute hides one block of latency at most.
+  const int64_t kAhead = job.prefetch_tokens;
+  // (Plain loop, not a lambda: GCC deems a prefetch-only lambda pure and deletes its calls.)
+  for (int64_t b0 = job.c0, pf = job.c0; b0 < job.c1; b0 += N) {
+    for (; pf < job.c1 && pf <= b0 + kAhead; pf += 16) {  // the 16 tokens starting at pf
+      const uint8_t* pg = job.pages + (int64_t)job.block_table[pf / P] * job.page_bytes;
+      const int64_t t = pf % P;
+      if (KB == 16) {
+        const uint8_t* kx = pg + job.k_off + t * d * 2;
+        for (int64_t o = 0; o < 16 * d * 2; o += 64) __builtin_prefetch(kx + o);
+      } else {
+        const uint8_t* ks = pg + job.k_off;
+        for (int g = 0; g < G; ++g) {
+          for (int w = 0; w < KB; ++w) __builtin_prefetch(ks + (((int64_t)g * KB + w) * P + t) * 4);
+          __builtin_prefetch(ks + fmkv_scales_offset(d, KB, P) + ((int64_t)g * P + t) * 2);
+        }
+      }
+      const uint8_t* vs = pg + job.v_off;
+      for (int g = 0; g < G; ++g) {
+        for (int w = 0; w < VB; ++w) __builtin_prefetch(vs + (((int64_t)g * VB + w) * P + t) * 4);
+        __builtin_prefetch(vs + fmkv_scales_offset(d, VB, P) + ((int64_t)g * P + t) * 2);
+      }
+    }
+    const int32_t page = job.block_table[b0 / P];
+    const int32_t t0 = (int32_t)(b0 % P);
+    const uint8_t* pg = job.pages + (int64_t)page * job.page_bytes;
+    const uint8_t* ksec = pg + job.k_off;
+    const uint8_t* vsec = pg + job.v_off;
+    const int nany = (int)imin(N, job.c1 - b0);
+    F s[R];
+    if constexpr (KB == 16) {
+      const uint16_t* kx = (const uint16_t*)ksec + (int64_t)t0 * d;
+      for (int t = 0; t < N; ++t) {
+        if (t < nany) {
+          F a[R];
+          for (int r = 0; r < R; ++r) a[r] = T::zero();
+          for (int i = 0; i < d; i += N) {
+            const F kv = T::load_h(kx + (int64_t)t * d + i);
+            for (int r = 0; r < R; ++r) a[r] = T::fmadd(T::load(q[r] + i), kv, a[r]);
+          }
+          for (int r = 0; r < R; ++r) sbuf[r][t] = T::hsum(a[r]);
+        } else {
+          for (int r = 0; r < R; ++r) sbuf[r][t] = 0.0f;
+        }
+      }
+      for (int r = 0; r < R; ++r) s[r] = T::load(sbuf[r]);
+    } else {
+      for (int r = 0; r < R; ++r) s[r] = T::zero();
+      const uint32_t* kw = (const uint32_t*)ksec;
+      const uint16_t* ksc = (const uint16_t*)(ksec + fmkv_scales_offset(d, KB, P));
+      for (int g = 0; g < G; ++g) {
+        I W[KB];
+        for (int w = 0; w < KB; ++w) W[w] = T::loadi(kw + ((int64_t)g * KB + w) * P + t0);
+        F part[R];
+        for (int r = 0; r < R; ++r) part[r] = T::zero();
+        const float* qg[R];
+        for (int r = 0; r < R; ++r) qg[r] = q[r] + g * 32;
+#pragma GCC unroll 32
+        for (int j = 0; j < 32; ++j) {
+          I idx;
+          if constexpr (KB == 2) idx = T::srl(W[0], j);
+          else idx = T::srl(W[fmkv_field_word(j)], fmkv_field_shift(j));
+          if constexpr (KB == 4) {
+            const I b2 = j >= 2 ? T::srl(W[2], j - 2) : T::sll(W[2], 2 - j);
+            idx = T::select_bits(idx, b2, T::set1i(4));
+          }
+          const F lev = T::xor_sign(T::lut(tk, idx), T::sll(W[KB - 1], 31 - j));
+          for (int r = 0; r < R; ++r) part[r] = T::fmadd(T::set1(qg[r][j]), lev, part[r]);
+        }
+        const F sc = T::load_h(ksc + (int64_t)g * P + t0);
+        for (int r = 0; r < R; ++r) s[r] = T::fmadd(part[r], sc, s[r]);
+      }
+    }
+    // online softmax over the block
+    F p[R];
+    float corr[R];
+    for (int r = 0; r < R; ++r) {
+      int64_t lim64 = climit[r] - b0;
+      const int lim = lim64 <= 0 ? 0 : lim64 >= N ? N : (int)lim64;
+      p[r] = T::zero();
+      corr[r] = 1.0f;
+      if (lim == 0) continue;
+      if (job.softcap > 0.0f) {
+        T::store(sbuf[r], s[r]);
+        for (int t = 0; t < lim; ++t) sbuf[r][t] = job.softcap * __builtin_tanhf(sbuf[r][t] / job.softcap);
+        s[r] = T::load(sbuf[r]);
+      }
+      s[r] = T::select_valid(s[r], T::set1(NEG_INF), lim);
+      const float bm = T::hmax(s[r]);
+      const float mn = m[r] > bm ? m[r] : bm;
+      corr[r] = m[r] == NEG_INF ? 0.0f : __builtin_expf(m[r] - mn);
+      p[r] = T::select_valid(T::exp(T::sub(s[r], T::set1(mn))), T::zero(), lim);
+      l[r] = l[r] * corr[r] + T::hsum(p[r]);
+      m[r] = mn;
+    }
+    // V accumulation
+    const uint32_t* vw = (const uint32_t*)vsec;
+    const uint16_t* vsc = (const uint16_t*)(vsec + fmkv_scales_offset(d, VB, P));
+    for (int g = 0; g < G; ++g) {
+      const F sv = T::load_h(vsc + (int64_t)g * P + t0);
+      for (int r = 0; r < R; ++r) T::store(wbuf[r], T::select_valid(T::mul(p[r], sv), T::zero(), nany));
+      const uint32_t* wg = vw + (int64_t)g * VB * P + t0;  // word w of token t: wg[w * P + t]
+      for (int hv = 0; hv < HV; ++hv) {
+        F A[R];
+        for (int r = 0; r < R; ++r) {  // rescale by the max correction (usually exactly 1)
+          A[r] = T::load(st[r].acc + g * 32 + hv * N);
+          if (corr[r] != 1.0f) A[r] = T::mul(A[r], T::set1(corr[r]));
+        }
+        const int fw = (hv * N) >> 4;
+        const I sh_m = VB == 2 ? T::loadi(lt.pi_srl + hv * N) : T::loadi(lt.field_shift + hv * N);
+        const I sh_s = T::loadi(lt.sign_shl + hv * N);
+        I m2r = T::set1i(0), m2l = T::set1i(0);
+        if constexpr (VB == 4) m2r = T::loadi(lt.m2_srl + hv * N), m2l = T::loadi(lt.m2_sll + hv * N);
+        const uint32_t* wm = VB == 2 ? wg : wg + (int64_t)fw * P;
+        for (int t = 0; t < nany; ++t) {
+          I idx = T::srlv(T::set1i(wm[t]), sh_m);
+          if constexpr (VB == 4) {
+            const I w2 = T::set1i(wg[2 * P + t]);
+            // bit pi(u) of plane 2 -> bit 2: (w2 >> m2r) | (w2 << m2l) (one side shifts by 32 = 0);
+            // select_bits(a, ~0, c) == a | c.
+            const I b2 = T::select_bits(T::srlv(w2, m2r), T::set1i(0xffffffffu), T::sllv(w2, m2l));
+            idx = T::select_bits(idx, b2, T::set1i(4));
+          }
+          const F lev = T::xor_sign(T::lut(tv, idx), T::sllv(T::set1i(wg[(VB - 1) * P + t]), sh_s));
+          for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
+        }
+        for (int r = 0; r < R; ++r) T::store(st[r].acc + g * 32 + hv * N, A[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) st[r].m = m[r], st[r].l = l[r];
+}
+
+// fp16 tokens (sink + window): lane = coordinate; per token one dot product per query (hsum),
+// scalar online softmax, acc = acc * corr + p * v. Few tokens per call (<= sink + window).
+template <class T>
+void attend_fp16_t(int32_t d, int64_t ntok, const uint16_t* const* k, const uint16_t* const* v, const int64_t* pos,
+                   int R, const float* const* q, const int64_t* qpos, float softcap, AttnState* st) {
+  using F = typename T::F;
+  constexpr int N = T::N;
+  const float NEG_INF = -__builtin_inff();
+  for (int64_t i = 0; i < ntok; ++i) {
+    for (int r = 0; r < R; ++r) {
+      if (pos[i] > qpos[r]) continue;
+      F a = T::zero();
+      for (int32_t c = 0; c < d; c += N) a = T::fmadd(T::load(q[r] + c), T::load_h(k[i] + c), a);
+      float sc = T::hsum(a);
+      if (softcap > 0.0f) sc = softcap * __builtin_tanhf(sc / softcap);
+      const float mn = st[r].m > sc ? st[r].m : sc;
+      const float corr = st[r].m == NEG_INF ? 0.0f : __builtin_expf(st[r].m - mn), pw = __builtin_expf(sc - mn);
+      st[r].l = st[r].l * corr + pw;
+      st[r].m = mn;
+      const F cv = T::set1(corr), pv = T::set1(pw);
+      for (int32_t c = 0; c < d; c += N)
+        T::store(st[r].acc + c, T::fmadd(pv, T::load_h(v[i] + c), T::mul(T::load(st[r].acc + c), cv)));
+    }
+  }
+}
+
+using AttendFn = void (*)(const AttnJob&, const float* const*, const int64_t*, AttnState*);
+
+template <class T, int KB, int VB>
+AttendFn pick_r(int R) {
+  switch (R) {
+    case 1: return attend_t<T, KB, VB, 1>;
+    case 2: return attend_t<T, KB, VB, 2>;
+    case 3: return attend_t<T, KB, VB, 3>;
+    default: return attend_t<T, KB, VB, 4>;
+  }
+}
+template <class T, int KB>
+AttendFn pick_v(int VB, int R) {
+  return VB == 2 ? pick_r<T, KB, 2>(R) : VB == 3 ? pick_r<T, KB, 3>(R) : pick_r<T, KB, 4>(R);
+}
+
+template <class T>
+void attend_dispatch(const AttnJob& job, int R, const float* const* q, const int64_t* climit, AttnState* st) {
+  AttendFn f = job.k_bits == 2 ? pick_v<T, 2>(job.v_bits, R)
+             : job.k_bits == 3 ? pick_v<T, 3>(job.v_bits, R)
+             : job.k_bits == 4 ? pick_v<T, 4>(job.v_bits, R)
+                               : pick_v<T, 16>(job.v_bits, R);
+  f(job, q, climit, st);
+}
+
+}  // namespace
+}  // namespace fmkv::cpu

@@ -1,0 +1,22 @@
+// CPU quantizer front end: per-layer constants for the SIMD quantize kernel (kernels_impl.h,
+// quantize_t: sign flip + in-register FWHT + norm, group RMS/LSQ scale, codes, bit planes) and
+// the codebook tables shared with attention.
+#pragma once
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace fmkv::cpu {
+
+// Constants for quantizing head vectors of width d with `bits`-bit codes (2..4).
+void make_quant_params(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int32_t layer, QuantParams* qp);
+
+// mag16[i] = codebook_mag(bits, i & (magnitude_count - 1)) (lookup table for 4-bit indices).
+void codebook_table16(int32_t bits, float* mag16);
+
+// Rotation of a query in float32 (same operation order as ref::rotate): y = FWHT(s * x) * norm.
+void rotate_f32(const float* x, int32_t d, const uint64_t* sign_words, float* y);
+// Inverse rotation in float32: x = s * FWHT(y) * norm.
+void unrotate_f32(const float* y, int32_t d, const uint64_t* sign_words, float* x);
+
+}  // namespace fmkv::cpu

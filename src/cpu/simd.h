@@ -1,0 +1,239 @@
+// Small SIMD abstraction of the CPU backend: one traits struct per instruction set, N float32 lanes.
+// The kernels (kernels_impl.h) are templates over these traits; each per-ISA translation unit is
+// compiled with its own -m flags and sees only the traits its flags enable. Scalar (N = 1) is the
+// portable fallback (any architecture).
+// Quantize code uses only exactly rounded ops here (add/sub/mul/div, no fmadd); fmadd is used only
+// by attention, which is not bit-exact by contract.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "../core/half.h"
+
+#if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
+#include <immintrin.h>
+#endif
+
+namespace fmkv::cpu {
+
+// ---- scalar (N = 1) ------------------------------------------------------------------------
+struct ScalarT {
+  static constexpr int N = 1;
+  using F = float;
+  using I = uint32_t;
+  using Table = const float*;
+  static F zero() { return 0.0f; }
+  static F set1(float x) { return x; }
+  static I set1i(uint32_t x) { return x; }
+  static F load(const float* p) { return *p; }
+  static void store(float* p, F v) { *p = v; }
+  static I loadi(const uint32_t* p) { return *p; }
+  static F load_h(const uint16_t* p) { return f16_to_f32(*p); }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+  static F div(F a, F b) { return a / b; }
+  static F fmadd(F a, F b, F c) { return a * b + c; }
+  static F max(F a, F b) { return a > b ? a : b; }
+  static I srl(I a, int n) { return a >> n; }
+  static I sll(I a, int n) { return a << n; }
+  static I srlv(I a, I n) { return n > 31 ? 0u : a >> n; }
+  static I sllv(I a, I n) { return n > 31 ? 0u : a << n; }
+  static I select_bits(I a, I b, I c) { return (a & ~c) | (b & c); }
+  static F xor_i(F x, I s) { return bits_f32(f32_bits(x) ^ s); }
+  static F xor_sign(F x, I s) { return bits_f32(f32_bits(x) ^ (s & 0x80000000u)); }
+  static Table load_table(const float* t16) { return t16; }
+  static F lut(Table t, I idx) { return t[idx & 15u]; }
+  static F select_valid(F a, F b, int n) { return n > 0 ? a : b; }
+  static float hmax(F x) { return x; }
+  static float hsum(F x) { return x; }
+  static F exp(F x) { return std::exp(x); }
+  // quantize helpers (perm_xor / blend_hbit are never used with N = 1)
+  static F perm_xor(F v, int) { return v; }
+  static F blend_hbit(F a, F, int) { return a; }
+  static float tree_reduce(F v) { return v; }
+  static uint32_t ltzero_mask(F u) { return u < 0.0f ? 1u : 0u; }
+  static F abs(F x) { return x < 0.0f ? -x : x; }
+  static I count_gt(I m, F a, float thr) { return m + (a > thr ? 1u : 0u); }
+  static uint32_t bitmask(I m, int bit) { return (m >> bit) & 1u; }
+  static F negate_if_lt0(F l, F u) { return u < 0.0f ? -l : l; }
+  static uint16_t h_from_f(float x) { return f32_to_f16(x); }
+  static float f_from_h(uint16_t h) { return f16_to_f32(h); }
+};
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// ---- AVX2 + FMA + F16C (N = 8) -------------------------------------------------------------
+struct Avx2T {
+  static constexpr int N = 8;
+  using F = __m256;
+  using I = __m256i;
+  using Table = __m256;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static I set1i(uint32_t x) { return _mm256_set1_epi32((int)x); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static I loadi(const uint32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static F load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static I srl(I a, int n) { return _mm256_srli_epi32(a, n); }
+  static I sll(I a, int n) { return _mm256_slli_epi32(a, n); }
+  static I srlv(I a, I n) { return _mm256_srlv_epi32(a, n); }
+  static I sllv(I a, I n) { return _mm256_sllv_epi32(a, n); }
+  static I select_bits(I a, I b, I c) { return _mm256_or_si256(_mm256_andnot_si256(c, a), _mm256_and_si256(c, b)); }
+  static F xor_i(F x, I s) { return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(x), s)); }
+  static F xor_sign(F x, I s) { return xor_i(x, _mm256_and_si256(s, set1i(0x80000000u))); }
+  static Table load_table(const float* t16) { return _mm256_loadu_ps(t16); }
+  static F lut(Table t, I idx) { return _mm256_permutevar8x32_ps(t, idx); }
+  static F select_valid(F a, F b, int n) {
+    if (n >= N) return a;
+    F m = _mm256_castsi256_ps(_mm256_cmpgt_epi32(set1i((uint32_t)(n < 0 ? 0 : n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    return _mm256_blendv_ps(b, a, m);
+  }
+  static float hmax(F x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  static float hsum(F x) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  static F exp(F x) {  // Cephes expf, ~1 ulp on [-87, 88]
+    x = _mm256_min_ps(_mm256_max_ps(x, set1(-87.0f)), set1(88.0f));
+    F n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    F r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+    F y = set1(1.9875691500E-4f);
+    y = fmadd(y, r, set1(1.3981999507E-3f));
+    y = fmadd(y, r, set1(8.3334519073E-3f));
+    y = fmadd(y, r, set1(4.1665795894E-2f));
+    y = fmadd(y, r, set1(1.6666665459E-1f));
+    y = fmadd(y, r, set1(5.0000001201E-1f));
+    y = fmadd(y, _mm256_mul_ps(r, r), r);
+    y = _mm256_add_ps(y, set1(1.0f));
+    I e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), set1i(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  }
+  static F perm_xor(F v, int h) {
+    if (h == 1) return _mm256_permute_ps(v, 0xB1);
+    if (h == 2) return _mm256_permute_ps(v, 0x4E);
+    return _mm256_permute2f128_ps(v, v, 1);
+  }
+  static F blend_hbit(F a, F b, int h) {
+    if (h == 1) return _mm256_blend_ps(a, b, 0xAA);
+    if (h == 2) return _mm256_blend_ps(a, b, 0xCC);
+    return _mm256_blend_ps(a, b, 0xF0);
+  }
+  static float tree_reduce(F v) {  // steps 4, 2, 1: lane j += lane j + step
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  static uint32_t ltzero_mask(F u) { return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, zero(), _CMP_LT_OQ)); }
+  static F abs(F x) { return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(x), set1i(0x7fffffffu))); }
+  static I count_gt(I m, F a, float thr) { return _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(a, set1(thr), _CMP_GT_OQ))); }
+  static uint32_t bitmask(I m, int bit) { return (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sll_epi32(m, _mm_cvtsi32_si128(31 - bit)))); }
+  static F negate_if_lt0(F l, F u) {
+    return xor_i(l, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(u, zero(), _CMP_LT_OQ)), set1i(0x80000000u)));
+  }
+  // F16C conversions, bit-identical to half.h (tests/test_half.cpp checks the hardware rounding).
+  static uint16_t h_from_f(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static float f_from_h(uint16_t h) { return _cvtsh_ss(h); }
+};
+#endif
+
+#if defined(__x86_64__) && defined(__AVX512F__)
+// ---- AVX-512F (N = 16) ---------------------------------------------------------------------
+struct Avx512T {
+  static constexpr int N = 16;
+  using F = __m512;
+  using I = __m512i;
+  using Table = __m512;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static I set1i(uint32_t x) { return _mm512_set1_epi32((int)x); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static I loadi(const uint32_t* p) { return _mm512_loadu_si512((const void*)p); }
+  static F load_h(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static I srl(I a, int n) { return _mm512_srli_epi32(a, (unsigned)n); }
+  static I sll(I a, int n) { return _mm512_slli_epi32(a, (unsigned)n); }
+  static I srlv(I a, I n) { return _mm512_srlv_epi32(a, n); }
+  static I sllv(I a, I n) { return _mm512_sllv_epi32(a, n); }
+  static I select_bits(I a, I b, I c) { return _mm512_ternarylogic_epi32(a, b, c, 0xD8); }  // c ? b : a
+  static F xor_i(F x, I s) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), s)); }
+  static F xor_sign(F x, I s) {  // x ^ (s & 0x80000000)
+    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(x), s, set1i(0x80000000u), 0x78));
+  }
+  static Table load_table(const float* t16) { return _mm512_loadu_ps(t16); }
+  static F lut(Table t, I idx) { return _mm512_permutexvar_ps(idx, t); }
+  static F select_valid(F a, F b, int n) {
+    __mmask16 k = n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+    return _mm512_mask_blend_ps(k, b, a);
+  }
+  static float hmax(F x) { return _mm512_reduce_max_ps(x); }
+  static float hsum(F x) { return _mm512_reduce_add_ps(x); }
+  static F exp(F x) {  // Cephes expf, ~1 ulp on [-87, 88]
+    x = _mm512_min_ps(_mm512_max_ps(x, set1(-87.0f)), set1(88.0f));
+    F n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    F r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+    F y = set1(1.9875691500E-4f);
+    y = fmadd(y, r, set1(1.3981999507E-3f));
+    y = fmadd(y, r, set1(8.3334519073E-3f));
+    y = fmadd(y, r, set1(4.1665795894E-2f));
+    y = fmadd(y, r, set1(1.6666665459E-1f));
+    y = fmadd(y, r, set1(5.0000001201E-1f));
+    y = fmadd(y, _mm512_mul_ps(r, r), r);
+    y = _mm512_add_ps(y, set1(1.0f));
+    return _mm512_scalef_ps(y, n);
+  }
+  static F perm_xor(F v, int h) {
+    if (h == 1) return _mm512_permute_ps(v, 0xB1);
+    if (h == 2) return _mm512_permute_ps(v, 0x4E);
+    if (h == 4) return _mm512_shuffle_f32x4(v, v, 0xB1);
+    return _mm512_shuffle_f32x4(v, v, 0x4E);
+  }
+  static F blend_hbit(F a, F b, int h) {
+    __mmask16 k = h == 1 ? 0xAAAA : h == 2 ? 0xCCCC : h == 4 ? 0xF0F0 : 0xFF00;
+    return _mm512_mask_blend_ps(k, a, b);
+  }
+  static float tree_reduce(F v) {  // steps 8, 4, 2, 1: lane j += lane j + step
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  static uint32_t ltzero_mask(F u) { return (uint32_t)_mm512_cmp_ps_mask(u, zero(), _CMP_LT_OQ); }
+  static F abs(F x) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), set1i(0x7fffffffu))); }
+  static I count_gt(I m, F a, float thr) {
+    return _mm512_mask_add_epi32(m, _mm512_cmp_ps_mask(a, set1(thr), _CMP_GT_OQ), m, set1i(1));
+  }
+  static uint32_t bitmask(I m, int bit) { return (uint32_t)_mm512_test_epi32_mask(m, set1i(1u << bit)); }
+  static F negate_if_lt0(F l, F u) {
+    I li = _mm512_castps_si512(l);
+    return _mm512_castsi512_ps(_mm512_mask_xor_epi32(li, _mm512_cmp_ps_mask(u, zero(), _CMP_LT_OQ), li, set1i(0x80000000u)));
+  }
+  static uint16_t h_from_f(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static float f_from_h(uint16_t h) { return _cvtsh_ss(h); }
+};
+#endif
+
+}  // namespace fmkv::cpu
