@@ -1,0 +1,278 @@
+// fmkv CUDA benchmark: decode attention on the compressed cache (CUDA graph, median over replays,
+// rotating cache copies when one copy would sit in L2), quantize-append throughput, and the device
+// copy bandwidth. Prints one JSON object per line. Driver: bench/cuda_bench.py.
+//   fmkv_cuda_bench [--quick]
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "fmkv/fmkv.h"
+
+#define CK(x)                                                                              \
+  do {                                                                                     \
+    cudaError_t e_ = (x);                                                                  \
+    if (e_ != cudaSuccess) {                                                               \
+      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+#define FK(x)                                                                               \
+  do {                                                                                      \
+    fmkv_status s_ = (x);                                                                   \
+    if (s_ != FMKV_OK) {                                                                    \
+      std::fprintf(stderr, "fmkv error %d: %s at %s:%d\n", (int)s_, fmkv_last_error(), __FILE__, __LINE__); \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+__device__ uint32_t hash32(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return (uint32_t)x;
+}
+// Approximately N(0, sd^2) fp16 values (sum of 4 uniforms), channel-dependent sd for keys.
+__global__ void fill_normal(__half* p, int64_t n, uint64_t seed, int d, float outlier) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    float s = 0;
+    for (int k = 0; k < 4; ++k) s += (hash32(seed * 0x9E3779B97F4A7C15ull + i * 4 + k) >> 8) * (1.0f / 16777216.0f) - 0.5f;
+    float chan = 1.0f + outlier * ((hash32(seed + (i % d) * 7919) >> 8) * (1.0f / 16777216.0f));
+    p[i] = __float2half(s * 1.7320508f * chan);
+  }
+}
+
+static float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+static double copy_gbps() {
+  const size_t bytes = (size_t)2 << 30;
+  void *a, *b;
+  CK(cudaMalloc(&a, bytes));
+  CK(cudaMalloc(&b, bytes));
+  CK(cudaMemset(a, 1, bytes));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> t;
+  for (int i = 0; i < 12; ++i) {
+    CK(cudaEventRecord(e0));
+    CK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 2) t.push_back(ms);
+  }
+  CK(cudaFree(a));
+  CK(cudaFree(b));
+  return 2.0 * bytes / (median(t) * 1e-3) / 1e9;
+}
+
+struct Fmt {
+  int kb, vb;
+};
+
+int main(int argc, char** argv) {
+  // --quick: fewer cases; --only B ctx kb vb: one decode case (for profilers)
+  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  const bool only = argc > 5 && std::string(argv[1]) == "--only";
+  if (!fmkv_backend_available(FMKV_BACKEND_CUDA)) {
+    std::fprintf(stderr, "CUDA backend not available\n");
+    return 1;
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  const double cbw = copy_gbps();
+  std::printf("{\"kind\":\"copy\",\"device\":\"%s\",\"gbps\":%.1f,\"l2_bytes\":%d,\"sms\":%d}\n", prop.name, cbw,
+              prop.l2CacheSize, prop.multiProcessorCount);
+  std::fflush(stdout);
+
+  const int d = 128, H = 8, HQ = 32, P = 64;
+  const int64_t chunk = 32768;  // prefill chunk for filling / quantize timing
+  __half *kin, *vin;
+  CK(cudaMalloc(&kin, chunk * H * d * 2));
+  CK(cudaMalloc(&vin, chunk * H * d * 2));
+  fill_normal<<<1024, 256>>>(kin, chunk * H * d, 1, d, 3.0f);
+  fill_normal<<<1024, 256>>>(vin, chunk * H * d, 2, d, 0.0f);
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+
+  std::vector<Fmt> fmts = {{3, 3}, {4, 4}, {4, 2}};
+  struct Case {
+    int B;
+    int64_t ctx;
+  };
+  std::vector<Case> cases = {{1, 4096}, {1, 32768}, {1, 131072}, {1, 262144}, {1, 1048576}, {64, 8192}, {64, 32768}};
+  if (quick) cases = {{1, 4096}, {1, 131072}, {64, 8192}};
+  if (only) {
+    cases = {{std::atoi(argv[2]), std::atoll(argv[3])}};
+    fmts = {{std::atoi(argv[4]), std::atoi(argv[5])}};
+  }
+
+  for (const Fmt& f : fmts) {
+    fmkv_config cfg;
+    fmkv_config_default(&cfg);
+    cfg.head_dim = d;
+    cfg.num_kv_heads = H;
+    cfg.k_bits = f.kb;
+    cfg.v_bits = f.vb;
+    cfg.page_size = P;
+    cfg.seed = 1234;
+    const int64_t pb = fmkv_config_page_bytes(&cfg);
+
+    // ---- quantize-append throughput: one 32k-token prefill chunk, fp16 input
+    if (!only) {
+      const int64_t np = chunk / P;
+      uint8_t* pages;
+      CK(cudaMalloc(&pages, np * pb));
+      std::vector<int32_t> table(np);
+      for (int64_t i = 0; i < np; ++i) table[i] = (int32_t)i;
+      int32_t* dt;
+      int64_t *dl, *dro;
+      CK(cudaMalloc(&dt, np * 4));
+      CK(cudaMalloc(&dl, 8));
+      CK(cudaMalloc(&dro, 16));
+      int64_t zero = 0, ro[2] = {0, chunk};
+      CK(cudaMemcpy(dt, table.data(), np * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(dl, &zero, 8, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(dro, ro, 16, cudaMemcpyHostToDevice));
+      fmkv_layer_cache lc{pages, np, nullptr, nullptr, 1, 0};
+      fmkv_batch bt{1, nullptr, dl, dro, dt, np};
+      fmkv_tensor kt{kin, FMKV_F16, chunk, H, d, (int64_t)H * d, d}, vt{vin, FMKV_F16, chunk, H, d, (int64_t)H * d, d};
+      std::vector<float> t;
+      for (int i = 0; i < 12; ++i) {
+        CK(cudaEventRecord(e0, st));
+        FK(fmkv_append(FMKV_BACKEND_CUDA, &cfg, &lc, &bt, &kt, &vt, st));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (i >= 2) t.push_back(ms);
+      }
+      FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
+      const double us = median(t) * 1e3;
+      const double bytes = (double)chunk * H * d * 2 * 2 + (double)np * pb;
+      std::printf("{\"kind\":\"quantize\",\"k_bits\":%d,\"v_bits\":%d,\"tokens\":%lld,\"head_dim\":%d,\"kv_heads\":%d,"
+                  "\"page_size\":%d,\"time_us\":%.2f,\"bytes\":%.0f,\"gbps\":%.1f,\"mtok_per_s\":%.2f}\n",
+                  f.kb, f.vb, (long long)chunk, d, H, P, us, bytes, bytes / us / 1e3, chunk / us);
+      std::fflush(stdout);
+      CK(cudaFree(pages));
+      CK(cudaFree(dt));
+      CK(cudaFree(dl));
+      CK(cudaFree(dro));
+    }
+
+    // ---- decode attention
+    for (const Case& c : cases) {
+      const int B = c.B;
+      const int64_t ctx = c.ctx;
+      const int64_t pps = (ctx + P - 1) / P;  // pages per sequence
+      const int64_t np1 = pps * B;            // pages per copy
+      const double copy_bytes = (double)np1 * pb;
+      int copies = 1;
+      while (copies < 8 && copies * copy_bytes < 4.0 * prop.l2CacheSize) ++copies;
+      uint8_t* pages;
+      CK(cudaMalloc(&pages, (size_t)(copies * np1 * pb)));
+      // fill copy 0 with real appends (chunks of <= 32k tokens per sequence)
+      std::vector<int32_t> table(np1 * copies);
+      for (int cp = 0; cp < copies; ++cp)
+        for (int64_t i = 0; i < np1; ++i) table[cp * np1 + i] = (int32_t)(cp * np1 + i);
+      int32_t* dt;
+      CK(cudaMalloc(&dt, table.size() * 4));
+      CK(cudaMemcpy(dt, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+      int64_t *dl, *dro;
+      CK(cudaMalloc(&dl, 8 * B));
+      CK(cudaMalloc(&dro, 8 * (B + 1)));
+      fmkv_layer_cache lc{pages, copies * np1, nullptr, nullptr, 1, 0};
+      for (int s = 0; s < B; ++s)
+        for (int64_t done = 0; done < ctx; done += chunk) {
+          const int64_t n = std::min(chunk, ctx - done);
+          int64_t ro[2] = {0, n};
+          CK(cudaMemcpy(dl, &done, 8, cudaMemcpyHostToDevice));
+          CK(cudaMemcpy(dro, ro, 16, cudaMemcpyHostToDevice));
+          fmkv_batch bt{1, nullptr, dl, dro, dt + s * pps, pps};
+          fmkv_tensor kt{kin, FMKV_F16, n, H, d, (int64_t)H * d, d}, vt{vin, FMKV_F16, n, H, d, (int64_t)H * d, d};
+          FK(fmkv_append(FMKV_BACKEND_CUDA, &cfg, &lc, &bt, &kt, &vt, st));
+        }
+      FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
+      for (int cp = 1; cp < copies; ++cp) CK(cudaMemcpy(pages + cp * np1 * pb, pages, (size_t)(np1 * pb), cudaMemcpyDeviceToDevice));
+      std::vector<int64_t> lens(B, ctx), ros(B + 1);
+      for (int s = 0; s <= B; ++s) ros[s] = s;
+      CK(cudaMemcpy(dl, lens.data(), 8 * B, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(dro, ros.data(), 8 * (B + 1), cudaMemcpyHostToDevice));
+      __half *q, *o;
+      CK(cudaMalloc(&q, (size_t)B * HQ * d * 2));
+      CK(cudaMalloc(&o, (size_t)B * HQ * d * 2));
+      fill_normal<<<64, 256>>>(q, (int64_t)B * HQ * d, 3, d, 0.0f);
+      const int64_t ws = fmkv_attention_workspace_bytes(FMKV_BACKEND_CUDA, &cfg, HQ, B, B, ctx);
+      void* work;
+      CK(cudaMalloc(&work, ws + 16));
+      fmkv_tensor qt{q, FMKV_F16, B, HQ, d, (int64_t)HQ * d, d}, ot{o, FMKV_F16, B, HQ, d, (int64_t)HQ * d, d};
+      fmkv_attention_opts opts{0.0f, 0.0f};
+      // one graph holding one call per copy
+      CK(cudaDeviceSynchronize());
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      for (int cp = 0; cp < copies; ++cp) {
+        fmkv_batch bt{B, nullptr, dl, dro, dt + cp * np1, pps};
+        FK(fmkv_attention(FMKV_BACKEND_CUDA, &cfg, &lc, &bt, &qt, &opts, &ot, work, (size_t)ws, st));
+      }
+      CK(cudaStreamEndCapture(st, &graph));
+      CK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, st));
+      CK(cudaStreamSynchronize(st));
+      std::vector<float> t;
+      const int reps = ctx >= 1048576 ? 20 : 50;
+      for (int i = 0; i < reps; ++i) {
+        CK(cudaEventRecord(e0, st));
+        CK(cudaGraphLaunch(exec, st));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        t.push_back(ms / copies);
+      }
+      FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
+      std::vector<__half> oh((size_t)B * HQ * d);
+      CK(cudaMemcpy(oh.data(), o, oh.size() * 2, cudaMemcpyDeviceToHost));
+      int nonfinite = 0;
+      for (auto x : oh) nonfinite += !std::isfinite(__half2float(x));
+      const double us = median(t) * 1e3;
+      const double kv = (double)B * ctx * H *
+                        (fmkv_bytes_per_token_head(d, f.kb) + fmkv_bytes_per_token_head(d, f.vb));
+      const double bytes = kv + 2.0 * B * HQ * d * 2;
+      std::printf("{\"kind\":\"decode\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":1,\"context\":%lld,"
+                  "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"time_us\":%.3f,\"bytes\":%.0f,"
+                  "\"gbps\":%.1f,\"copy_gbps\":%.1f,\"pct_copy_bw\":%.1f,\"copies\":%d,\"nonfinite_out\":%d}\n",
+                  f.kb, f.vb, B, (long long)ctx, d, HQ, H, P, us, bytes, bytes / us / 1e3, cbw,
+                  100.0 * bytes / us / 1e3 / cbw, copies, nonfinite);
+      std::fflush(stdout);
+      CK(cudaGraphExecDestroy(exec));
+      CK(cudaGraphDestroy(graph));
+      CK(cudaFree(pages));
+      CK(cudaFree(dt));
+      CK(cudaFree(dl));
+      CK(cudaFree(dro));
+      CK(cudaFree(q));
+      CK(cudaFree(o));
+      CK(cudaFree(work));
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,115 @@
+// Shared pieces of the fmkv CUDA backend: error reporting from kernels, small PTX helpers,
+// codebook tables in constant memory. Included by every src/cuda/*.cu.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <string>
+
+#include "../core/backends.h"
+#include "../core/half.h"
+#include "../core/ops.h"
+#include "../core/rotation.h"
+#include "fmkv/format.h"
+
+namespace fmkv {
+namespace cuda {
+namespace tab {
+#define FMKV_TABLE static __constant__
+#include "../core/codebooks.inc"
+#undef FMKV_TABLE
+}  // namespace tab
+
+// ---- errors -------------------------------------------------------------------------------------
+// Device-side error word (one per device, 8 x int64, allocated once by runtime.cu):
+//   [0] fmkv status code (0 = none)  [1] kind  [2] sequence  [3] index  [4] value  [5] bound
+// Kernels that detect invalid batch arrays (device pointers the host cannot read) record the first
+// error with atomicCAS and write nothing; every fmkv CUDA kernel returns at once while the word is
+// set, so the cache is never corrupted. synchronize() reads, clears and throws it.
+enum ErrKind : int {
+  kErrBlockTable = 1,   // block_table entry outside [0, num_pages)
+  kErrTableStride = 2,  // more pages needed than block_table_stride
+  kErrSlot = 3,         // slot outside [0, num_slots)
+  kErrRowOffsets = 4,   // row_offsets malformed (value = sub-kind)
+  kErrNegLen = 5,       // negative seq_len
+  kErrNonFiniteKV = 6,  // k/v element NaN/Inf/beyond fp16 (seq = 0 k / 1 v, index = row, value = head, bound = i)
+  kErrQRows = 7,        // more query rows than cached tokens
+  kErrNonFiniteQ = 8,   // q element NaN/Inf (index = row, value = head, bound = i)
+  kErrLenOverflow = 9   // len + rows overflows
+};
+
+long long* error_word();  // device pointer of the current device's error word
+void check_cuda(cudaError_t e, const char* what);
+inline cudaStream_t to_stream(void* s) { return (cudaStream_t)s; }
+int sm_count();
+
+__device__ __forceinline__ void report_error(long long* err, int code, int kind, long long seq,
+                                             long long index, long long value, long long bound) {
+  unsigned long long* w = (unsigned long long*)err;
+  if (atomicCAS(w, 0ull, (unsigned long long)code) == 0ull) {
+    err[1] = kind;
+    err[2] = seq;
+    err[3] = index;
+    err[4] = value;
+    err[5] = bound;
+    __threadfence();
+  }
+}
+__device__ __forceinline__ bool error_set(const long long* err) {
+  return *(volatile const long long*)err != 0;
+}
+
+// ---- small helpers ------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// D = A(16x16 f16, row) * B(16x8 f16, col) + C (f32)
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *(uint32_t*)&h;
+}
+
+// Load element i of a [rows][heads][dim] tensor as float.
+__device__ __forceinline__ float load_elem(const void* base, int32_t dtype, int64_t off) {
+  if (dtype == FMKV_F32) return ((const float*)base)[off];
+  uint16_t h = ((const uint16_t*)base)[off];
+  return dtype == FMKV_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+// The quantizer's canonical fp16 input (FORMAT.md "Input"): value rounded to fp16.
+__device__ __forceinline__ uint16_t load_f16_bits(const void* base, int32_t dtype, int64_t off) {
+  if (dtype == FMKV_F16) return ((const uint16_t*)base)[off];
+  return f32_to_f16(load_elem(base, dtype, off));
+}
+
+// Largest compressed end: tokens [S, E) are compressed, E = max(S, len - W).
+__device__ __forceinline__ int64_t dev_compressed_end(int32_t S, int32_t W, int64_t len) {
+  int64_t e = len - W;
+  return e > S ? e : S;
+}
+
+struct SignWords {
+  uint64_t w[4];
+};
+inline SignWords make_sign_words(uint64_t seed, int32_t layer, int32_t d) {
+  SignWords s{{0, 0, 0, 0}};
+  rotation_sign_words(seed, layer, d, s.w);
+  return s;
+}
+__device__ __forceinline__ bool sign_negative(const SignWords& s, int i) {
+  return (s.w[i >> 6] >> (i & 63)) & 1ull;
+}
+
+}  // namespace cuda
+}  // namespace fmkv

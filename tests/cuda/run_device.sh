@@ -1,0 +1,37 @@
+#!/bin/bash
+# One device call: build (tests + bench) in /tmp, run the CUDA tests, optional memcheck, benchmark.
+#   tests/cuda/run_device.sh [tests|bench|all] [commit]
+# Needs the GoogleTest sources in .gtest-src (carried) when the image has no gtest.
+MODE=${1:-all}; COMMIT=${2:-unknown}
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/gpu.txt 2>&1
+GT=""
+if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
+  cmake -S .gtest-src -B /tmp/gtb -G Ninja -DCMAKE_INSTALL_PREFIX=/tmp/gti -DBUILD_GMOCK=OFF > $OUT/gtest_build.log 2>&1 \
+    && ninja -C /tmp/gtb install >> $OUT/gtest_build.log 2>&1 || { echo "gtest build failed"; tail -20 $OUT/gtest_build.log; }
+  GT="-DCMAKE_PREFIX_PATH=/tmp/gti"
+fi
+cmake -S . -B /tmp/b -G Ninja -DFMKV_CUDA=ON -DFMKV_BUILD_CLI=OFF $GT > $OUT/build.log 2>&1
+ninja -C /tmp/b fmkv_tests fmkv_cuda_tests fmkv_cuda_bench >> $OUT/build.log 2>&1 || { echo BUILD FAILED; grep -E "error|FAILED" $OUT/build.log | head -30; exit 1; }
+echo "build ok"
+if [ "$MODE" != bench ]; then
+  timeout 240 /tmp/b/tests/fmkv_tests --gtest_filter='*cuda*:Golden*:Errors*' > $OUT/cuda_tests.log 2>&1
+  echo "tests rc=$?"
+  timeout 120 /tmp/b/fmkv_cuda_tests >> $OUT/cuda_tests.log 2>&1
+  echo "cuda error tests rc=$?"
+  grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|rel|differ|Expected|Which is|error" $OUT/cuda_tests.log | head -60
+  if [ "$MODE" = all ] && command -v compute-sanitizer >/dev/null; then
+    timeout 200 compute-sanitizer --tool memcheck /tmp/b/tests/fmkv_tests --gtest_filter='Golden*' > $OUT/memcheck.log 2>&1
+    echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|Invalid" $OUT/memcheck.log | head -5
+  fi
+fi
+if [ "$MODE" = all ] && command -v ncu >/dev/null; then
+  timeout 120 ncu --clock-control none --kernel-name regex:attn_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+    /tmp/b/fmkv_cuda_bench --only 1 131072 3 3 > $OUT/ncu.log 2>&1
+  echo "ncu rc=$?"; grep -E "Duration|Throughput|Warp Cycles|Stall|Achieved Occupancy|Registers|Issued|Eligible|No Eligible|One or More" $OUT/ncu.log | head -40
+fi
+if [ "$MODE" != tests ]; then
+  PYTHONUNBUFFERED=1 timeout 400 python3 bench/cuda_bench.py --bin /tmp/b/fmkv_cuda_bench --out $OUT --commit "$COMMIT" > $OUT/bench.log 2>&1
+  echo "bench rc=$?"; cat $OUT/bench.log | tail -40
+fi

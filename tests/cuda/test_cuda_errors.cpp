@@ -1,0 +1,134 @@
+// CUDA backend: errors that only the device can see (batch arrays are device pointers). The op
+// returns FMKV_OK (it is asynchronous), the next fmkv_device_synchronize() returns the error with a
+// message naming the entry, and the cache is untouched. Skips when no CUDA device is usable.
+#include "harness.h"
+
+namespace fmkv::test {
+namespace {
+
+constexpr fmkv_backend kCuda = FMKV_BACKEND_CUDA;
+
+struct CudaCase {
+  fmkv_config c;
+  Scenario s;
+  std::vector<uint8_t> k, v;
+  fmkv_tensor kt, vt;
+  CudaCase(int sink = 0, int window = 0) {
+    c = config(128, 3, 3, 2, 16, sink, window);
+    s = make_scenario(c, {20}, {2});
+    k = random_tensor(FMKV_F16, 2, 2, 128);
+    v = random_tensor(FMKV_F16, 2, 2, 128);
+    kt = make_tensor(k.data(), FMKV_F16, 2, 2, 128);
+    vt = make_tensor(v.data(), FMKV_F16, 2, 2, 128);
+  }
+  // Append on the device; returns (status of synchronize, message); checks the cache is unchanged
+  // on failure.
+  std::pair<fmkv_status, std::string> append() {
+    fmkv_status st = FMKV_OK;
+    LayerState before{s.pages, s.fp16_k, s.fp16_v};
+    auto off = s.offsets();
+    size_t kv_bytes = (size_t)kt.rows * kt.heads * kt.dim * 2;
+    DeviceBuf pages(kCuda, s.pages.size()), fk(kCuda, s.fp16_k.size() * 2 + 2), fv(kCuda, s.fp16_v.size() * 2 + 2),
+        kd(kCuda, kv_bytes), vd(kCuda, kv_bytes), lens(kCuda, 8 * s.lens.size()), offs(kCuda, 8 * off.size()),
+        table(kCuda, 4 * s.table.size()), slots(kCuda, 4 * s.slots.size());
+    pages.upload(s.pages);
+    fk.upload(s.fp16_k);
+    fv.upload(s.fp16_v);
+    check(fmkv_device_copy(kCuda, kd.p, k.data(), kv_bytes, 1));
+    check(fmkv_device_copy(kCuda, vd.p, v.data(), kv_bytes, 1));
+    lens.upload(s.lens);
+    offs.upload(off);
+    table.upload(s.table);
+    slots.upload(s.slots);
+    fmkv_layer_cache lc{(uint8_t*)pages.p, s.num_pages, (uint16_t*)fk.p, (uint16_t*)fv.p, 1, s.layer};
+    fmkv_batch bt{s.seqs(), (int32_t*)slots.p, (int64_t*)lens.p, (int64_t*)offs.p, (int32_t*)table.p, s.table_stride};
+    fmkv_tensor k2 = kt, v2 = vt;
+    k2.data = kd.p;
+    v2.data = vd.p;
+    st = fmkv_append(kCuda, &c, &lc, &bt, &k2, &v2, nullptr);
+    EXPECT_EQ(st, FMKV_OK) << fmkv_last_error();
+    st = fmkv_device_synchronize(kCuda);
+    std::string msg = fmkv_last_error();
+    if (st != FMKV_OK) {
+      EXPECT_TRUE(pages.download<uint8_t>() == before.pages) << "cache modified by a failed call";
+      auto k16 = fk.download<uint16_t>();
+      k16.resize(before.fp16_k.size());
+      EXPECT_TRUE(k16 == before.fp16_k) << "fp16 region modified by a failed call";
+    }
+    return {st, msg};
+  }
+};
+
+class CudaErrors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!fmkv_backend_available(kCuda)) GTEST_SKIP() << "no usable CUDA device";
+  }
+};
+
+#define EXPECT_CUDA_ERR(expr, code, needle)                                               \
+  do {                                                                                    \
+    auto r_ = (expr);                                                                     \
+    EXPECT_EQ(r_.first, code) << r_.second;                                               \
+    EXPECT_NE(r_.second.find(needle), std::string::npos) << "message: " << r_.second;     \
+  } while (0)
+
+TEST_F(CudaErrors, BlockTableEntryOutOfRange) {
+  { CudaCase f; f.s.table[1] = (int32_t)f.s.num_pages; EXPECT_CUDA_ERR(f.append(), FMKV_ERR_OUT_OF_RANGE, "block_table[1]"); }
+  { CudaCase f; f.s.table[1] = -1; EXPECT_CUDA_ERR(f.append(), FMKV_ERR_OUT_OF_RANGE, "block_table[1] = -1"); }
+  { CudaCase f; f.s.table_stride = 1; EXPECT_CUDA_ERR(f.append(), FMKV_ERR_OUT_OF_RANGE, "block_table_stride"); }
+  { CudaCase f; f.s.lens[0] = -3; EXPECT_CUDA_ERR(f.append(), FMKV_ERR_INVALID_ARGUMENT, "negative length"); }
+  // the error was consumed: a valid call succeeds again
+  { CudaCase f; EXPECT_EQ(f.append().first, FMKV_OK); }
+}
+
+TEST_F(CudaErrors, SlotOutOfRange) {
+  CudaCase f(4, 8);
+  f.s.slots[0] = 5;
+  EXPECT_CUDA_ERR(f.append(), FMKV_ERR_OUT_OF_RANGE, "slot 5");
+}
+
+TEST_F(CudaErrors, NonFiniteInput) {
+  CudaCase f;
+  ((uint16_t*)f.v.data())[300] = 0x7E00;
+  EXPECT_CUDA_ERR(f.append(), FMKV_ERR_NON_FINITE, "v[1][0][44]");
+  CudaCase g;
+  EXPECT_EQ(g.append().first, FMKV_OK);
+}
+
+TEST_F(CudaErrors, AttentionErrors) {
+  fmkv_config c = config(128, 3, 3, 2, 16);
+  Scenario s = make_scenario(c, {20}, {2});
+  auto kb = random_tensor(FMKV_F16, 22, 2, 128), vb = random_tensor(FMKV_F16, 22, 2, 128);
+  Scenario fill = s;
+  fill.lens = {0};
+  fill.rows = {22};
+  LayerState st = run_append(FMKV_BACKEND_REF, fill, make_tensor(kb.data(), FMKV_F16, 22, 2, 128),
+                             make_tensor(vb.data(), FMKV_F16, 22, 2, 128));
+  auto qb = random_tensor(FMKV_F32, 2, 6, 128);
+  fmkv_tensor q = make_tensor(qb.data(), FMKV_F32, 2, 6, 128);
+  // valid call works
+  auto out = run_attention(kCuda, s, st, q, FMKV_F32);
+  auto want = run_attention(FMKV_BACKEND_REF, s, st, q, FMKV_F32);
+  EXPECT_LT(rel_error(out, want), 4e-3);
+  // bad block table entry: detected on the device
+  Scenario bad = s;
+  bad.table[0] = (int32_t)s.num_pages + 7;
+  EXPECT_THROW(run_attention(kCuda, bad, st, q, FMKV_F32), Error);
+  EXPECT_NE(std::string(fmkv_last_error()).find("block_table[0]"), std::string::npos) << fmkv_last_error();
+  // more query rows than cached tokens
+  Scenario few = s;
+  few.lens = {-1};  // run_attention adds the 2 query rows: 1 token cached
+  EXPECT_THROW(run_attention(kCuda, few, st, q, FMKV_F32), Error);
+  EXPECT_NE(std::string(fmkv_last_error()).find("append first"), std::string::npos) << fmkv_last_error();
+  // NaN in q
+  ((float*)qb.data())[7] = NAN;
+  EXPECT_THROW(run_attention(kCuda, s, st, q, FMKV_F32), Error);
+  EXPECT_NE(std::string(fmkv_last_error()).find("q[0][0][7]"), std::string::npos) << fmkv_last_error();
+  ((float*)qb.data())[7] = 0.5f;
+  auto again = run_attention(kCuda, s, st, q, FMKV_F32);
+  EXPECT_TRUE(std::isfinite(again[0]));
+}
+
+}  // namespace
+}  // namespace fmkv::test
