@@ -177,7 +177,7 @@ int cmd_capacity(const Args& a) {
   std::printf("%d layers x %d kv heads x d=%d, batch %lld, page %d tokens, sink %d, window %d\n", layers, kv, d,
               (long long)batch, c.page_size, c.sink_tokens, c.window_tokens);
   std::printf("memory %s - weights %s = %s for the KV cache\n", fmt_bytes(memory).c_str(), fmt_bytes(weights).c_str(), fmt_bytes(avail).c_str());
-  std::printf("%-6s %10s %14s %16s %14s\n", "format", "B/tok", "page bytes", "max context/seq", "cache bytes");
+  std::printf("%-6s %10s %14s %16s %12s %16s\n", "format", "B/tok", "page bytes", "max context/seq", "tokens", "cache bytes");
   for (const char* f : {"fp16", "k4v4", "k4v3", "k3v3", "k4v2", "k3v2", "k2v2", "k16v4", "k16v3"}) {
     auto [kb, vb] = parse_format(f);
     int64_t per_tok = (int64_t)layers * kv * (fmkv_bytes_per_token_head(d, kb) + fmkv_bytes_per_token_head(d, vb == 16 ? 16 : vb));
@@ -186,7 +186,8 @@ int cmd_capacity(const Args& a) {
     if (kb == 16 && vb == 16) {  // plain fp16 cache, contiguous (no pages)
       max_ctx = (int64_t)(per_seq / per_tok);
       used = max_ctx * per_tok * batch;
-      std::printf("%-6s %10lld %14s %16s %14s\n", f, (long long)per_tok, "-", fmt_tokens(max_ctx).c_str(), fmt_bytes((double)used).c_str());
+      std::printf("%-6s %10lld %14s %16s %12lld %16lld\n", f, (long long)per_tok, "-", fmt_tokens(max_ctx).c_str(),
+                  (long long)max_ctx, (long long)used);
       continue;
     }
     c.k_bits = kb;
@@ -198,8 +199,8 @@ int cmd_capacity(const Args& a) {
     int64_t pages = for_pages > 0 ? (int64_t)(for_pages / ((double)layers * page)) : 0;
     max_ctx = for_pages > 0 ? c.sink_tokens + c.window_tokens + pages * c.page_size : 0;
     used = batch * layers * (pages * page + fp16);
-    std::printf("%-6s %10lld %14lld %16s %14s\n", f, (long long)per_tok, (long long)page, fmt_tokens(max_ctx).c_str(),
-                fmt_bytes((double)used).c_str());
+    std::printf("%-6s %10lld %14lld %16s %12lld %16lld\n", f, (long long)per_tok, (long long)page, fmt_tokens(max_ctx).c_str(),
+                (long long)max_ctx, (long long)used);
   }
   std::puts("B/tok: K+V bytes per token over all layers and kv heads (scales included); context rounded down to whole pages.");
   return 0;
