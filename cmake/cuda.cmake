@@ -59,3 +59,16 @@ if(FMKV_BUILD_TESTS AND EXISTS ${PROJECT_SOURCE_DIR}/tests/cuda/test_cuda_errors
     add_test(NAME fmkv_cuda_tests COMMAND fmkv_cuda_tests)
   endif()
 endif()
+
+if(FMKV_BUILD_TESTS)
+  # Metal kernel core (src/metal/kernel_core.h) run as CUDA, bit-exact vs src/ref; needs a GPU
+  # (run on the H200: docs/results/metal_core_cuda.log).
+  add_executable(fmkv_metal_core_cuda_test ${PROJECT_SOURCE_DIR}/tests/metal/cuda_core_test.cu)
+  target_include_directories(fmkv_metal_core_cuda_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
+  target_compile_options(fmkv_metal_core_cuda_test PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-fmad=false>)
+  target_link_libraries(fmkv_metal_core_cuda_test PRIVATE fmkv CUDA::cudart_static)
+  # Snapshot save/load around a CUDA cache (public C API); "ref" mode needs no GPU.
+  add_executable(fmkv_io_cuda_test ${PROJECT_SOURCE_DIR}/tests/cuda/io_cuda_test.cpp)
+  target_link_libraries(fmkv_io_cuda_test PRIVATE fmkv)
+  add_test(NAME fmkv_io_cuda_test_ref COMMAND fmkv_io_cuda_test ref)
+endif()

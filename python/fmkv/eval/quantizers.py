@@ -1,0 +1,245 @@
+"""KV-cache quantizers for the evaluation: fmkv (via fmkv.torch_quant) and baselines.
+
+Every quantizer maps K and V tensors of shape [batch, kv_heads, tokens, head_dim] (the layout of
+Hugging Face attention, keys after RoPE) to their dequantized float32 values, and states its
+storage cost in bytes per token per kv head (K and V together, scales and zero points included).
+
+Config names (``parse_config``):
+
+=================  =========================================================================
+``fp16``           K and V rounded to fp16 (the reference; 4 * head_dim bytes)
+``k4v4`` ...       fmkv format v1: Hadamard rotation, groups of 32, fp16 scale, Lloyd-Max codes
+                   (``k16vB``: K in fp16). Suffixes: ``-rms`` (RMS scale instead of LSQ),
+                   ``-norot`` (no rotation: ablation), ``-s<N>`` (first N tokens fp16),
+                   ``-w<N>`` (fp16 window of the N most recent tokens), ``-km`` (subtract the
+                   per-channel key mean of the first 128 tokens before quantizing; softmax-invariant)
+                   ``-vm`` (same for V, added back to the output: exact since softmax weights sum
+                   to 1), ``-b<N>`` (first and last N layers fp16), ``-f<i.j..>`` (those layers
+                   fp16), ``-only<i>`` (diagnostic: only layer i quantized)
+``quanto-int4``    per-token asymmetric int4 / int2 with one fp16 scale + fp16 zero per group
+``quanto-int2``    of ``-g<G>`` channels (default 64), as optimum-quanto's KV cache does
+``kivi-4/kivi-2``  KIVI: K per-channel (groups of 32 tokens), V per-token (groups of 32 channels),
+                   asymmetric with fp16 scale + zero, fp16 residual of the ``-r<R>`` (default 128)
+                   most recent tokens
+``turbo-4/3/2``    TurboQuant-style (MSE variant): same rotation, one fp16 norm per vector, no
+                   groups, Lloyd-Max codes of the normalised coordinates
+``fp8``            fp8 e4m3 (no scale, values clamped to +-448)
+=================  =========================================================================
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+
+from .. import torch_quant as tq
+
+DEFAULT_CONFIGS = [
+    "fp16", "k4v4", "k3v3", "k2v2", "k4v2", "k16v3",
+    "k4v4-rms", "k3v3-rms", "k4v4-norot", "k3v3-norot",
+    "quanto-int4", "quanto-int2", "kivi-4", "kivi-2", "turbo-4", "turbo-3", "fp8",
+]
+
+
+@dataclass
+class KVQuantizer:
+    name: str
+    kind: str  # fp16, fmkv, quanto, kivi, turbo, fp8
+    k_bits: int = 16
+    v_bits: int = 16
+    scale_rule: str = "lsq"
+    rotate: bool = True
+    group: int = 32
+    residual: int = 0  # fp16 recent tokens (per query)
+    sinks: int = 0  # first tokens kept fp16
+    key_mean: bool = False
+    value_mean: bool = False
+    boundary: int = 0  # first and last `boundary` layers kept fp16
+    fp16_layers: tuple = ()  # explicit layers kept fp16
+    only_layer: int = -1  # diagnostic: quantize this layer only (others fp16)
+    num_layers: int = 0  # set by the evaluation (needed for boundary layers and bytes)
+    seed: int = 0
+    options: Dict[str, object] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- storage
+    def _side_bytes(self, d: int, bits: int, side: str) -> float:
+        if self.kind == "fp16" or bits == 16:
+            return 2.0 * d
+        if self.kind == "fmkv":
+            return (d // 32) * (4 * bits + 2)
+        if self.kind == "quanto":
+            return d * bits / 8 + (d / self.group) * 4
+        if self.kind == "kivi":
+            # K: per-channel fp16 scale + zero shared by a group of 32 tokens -> 4*d/32 per token;
+            # V: per-token fp16 scale + zero per group of 32 channels -> 4*d/32 per token.
+            return d * bits / 8 + 4.0 * d / 32
+        if self.kind == "turbo":
+            return d * bits / 8 + 2
+        if self.kind == "fp8":
+            return 1.0 * d
+        raise ValueError(self.kind)
+
+    def layer_is_fp16(self, layer: int) -> bool:
+        if self.only_layer >= 0:
+            return layer != self.only_layer
+        if layer in self.fp16_layers:
+            return True
+        return self.boundary > 0 and (layer < self.boundary or
+                                      (self.num_layers and layer >= self.num_layers - self.boundary))
+
+    def bytes_per_token_per_head(self, d: int, ctx: Optional[int] = None) -> float:
+        """K+V bytes per token per kv head, averaged over layers; with ``ctx``, fp16 sink/residual
+        tokens amortised over ctx."""
+        q = self._side_bytes(d, self.k_bits, "k") + self._side_bytes(d, self.v_bits, "v")
+        n16 = self.residual + self.sinks
+        if ctx and n16:
+            n16 = min(n16, ctx)
+            q = (q * (ctx - n16) + 4.0 * d * n16) / ctx
+        if self.num_layers and (self.boundary or self.fp16_layers or self.only_layer >= 0):
+            n_fp = sum(self.layer_is_fp16(i) for i in range(self.num_layers))
+            q = (q * (self.num_layers - n_fp) + 4.0 * d * n_fp) / self.num_layers
+        return q
+
+    # ---------------------------------------------------------------- quantizers
+    def quant_k(self, k: torch.Tensor, layer: int) -> torch.Tensor:
+        return self._quant(k, layer, self.k_bits, "k")
+
+    def quant_v(self, v: torch.Tensor, layer: int) -> torch.Tensor:
+        return self._quant(v, layer, self.v_bits, "v")
+
+    def _quant(self, x: torch.Tensor, layer: int, bits: int, side: str) -> torch.Tensor:
+        dt = x.dtype
+        x = x.float()
+        if self.kind == "fp16" or bits == 16 or self.layer_is_fp16(layer):
+            return x.to(torch.float16).float().to(dt)
+        if self.kind == "fmkv":
+            mu = None
+            if (side == "k" and self.key_mean) or (side == "v" and self.value_mean):
+                mu = x[:, :, :128].to(torch.float16).float().mean(dim=2, keepdim=True)
+                x = x - mu
+            out = tq.fake_quantize(x, bits, self.seed, layer, self.scale_rule, self.rotate)
+            return (out if mu is None else out + mu).to(dt)
+        if self.kind == "quanto":
+            return _asym_groups(x, bits, self.group, axis=-1).to(dt)
+        if self.kind == "kivi":
+            if side == "k":
+                return _asym_groups(x, bits, 32, axis=-2).to(dt)
+            return _asym_groups(x, bits, 32, axis=-1).to(dt)
+        if self.kind == "turbo":
+            return _turbo(x, bits, self.seed, layer).to(dt)
+        if self.kind == "fp8":
+            return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float().to(dt)
+        raise ValueError(self.kind)
+
+
+def _asym_groups(x: torch.Tensor, bits: int, group: int, axis: int) -> torch.Tensor:
+    """Asymmetric uniform quantization with fp16 scale and zero (min) per group along ``axis``."""
+    x16 = x.to(torch.float16).float()
+    xt = x16.transpose(axis, -1) if axis != -1 else x16
+    shape = xt.shape
+    n = shape[-1]
+    pad = (-n) % group
+    if pad:
+        xt = torch.cat([xt, xt[..., -1:].expand(*shape[:-1], pad)], dim=-1)
+    g = xt.reshape(*shape[:-1], -1, group)
+    lo = g.amin(dim=-1, keepdim=True)
+    hi = g.amax(dim=-1, keepdim=True)
+    qmax = float((1 << bits) - 1)
+    scale = ((hi - lo) / qmax).to(torch.float16).float()
+    zero = lo.to(torch.float16).float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round((g - zero) / safe), 0, qmax)
+    out = (q * scale + zero).reshape(*shape[:-1], -1)[..., :n]
+    return out.transpose(axis, -1) if axis != -1 else out
+
+
+def _turbo(x: torch.Tensor, bits: int, seed: int, layer: int) -> torch.Tensor:
+    """Rotation + per-vector fp16 norm + Lloyd-Max codes of sqrt(d) * y / ||y|| (no groups)."""
+    d = x.shape[-1]
+    y = tq.rotate(tq.canonical(x), seed, layer)
+    norm = torch.linalg.vector_norm(y, dim=-1, keepdim=True).to(torch.float16).float()
+    s = norm / math.sqrt(d)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    u = y / safe
+    mags, thr = tq.codebook_tensor(bits, x.device)
+    m = (u.abs().unsqueeze(-1) > thr).sum(-1)
+    lv = mags[m]
+    lv = torch.where(u < 0, -lv, lv)
+    return tq.unrotate(lv * s, seed, layer)
+
+
+_FMKV_RE = re.compile(r"^k(\d+)v(\d+)$")
+
+
+def parse_config(name: str, seed: int = 0) -> KVQuantizer:
+    """KVQuantizer from a config name (see module docstring)."""
+    parts = name.strip().split("-")
+    base, mods = parts[0], parts[1:]
+    if base == "fp16":
+        return KVQuantizer(name, "fp16", 16, 16, options={})
+    if base == "fp8":
+        return KVQuantizer(name, "fp8", 8, 8, options={"format": "e4m3", "scale": "none"})
+    m = _FMKV_RE.match(base)
+    if m:
+        kb, vb = int(m.group(1)), int(m.group(2))
+        if kb not in (2, 3, 4, 16) or vb not in (2, 3, 4):
+            raise ValueError(f"config {name!r}: k_bits must be 2, 3, 4 or 16 and v_bits 2, 3 or 4")
+        q = KVQuantizer(name, "fmkv", kb, vb, seed=seed)
+        for mod in mods:
+            if mod == "rms":
+                q.scale_rule = "rms"
+            elif mod == "lsq":
+                q.scale_rule = "lsq"
+            elif mod == "norot":
+                q.rotate = False
+            elif mod == "km":
+                q.key_mean = True
+            elif mod == "vm":
+                q.value_mean = True
+            elif re.fullmatch(r"b\d+", mod):
+                q.boundary = int(mod[1:])
+            elif re.fullmatch(r"f[\d.]+", mod):
+                q.fp16_layers = tuple(int(t) for t in mod[1:].split(".") if t)
+            elif re.fullmatch(r"only\d+", mod):
+                q.only_layer = int(mod[4:])
+            elif re.fullmatch(r"s\d+", mod):
+                q.sinks = int(mod[1:])
+            elif re.fullmatch(r"w\d+", mod):
+                q.residual = int(mod[1:])
+            else:
+                raise ValueError(f"config {name!r}: unknown modifier {mod!r}")
+        q.options = {"scale_rule": q.scale_rule, "rotation": q.rotate, "sink_tokens": q.sinks,
+                     "window_tokens": q.residual, "key_mean": q.key_mean, "value_mean": q.value_mean,
+                     "fp16_boundary_layers": q.boundary, "fp16_layers": list(q.fp16_layers),
+                     "only_layer": q.only_layer, "group": 32}
+        return q
+    if base == "quanto":
+        bits = int(mods[0].replace("int", "")) if mods else 4
+        q = KVQuantizer(name, "quanto", bits, bits, group=64)
+        for mod in mods[1:]:
+            if re.fullmatch(r"g\d+", mod):
+                q.group = int(mod[1:])
+            else:
+                raise ValueError(f"config {name!r}: unknown modifier {mod!r}")
+        q.options = {"axis": "per-token", "group": q.group, "asymmetric": True, "scale_zero": "fp16"}
+        return q
+    if base == "kivi":
+        bits = int(mods[0]) if mods else 2
+        q = KVQuantizer(name, "kivi", bits, bits, group=32, residual=128)
+        for mod in mods[1:]:
+            if re.fullmatch(r"r\d+", mod):
+                q.residual = int(mod[1:])
+            else:
+                raise ValueError(f"config {name!r}: unknown modifier {mod!r}")
+        q.options = {"k": "per-channel, 32-token groups", "v": "per-token, 32-channel groups",
+                     "residual_fp16": q.residual, "scale_zero": "fp16"}
+        return q
+    if base == "turbo":
+        bits = int(mods[0]) if mods else 3
+        q = KVQuantizer(name, "turbo", bits, bits, seed=seed)
+        q.options = {"rotation": True, "norm": "fp16 per vector", "codebook": "fmkv Lloyd-Max"}
+        return q
+    raise ValueError(f"unknown config {name!r}")

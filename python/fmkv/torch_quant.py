@@ -1,0 +1,240 @@
+"""Vectorised torch implementation of the fmkv format v1 quantizer (docs/FORMAT.md).
+
+Quantizes / dequantizes whole ``[..., d]`` tensors (e.g. ``[tokens, heads, d]``) with exactly the
+float32 roundings of the reference (``src/core/quant_math.h``, ``src/ref/quantize.cpp``):
+
+* canonical fp16 input, rotation signs from splitmix64(seed, layer), FWHT stages h = 1, 2, ..., d/2,
+  multiplication by the float32 constant nearest 1/sqrt(d);
+* per group of 32: RMS through the fixed tree sum (steps 16, 8, 4, 2, 1), fp16 with saturation,
+  codes from midpoint thresholds of the fp16 Lloyd-Max levels (sign-magnitude), LSQ rescale.
+
+Every step is one correctly rounded float32 torch operation on CPU (elementwise add, mul, div,
+sqrt; no fused multiply-add, no reduction whose order torch chooses), so codes and scales are
+bit-identical to :func:`fmkv.quantize_vector` (tests/python/test_torch_quant.py checks it).
+
+The codebooks come from :func:`fmkv.codebook` (the library's generated table), never from a
+hand-typed copy. ``rotate=False`` gives the no-rotation ablation (groups of 32 raw coordinates).
+
+Dequantization (``dequantize``) returns float32 values in the original basis; the inverse rotation
+is float32 (the format leaves its precision to the backend). Quantize-then-dequantize followed by
+ordinary attention is mathematically the attention that the fused kernels compute on the cache.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = [
+    "QuantizedTensor",
+    "sign_vector",
+    "rotate",
+    "unrotate",
+    "quantize",
+    "dequantize",
+    "fake_quantize",
+    "codebook_tensor",
+]
+
+_M64 = (1 << 64) - 1
+_GROUP = 32
+_SCALE_F16_MAX = 65504.0
+
+
+def _splitmix64_next(state: int) -> Tuple[int, int]:
+    state = (state + 0x9E3779B97F4A7C15) & _M64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return state, z ^ (z >> 31)
+
+
+@functools.lru_cache(maxsize=None)
+def _sign_list(seed: int, layer: int, d: int) -> Tuple[float, ...]:
+    state = (int(seed) ^ ((int(layer) & 0xFFFFFFFF) * 0xD6E8FEB86659FD93)) & _M64
+    out = []
+    for _ in range(d // 64):
+        state, w = _splitmix64_next(state)
+        out.extend(-1.0 if (w >> i) & 1 else 1.0 for i in range(64))
+    return tuple(out)
+
+
+def sign_vector(seed: int, layer: int, d: int, device=None) -> torch.Tensor:
+    """The rotation signs s (float32 +-1, length d) of (seed, layer) per FORMAT.md section 3."""
+    if d not in (64, 128, 256):
+        raise ValueError(f"head_dim {d} is not supported (64, 128 or 256)")
+    return torch.tensor(_sign_list(int(seed), int(layer), int(d)), dtype=torch.float32, device=device)
+
+
+def _norm(d: int) -> torch.Tensor:
+    # float32 nearest to 1/sqrt(d): 0x3E000000, 0x3DB504F3, 0x3D800000.
+    bits = {64: 0x3E000000, 128: 0x3DB504F3, 256: 0x3D800000}[d]
+    return torch.tensor([bits], dtype=torch.int32).view(torch.float32)[0]
+
+
+def _fwht(v: torch.Tensor) -> torch.Tensor:
+    """Unnormalised Sylvester FWHT over the last dim, stages h = 1, 2, 4, ..., d/2 (float32)."""
+    d = v.shape[-1]
+    lead = v.shape[:-1]
+    h = 1
+    while h < d:
+        w = v.reshape(*lead, d // (2 * h), 2, h)
+        a, b = w[..., 0, :], w[..., 1, :]
+        v = torch.stack((a + b, a - b), dim=-2).reshape(*lead, d)
+        h *= 2
+    return v
+
+
+def rotate(x: torch.Tensor, seed: int = 0, layer: int = 0) -> torch.Tensor:
+    """y = H diag(s) x / sqrt(d) in float32 with the format's exact roundings (x float32)."""
+    d = x.shape[-1]
+    s = sign_vector(seed, layer, d, x.device)
+    y = _fwht(x * s)
+    return y * _norm(d).to(x.device)
+
+
+def unrotate(y: torch.Tensor, seed: int = 0, layer: int = 0) -> torch.Tensor:
+    """Inverse rotation x = diag(s) H y / sqrt(d) (float32; not part of the format)."""
+    d = y.shape[-1]
+    s = sign_vector(seed, layer, d, y.device)
+    return _fwht(y) * _norm(d).to(y.device) * s
+
+
+@functools.lru_cache(maxsize=None)
+def _codebook_cpu(bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    import fmkv  # the library's generated table (src/core/codebooks.inc)
+
+    mags = torch.as_tensor(fmkv.codebook(int(bits)), dtype=torch.float32).clone()
+    thr = (mags[:-1] + mags[1:]) * 0.5  # midpoints, exact in float32
+    return mags, thr
+
+
+def codebook_tensor(bits: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(positive levels, midpoint thresholds) of the b-bit codebook as float32 tensors."""
+    mags, thr = _codebook_cpu(int(bits))
+    return mags.to(device), thr.to(device)
+
+
+def _tree_sum32(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (32) in the fixed order: for step 16..1: v[j] += v[j + step]."""
+    step = 16
+    while step >= 1:
+        t = t[..., :step] + t[..., step:2 * step]
+        step //= 2
+    return t[..., 0]
+
+
+def _to_f16_saturating(x: torch.Tensor) -> torch.Tensor:
+    """fp16 (RNE) of a float32 tensor; |h| beyond the fp16 range (inf, NaN) becomes +65504."""
+    h = x.to(torch.float16)
+    bad = ~torch.isfinite(h)
+    if bool(bad.any()):
+        h = torch.where(bad, torch.full_like(h, _SCALE_F16_MAX), h)
+    return h
+
+
+def canonical(x: torch.Tensor) -> torch.Tensor:
+    """fp16 rounding of the input, as float32 (FORMAT.md section 2). Raises on non-finite values."""
+    h = x.to(torch.float16)
+    if not bool(torch.isfinite(h).all()):
+        raise ValueError("non-finite value (NaN, Inf or |x| >= 65520) in K/V input")
+    return h.to(torch.float32)
+
+
+@dataclass
+class QuantizedTensor:
+    """codes uint8 [..., d] (sign-magnitude, rotated order), scales float16 [..., d/32]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    seed: int = 0
+    layer: int = 0
+    rotated: bool = True
+
+
+def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize rotated float32 values y [..., d] group-wise. Returns (codes uint8, scales fp16)."""
+    if bits not in (1, 2, 3, 4):
+        raise ValueError(f"bits {bits} is not supported")
+    if scale_rule not in ("lsq", "rms"):
+        raise ValueError(f"scale_rule {scale_rule!r} is not supported (expected 'lsq' or 'rms')")
+    d = y.shape[-1]
+    lead = y.shape[:-1]
+    g = y.reshape(*lead, d // _GROUP, _GROUP)
+    mags, thr = codebook_tensor(bits, y.device)
+    rms = torch.sqrt(_tree_sum32(g * g) / torch.tensor(32.0))
+    s0 = _to_f16_saturating(rms)
+    s0f = s0.to(torch.float32)
+    zero = s0f == 0.0
+    safe = torch.where(zero, torch.ones_like(s0f), s0f)
+    u = g / safe.unsqueeze(-1)
+    neg = u < 0.0
+    a = torch.abs(u)
+    m = (a.unsqueeze(-1) > thr).sum(dim=-1)  # number of thresholds strictly below |u|
+    codes = (neg.to(torch.int64) << (bits - 1)) | m
+    codes = torch.where(zero.unsqueeze(-1), torch.zeros_like(codes), codes)
+    if scale_rule == "rms":
+        scales = s0
+    else:
+        lv = mags[m]
+        lv = torch.where(neg, -lv, lv)
+        num = _tree_sum32(g * lv)
+        den = _tree_sum32(lv * lv)
+        scales = _to_f16_saturating(num / den)
+    scales = torch.where(zero, torch.zeros_like(scales), scales)
+    return codes.to(torch.uint8).reshape(*lead, d), scales
+
+
+def quantize(x: torch.Tensor, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq",
+             rotate_input: bool = True) -> QuantizedTensor:
+    """Quantize head vectors x [..., d] (any float dtype; rounded to fp16 first)."""
+    d = x.shape[-1]
+    if d % _GROUP:
+        raise ValueError(f"head_dim {d} is not a multiple of {_GROUP}")
+    xf = canonical(x)
+    y = rotate(xf, seed, layer) if rotate_input else xf
+    codes, scales = quantize_rotated(y, bits, scale_rule)
+    return QuantizedTensor(codes, scales, bits, seed, layer, rotate_input)
+
+
+def decode_levels(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    mags, _ = codebook_tensor(bits, codes.device)
+    c = codes.to(torch.int64)
+    lv = mags[c & ((1 << (bits - 1)) - 1)]
+    return torch.where(((c >> (bits - 1)) & 1).bool(), -lv, lv)
+
+
+def dequantize_rotated(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """Rotated-domain values level x scale (exact in float32), shape [..., d]."""
+    d = codes.shape[-1]
+    lead = codes.shape[:-1]
+    lv = decode_levels(codes, bits).reshape(*lead, d // _GROUP, _GROUP)
+    return (lv * scales.to(torch.float32).unsqueeze(-1)).reshape(*lead, d)
+
+
+def dequantize(q: QuantizedTensor) -> torch.Tensor:
+    """float32 [..., d] in the original basis."""
+    y = dequantize_rotated(q.codes, q.scales, q.bits)
+    return unrotate(y, q.seed, q.layer) if q.rotated else y
+
+
+def fake_quantize(x: torch.Tensor, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq",
+                  rotate_input: bool = True, chunk: Optional[int] = 65536) -> torch.Tensor:
+    """dequantize(quantize(x)) in x's dtype and shape; bits 16 returns the fp16 rounding of x.
+
+    Processes at most ``chunk`` vectors at a time to bound temporary memory.
+    """
+    if bits == 16:
+        return canonical(x).to(x.dtype)
+    d = x.shape[-1]
+    flat = x.reshape(-1, d)
+    outs = []
+    n = flat.shape[0]
+    step = n if not chunk else chunk
+    for i in range(0, n, max(step, 1)):
+        outs.append(dequantize(quantize(flat[i:i + step], bits, seed, layer, scale_rule, rotate_input)))
+    out = torch.cat(outs, 0) if outs else flat.to(torch.float32)
+    return out.reshape(x.shape).to(x.dtype)

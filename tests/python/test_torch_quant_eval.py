@@ -1,0 +1,60 @@
+"""fmkv.eval quantizers: byte accounting and basic behaviour of fmkv configs and baselines (no model)."""
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
+fmkv = pytest.importorskip("fmkv", reason="the fmkv binding is not installed")
+from fmkv.eval.quantizers import parse_config  # noqa: E402
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fmkv_bytes_match_library(d):
+    for kb, vb in [(2, 2), (3, 3), (4, 4), (4, 2), (16, 3)]:
+        q = parse_config(f"k{kb}v{vb}")
+        cfg = fmkv.Config(head_dim=d, num_kv_heads=1, k_bits=kb, v_bits=vb)
+        assert q.bytes_per_token_per_head(d) == cfg.bytes_per_token_per_head
+
+
+def test_baseline_bytes():
+    d = 64
+    assert parse_config("fp16").bytes_per_token_per_head(d) == 256
+    assert parse_config("fp8").bytes_per_token_per_head(d) == 128
+    assert parse_config("quanto-int4").bytes_per_token_per_head(d) == 2 * (32 + 4)
+    assert parse_config("quanto-int2-g32").bytes_per_token_per_head(d) == 2 * (16 + 8)
+    assert parse_config("kivi-2").bytes_per_token_per_head(d) == 2 * (16 + 8)
+    assert parse_config("kivi-2").bytes_per_token_per_head(d, ctx=2048) == pytest.approx(61.0)
+    assert parse_config("turbo-3").bytes_per_token_per_head(d) == 2 * (24 + 2)
+    assert parse_config("k4v4-w32").bytes_per_token_per_head(d, ctx=2048) == pytest.approx(74.875)
+    q = parse_config("k4v4-b1")
+    q.num_layers = 30
+    assert q.bytes_per_token_per_head(d) == pytest.approx((28 * 72 + 2 * 256) / 30)
+
+
+def test_error_decreases_with_bits_and_rotation_helps_outliers():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 256, 64, generator=g)
+    x[..., 3] += 20.0  # an outlier channel, as in real keys
+    err = {}
+    for name in ["k2v2", "k3v3", "k4v4", "k4v4-norot", "quanto-int4", "turbo-4", "kivi-4", "fp8"]:
+        q = parse_config(name)
+        err[name] = ((q.quant_k(x, 0) - x).norm() / x.norm()).item()
+    assert err["k2v2"] > err["k3v3"] > err["k4v4"]
+    assert err["k4v4"] < err["k4v4-norot"]
+    assert err["fp8"] < 0.05
+    for v in err.values():
+        assert 0 < v < 0.5
+
+
+def test_plot_command(tmp_path):
+    pytest.importorskip("matplotlib")
+    from fmkv.eval.cli import main
+
+    rows = [{"config": c, "bytes_per_token_per_head": b, "ppl": p, "options": {"kind": k}, "model": "m",
+             "text": "t", "ctx": 8, "tokens": 7}
+            for c, b, p, k in [("fp16", 256, 10.0, "fp16"), ("k4v4", 72, 10.5, "fmkv"), ("k3v3", 56, 11.0, "fmkv"),
+                               ("kivi-2", 61, 12.0, "kivi")]]
+    src = tmp_path / "r.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["plot", str(src), "--out", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").stat().st_size > 1000
