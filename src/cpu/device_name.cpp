@@ -1,6 +1,7 @@
 // CPU backend identity and run-time ISA selection.
-//   FMKV_CPU_ISA=scalar|avx2|avx512 forces a kernel set (an unsupported request falls back to the
-//   best supported one); FMKV_NUM_THREADS sets the pool size (thread_pool.h).
+//   FMKV_CPU_ISA=scalar|avx2|avx512|neon forces a kernel set (an unsupported request falls back to
+//   the best supported one; NEON is the default on AArch64); FMKV_NUM_THREADS sets the pool size
+//   (thread_pool.h).
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -23,6 +24,10 @@ const Kernels& select_kernels() {
   if (want == "avx2" && avx2) return kernels_avx2();
   if (avx512) return kernels_avx512();
   if (avx2) return kernels_avx2();
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON) && defined(FMKV_CPU_HAVE_NEON)
+  if (want == "scalar") return kernels_scalar();
+  return kernels_neon();  // Advanced SIMD is part of the AArch64 baseline
 #endif
   return kernels_scalar();
 }

@@ -1,5 +1,6 @@
 // CPU backend kernel table: one instance per instruction set (kernels_scalar.cpp, kernels_avx2.cpp,
-// kernels_avx512.cpp), chosen once at run time (select_kernels, __builtin_cpu_supports).
+// kernels_avx512.cpp, kernels_neon.cpp), chosen once at run time (select_kernels,
+// __builtin_cpu_supports on x86-64; NEON is always present on AArch64).
 // Kernels are single-threaded; the drivers (append.cpp, decode_attention.cpp) split work across
 // the thread pool.
 #pragma once
@@ -60,7 +61,10 @@ const Kernels& kernels_scalar();
 const Kernels& kernels_avx2();
 const Kernels& kernels_avx512();
 #endif
-// The kernels used by the backend: best supported ISA, or FMKV_CPU_ISA=scalar|avx2|avx512.
+#if defined(__aarch64__) && defined(__ARM_NEON)
+const Kernels& kernels_neon();
+#endif
+// The kernels used by the backend: best supported ISA, or FMKV_CPU_ISA=scalar|avx2|avx512|neon.
 const Kernels& kernels();
 
 }  // namespace fmkv::cpu

@@ -1,7 +1,7 @@
 // Small SIMD abstraction of the CPU backend: one traits struct per instruction set, N float32 lanes.
 // The kernels (kernels_impl.h) are templates over these traits; each per-ISA translation unit is
 // compiled with its own -m flags and sees only the traits its flags enable. Scalar (N = 1) is the
-// portable fallback (any architecture).
+// portable fallback (any architecture); NEON (N = 4) is the AArch64 baseline (no -m flags needed).
 // Quantize code uses only exactly rounded ops here (add/sub/mul/div, no fmadd); fmadd is used only
 // by attention, which is not bit-exact by contract.
 #pragma once
@@ -12,6 +12,9 @@
 
 #if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON) && defined(FMKV_CPU_NEON_TU)
+#include <arm_neon.h>
 #endif
 
 namespace fmkv::cpu {
@@ -233,6 +236,100 @@ struct Avx512T {
   }
   static uint16_t h_from_f(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static float f_from_h(uint16_t h) { return _cvtsh_ss(h); }
+};
+#endif
+
+#if defined(__aarch64__) && defined(__ARM_NEON) && defined(FMKV_CPU_NEON_TU)
+// ---- AArch64 Advanced SIMD (N = 4) ---------------------------------------------------------
+// Visible only in kernels_neon.cpp (FMKV_CPU_NEON_TU). Quantize ops are the correctly rounded
+// vaddq/vsubq/vmulq/vdivq (never vfmaq/vmlaq; the TU is built with -ffp-contract=off); vfmaq only in
+// fmadd/exp (attention). fp16 conversions use FCVT/FCVTN (round to nearest even under the default
+// FPCR, bit-identical to half.h for finite values; tests/cross/aarch64.sh checks it).
+struct NeonT {
+  static constexpr int N = 4;
+  using F = float32x4_t;
+  using I = uint32x4_t;
+  using Table = uint8x16x2_t;  // mag16[0..7] as bytes; indices are taken mod 8 (mag16 has period <= 8)
+  static F zero() { return vdupq_n_f32(0.0f); }
+  static F set1(float x) { return vdupq_n_f32(x); }
+  static I set1i(uint32_t x) { return vdupq_n_u32(x); }
+  static F load(const float* p) { return vld1q_f32(p); }
+  static void store(float* p, F v) { vst1q_f32(p, v); }
+  static I loadi(const uint32_t* p) { return vld1q_u32(p); }
+  static F load_h(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+  static F add(F a, F b) { return vaddq_f32(a, b); }
+  static F sub(F a, F b) { return vsubq_f32(a, b); }
+  static F mul(F a, F b) { return vmulq_f32(a, b); }
+  static F div(F a, F b) { return vdivq_f32(a, b); }
+  static F fmadd(F a, F b, F c) { return vfmaq_f32(c, a, b); }  // attention only
+  static F max(F a, F b) { return vmaxq_f32(a, b); }
+  static I srl(I a, int n) { return vshlq_u32(a, vdupq_n_s32(-n)); }  // n in 0..31 (folds to USHR)
+  static I sll(I a, int n) { return vshlq_u32(a, vdupq_n_s32(n)); }
+  // USHL: a shift count of +-32 gives 0, as the x86 variable shifts do.
+  static I srlv(I a, I n) { return vshlq_u32(a, vnegq_s32(vreinterpretq_s32_u32(n))); }
+  static I sllv(I a, I n) { return vshlq_u32(a, vreinterpretq_s32_u32(n)); }
+  static I select_bits(I a, I b, I c) { return vbslq_u32(c, b, a); }
+  static F xor_i(F x, I s) { return vreinterpretq_f32_u32(veorq_u32(vreinterpretq_u32_f32(x), s)); }
+  static F xor_sign(F x, I s) { return xor_i(x, vandq_u32(s, vdupq_n_u32(0x80000000u))); }
+  static Table load_table(const float* t16) {
+    Table t;
+    t.val[0] = vld1q_u8((const uint8_t*)t16);
+    t.val[1] = vld1q_u8((const uint8_t*)(t16 + 4));
+    return t;
+  }
+  static F lut(Table t, I idx) {  // byte index 4 * (idx & 7) + {0, 1, 2, 3} per lane
+    const I b = vaddq_u32(vmulq_n_u32(vandq_u32(idx, vdupq_n_u32(7u)), 0x04040404u), vdupq_n_u32(0x03020100u));
+    return vreinterpretq_f32_u8(vqtbl2q_u8(t, vreinterpretq_u8_u32(b)));
+  }
+  static I lane_ids() {
+    static const uint32_t ids[4] = {0, 1, 2, 3};
+    return vld1q_u32(ids);
+  }
+  static F select_valid(F a, F b, int n) {
+    if (n >= N) return a;
+    return vbslq_f32(vcltq_u32(lane_ids(), vdupq_n_u32((uint32_t)(n < 0 ? 0 : n))), a, b);
+  }
+  static float hmax(F x) { return vmaxvq_f32(x); }
+  static float hsum(F x) { return vaddvq_f32(x); }
+  static F exp(F x) {  // Cephes expf, ~1 ulp on [-87, 88] (same steps as Avx2T::exp)
+    x = vminq_f32(vmaxq_f32(x, set1(-87.0f)), set1(88.0f));
+    F n = vrndnq_f32(vmulq_f32(x, set1(1.44269504088896341f)));
+    F r = vfmsq_f32(x, n, set1(0.693359375f));
+    r = vfmsq_f32(r, n, set1(-2.12194440e-4f));
+    F y = set1(1.9875691500E-4f);
+    y = fmadd(y, r, set1(1.3981999507E-3f));
+    y = fmadd(y, r, set1(8.3334519073E-3f));
+    y = fmadd(y, r, set1(4.1665795894E-2f));
+    y = fmadd(y, r, set1(1.6666665459E-1f));
+    y = fmadd(y, r, set1(5.0000001201E-1f));
+    y = fmadd(y, vmulq_f32(r, r), r);
+    y = vaddq_f32(y, set1(1.0f));
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
+    return vmulq_f32(y, vreinterpretq_f32_s32(e));
+  }
+  static F perm_xor(F v, int h) {  // lane i <- lane i ^ h (h = 1, 2)
+    if (h == 1) return vrev64q_f32(v);
+    return vextq_f32(v, v, 2);
+  }
+  static F blend_hbit(F a, F b, int h) {  // lanes with bit h set from b
+    static const uint32_t m1[4] = {0, ~0u, 0, ~0u}, m2[4] = {0, 0, ~0u, ~0u};
+    return vbslq_f32(vld1q_u32(h == 1 ? m1 : m2), b, a);
+  }
+  static float tree_reduce(F v) {  // steps 2, 1: lane j += lane j + step
+    const float32x2_t m = vadd_f32(vget_low_f32(v), vget_high_f32(v));
+    return vget_lane_f32(m, 0) + vget_lane_f32(m, 1);
+  }
+  static uint32_t lane_bits(I mask) {  // all-ones lanes -> bit i
+    static const uint32_t w[4] = {1, 2, 4, 8};
+    return vaddvq_u32(vandq_u32(mask, vld1q_u32(w)));
+  }
+  static uint32_t ltzero_mask(F u) { return lane_bits(vcltzq_f32(u)); }
+  static F abs(F x) { return vabsq_f32(x); }
+  static I count_gt(I m, F a, float thr) { return vsubq_u32(m, vcgtq_f32(a, vdupq_n_f32(thr))); }
+  static uint32_t bitmask(I m, int bit) { return lane_bits(vtstq_u32(m, vdupq_n_u32(1u << bit))); }
+  static F negate_if_lt0(F l, F u) { return xor_i(l, vandq_u32(vcltzq_f32(u), vdupq_n_u32(0x80000000u))); }
+  static uint16_t h_from_f(float x) { return vget_lane_u16(vreinterpret_u16_f16(vcvt_f16_f32(vdupq_n_f32(x))), 0); }
+  static float f_from_h(uint16_t h) { return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0); }
 };
 #endif
 
