@@ -43,6 +43,7 @@
 #include "core/quant_math.h"
 #include "fmkv/fmkv.hpp"
 #include "metal/host_plan.h"
+#include "test_util.h"
 #include "ref/quantize.h"
 
 // Portable binaries (tests/cuda/build_gpu1.sh defines FMKV_GLIBC_COMPAT_ARC4RANDOM): the statically
@@ -202,105 +203,7 @@ struct Dev {
   }
 };
 
-int g_passed = 0, g_failed = 0;
-std::mt19937_64 g_rng;
-
-void report(bool ok, const std::string& name, const std::string& detail, double seconds) {
-  (ok ? g_passed : g_failed)++;
-  printf("%s %s (%.3fs)%s%s\n", ok ? "PASS" : "FAIL", name.c_str(), seconds, detail.empty() ? "" : ": ",
-         detail.c_str());
-  fflush(stdout);
-}
-double since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-std::vector<uint8_t> random_tensor(fmkv_dtype dt, int64_t rows, int32_t heads, int32_t d) {
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> chan(d);
-  for (auto& c : chan) c = 1.0f + std::fabs(nd(g_rng));
-  size_t es = dt == FMKV_F32 ? 4 : 2, n = (size_t)rows * heads * d;
-  std::vector<uint8_t> out(n * es + 16);
-  for (size_t i = 0; i < n; ++i) {
-    float x = nd(g_rng) * chan[i % d];
-    if (dt == FMKV_F32) {
-      std::memcpy(&out[i * 4], &x, 4);
-    } else {
-      uint16_t h = dt == FMKV_F16 ? fmkv::f32_to_f16(x) : fmkv::f32_to_bf16(x);
-      std::memcpy(&out[i * 2], &h, 2);
-    }
-  }
-  return out;
-}
-
-struct Layer {
-  fmkv_config cfg{};
-  int32_t layer = 0;
-  int64_t stride = 0, num_pages = 0;
-  std::vector<int32_t> table, slots;
-  std::vector<uint8_t> pages;
-  std::vector<uint16_t> fk, fv;
-  int32_t seqs() const { return (int32_t)slots.size(); }
-  fmkv_layer_cache cache() {
-    return fmkv_layer_cache{pages.data(), num_pages, fk.data(), fv.data(), std::max<int32_t>(1, seqs()), layer};
-  }
-};
-
-Layer make_layer(const fmkv_config& cfg, const std::vector<int64_t>& final_lens) {
-  Layer L;
-  L.cfg = cfg;
-  L.layer = (int32_t)(g_rng() % 40);
-  int64_t max_pages = 0;
-  for (int64_t len : final_lens) {
-    int64_t comp = std::max<int64_t>(0, len - cfg.window_tokens - cfg.sink_tokens);
-    max_pages = std::max(max_pages, (comp + cfg.page_size - 1) / cfg.page_size);
-  }
-  L.stride = max_pages + 1;
-  L.num_pages = L.stride * (int64_t)final_lens.size() + 3;
-  std::vector<int32_t> perm(L.num_pages);
-  for (int64_t i = 0; i < L.num_pages; ++i) perm[i] = (int32_t)i;
-  std::shuffle(perm.begin(), perm.end(), g_rng);
-  L.table.assign(perm.begin(), perm.begin() + L.stride * final_lens.size());
-  for (size_t i = 0; i < final_lens.size(); ++i) L.slots.push_back((int32_t)(final_lens.size() - 1 - i));
-  L.pages.resize((size_t)(L.num_pages * fmkv_config_page_bytes(&cfg)));
-  for (auto& b : L.pages) b = (uint8_t)g_rng();
-  size_t fe = (size_t)(fmkv_config_fp16_slot_bytes(&cfg) / 4) * final_lens.size() + 1;
-  L.fk.resize(fe);
-  L.fv.resize(fe);
-  std::normal_distribution<float> nd;
-  for (auto& x : L.fk) x = fmkv::f32_to_f16(nd(g_rng));
-  for (auto& x : L.fv) x = fmkv::f32_to_f16(nd(g_rng));
-  return L;
-}
-
-std::vector<int64_t> offsets_of(const std::vector<int64_t>& rows) {
-  std::vector<int64_t> o(1, 0);
-  for (auto r : rows) o.push_back(o.back() + r);
-  return o;
-}
-
-fmkv_config make_config(int d, int kb, int vb, int H, int page, int sink, int window, int rule) {
-  fmkv_config c;
-  fmkv_config_default(&c);
-  c.head_dim = d;
-  c.k_bits = kb;
-  c.v_bits = vb;
-  c.num_kv_heads = H;
-  c.page_size = page;
-  c.sink_tokens = sink;
-  c.window_tokens = window;
-  c.scale_rule = rule;
-  c.seed = g_rng();
-  return c;
-}
-
-std::string config_name(const fmkv_config& c) {
-  char b[128];
-  snprintf(b, sizeof b, "d%d k%dv%d H%d P%d S%d W%d %s", c.head_dim, c.k_bits, c.v_bits, c.num_kv_heads, c.page_size,
-           c.sink_tokens, c.window_tokens, c.scale_rule == FMKV_SCALE_RMS ? "rms" : "lsq");
-  return b;
-}
-const char* dt_name(fmkv_dtype dt) { return dt == FMKV_F32 ? "f32" : dt == FMKV_F16 ? "f16" : "bf16"; }
+using namespace mtest;
 
 // Runs both append passes of the kernel core on the device over met's state (uploaded, run,
 // downloaded back into met). Returns the status words.
@@ -352,18 +255,6 @@ void append_both(Layer& ref, Layer& met, const std::vector<int64_t>& lens, const
   cuda_append(met, p, lens, offs, kbytes, vbytes, threads, fp16_threads, status);
 }
 
-template <typename T>
-std::string first_diff(const std::vector<T>& a, const std::vector<T>& b, const char* what) {
-  if (a.size() != b.size()) return std::string(what) + ": sizes differ";
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i] != b[i]) {
-      char m[160];
-      snprintf(m, sizeof m, "%s differ at element %zu of %zu (cuda %#x, ref %#x)", what, i, a.size(), (unsigned)a[i],
-               (unsigned)b[i]);
-      return m;
-    }
-  return "";
-}
 
 struct AppendCase {
   fmkv_config cfg;
@@ -387,38 +278,15 @@ void run_append_case(const AppendCase& ac) {
     if (status[0] || status[1]) err = "kernel status " + std::to_string(status[0]) + "/" + std::to_string(status[1]);
     for (size_t i = 0; i < st.size(); ++i) lens[i] += st[i];
   }
-  if (err.empty()) err = first_diff(met.pages, ref.pages, "page bytes");
-  if (err.empty()) err = first_diff(met.fk, ref.fk, "fp16_k region");
-  if (err.empty()) err = first_diff(met.fv, ref.fv, "fp16_v region");
+  if (err.empty()) err = first_diff(met.pages, ref.pages, "page bytes", "cuda");
+  if (err.empty()) err = first_diff(met.fk, ref.fk, "fp16_k region", "cuda");
+  if (err.empty()) err = first_diff(met.fv, ref.fv, "fp16_v region", "cuda");
   char name[256];
   snprintf(name, sizeof name, "append %s %s calls=%zu block=%u fp16_block=%u", config_name(ac.cfg).c_str(),
            dt_name(ac.dt), ac.steps.size(), ac.threads, ac.fp16_threads);
   report(err.empty(), name, err.empty() ? "pages + fp16 regions bit-exact" : err, since(t0));
 }
 
-std::vector<float> as_floats(const std::vector<uint8_t>& bytes, fmkv_dtype dt, size_t n) {
-  std::vector<float> f(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (dt == FMKV_F32) {
-      std::memcpy(&f[i], &bytes[i * 4], 4);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, &bytes[i * 2], 2);
-      f[i] = dt == FMKV_F16 ? fmkv::f16_to_f32(h) : fmkv::bf16_to_f32(h);
-    }
-  }
-  return f;
-}
-
-double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
-    num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
-    den += (double)b[i] * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
 
 struct AttentionCase {
   fmkv_config cfg;
