@@ -16,7 +16,6 @@ TEST(Codebook, DistortionMatchesMax1960) {
   const double max_d[4] = {0.3634, 0.1175, 0.03455, 0.009497};
   for (int b = 1; b <= 3; ++b) {
     fmkv::LloydMax q = fmkv::lloyd_max_gaussian(b);
-    EXPECT_NEAR(q.distortion, max_d[b - 1], 0.5e-4 * max_d[b - 1] * 10) << b << " bits";
     char ours[32], theirs[32];
     std::snprintf(ours, sizeof ours, "%.4g", q.distortion);
     std::snprintf(theirs, sizeof theirs, "%.4g", max_d[b - 1]);
