@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "compare.h"
 #include "core/half.h"
 #include "fmkv/fmkv.hpp"
 
@@ -197,16 +198,6 @@ inline std::vector<float> run_attention(fmkv_backend b, const Scenario& s, const
   return out;
 }
 
-// ||a - b|| / ||b||; NaN anywhere gives +inf.
-inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
-    num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
-    den += (double)b[i] * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
 
 inline fmkv_config config(int32_t d, int32_t kb, int32_t vb, int32_t kv_heads = 2, int32_t page = 16,
                           int32_t sink = 0, int32_t window = 0, int32_t rule = FMKV_SCALE_LSQ) {

@@ -24,4 +24,16 @@ void synchronize();
 int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64_t max_rows,
                                   int32_t num_seqs, int64_t max_seq_len);
 }  // namespace cuda
+namespace metal {  // src/metal/backend.mm (Apple only); unified memory: host validation applies
+bool available();
+std::string device_name();
+void append(const AppendArgs& a);
+void decode_attention(const AttentionArgs& a);
+void* alloc(size_t bytes);
+void free(void* p);
+void copy(void* dst, const void* src, size_t bytes, bool to_device);
+void synchronize();
+int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64_t max_rows,
+                                  int32_t num_seqs, int64_t max_seq_len);
+}  // namespace metal
 }  // namespace fmkv

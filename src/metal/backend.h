@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "../core/ops.h"
+#include "../core/backends.h"
 
 namespace fmkv::metal {
 
@@ -22,15 +22,6 @@ inline int32_t attention_splits(int64_t max_len) {
   return (int32_t)(s < 1 ? 1 : s > 32 ? 32 : s);
 }
 
-bool available();
-std::string device_name();
-void append(const AppendArgs& a);
-void decode_attention(const AttentionArgs& a);
-void* alloc(size_t bytes);
-void free(void* p);
-void copy(void* dst, const void* src, size_t bytes, bool to_device);
-void synchronize();
-int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64_t max_rows, int32_t num_seqs,
-                                  int64_t max_seq_len);
+// Entry points: declared with the other backends' in src/core/backends.h.
 
 }  // namespace fmkv::metal

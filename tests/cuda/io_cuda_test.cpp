@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "../compare.h"
 #include "fmkv/fmkv.h"
 #include "fmkv/io.h"
 
@@ -381,17 +382,10 @@ std::vector<float> attend_on(fmkv_backend be, const fmkv_config& cfg, const fmkv
 std::vector<float> attend(const DevCache& c, int32_t l, const Queries& Q) {
   return attend_on(g_be, c.cfg, c.layer(l), c.slots, c.len, c.table, c.stride, Q);
 }
+using fmkv::test::rel_error;
+
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-}
-double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
-    num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
-    den += (double)b[i] * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
 }
 
 // Pages of every sequence (its first pages_needed entries) and its valid fp16 entries, a vs b.

@@ -11,10 +11,13 @@
 #include <string>
 #include <vector>
 
+#include "../compare.h"
 #include "core/half.h"
 #include "fmkv/fmkv.hpp"
 
 namespace mtest {
+
+using fmkv::test::rel_error;
 
 inline int g_passed = 0, g_failed = 0;
 inline std::mt19937_64 g_rng;
@@ -147,14 +150,5 @@ inline std::vector<float> as_floats(const std::vector<uint8_t>& bytes, fmkv_dtyp
   return f;
 }
 
-inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
-    num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
-    den += (double)b[i] * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
 
 }  // namespace mtest
