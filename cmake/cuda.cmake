@@ -36,6 +36,12 @@ set_property(TARGET fmkv PROPERTY CUDA_ARCHITECTURES ${CMAKE_CUDA_ARCHITECTURES}
 set_source_files_properties(${PROJECT_SOURCE_DIR}/src/cuda/append.cu PROPERTIES COMPILE_OPTIONS "-fmad=false")
 target_compile_options(fmkv PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-ffp-contract=off>)
 target_compile_definitions(fmkv PRIVATE FMKV_WITH_CUDA=1)
+# Decode attention: a default build compiles a small grid of (head_dim, K bits, V bits) for every page
+# size (src/cuda/decode_attention.cuh, attn_compiled); ON compiles all 36 combinations.
+option(FMKV_CUDA_FULL_GRID "Compile the CUDA decode attention for every head_dim x K x V combination" OFF)
+if(FMKV_CUDA_FULL_GRID)
+  target_compile_definitions(fmkv PRIVATE FMKV_CUDA_FULL_GRID=1)
+endif()
 target_link_libraries(fmkv PUBLIC CUDA::cudart_static)
 set(FMKV_HAVE_CUDA_BACKEND ON)
 set(FMKV_HAVE_CUDA_BACKEND ON CACHE INTERNAL "fmkv CUDA backend compiled")

@@ -151,6 +151,21 @@ inline LayerState run_append(fmkv_backend b, const Scenario& s, const fmkv_tenso
   return out;
 }
 
+// The CUDA decode attention of a default build covers this grid (issue 4: at least k4v4, k3v3, k4v2,
+// k16v3 for head_dim 64/128); -DFMKV_CUDA_FULL_GRID=ON compiles every combination. Outside it the
+// backend must fail with FMKV_ERR_UNSUPPORTED saying "not compiled"; inside it, it must run.
+inline bool in_default_cuda_grid(int d, int kb, int vb) {
+  const bool small = (kb == 2 && vb == 2) || (kb == 3 && vb == 3) || (kb == 4 && vb == 4) || (kb == 4 && vb == 2) ||
+                     (kb == 16 && vb == 3);
+  return ((d == 64 || d == 128) && small) || (d == 256 && kb == vb && (kb == 3 || kb == 4));
+}
+
+// True when e says that backend b (CUDA) lacks a combination outside the default grid: the caller skips it.
+inline bool cuda_combination_not_compiled(fmkv_backend b, const fmkv::Error& e, int d, int kb, int vb) {
+  return b == FMKV_BACKEND_CUDA && e.code() == FMKV_ERR_UNSUPPORTED &&
+         std::string(e.what()).find("not compiled") != std::string::npos && !in_default_cuda_grid(d, kb, vb);
+}
+
 // Runs attention on backend b over the given layer state; output is fp32 [rows][q_heads][d],
 // poisoned with NaN before the call.
 inline std::vector<float> run_attention(fmkv_backend b, const Scenario& s, const LayerState& st,

@@ -86,7 +86,17 @@ TEST_P(Backends, AttentionMatchesReference) {
       fmkv_tensor q = make_tensor(qb.data(), sh.in, nq, HQ, c.head_dim);
       fmkv_attention_opts o{0.0f, sh.d == 256 ? 20.0f : 0.0f};
       auto want = run_attention(FMKV_BACKEND_REF, s, st, q, FMKV_F32, o);
-      auto got = run_attention(b, s, st, q, out, o);
+      std::vector<float> got;
+      try {
+        got = run_attention(b, s, st, q, out, o);
+      } catch (const fmkv::Error& e) {
+        if (cuda_combination_not_compiled(b, e, sh.d, sh.kb, sh.vb)) {
+          std::printf("[ note ] cuda d=%d k%dv%d not compiled in this build (FMKV_CUDA_FULL_GRID=OFF): %s\n", sh.d, sh.kb,
+                      sh.vb, e.what());
+          continue;
+        }
+        throw;
+      }
       double err = rel_error(got, want);
       EXPECT_LT(err, attention_tolerance(b, out)) << fmkv_backend_name(b) << " d=" << sh.d << " k" << sh.kb << "v" << sh.vb
                                                   << " out dtype " << out;

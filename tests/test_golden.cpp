@@ -110,7 +110,14 @@ TEST(Golden, ReproducedByEveryBackend) {
   for (fmkv_backend b : {FMKV_BACKEND_REF, FMKV_BACKEND_CPU, FMKV_BACKEND_CUDA, FMKV_BACKEND_METAL}) {
     if (!fmkv_backend_available(b)) continue;
     for (int i = 0; i < n; ++i) {
-      Produced p = produce(b, kCases[i], i);
+      Produced p;
+      try {
+        p = produce(b, kCases[i], i);
+      } catch (const fmkv::Error& e) {
+        if (!cuda_combination_not_compiled(b, e, kCases[i].d, kCases[i].kb, kCases[i].vb)) throw;
+        std::printf("[ note ] %s: not compiled in this build (FMKV_CUDA_FULL_GRID=OFF)\n", lines[4 * i].c_str());
+        continue;
+      }
       EXPECT_EQ(p.pages, lines[4 * i + 1]) << fmkv_backend_name(b) << ": " << lines[4 * i];
       EXPECT_EQ(p.fp16.empty() ? "-" : p.fp16, lines[4 * i + 2]) << fmkv_backend_name(b) << ": " << lines[4 * i];
       std::vector<float> want(p.out.size());

@@ -1,6 +1,8 @@
-// CUDA decode attention: host side (validation launch, split choice, workspace layout, dispatch)
-// and the merge kernel. See decode_attention.cuh for the main kernel. No host synchronisation and
-// no allocation here: safe to capture in a CUDA graph (the workspace comes from the caller).
+// CUDA decode attention: host side (split choice, workspace layout, dispatch) and the merge kernel.
+// See decode_attention.cuh for the main kernel, which also checks the device-side batch arrays and
+// Q (errors go to the device error word; the merge kernel then writes nothing). Two launches per
+// call, no host synchronisation, no allocation: safe to capture in a CUDA graph (the workspace comes
+// from the caller).
 #include <algorithm>
 
 #include "decode_attention.cuh"
@@ -8,48 +10,6 @@
 namespace fmkv {
 namespace cuda {
 namespace {
-
-// Batch arrays live on the device: check them there (row offsets, lengths, slots, every block-table
-// entry of the compressed range). Errors go to the device error word; the other kernels then skip.
-__global__ void validate_attn(AttnParams p) {
-  const int s = blockIdx.x;
-  const int64_t r0 = p.ro[s], r1 = p.ro[s + 1], n = r1 - r0, len = p.seq_lens[s];
-  if (threadIdx.x == 0) {
-    if (s == 0 && r0 != 0) report_error(p.err, kInvalidArgument, kErrRowOffsets, s, 0, 0, 0);
-    if (n < 0) report_error(p.err, kInvalidArgument, kErrRowOffsets, s, 0, 1, 0);
-    if (s == p.num_seqs - 1 && r1 != p.q_rows) report_error(p.err, kInvalidArgument, kErrRowOffsets, s, r1, 2, p.q_rows);
-    if (len < 0) report_error(p.err, kInvalidArgument, kErrNegLen, s, 0, len, 0);
-    if (n > len && len >= 0) report_error(p.err, kInvalidArgument, kErrQRows, s, n, len, 0);
-    if (p.R > 0 && n > 0) {
-      int32_t slot = p.slots ? p.slots[s] : 0;
-      if (slot < 0 || slot >= p.num_slots) report_error(p.err, kOutOfRange, kErrSlot, s, 0, slot, p.num_slots);
-    }
-  }
-  if (n <= 0 || len < 0 || n > len) return;
-  const int64_t E = dev_compressed_end(p.S, p.W, len);
-  if (E <= p.S) return;
-  const int64_t p1 = (E - 1 - p.S) / p.P;
-  if (p1 >= p.bt_stride) {
-    if (threadIdx.x == 0) report_error(p.err, kOutOfRange, kErrTableStride, s, p1 + 1, 0, p.bt_stride);
-    return;
-  }
-  const int32_t* bt = p.bt + (int64_t)s * p.bt_stride;
-  for (int64_t q = threadIdx.x; q <= p1; q += blockDim.x) {
-    int32_t pg = bt[q];
-    if (pg < 0 || pg >= p.num_pages) report_error(p.err, kOutOfRange, kErrBlockTable, s, q, pg, p.num_pages);
-  }
-}
-
-__global__ void validate_q(AttnParams p, int32_t d) {
-  const int64_t total = p.q_rows * p.HQ * d;
-  for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
-       idx += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = idx / ((int64_t)p.HQ * d);
-    const int32_t h = (int32_t)((idx / d) % p.HQ), i = (int32_t)(idx % d);
-    const float x = load_elem(p.q, p.q_dtype, r * p.q_rs + h * p.q_hs + i);
-    if (!isfinite(x)) report_error(p.err, kNonFinite, kErrNonFiniteQ, 0, r, h, i);
-  }
-}
 
 // One CTA (D threads) per (query row, q head): combine the split partials, un-rotate the compressed
 // part once (FWHT in shared memory), add the fp16 (sink/window) part, normalise, store.
@@ -130,14 +90,15 @@ void decode_attention(const AttentionArgs& a) {
     throw Error(kUnsupported, "cuda attention: more than 65535 sequences or q heads in one call");
   AttnFn fn = nullptr;
   switch (c.k_bits) {
-    case 2: fn = attn_kernel_k2(d, c.v_bits); break;
-    case 3: fn = attn_kernel_k3(d, c.v_bits); break;
-    case 4: fn = attn_kernel_k4(d, c.v_bits); break;
-    case 16: fn = attn_kernel_k16(d, c.v_bits); break;
+    case 2: fn = attn_kernel_k2(d, c.v_bits, c.page_size); break;
+    case 3: fn = attn_kernel_k3(d, c.v_bits, c.page_size); break;
+    case 4: fn = attn_kernel_k4(d, c.v_bits, c.page_size); break;
+    case 16: fn = attn_kernel_k16(d, c.v_bits, c.page_size); break;
   }
   if (!fn)
     throw Error(kUnsupported, "cuda attention: k" + std::to_string(c.k_bits) + "v" + std::to_string(c.v_bits) +
-                                  " d=" + std::to_string(d) + " is not compiled");
+                                  " with head_dim " + std::to_string(d) + " is not compiled into this build (compiled: " +
+                                  kAttnDefaultGrid + "; configure with -DFMKV_CUDA_FULL_GRID=ON for every combination)");
   AttnParams p;
   p.pages = a.layer.pages;
   p.num_pages = a.layer.num_pages;
@@ -178,12 +139,6 @@ void decode_attention(const AttentionArgs& a) {
   p.nsplit = ns;
   p.err = error_word();
   cudaStream_t st = to_stream(a.stream);
-  validate_attn<<<(unsigned)p.num_seqs, 128, 0, st>>>(p);
-  {
-    const int64_t total = a.q.rows * HQ * (int64_t)d;
-    const int64_t blocks = std::min<int64_t>((total + 255) / 256, 4 * (int64_t)sm_count());
-    validate_q<<<(unsigned)blocks, 256, 0, st>>>(p, d);
-  }
   fn<<<dim3((unsigned)(ns + 1), (unsigned)c.num_kv_heads, (unsigned)p.num_seqs), 128, 0, st>>>(p);
   const dim3 mg((unsigned)a.q.rows, (unsigned)HQ);
   switch (d) {

@@ -89,6 +89,28 @@ __device__ __forceinline__ uint32_t lookup(uint32_t t, const uint32_t (&T)[4]) {
   return (lo & ~msk) | (hi & msk);
 }
 
+// Selector form of a lookup, computed once per token word and shared by its four values: byte k of
+// s = 0x10 + 0x22 m_k (the nibbles 2m, 2m+1 fetch the two bytes of fp16 level m), bit 7 of byte k of
+// h = magnitude bit 2 (B == 4). lookup_sel() uses bytes 0 and 1 of both; byte pairs of two tokens are
+// combined with one prmt before the lookup (V), or bytes 2,3 shifted down (K).
+template <int B>
+struct Sel {
+  uint32_t s, h;
+};
+template <int B>
+__device__ __forceinline__ Sel<B> make_sel(uint32_t x) {
+  if (B == 4) return {(x & 0x03030303u) * 0x22u + 0x10101010u, x << 5};
+  return {x * 0x22u + 0x10101010u, 0u};
+}
+template <int B>
+__device__ __forceinline__ uint32_t lookup_sel(uint32_t s, uint32_t h, const uint32_t (&T)[4]) {
+  if (B == 2) return prmt(T[0], T[0], s);
+  if (B == 3) return prmt(T[0], T[1], s);
+  const uint32_t lo = prmt(T[0], T[1], s), hi = prmt(T[2], T[3], s);
+  const uint32_t msk = prmt(h, 0u, 0x9988u);  // sign-replicate bit 7 of bytes 0, 1
+  return (lo & ~msk) | (hi & msk);
+}
+
 // Bytes 0..3 = magnitudes of coordinates (i0, i0+16, i0+1, i0+17) of a group (i0 even, < 16), each
 // byte clean (higher bits zero), so lookup() may be given bytes 0,1 with garbage in bytes 2,3.
 // f: the field word (i0 >> 3) for B >= 3, the magnitude plane for B == 2; p2: bit-2 plane (B == 4).
@@ -154,18 +176,64 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
   }
 }
 
-template <int D, int KB, int VB>
+// Sequence-level checks of a CTA (row offsets, length, slot, block-table stride). Reported once per
+// sequence (by split 0 of kv head 0); every CTA of a bad sequence returns without writing.
+__device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int h, int sp, int64_t r0, int64_t n,
+                                                 int64_t len) {
+  const bool rep = sp == 0 && h == 0 && threadIdx.x == 0;
+  const int64_t r1 = r0 + n;
+  bool ok = true;
+  if (s == 0 && r0 != 0) { ok = false; if (rep) report_error(p.err, kInvalidArgument, kErrRowOffsets, s, 0, 0, 0); }
+  if (n < 0) { ok = false; if (rep) report_error(p.err, kInvalidArgument, kErrRowOffsets, s, 0, 1, 0); }
+  if (s == p.num_seqs - 1 && r1 != p.q_rows) { ok = false; if (rep) report_error(p.err, kInvalidArgument, kErrRowOffsets, s, r1, 2, p.q_rows); }
+  if (r0 < 0 || r1 > p.q_rows) ok = false;  // reported by the sequence whose offsets are wrong
+  if (len < 0) { ok = false; if (rep) report_error(p.err, kInvalidArgument, kErrNegLen, s, 0, len, 0); }
+  if (n > len && len >= 0) { ok = false; if (rep) report_error(p.err, kInvalidArgument, kErrQRows, s, n, len, 0); }
+  if (!ok) return false;
+  if (p.R > 0 && n > 0) {
+    const int32_t slot = p.slots ? p.slots[s] : 0;
+    if (slot < 0 || slot >= p.num_slots) {
+      if (rep) report_error(p.err, kOutOfRange, kErrSlot, s, 0, slot, p.num_slots);
+      return false;
+    }
+  }
+  const int64_t E = dev_compressed_end(p.S, p.W, len);
+  if (E > p.S && (E - 1 - p.S) / p.P >= p.bt_stride) {
+    if (rep) report_error(p.err, kOutOfRange, kErrTableStride, s, (E - 1 - p.S) / p.P + 1, 0, p.bt_stride);
+    return false;
+  }
+  return true;
+}
+
+// Decode attention main kernel (see the file header). Template: head_dim D, K/V bits, page size P
+// (compile-time, so every load of a tile is a constant offset from one tile pointer).
+//
+// Thread -> data mapping of one warp and 16-token tile [t0, t0 + 16) of a page (lane = 4 gID + tid):
+//   K (mma A operand, 16 tokens x 16 coordinates): tokens gID and gID + 8; of each group g and chunk
+//     c in {0, 1} the coordinates i0, i0+16 (a0/a1) and i0+1, i0+17 (a2/a3), i0 = 8c + 2 tid.
+//   Q (mma B operand): query vector gID, the same coordinates.   S (C fragment): tokens gID, gID+8
+//     x query vectors 2 tid, 2 tid + 1, so the softmax state of a lane is that of queries 2tid, 2tid+1.
+//   P -> B operand of the V mma (tokens 2tid, 2tid+1, 2tid+8, 2tid+9 x query gID) by movmatrix.trans,
+//     after the per-token V scale of group g has been folded into P (fp32, before fp16 rounding).
+//   V (mma A operand, 16 coordinates x 16 tokens): coordinates 2gID (+16, +1, +17) of each group, tokens
+//     2tid, 2tid+1, 2tid+8, 2tid+9.   O (C fragment): those coordinates x queries 2tid, 2tid+1.
+template <int D, int KB, int VB, int P>
 __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn_kernel(AttnParams p) {
   constexpr int G = D / 32;
+  constexpr bool K16 = KB == FMKV_FP16_BITS;
+  constexpr int KW = K16 ? 1 : KB;                        // code words per group and token (K)
+  constexpr int KSC = K16 ? 0 : G * KB * P * 4;           // byte offset of the K scales in the section
+  constexpr int VSC = G * VB * P * 4;                     // byte offset of the V scales
   __shared__ float sq[kQV][D];
   __shared__ float s_qmax[kQV];
+  __shared__ uint32_t s_tab[8][32];
   __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV];
   __shared__ float sm_acc[kAttnWarps][kQV][D];
   if (error_set(p.err)) return;
   const int s = blockIdx.z, h = blockIdx.y, sp = blockIdx.x;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31, gID = lane >> 2, tid = lane & 3;
   const int64_t len = p.seq_lens[s], r0 = p.ro[s], n = p.ro[s + 1] - r0;
-  if (n <= 0) return;
+  if (!attn_sequence_ok(p, s, h, sp, r0, n, len) || n <= 0) return;
   const int64_t E = dev_compressed_end(p.S, p.W, len), C = E - p.S;
   if (sp == p.nsplit) {
     fp16_part<D>(p, s, h, len, r0, n, E);
@@ -177,15 +245,43 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   if (tps < kMinTilesPerSplit) tps = kMinTilesPerSplit;
   const int64_t tb = (int64_t)sp * tps, te = ntiles < tb + tps ? ntiles : tb + tps;
 
+  // Codebook tables in ordinary registers: a table in a uniform register costs a move per lookup,
+  // so every lane reads its own copy (a lane-dependent shared-memory address is never uniform).
+  if (tidx < 8) {
+    uint32_t T[4];
+    load_tables(tidx < 4 ? (K16 ? VB : KB) : VB, T);
+    for (int l = 0; l < 32; ++l) s_tab[tidx][l] = T[tidx & 3];
+  }
+  __syncthreads();
   uint32_t TK[4], TV[4];
-  if (KB != FMKV_FP16_BITS) load_tables(KB, TK);
-  load_tables(VB, TV);
-  const int64_t kscales_off = KB == FMKV_FP16_BITS ? 0 : fmkv_scales_offset(D, KB, p.P);
-  const int64_t vscales_off = fmkv_scales_offset(D, VB, p.P);
-  const int P = p.P;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    TK[k] = s_tab[k][lane];
+    TV[k] = s_tab[4 + k][lane];
+  }
+
+  // L2 prefetch rows of this lane (64-byte row segments of a tile: code planes and scale rows of K
+  // and V; k16: 128-byte lines): byte offset in the head's K|V sections at token 0, bytes per token.
+  constexpr int KR = K16 ? D / 4 : G * KB + G, VR = G * VB + G, NPF = (KR + VR + 31) / 32;
+  int pf_off[NPF], pf_mul[NPF];
+#pragma unroll
+  for (int i = 0; i < NPF; ++i) {
+    const int r = lane + 32 * i;
+    pf_off[i] = -1;
+    pf_mul[i] = 0;
+    if (r < KR) {
+      if (K16) { pf_off[i] = r * 128; pf_mul[i] = D * 2; }
+      else if (r < G * KB) { pf_off[i] = r * P * 4; pf_mul[i] = 4; }
+      else { pf_off[i] = KSC + (r - G * KB) * P * 2; pf_mul[i] = 2; }
+    } else if (r < KR + VR) {
+      const int rv = r - KR;
+      pf_off[i] = (int)p.ksec_bytes + (rv < G * VB ? rv * P * 4 : VSC + (rv - G * VB) * P * 2);
+      pf_mul[i] = rv < G * VB ? 4 : 2;
+    }
+  }
 
   for (int64_t vb = 0; vb < nqv; vb += kQV) {
-    // ---- Q: load 8 query vectors, rotate (unnormalised FWHT of s*q) in shared memory
+    // ---- Q: load 8 query vectors (finite-checked), rotate (unnormalised FWHT of s*q) in shared memory
     for (int e = tidx; e < kQV * D; e += blockDim.x) {
       const int i = e / D, c = e % D;
       const int64_t v = vb + i;
@@ -194,12 +290,16 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         const int64_t row = r0 + v / p.gq;
         const int hq = h * p.gq + (int)(v % p.gq);
         x = load_elem(p.q, p.q_dtype, row * p.q_rs + hq * p.q_hs + c);
+        if (!isfinite(x)) {
+          report_error(p.err, kNonFinite, kErrNonFiniteQ, 0, row, hq, c);
+          x = 0.0f;
+        }
       }
-      if (KB != FMKV_FP16_BITS && sign_negative(p.sw, c)) x = -x;
+      if (!K16 && sign_negative(p.sw, c)) x = -x;
       sq[i][c] = x;
     }
     __syncthreads();
-    if (KB != FMKV_FP16_BITS) {
+    if (!K16) {
       for (int hh = 1; hh < D; hh <<= 1) {
         for (int e = tidx; e < kQV * D / 2; e += blockDim.x) {
           const int i = e / (D / 2), k = e % (D / 2), c = (k / hh) * 2 * hh + (k % hh);
@@ -218,24 +318,32 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       if (lane == 0) s_qmax[i] = m;
     }
     __syncthreads();
-    const float qmax = s_qmax[gID], qinv = qmax > 0.0f ? 1.0f / qmax : 0.0f;
-    uint32_t qa[G][2][2];
+    uint32_t qb[G][2][2];  // B operand: query vector gID, normalised to max |q| = 1
+    {
+      const float qmax = s_qmax[gID], qinv = qmax > 0.0f ? 1.0f / qmax : 0.0f;
 #pragma unroll
-    for (int g = 0; g < G; ++g)
+      for (int g = 0; g < G; ++g)
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int b = 32 * g + 8 * c + 2 * tid;
-        qa[g][c][0] = pack_half2(sq[gID][b] * qinv, sq[gID][b + 16] * qinv);
-        qa[g][c][1] = pack_half2(sq[gID][b + 1] * qinv, sq[gID][b + 17] * qinv);
-      }
-    const int64_t myv = vb + gID;
-    const int64_t pos = myv < nqv ? len - n + myv / p.gq : -1;
-    const float fac = qmax * (KB != FMKV_FP16_BITS ? rotation_norm(D) : 1.0f) * p.sm_scale;
-    // scores are kept in log2 units (x log2 e) inside the tile loop; m is converted back at the end
-    const float fac2 = p.softcap > 0.0f ? fac : fac * kLog2e;
+        for (int c = 0; c < 2; ++c) {
+          const int b = 32 * g + 8 * c + 2 * tid;
+          qb[g][c][0] = pack_half2(sq[gID][b] * qinv, sq[gID][b + 16] * qinv);
+          qb[g][c][1] = pack_half2(sq[gID][b + 1] * qinv, sq[gID][b + 17] * qinv);
+        }
+    }
+    // this lane's softmax rows: query vectors 2 tid + j
     const float post = p.softcap > 0.0f ? kLog2e : 1.0f;
+    float fac2[2];
+    int64_t pos[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int64_t v = vb + 2 * tid + j;
+      pos[j] = v < nqv ? len - n + v / p.gq : -1;
+      const float fac = s_qmax[2 * tid + j] * (K16 ? 1.0f : rotation_norm(D)) * p.sm_scale;
+      // scores are kept in log2 units (x log2 e) inside the tile loop; m is converted back at the end
+      fac2[j] = p.softcap > 0.0f ? fac : fac * kLog2e;
+    }
 
-    float m_run = -INFINITY, l_run = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
     float acc[G][2][4];
 #pragma unroll
     for (int g = 0; g < G; ++g)
@@ -244,177 +352,168 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
         for (int k = 0; k < 4; ++k) acc[g][mt][k] = 0.0f;
 
-    // Page of tile ti (or -1); the next tile's page is loaded one iteration ahead and its bytes are
-    // prefetched into L2 one tile ahead, so the dependent loads of a tile mostly hit L2.
+    // Page of tile ti (or -1, reported); the next tile's page is loaded one iteration ahead and its
+    // bytes are prefetched into L2 one tile ahead, so the dependent loads of a tile mostly hit L2.
     const int32_t* btrow = p.bt + (int64_t)s * p.bt_stride;
     auto page_of = [&](int64_t ti) -> int32_t {
       if (ti >= te) return -1;
-      const int32_t pg = btrow[(ti * 16) / P];
-      return pg >= 0 && pg < p.num_pages ? pg : -1;
+      const int64_t q = (ti * 16) / P;
+      const int32_t pg = btrow[q];
+      if (pg >= 0 && pg < p.num_pages) return pg;
+      if (lane == 0) report_error(p.err, kOutOfRange, kErrBlockTable, s, q, pg, p.num_pages);
+      return -1;
     };
     int32_t pg_next = page_of(tb + warp), pg_after = page_of(tb + warp + kAttnWarps);
     for (int64_t ti = tb + warp; ti < te; ti += kAttnWarps) {
       const int64_t ci0 = ti * 16;
       const int32_t pg = pg_next;
-      pg_next = pg_after;                          // loaded one iteration ago
-      pg_after = page_of(ti + 2 * kAttnWarps);     // used next iteration
-      if (pg_next >= 0) {  // L2 prefetch of the next tile: one 16-token row segment per lane
-        constexpr int KS = KB == FMKV_FP16_BITS ? 0 : G, KR = KB == FMKV_FP16_BITS ? 0 : G * KB, VR = G * VB;
-        constexpr int ROWS = KR + KS + VR + G, EXTRA = KB == FMKV_FP16_BITS ? D / 4 : 0;  // k16: 128 B lines
+      pg_next = pg_after;                       // loaded one iteration ago
+      pg_after = page_of(ti + 2 * kAttnWarps);  // used next iteration
+      if (pg_next >= 0) {  // L2 prefetch of the next tile
         const int tn = (int)(((ti + kAttnWarps) * 16) % P);
-        const uint8_t* kn = p.pages + (int64_t)pg_next * p.page_bytes + (int64_t)h * p.head_stride;
-        const uint8_t* vn = kn + p.ksec_bytes;
-        for (int r = lane; r < ROWS + EXTRA; r += 32) {
-          const uint8_t* a;
-          if (r >= ROWS) a = kn + (int64_t)tn * D * 2 + (int64_t)(r - ROWS) * 128;
-          else if (r < KR) a = kn + ((int64_t)r * P + tn) * 4;
-          else if (r < KR + KS) a = kn + kscales_off + ((int64_t)(r - KR) * P + tn) * 2;
-          else if (r < KR + KS + VR) a = vn + ((int64_t)(r - KR - KS) * P + tn) * 4;
-          else a = vn + vscales_off + ((int64_t)(r - KR - KS - VR) * P + tn) * 2;
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-        }
+        const uint8_t* base = p.pages + (int64_t)pg_next * p.page_bytes + (int64_t)h * p.head_stride;
+#pragma unroll
+        for (int i = 0; i < NPF; ++i)
+          if (pf_off[i] >= 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + pf_off[i] + tn * pf_mul[i]));
       }
       if (pg < 0) continue;
       const int t0 = (int)(ci0 % P);
       const uint8_t* ksec = p.pages + (int64_t)pg * p.page_bytes + (int64_t)h * p.head_stride;
       const uint8_t* vsec = ksec + p.ksec_bytes;
-      // valid tokens: offset o in [0,16) is valid for K/V if o < nvalid, visible to this q vector if
-      // o <= nvis (causal)
-      const int64_t rem = C - ci0, vis = pos - (p.S + ci0);
-      const int nvalid = rem < 16 ? (int)rem : 16;
-      const int nvis = vis < 16 ? (vis < -1 ? -1 : (int)vis) : 16;
+      const int64_t rem = C - ci0;
+      const int nvalid = rem < 16 ? (int)rem : 16;  // token offsets o < nvalid exist
 
-      // ---- scores S = Q K^T for tokens (t0 + 8 nt + 2 tid + {0,1}) of query vector gID
-      float sc[2][2];
+      // ---- scores S = K Q^T: sc[k] = (token gID + 8 (k >> 1), query 2 tid + (k & 1))
+      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if constexpr (K16) {
+        const uint16_t* ka = (const uint16_t*)ksec + (t0 + gID) * D;
+        const uint16_t* kb = ka + 8 * D;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int tk = t0 + 8 * nt + gID;
-        float s0 = 0.0f, s1 = 0.0f;
-        if constexpr (KB == FMKV_FP16_BITS) {
-          float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          const uint16_t* kr = (const uint16_t*)ksec + (int64_t)tk * D;
+        for (int g = 0; g < G; ++g)
 #pragma unroll
-          for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int b = 32 * g + 8 * c + 2 * tid;
-              const uint32_t b0 = (uint32_t)kr[b] | ((uint32_t)kr[b + 16] << 16);
-              const uint32_t b1 = (uint32_t)kr[b + 1] | ((uint32_t)kr[b + 17] << 16);
-              mma16816(c4, qa[g][c][0], 0u, qa[g][c][1], 0u, b0, b1);
-            }
-          s0 = c4[0];
-          s1 = c4[1];
-        } else {
-          const uint32_t* kw = (const uint32_t*)ksec;
-          const uint32_t* ks = (const uint32_t*)(ksec + kscales_off);
-#pragma unroll
-          for (int g = 0; g < G; ++g) {
-            uint32_t w[KB == FMKV_FP16_BITS ? 1 : KB];
-#pragma unroll
-            for (int k = 0; k < (KB == FMKV_FP16_BITS ? 1 : KB); ++k) w[k] = kw[(int64_t)(g * KB + k) * P + tk];
-            const uint32_t sgn = w[KB - 1];
-            float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int i0 = 8 * c + 2 * tid;
-              const uint32_t x = make_x<KB>(KB == 2 ? w[0] : w[c], KB == 4 ? w[KB == 4 ? 2 : 0] : 0u, i0);
-              const uint32_t u = sgn >> i0;
-              const uint32_t b0 = lookup<KB>(x, TK) ^ ((u << 15) & kSignMask);
-              const uint32_t b1 = lookup<KB>(x >> 16, TK) ^ ((u << 14) & kSignMask);
-              mma16816(c4, qa[g][c][0], 0u, qa[g][c][1], 0u, b0, b1);
-            }
-            const uint32_t s2 = ks[((int64_t)g * P + t0 + 8 * nt + 2 * tid) >> 1];
-            s0 += c4[0] * h_lo(s2);
-            s1 += c4[1] * h_hi(s2);
+          for (int c = 0; c < 2; ++c) {
+            const int b = 32 * g + 8 * c + 2 * tid;
+            const uint32_t a0 = (uint32_t)ka[b] | ((uint32_t)ka[b + 16] << 16);
+            const uint32_t a1 = (uint32_t)kb[b] | ((uint32_t)kb[b + 16] << 16);
+            const uint32_t a2 = (uint32_t)ka[b + 1] | ((uint32_t)ka[b + 17] << 16);
+            const uint32_t a3 = (uint32_t)kb[b + 1] | ((uint32_t)kb[b + 17] << 16);
+            mma16816(sc, a0, a1, a2, a3, qb[g][c][0], qb[g][c][1]);
           }
+      } else {
+        const uint32_t* kw = (const uint32_t*)ksec + t0 + gID;                  // token gID, plane 0
+        const uint16_t* ks = (const uint16_t*)(ksec + KSC) + t0 + gID;          // its scale, group 0
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          uint32_t wa[KW], wb[KW];
+#pragma unroll
+          for (int k = 0; k < KW; ++k) {
+            wa[k] = kw[(g * KB + k) * P];
+            wb[k] = kw[(g * KB + k) * P + 8];
+          }
+          float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int i0 = 8 * c + 2 * tid;
+            const Sel<KB> sa_ = make_sel<KB>(make_x<KB>(KB == 2 ? wa[0] : wa[c], KB == 4 ? wa[KB == 4 ? 2 : 0] : 0u, i0));
+            const Sel<KB> sb_ = make_sel<KB>(make_x<KB>(KB == 2 ? wb[0] : wb[c], KB == 4 ? wb[KB == 4 ? 2 : 0] : 0u, i0));
+            const uint32_t ua = wa[KW - 1] >> i0, ub = wb[KW - 1] >> i0;
+            const uint32_t a0 = lookup_sel<KB>(sa_.s, sa_.h, TK) ^ ((ua << 15) & kSignMask);
+            const uint32_t a1 = lookup_sel<KB>(sb_.s, sb_.h, TK) ^ ((ub << 15) & kSignMask);
+            const uint32_t a2 = lookup_sel<KB>(sa_.s >> 16, sa_.h >> 16, TK) ^ ((ua << 14) & kSignMask);
+            const uint32_t a3 = lookup_sel<KB>(sb_.s >> 16, sb_.h >> 16, TK) ^ ((ub << 14) & kSignMask);
+            mma16816(c4, a0, a1, a2, a3, qb[g][c][0], qb[g][c][1]);
+          }
+          const float fa = h_lo(ks[g * P]), fb = h_lo(ks[g * P + 8]);
+          sc[0] += c4[0] * fa;
+          sc[1] += c4[1] * fa;
+          sc[2] += c4[2] * fb;
+          sc[3] += c4[3] * fb;
         }
-        sc[nt][0] = s0;
-        sc[nt][1] = s1;
       }
 
-      // ---- online softmax (query vector gID; tokens a=2tid, b=2tid+1, c=8+2tid, d=9+2tid)
+      // ---- online softmax of queries 2 tid + j over the tile's 16 tokens (8 lanes of equal tid)
       float pr[4];
-      float mt_ = -INFINITY;
+      float mt_[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int o = 8 * (k >> 1) + 2 * tid + (k & 1);
-        const bool ok = o < nvalid && o <= nvis;
-        const float x = apply_softcap(sc[k >> 1][k & 1] * fac2, p.softcap) * post;
+        const int o = gID + 8 * (k >> 1), j = k & 1;
+        const bool ok = o < nvalid && p.S + ci0 + o <= pos[j];
+        const float x = apply_softcap(sc[k] * fac2[j], p.softcap) * post;
         pr[k] = ok ? x : -INFINITY;
-        mt_ = fmaxf(mt_, pr[k]);
+        mt_[j] = fmaxf(mt_[j], pr[k]);
       }
-      mt_ = fmaxf(mt_, __shfl_xor_sync(0xffffffffu, mt_, 1));
-      mt_ = fmaxf(mt_, __shfl_xor_sync(0xffffffffu, mt_, 2));
-      const float m_new = fmaxf(m_run, mt_);
-      float corr = 1.0f;
-      if (m_new == -INFINITY) {
+      float corr[2];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) pr[k] = 0.0f;
-      } else {
-        corr = exp2f(m_run - m_new);
+      for (int j = 0; j < 2; ++j) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) pr[k] = exp2f(pr[k] - m_new);
+        for (int o = 4; o <= 16; o <<= 1) mt_[j] = fmaxf(mt_[j], __shfl_xor_sync(0xffffffffu, mt_[j], o));
+        const float m_new = fmaxf(m_run[j], mt_[j]);
+        corr[j] = m_new == -INFINITY ? 1.0f : exp2f(m_run[j] - m_new);
+        const float ms = m_new == -INFINITY ? 0.0f : m_new;  // all masked so far: p = exp2(-inf) = 0
+        pr[j] = exp2f(pr[j] - ms);
+        pr[j + 2] = exp2f(pr[j + 2] - ms);
+        l_run[j] = l_run[j] * corr[j] + (pr[j] + pr[j + 2]);
+        m_run[j] = m_new;
       }
-      l_run = l_run * corr + ((pr[0] + pr[1]) + (pr[2] + pr[3]));
-      m_run = m_new;
-      if (__any_sync(0xffffffffu, corr != 1.0f)) {  // the running max moved for some query vector
-        const float corrA = __shfl_sync(0xffffffffu, corr, 8 * tid), corrB = __shfl_sync(0xffffffffu, corr, 8 * tid + 4);
+      if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {  // some running max moved
 #pragma unroll
         for (int g = 0; g < G; ++g)
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int k = 0; k < 4; ++k) acc[g][mt][k] *= (k & 1) ? corrB : corrA;
+            for (int k = 0; k < 4; ++k) acc[g][mt][k] *= corr[k & 1];
       }
 
-      // ---- O^T += V^T P^T; this thread: coordinates i0v + {0,16,1,17} of each group, tokens a,b,c,d
-      const bool va = 2 * tid < nvalid, vbb = 2 * tid + 1 < nvalid, vc = 2 * tid + 8 < nvalid,
-                 vd = 2 * tid + 9 < nvalid;
-      const uint32_t* vw = (const uint32_t*)vsec;
-      const uint32_t* vs = (const uint32_t*)(vsec + vscales_off);
+      // ---- O^T += V^T P^T; this lane: coordinates 2gID + {0,16,1,17} of each group, tokens a,b,c,d
+      const uint32_t* vw = (const uint32_t*)vsec + t0 + 2 * tid;                   // token a, plane 0
+      const uint16_t* vs = (const uint16_t*)(vsec + VSC) + t0 + gID;              // token gID's V scale
       const int i0v = 2 * gID, fwv = gID >> 2;
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        const uint32_t sab = vs[((int64_t)g * P + t0 + 2 * tid) >> 1], scd = vs[((int64_t)g * P + t0 + 2 * tid + 8) >> 1];
-        const float fa = va ? h_lo(sab) : 0.0f, fb = vbb ? h_hi(sab) : 0.0f;
-        const float fc = vc ? h_lo(scd) : 0.0f, fd = vd ? h_hi(scd) : 0.0f;
-        // P x token scale as the fp16 B operand: p <= 1 and |scale| <= 65504, so it cannot overflow
-        const uint32_t pb0 = pack_half2(pr[0] * fa, pr[1] * fb);
-        const uint32_t pb1 = pack_half2(pr[2] * fc, pr[3] * fd);
-        const int64_t wi = (int64_t)(g * VB + (VB == 2 ? 0 : fwv)) * P + t0 + 2 * tid;
-        const int64_t si = (int64_t)(g * VB + VB - 1) * P + t0 + 2 * tid;
+        // P x token scale (fp32, then fp16: p <= 1 and |scale| <= 65504 cannot overflow), transposed
+        // (tokens past the end get scale 0: their bytes may be uninitialised, and 0 x Inf is NaN)
+        const float sa = gID < nvalid ? h_lo(vs[g * P]) : 0.0f, sb = gID + 8 < nvalid ? h_lo(vs[g * P + 8]) : 0.0f;
+        uint32_t pb0 = pack_half2(pr[0] * sa, pr[1] * sa), pb1 = pack_half2(pr[2] * sb, pr[3] * sb);
+        pb0 = movmatrix_trans(pb0);
+        pb1 = movmatrix_trans(pb1);
+        const int wi = (g * VB + (VB == 2 ? 0 : fwv)) * P, si = (g * VB + VB - 1) * P;
         const uint2 fab = *(const uint2*)(vw + wi), fcd = *(const uint2*)(vw + wi + 8);
         const uint2 gab = *(const uint2*)(vw + si), gcd = *(const uint2*)(vw + si + 8);
         uint2 pab = make_uint2(0u, 0u), pcd = make_uint2(0u, 0u);
         if (VB == 4) {
-          const int64_t pi = (int64_t)(g * VB + 2) * P + t0 + 2 * tid;
-          pab = *(const uint2*)(vw + pi);
-          pcd = *(const uint2*)(vw + pi + 8);
+          pab = *(const uint2*)(vw + (g * VB + 2) * P);
+          pcd = *(const uint2*)(vw + (g * VB + 2) * P + 8);
         }
-        const uint32_t xa = make_x<VB>(fab.x, pab.x, i0v), xb = make_x<VB>(fab.y, pab.y, i0v);
-        const uint32_t xc = make_x<VB>(fcd.x, pcd.x, i0v), xd = make_x<VB>(fcd.y, pcd.y, i0v);
+        const Sel<VB> xa = make_sel<VB>(make_x<VB>(fab.x, pab.x, i0v)), xb = make_sel<VB>(make_x<VB>(fab.y, pab.y, i0v));
+        const Sel<VB> xc = make_sel<VB>(make_x<VB>(fcd.x, pcd.x, i0v)), xd = make_sel<VB>(make_x<VB>(fcd.y, pcd.y, i0v));
         const uint32_t ua = gab.x >> i0v, ub = gab.y >> i0v, uc = gcd.x >> i0v, ud = gcd.y >> i0v;
         const uint32_t wlo_ab = prmt(ua, ub, 0x5410u), whi_ab = prmt(ua, ub, 0x7632u);
         const uint32_t wlo_cd = prmt(uc, ud, 0x5410u), whi_cd = prmt(uc, ud, 0x7632u);
-        const uint32_t aA0 = lookup<VB>(prmt(xa, xb, 0x40u), TV) ^ ((wlo_ab << 15) & kSignMask);
-        const uint32_t aA1 = lookup<VB>(prmt(xa, xb, 0x51u), TV) ^ ((whi_ab << 15) & kSignMask);
-        const uint32_t aA2 = lookup<VB>(prmt(xc, xd, 0x40u), TV) ^ ((wlo_cd << 15) & kSignMask);
-        const uint32_t aA3 = lookup<VB>(prmt(xc, xd, 0x51u), TV) ^ ((whi_cd << 15) & kSignMask);
-        const uint32_t aB0 = lookup<VB>(prmt(xa, xb, 0x62u), TV) ^ ((wlo_ab << 14) & kSignMask);
-        const uint32_t aB1 = lookup<VB>(prmt(xa, xb, 0x73u), TV) ^ ((whi_ab << 14) & kSignMask);
-        const uint32_t aB2 = lookup<VB>(prmt(xc, xd, 0x62u), TV) ^ ((wlo_cd << 14) & kSignMask);
-        const uint32_t aB3 = lookup<VB>(prmt(xc, xd, 0x73u), TV) ^ ((whi_cd << 14) & kSignMask);
+        // value pair (token a|c, token b|d) of coordinate byte k: prmt(x, y, 0x40 + 0x11 k)
+#define FMKV_VPAIR(X, Y, SEL) lookup_sel<VB>(prmt(X.s, Y.s, SEL), VB == 4 ? prmt(X.h, Y.h, SEL) : 0u, TV)
+        const uint32_t aA0 = FMKV_VPAIR(xa, xb, 0x40u) ^ ((wlo_ab << 15) & kSignMask);
+        const uint32_t aA1 = FMKV_VPAIR(xa, xb, 0x51u) ^ ((whi_ab << 15) & kSignMask);
+        const uint32_t aA2 = FMKV_VPAIR(xc, xd, 0x40u) ^ ((wlo_cd << 15) & kSignMask);
+        const uint32_t aA3 = FMKV_VPAIR(xc, xd, 0x51u) ^ ((whi_cd << 15) & kSignMask);
+        const uint32_t aB0 = FMKV_VPAIR(xa, xb, 0x62u) ^ ((wlo_ab << 14) & kSignMask);
+        const uint32_t aB1 = FMKV_VPAIR(xa, xb, 0x73u) ^ ((whi_ab << 14) & kSignMask);
+        const uint32_t aB2 = FMKV_VPAIR(xc, xd, 0x62u) ^ ((wlo_cd << 14) & kSignMask);
+        const uint32_t aB3 = FMKV_VPAIR(xc, xd, 0x73u) ^ ((whi_cd << 14) & kSignMask);
+#undef FMKV_VPAIR
         mma16816(acc[g][0], aA0, aA1, aA2, aA3, pb0, pb1);
         mma16816(acc[g][1], aB0, aB1, aB2, aB3, pb0, pb1);
       }
     }
 
     // ---- combine the 4 warps, write this split's partial
-    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-    if (tid == 0) {
-      sm_m[warp][gID] = m_run * 0.69314718055994531f;  // back to natural-log units
-      sm_l[warp][gID] = l_run;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int o = 4; o <= 16; o <<= 1) l_run[j] += __shfl_xor_sync(0xffffffffu, l_run[j], o);
+      if (gID == 0) {
+        sm_m[warp][2 * tid + j] = m_run[j] * 0.69314718055994531f;  // back to natural-log units
+        sm_l[warp][2 * tid + j] = l_run[j];
+      }
     }
 #pragma unroll
     for (int g = 0; g < G; ++g)
@@ -450,25 +549,55 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   }
 }
 
-AttnFn attn_kernel_k2(int d, int vb);
-AttnFn attn_kernel_k3(int d, int vb);
-AttnFn attn_kernel_k4(int d, int vb);
-AttnFn attn_kernel_k16(int d, int vb);
+// Compiled (head_dim, K bits, V bits) combinations: a default build compiles the grid below for
+// every page size; -DFMKV_CUDA_FULL_GRID=ON compiles all 36 (x 5 page sizes). Anything else fails
+// with FMKV_ERR_UNSUPPORTED naming the combination (decode_attention.cu), never a fallback.
+constexpr bool attn_compiled(int d, int kb, int vb) {
+#ifdef FMKV_CUDA_FULL_GRID
+  return (d == 64 || d == 128 || d == 256) && (kb == 2 || kb == 3 || kb == 4 || kb == 16) && vb >= 2 && vb <= 4;
+#else
+  return ((d == 64 || d == 128) && ((kb == 2 && vb == 2) || (kb == 3 && vb == 3) || (kb == 4 && vb == 4) ||
+                                    (kb == 4 && vb == 2) || (kb == 16 && vb == 3))) ||
+         (d == 256 && ((kb == 3 && vb == 3) || (kb == 4 && vb == 4)));
+#endif
+}
+const char* const kAttnDefaultGrid = "k2v2, k3v3, k4v4, k4v2, k16v3 for head_dim 64/128 and k3v3, k4v4 for head_dim 256";
 
-#define FMKV_ATTN_DISPATCH(KB)                                     \
-  AttnFn attn_kernel_k##KB(int d, int vb) {                        \
-    switch (d * 10 + vb) {                                         \
-      case 642: return attn_kernel<64, KB, 2>;                     \
-      case 643: return attn_kernel<64, KB, 3>;                     \
-      case 644: return attn_kernel<64, KB, 4>;                     \
-      case 1282: return attn_kernel<128, KB, 2>;                   \
-      case 1283: return attn_kernel<128, KB, 3>;                   \
-      case 1284: return attn_kernel<128, KB, 4>;                   \
-      case 2562: return attn_kernel<256, KB, 2>;                   \
-      case 2563: return attn_kernel<256, KB, 3>;                   \
-      case 2564: return attn_kernel<256, KB, 4>;                   \
-    }                                                              \
-    return nullptr;                                                \
+template <int D, int KB, int VB>
+AttnFn attn_kernel_for_page(int page) {
+  if constexpr (!attn_compiled(D, KB, VB)) {
+    return nullptr;
+  } else {
+    switch (page) {
+      case 16: return attn_kernel<D, KB, VB, 16>;
+      case 32: return attn_kernel<D, KB, VB, 32>;
+      case 64: return attn_kernel<D, KB, VB, 64>;
+      case 128: return attn_kernel<D, KB, VB, 128>;
+      case 256: return attn_kernel<D, KB, VB, 256>;
+    }
+    return nullptr;
+  }
+}
+
+AttnFn attn_kernel_k2(int d, int vb, int page);
+AttnFn attn_kernel_k3(int d, int vb, int page);
+AttnFn attn_kernel_k4(int d, int vb, int page);
+AttnFn attn_kernel_k16(int d, int vb, int page);
+
+#define FMKV_ATTN_DISPATCH(KB)                                          \
+  AttnFn attn_kernel_k##KB(int d, int vb, int page) {                   \
+    switch (d * 10 + vb) {                                              \
+      case 642: return attn_kernel_for_page<64, KB, 2>(page);           \
+      case 643: return attn_kernel_for_page<64, KB, 3>(page);           \
+      case 644: return attn_kernel_for_page<64, KB, 4>(page);           \
+      case 1282: return attn_kernel_for_page<128, KB, 2>(page);         \
+      case 1283: return attn_kernel_for_page<128, KB, 3>(page);         \
+      case 1284: return attn_kernel_for_page<128, KB, 4>(page);         \
+      case 2562: return attn_kernel_for_page<256, KB, 2>(page);         \
+      case 2563: return attn_kernel_for_page<256, KB, 3>(page);         \
+      case 2564: return attn_kernel_for_page<256, KB, 4>(page);         \
+    }                                                                   \
+    return nullptr;                                                     \
   }
 
 }  // namespace cuda

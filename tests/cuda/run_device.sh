@@ -1,6 +1,7 @@
 #!/bin/bash
 # One device call: build (tests + bench) in /tmp, run the CUDA tests, optional memcheck, benchmark.
-#   tests/cuda/run_device.sh [tests|bench|all] [commit]
+#   tests/cuda/run_device.sh [tests|bench|all] [commit]   (SKIP_MEMCHECK=1: no compute-sanitizer run)
+# Builds the full grid of decode-attention combinations (-DFMKV_CUDA_FULL_GRID=ON) so every one is tested.
 # Needs the GoogleTest sources in .gtest-src (carried) when the image has no gtest.
 MODE=${1:-all}; COMMIT=${2:-unknown}
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -11,8 +12,8 @@ if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.
     && ninja -C /tmp/gtb install >> $OUT/gtest_build.log 2>&1 || { echo "gtest build failed"; tail -20 $OUT/gtest_build.log; }
   GT="-DCMAKE_PREFIX_PATH=/tmp/gti"
 fi
-cmake -S . -B /tmp/b -G Ninja -DFMKV_CUDA=ON -DFMKV_BUILD_CLI=OFF $GT > $OUT/build.log 2>&1
-ninja -C /tmp/b fmkv_tests fmkv_cuda_tests fmkv_cuda_bench >> $OUT/build.log 2>&1 || { echo BUILD FAILED; grep -E "error|FAILED" $OUT/build.log | head -30; exit 1; }
+cmake -S . -B /tmp/b -G Ninja -DFMKV_CUDA=ON -DFMKV_CUDA_FULL_GRID=ON -DFMKV_BUILD_CLI=OFF $GT > $OUT/build.log 2>&1
+ninja -C /tmp/b -j16 fmkv_tests fmkv_cuda_tests fmkv_cuda_bench >> $OUT/build.log 2>&1 || { echo BUILD FAILED; grep -E "error|FAILED" $OUT/build.log | head -30; exit 1; }
 echo "build ok"
 if [ "$MODE" != bench ]; then
   timeout 240 /tmp/b/tests/fmkv_tests --gtest_filter='*cuda*:Golden*:Errors*' > $OUT/cuda_tests.log 2>&1
@@ -20,7 +21,7 @@ if [ "$MODE" != bench ]; then
   timeout 120 /tmp/b/fmkv_cuda_tests >> $OUT/cuda_tests.log 2>&1
   echo "cuda error tests rc=$?"
   grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|rel|differ|Expected|Which is|error" $OUT/cuda_tests.log | head -60
-  if [ "$MODE" = all ] && command -v compute-sanitizer >/dev/null; then
+  if [ "$MODE" = all ] && [ -z "$SKIP_MEMCHECK" ] && command -v compute-sanitizer >/dev/null; then
     timeout 200 compute-sanitizer --tool memcheck /tmp/b/tests/fmkv_tests --gtest_filter='Golden*' > $OUT/memcheck.log 2>&1
     echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|Invalid" $OUT/memcheck.log | head -5
   fi
