@@ -1,13 +1,19 @@
-// CUDA quantize-append (issue 4, kernel 1). Four stream-ordered launches, no host sync:
+// CUDA quantize-append (issue 4, kernel 1). Stream-ordered launches, no host sync:
 //   1. validate_seq:    per sequence, row_offsets / seq_lens / slot / every block-table entry the
 //                       append touches (device arrays); errors go to the device error word.
 //   2. validate_finite: every k/v element must be finite in fp16 (as the host check of the
-//                       reference does).
-//   3. compress:        one warp per (row, kv head, K|V): the row's j-th slot of the sequence's newly
-//                       compressed range [ce(len0), ce(len0 + n)) -- either a new row (q >= len0) or a
-//                       token aging out of the fp16 ring window (read BEFORE the ring is rewritten).
+//                       reference does). One pass over the input, 16-byte loads where possible.
+//   3. compress:        every newly compressed token (the row's j-th slot of the sequence's range
+//                       [ce(len0), ce(len0 + n)) -- either a new row (q >= len0) or a token aging
+//                       out of the fp16 ring window, read BEFORE the ring is rewritten). A warp takes
+//                       32 / (D/64) consecutive rows of one (kv head, K|V); D/64 threads per vector,
+//                       each owning two whole scale groups (quantize.cuh, thread_fwht).
 //   4. write_fp16:      new sink tokens and the new tokens that end in the ring window.
 // Every kernel returns at once while the error word is set, so a failed call writes nothing.
+#include <cmath>
+#include <cstring>
+
+#include "../core/quant_math.h"
 #include "quantize.cuh"
 
 namespace fmkv {
@@ -27,8 +33,13 @@ struct AppendParams {
   const void *k, *v;
   int32_t k_dtype, v_dtype;
   int64_t k_rs, k_hs, v_rs, v_hs, rows;
-  int32_t d, H, kb, vb, P, S, W, R, rule;
+  int32_t d, H, kb, vb, P, lgP, S, W, R, rule;
+  // 16-byte paths: in16[isv] = fp16 input whose vectors all start 16-byte aligned; ring16 = the fp16
+  // regions are 16-byte aligned; pages16 = the page pool is 16-byte aligned.
+  int32_t in16[2], ring16, pages16;
+  uint32_t row_blocks, items;  // compress: ceil(rows / vectors per warp), 2 H row_blocks warp tasks
   SignWords sw;
+  QuantTables qt[3];  // code widths 2, 3, 4
   long long* err;
 };
 
@@ -63,16 +74,58 @@ __global__ void validate_seq(AppendParams p) {
   }
 }
 
-__global__ void validate_finite(AppendParams p) {
+// Nonzero iff one of the two fp16 values in x has an all-ones exponent (NaN / Inf): the exponent
+// field plus one carries into the halfword's sign position only then (no carry between halves).
+__device__ __forceinline__ uint32_t nonfinite2(uint32_t x) {
+  return ((x & 0x7c007c00u) + 0x04000400u) & 0x80008000u;
+}
+
+// One warp per (row, K|V); lanes read 16-byte chunks (4 in flight per lane) when the tensor allows,
+// single elements otherwise. Reads the input once, forward (compress then walks it backwards and
+// finds the tail still in L2).
+__global__ void __launch_bounds__(256) validate_finite(AppendParams p) {
+  if (error_set(p.err)) return;
+  const int lane = threadIdx.x & 31;
   const int hd = p.H * p.d;  // elements of one row
-  for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
-    for (int e = threadIdx.x; e < 2 * hd; e += blockDim.x) {
-      const int which = e >= hd;
-      const int ee = which ? e - hd : e;
-      const int h = ee / p.d, i = ee - h * p.d;
-      const uint16_t x = which ? load_f16_bits(p.v, p.v_dtype, r * p.v_rs + h * p.v_hs + i)
-                               : load_f16_bits(p.k, p.k_dtype, r * p.k_rs + h * p.k_hs + i);
-      if ((x & 0x7c00u) == 0x7c00u) report_error(p.err, kNonFinite, kErrNonFiniteKV, which, r, h, i);
+  const int lgc = p.d == 64 ? 3 : p.d == 128 ? 4 : 5;  // log2(16-byte chunks per head vector)
+  const int64_t nw = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  for (int64_t it = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5; it < 2 * p.rows; it += nw) {
+    const int which = (int)(it & 1);
+    const int64_t r = it >> 1;
+    const void* src = which ? p.v : p.k;
+    const int32_t dt = which ? p.v_dtype : p.k_dtype;
+    const int64_t rs = which ? p.v_rs : p.k_rs, hs = which ? p.v_hs : p.k_hs;
+    if (p.in16[which]) {
+      const uint16_t* row = (const uint16_t*)src + r * rs;
+      const int nc = hd >> 3;
+      for (int c0 = lane; c0 < nc; c0 += 128) {
+        uint4 x[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int c = c0 + 32 * u;
+          x[u] = make_uint4(0, 0, 0, 0);
+          if (c < nc) x[u] = __ldcg((const uint4*)(row + (c >> lgc) * hs) + (c & ((1 << lgc) - 1)));
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if ((nonfinite2(x[u].x) | nonfinite2(x[u].y) | nonfinite2(x[u].z) | nonfinite2(x[u].w)) == 0) continue;
+          const int c = c0 + 32 * u, h = c >> lgc, i0 = (c & ((1 << lgc) - 1)) * 8;
+          const uint32_t wds[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+          for (int e = 0; e < 8; ++e) {
+            const uint32_t hx = (wds[e >> 1] >> (16 * (e & 1))) & 0xffffu;
+            if ((hx & 0x7c00u) == 0x7c00u) {
+              report_error(p.err, kNonFinite, kErrNonFiniteKV, which, r, h, i0 + e);
+              break;
+            }
+          }
+        }
+      }
+    } else {
+      for (int e = lane; e < hd; e += 32) {
+        const int h = e / p.d, i = e - h * p.d;
+        const uint16_t x = load_f16_bits(src, dt, r * rs + h * hs + i);
+        if ((x & 0x7c00u) == 0x7c00u) report_error(p.err, kNonFinite, kErrNonFiniteKV, which, r, h, i);
+      }
     }
   }
 }
@@ -88,60 +141,185 @@ __device__ __forceinline__ int find_seq(const int64_t* ro, int num_seqs, int64_t
   return lo;
 }
 
+// Where global row r compresses to (for kv head h, K or V) and where its source vector is.
+struct VecTask {
+  uint64_t src;  // address of the source vector's element 0, bit 0 set: fp16 ring region; 0: none
+  uint8_t* sec;  // the page section (nullptr: nothing to write)
+  int32_t tok;   // token slot in the page
+};
+
 template <int D>
-__global__ void __launch_bounds__(256) compress(AppendParams p) {
-  constexpr int NR = D / 32;
-  const int lane = threadIdx.x & 31;
-  const int64_t nwarps = p.rows * p.H * 2;
-  for (int64_t gw = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5; gw < nwarps;
-       gw += ((int64_t)gridDim.x * blockDim.x) >> 5) {
-    if (error_set(p.err)) return;
-    const int isv = (int)(gw & 1);
-    const int32_t h = (int32_t)((gw >> 1) % p.H);
-    const int64_t r = gw / (2 * (int64_t)p.H);
-    const int s = find_seq(p.ro, p.num_seqs, r);
-    const int64_t row0 = p.ro[s], n = p.ro[s + 1] - row0, len0 = p.seq_lens[s], j = r - row0;
-    if (j < 0 || j >= n) continue;
-    const int64_t cs = dev_compressed_end(p.S, p.W, len0), ce = dev_compressed_end(p.S, p.W, len0 + n);
-    const int64_t q = cs + j;
-    if (q >= ce) continue;
-    const int64_t ci = q - p.S;
-    const int32_t pg = p.bt[(int64_t)s * p.bt_stride + ci / p.P];
-    if (pg < 0 || pg >= p.num_pages) continue;
-    const int32_t t = (int32_t)(ci % p.P);
-    uint16_t x[NR];
-    if (q >= len0) {
-      const int64_t rr = row0 + (q - len0);
-      const void* src = isv ? p.v : p.k;
-      const int32_t dt = isv ? p.v_dtype : p.k_dtype;
-      const int64_t base = rr * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+__device__ __forceinline__ VecTask locate(const AppendParams& p, int64_t r, int32_t h, int isv) {
+  VecTask v{0, nullptr, 0};
+  if (r >= p.rows) return v;
+  const int s = find_seq(p.ro, p.num_seqs, r);
+  const int64_t row0 = p.ro[s], n = p.ro[s + 1] - row0, len0 = p.seq_lens[s], j = r - row0;
+  if (j < 0 || j >= n) return v;
+  const int64_t cs = dev_compressed_end(p.S, p.W, len0), ce = dev_compressed_end(p.S, p.W, len0 + n);
+  const int64_t q = cs + j;
+  if (q >= ce) return v;
+  const int64_t ci = q - p.S;
+  const int32_t pg = p.bt[(int64_t)s * p.bt_stride + (ci >> p.lgP)];
+  if (pg < 0 || pg >= p.num_pages) return v;
+  v.tok = (int32_t)(ci & (p.P - 1));
+  v.sec = p.pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, p.P, h, isv);
+  if (q >= len0) {
+    const int64_t rr = row0 + (q - len0);
+    const int64_t off = rr * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+    const int32_t dt = isv ? p.v_dtype : p.k_dtype;
+    v.src = (uint64_t)(uintptr_t)((const uint8_t*)(isv ? p.v : p.k) + off * (dt == FMKV_F32 ? 4 : 2));
+  } else {  // aged out of the ring window: read the ring before write_fp16 overwrites it
+    const int32_t slot = p.slots ? p.slots[s] : 0;
+    const int32_t fs = p.S + (int32_t)((q - p.S) % p.W);
+    const uint16_t* ring = (isv ? p.fp16_v : p.fp16_k) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
+    v.src = (uint64_t)(uintptr_t)ring | 1u;
+  }
+  return v;
+}
+
+// Chunk from a source without the 16-byte fp16 layout (fp32 / bf16 input, unaligned strides):
+// element by element, converted to fp16 like the reference. Kept out of line (rare path).
+__device__ __noinline__ uint4 load_chunk_elems(const uint8_t* base, int32_t dt, int pos) {
+  uint32_t w[4];
 #pragma unroll
-      for (int i = 0; i < NR; ++i) x[i] = load_f16_bits(src, dt, base + lane + 32 * i);
-    } else {  // aged out of the ring window: read the ring before write_fp16 overwrites it
-      const int32_t slot = p.slots ? p.slots[s] : 0;
-      const int32_t fs = p.S + (int32_t)((q - p.S) % p.W);
-      const uint16_t* ring = (isv ? p.fp16_v : p.fp16_k) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
+  for (int e = 0; e < 4; ++e)
+    w[e] = (uint32_t)load_f16_bits(base, dt, 8 * pos + 2 * e) | ((uint32_t)load_f16_bits(base, dt, 8 * pos + 2 * e + 1) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// 16-byte chunk `pos` (fp16 coordinates 8 pos .. 8 pos + 7) of a source vector, as fp16 bits.
+__device__ __forceinline__ uint4 load_chunk(const AppendParams& p, uint64_t src, int pos, int isv) {
+  const bool ring = src & 1u;
+  const uint8_t* base = (const uint8_t*)(uintptr_t)(src & ~(uint64_t)1);
+  if (ring ? p.ring16 : p.in16[isv]) return __ldcs((const uint4*)base + pos);
+  return load_chunk_elems(base, ring ? (int32_t)FMKV_F16 : (isv ? p.v_dtype : p.k_dtype), pos);
+}
+
+__device__ __forceinline__ uint64_t shfl64(uint64_t x, int src_lane) {
+  const uint32_t lo = __shfl_sync(kFull, (uint32_t)x, src_lane), hi = __shfl_sync(kFull, (uint32_t)(x >> 32), src_lane);
+  return ((uint64_t)hi << 32) | lo;
+}
+
+// Quantize the thread's two groups (r[0..31]: group t, r[32..63]: group t + NT) and store them.
+template <int BITS, bool LSQ, int NT>
+__device__ __forceinline__ void quantize_store(const float (&r)[64], const float (&cn)[2],
+                                               const QuantTables& qt, const VecTask& vt, int t, int P) {
+  uint32_t* words = (uint32_t*)vt.sec + vt.tok;
+  uint16_t* scales = (uint16_t*)(vt.sec + (int64_t)(2 * NT) * BITS * P * 4) + vt.tok;  // fmkv_scales_offset
 #pragma unroll
-      for (int i = 0; i < NR; ++i) x[i] = ring[lane + 32 * i];
+  for (int b = 0; b < 2; ++b) {
+    float y[32];
+#pragma unroll
+    for (int k = 0; k < 32; ++k) y[k] = __fmul_rn(r[32 * b + k], cn[b]);
+    uint32_t w[BITS];
+    const uint16_t sc = thread_quantize_group<BITS, LSQ>(y, qt, w);
+    const int g = t + NT * b;
+    if (vt.sec) {
+#pragma unroll
+      for (int i = 0; i < BITS; ++i) words[(int64_t)(g * BITS + i) * P] = w[i];
+      scales[(int64_t)g * P] = sc;
     }
+  }
+}
+
+// Chunk c (< 256) of a warp's 4 KB tile, with the rotation signs applied, at its swizzled place:
+// segment c / 8 (= the owner lane), 16-byte slot (c % 8) ^ (segment % 8). Conflict-free for the
+// loader (8 consecutive chunks per quarter warp) and for the owner's reads.
+__device__ __forceinline__ void tile_store(uint4* tile, int c, uint4 x, const uint4& mask) {
+  x.x ^= mask.x;
+  x.y ^= mask.y;
+  x.z ^= mask.z;
+  x.w ^= mask.w;
+  tile[(c >> 3) * 8 + ((c & 7) ^ ((c >> 3) & 7))] = x;
+}
+
+// A warp task is VPW = 32 / NT consecutive global rows of one (kv head, K|V); lane = vector * NT + t.
+// Loader: lane reads 16-byte chunks lane + 32 i (i < 8) of the task's contiguous 4 KB fp16 tile
+// (coalesced), xors the rotation signs (fwht_input_mask) and stores them swizzled, so that thread t
+// of vector v then reads its own 128 bytes (segment v NT + t) without bank conflicts.
+template <int D>
+__global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
+  constexpr int NT = D / 64, VPW = 32 / NT, CPV = D / 8;
+  __shared__ uint4 tiles[8][256];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint4* tile = tiles[warp];
+  const int t = lane % NT, vec = lane / NT, pos = lane % CPV;
+  const uint4 qmask = fwht_input_mask<D>(p.sw, pos);
+  float cn[2];
+  fwht_pending_signs<D>(t, cn[0], cn[1]);
+  cn[0] = cn[0] * rotation_norm(D);  // exact: +-1 times the float nearest to 1/sqrt(d)
+  cn[1] = cn[1] * rotation_norm(D);
+  const uint32_t hv2 = 2u * (uint32_t)p.H;
+  for (uint32_t it = blockIdx.x * 8u + warp; it < p.items; it += gridDim.x * 8u) {
+    if (error_set(p.err)) return;
+    // last rows first: the validation pass left them in L2
+    const uint32_t rb = p.row_blocks - 1u - it / hv2, hv = it % hv2;
+    const int isv = (int)(hv & 1u);
+    const int32_t h = (int32_t)(hv >> 1);
     const int bits = isv ? p.vb : p.kb;
-    uint8_t* sec = p.pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, p.P, h, isv);
-    if (bits == FMKV_FP16_BITS) {
-      uint16_t* dst = (uint16_t*)sec + (int64_t)t * D;
+    const VecTask vt = locate<D>(p, (int64_t)rb * VPW + vec, h, isv);
+    if (bits == FMKV_FP16_BITS) {  // K kept in fp16, unrotated: copy chunk by chunk
+      const uint64_t dst_own = vt.sec ? (uint64_t)(uintptr_t)(vt.sec + (int64_t)vt.tok * D * 2) : 0;
 #pragma unroll
-      for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = x[i];
+      for (int i = 0; i < 8; ++i) {
+        const int c = lane + 32 * i, owner = (c / CPV) * NT;
+        const uint64_t src = shfl64(vt.src, owner), dst = shfl64(dst_own, owner);
+        if (!dst) continue;
+        const uint4 x = load_chunk(p, src, pos, isv);
+        if (p.pages16) {
+          *((uint4*)(uintptr_t)dst + pos) = x;
+        } else {
+          uint16_t* d16 = (uint16_t*)(uintptr_t)dst + 8 * pos;
+          const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+          for (int e = 0; e < 8; ++e) d16[e] = (uint16_t)(w[e >> 1] >> (16 * (e & 1)));
+        }
+      }
       continue;
     }
-    float v[NR];
+    // 16-byte loads straight into registers when every vector of the task allows them (the common
+    // case: all 8 loads of a lane in flight together), element loads otherwise.
+    const bool own16 = !vt.src || ((vt.src & 1u) ? p.ring16 : p.in16[isv]);
+    if (__all_sync(kFull, own16)) {
+      uint4 x[8];
 #pragma unroll
-    for (int i = 0; i < NR; ++i) v[i] = f16_to_f32(x[i]);
-    warp_rotate<D>(v, p.sw, lane);
-    uint32_t* words = (uint32_t*)sec;
-    uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, bits, p.P));
+      for (int i = 0; i < 8; ++i) {
+        const uint64_t src = shfl64(vt.src, ((lane + 32 * i) / CPV) * NT);
+        x[i] = make_uint4(0, 0, 0, 0);
+        if (src) x[i] = __ldcs((const uint4*)(uintptr_t)(src & ~(uint64_t)1) + pos);
+      }
 #pragma unroll
-    for (int g = 0; g < NR; ++g)
-      warp_quantize_group(v[g], bits, p.rule, lane, words + fmkv_code_word_index(bits, p.P, g, 0, t), p.P,
-                          scales + (int64_t)g * p.P + t);
+      for (int i = 0; i < 8; ++i) tile_store(tile, lane + 32 * i, x[i], qmask);
+    } else {
+#pragma unroll 1
+      for (int i = 0; i < 8; ++i) {
+        const uint64_t src = shfl64(vt.src, ((lane + 32 * i) / CPV) * NT);
+        tile_store(tile, lane + 32 * i, src ? load_chunk(p, src, pos, isv) : make_uint4(0, 0, 0, 0), qmask);
+      }
+    }
+    __syncwarp();
+    float r[64];
+#pragma unroll
+    for (int k8 = 0; k8 < 8; ++k8) {
+      const uint4 x = tile[lane * 8 + (k8 ^ (lane & 7))];
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        r[8 * k8 + 2 * e] = f16_bits_to_f32_hw(w[e] & 0xffffu);
+        r[8 * k8 + 2 * e + 1] = f16_bits_to_f32_hw(w[e] >> 16);
+      }
+    }
+    __syncwarp();  // the tile is rewritten by the next task
+    thread_fwht<D>(r, lane);
+    const bool lsq = p.rule == FMKV_SCALE_LSQ;
+    switch (bits * 2 + (lsq ? 1 : 0)) {
+      case 4: quantize_store<2, false, NT>(r, cn, p.qt[0], vt, t, p.P); break;
+      case 5: quantize_store<2, true, NT>(r, cn, p.qt[0], vt, t, p.P); break;
+      case 6: quantize_store<3, false, NT>(r, cn, p.qt[1], vt, t, p.P); break;
+      case 7: quantize_store<3, true, NT>(r, cn, p.qt[1], vt, t, p.P); break;
+      case 8: quantize_store<4, false, NT>(r, cn, p.qt[2], vt, t, p.P); break;
+      default: quantize_store<4, true, NT>(r, cn, p.qt[2], vt, t, p.P); break;
+    }
   }
 }
 
@@ -175,18 +353,53 @@ __global__ void __launch_bounds__(256) write_fp16(AppendParams p) {
 }
 
 template <int D>
-void launch_append(const AppendParams& p, cudaStream_t st) {
-  const int64_t warps = p.rows * p.H * 2;
-  const int64_t blocks = std::min<int64_t>((warps + 7) / 8, 1 << 20);
-  compress<D><<<(unsigned)blocks, 256, 0, st>>>(p);
-  if (p.R > 0) write_fp16<D><<<(unsigned)blocks, 256, 0, st>>>(p);
+int compress_blocks_per_sm() {  // same for every device of the one compiled architecture
+  static const int n = [] {
+    int b = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, compress<D>, 256, 0), "occupancy");
+    return b > 0 ? b : 1;
+  }();
+  return n;
 }
+
+template <int D>
+void launch_append(AppendParams& p, cudaStream_t st) {
+  constexpr int VPW = 32 / (D / 64);
+  p.row_blocks = (uint32_t)((p.rows + VPW - 1) / VPW);
+  p.items = p.row_blocks * 2u * (uint32_t)p.H;
+  const int64_t blocks = std::min<int64_t>(((int64_t)p.items + 7) / 8, (int64_t)compress_blocks_per_sm<D>() * sm_count());
+  compress<D><<<(unsigned)blocks, 256, 0, st>>>(p);
+  if (p.R > 0) {
+    const int64_t wblocks = std::min<int64_t>((p.rows * p.H * 2 + 7) / 8, 1 << 20);
+    write_fp16<D><<<(unsigned)wblocks, 256, 0, st>>>(p);
+  }
+}
+
+// Thresholds of quant_math.h and the facts thread_quantize_group relies on: <= 13 significant bits
+// and an even significand (checked once; they are constants of format v1).
+QuantTables make_tables(int bits) {
+  QuantTables q;
+  std::memset(&q, 0, sizeof(q));
+  for (int m = 0; m < magnitude_count(bits); ++m) q.mag[m] = codebook_mag(bits, m);
+  for (int i = 0; i + 1 < magnitude_count(bits); ++i) {
+    const float t = codebook_threshold(bits, i);
+    const uint32_t u = f32_bits(t), sig = (u & 0x7fffffu) | 0x800000u;
+    if ((u & 0x7f800000u) == 0 || (sig & ((1u << 11) - 1u)) != 0)
+      throw Error(kBackendError, "cuda append: codebook threshold outside the exact-compare assumptions");
+    q.thr[i] = t;
+    q.hulp[i] = (std::nextafter(t, INFINITY) - t) * 0.5f;
+  }
+  return q;
+}
+
+bool aligned16(const void* ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 
 }  // namespace
 
 void append(const AppendArgs& a) {
   const fmkv_config& c = a.cfg;
   if (a.batch.num_seqs == 0) return;
+  static const QuantTables tables[3] = {make_tables(2), make_tables(3), make_tables(4)};
   AppendParams p;
   p.pages = a.layer.pages;
   p.num_pages = a.layer.num_pages;
@@ -214,16 +427,27 @@ void append(const AppendArgs& a) {
   p.kb = c.k_bits;
   p.vb = c.v_bits;
   p.P = c.page_size;
+  p.lgP = 0;
+  while ((1 << p.lgP) < p.P) ++p.lgP;
   p.S = c.sink_tokens;
   p.W = c.window_tokens;
   p.R = fp16_slots(c);
   p.rule = c.scale_rule;
+  for (int w = 0; w < 2; ++w) {
+    const fmkv_tensor& x = w ? a.v : a.k;
+    p.in16[w] = x.dtype == FMKV_F16 && aligned16(x.data) && x.row_stride % 8 == 0 && x.head_stride % 8 == 0;
+  }
+  p.ring16 = aligned16(a.layer.fp16_k) && aligned16(a.layer.fp16_v);
+  p.pages16 = aligned16(a.layer.pages);
+  p.row_blocks = 0;
+  p.items = 0;
   p.sw = make_sign_words(c.seed, a.layer.layer, c.head_dim);
+  for (int i = 0; i < 3; ++i) p.qt[i] = tables[i];
   p.err = error_word();
   cudaStream_t st = to_stream(a.stream);
   validate_seq<<<(unsigned)p.num_seqs, 128, 0, st>>>(p);
   if (p.rows > 0) {
-    const int64_t blocks = std::min<int64_t>(p.rows, 16 * (int64_t)sm_count());
+    const int64_t blocks = std::min<int64_t>((2 * p.rows + 7) / 8, 16 * (int64_t)sm_count());
     validate_finite<<<(unsigned)blocks, 256, 0, st>>>(p);
     switch (p.d) {
       case 64: launch_append<64>(p, st); break;

@@ -4,6 +4,8 @@
 // call, no host synchronisation, no allocation: safe to capture in a CUDA graph (the workspace comes
 // from the caller).
 #include <algorithm>
+#include <mutex>
+#include <set>
 
 #include "decode_attention.cuh"
 
@@ -88,7 +90,7 @@ void decode_attention(const AttentionArgs& a) {
                                       "; see fmkv_attention_workspace_bytes)");
   if (a.batch.num_seqs > 65535 || HQ > 65535)
     throw Error(kUnsupported, "cuda attention: more than 65535 sequences or q heads in one call");
-  AttnFn fn = nullptr;
+  AttnFn fn;
   switch (c.k_bits) {
     case 2: fn = attn_kernel_k2(d, c.v_bits, c.page_size); break;
     case 3: fn = attn_kernel_k3(d, c.v_bits, c.page_size); break;
@@ -139,7 +141,17 @@ void decode_attention(const AttentionArgs& a) {
   p.nsplit = ns;
   p.err = error_word();
   cudaStream_t st = to_stream(a.stream);
-  fn<<<dim3((unsigned)(ns + 1), (unsigned)c.num_kv_heads, (unsigned)p.num_seqs), 128, 0, st>>>(p);
+  {  // opt in to the kernel's dynamic shared memory (static + dynamic may exceed 48 KB), once per kernel
+    static std::mutex mu;
+    static std::set<AttnFnPtr> raised;
+    std::lock_guard<std::mutex> lock(mu);
+    if (raised.insert(fn.fn).second)
+      check_cuda(cudaFuncSetAttribute(fn.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, fn.smem),
+                 "attention kernel shared memory attribute");
+  }
+  if (reinterpret_cast<uintptr_t>(a.layer.pages) % 16 != 0)
+    throw Error(kInvalidArgument, "cuda attention: layer pages must be 16-byte aligned (tiles are copied in 16-byte chunks)");
+  fn.fn<<<dim3((unsigned)(ns + 1), (unsigned)c.num_kv_heads, (unsigned)p.num_seqs), 128, fn.smem, st>>>(p);
   const dim3 mg((unsigned)a.q.rows, (unsigned)HQ);
   switch (d) {
     case 64: merge_kernel<64><<<mg, 64, 0, st>>>(p); break;

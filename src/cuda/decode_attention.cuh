@@ -50,7 +50,12 @@ struct AttnParams {
   int32_t nsplit;
   long long* err;
 };
-using AttnFn = void (*)(AttnParams);
+using AttnFnPtr = void (*)(AttnParams);
+struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared memory bytes
+  AttnFnPtr fn = nullptr;
+  int smem = 0;
+  explicit operator bool() const { return fn != nullptr; }
+};
 
 // CTAs per SM the register allocation must allow for head_dim <= 128 (4: 128 registers, no spill in
 // the tile loop; 5: 96 registers with spills) -- a tuning knob, see docs/CUDA-NOTES.md.
@@ -205,6 +210,23 @@ __device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int
   return true;
 }
 
+// Bytes of one 16-token tile of one kv head as staged in shared memory: the rows of the page layout
+// (FORMAT.md) cut to 16 tokens, in page order: K code planes (64 B each), K scale rows (32 B each;
+// k16: 16 tokens x D fp16 instead), then the same for V.
+template <int D, int KB, int VB>
+struct TileGeom {
+  static constexpr int G = D / 32;
+  static constexpr int kbytes = KB == FMKV_FP16_BITS ? 32 * D : G * KB * 64 + G * 32;
+  static constexpr int vbytes = G * VB * 64 + G * 32;
+  static constexpr int bytes = kbytes + vbytes;
+  static constexpr int chunks = bytes / 16;
+  // per-warp pipeline depth: 3 tiles in flight when the CTA's stages fit in 64 KB, else 2
+  static constexpr int stages = kAttnWarps * 3 * bytes <= 64 * 1024 ? 3 : 2;
+  static constexpr int stage_bytes = kAttnWarps * stages * bytes;
+  static constexpr int combine_bytes = kAttnWarps * kQV * D * 4;  // sm_acc; sq (kQV x D floats) is smaller
+  static constexpr int smem = stage_bytes > combine_bytes ? stage_bytes : combine_bytes;
+};
+
 // Decode attention main kernel (see the file header). Template: head_dim D, K/V bits, page size P
 // (compile-time, so every load of a tile is a constant offset from one tile pointer).
 //
@@ -222,13 +244,17 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   constexpr int G = D / 32;
   constexpr bool K16 = KB == FMKV_FP16_BITS;
   constexpr int KW = K16 ? 1 : KB;                        // code words per group and token (K)
-  constexpr int KSC = K16 ? 0 : G * KB * P * 4;           // byte offset of the K scales in the section
-  constexpr int VSC = G * VB * P * 4;                     // byte offset of the V scales
-  __shared__ float sq[kQV][D];
+  using TG = TileGeom<D, KB, VB>;
+  constexpr int NST = TG::stages, TB = TG::bytes;
+  // Dynamic shared memory, reused by phase: Q rotation (sq), tile staging (per warp NST x TB bytes),
+  // combination of the 4 warps (sm_acc). __syncthreads() separates the phases.
+  extern __shared__ __align__(16) uint8_t smem[];
+  float(*sq)[D] = reinterpret_cast<float(*)[D]>(smem);
+  float(*sm_acc)[kQV][D] = reinterpret_cast<float(*)[kQV][D]>(smem);
   __shared__ float s_qmax[kQV];
   __shared__ uint32_t s_tab[8][32];
   __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV];
-  __shared__ float sm_acc[kAttnWarps][kQV][D];
+  __shared__ int32_t s_pg[kAttnWarps][NST];
   if (error_set(p.err)) return;
   const int s = blockIdx.z, h = blockIdx.y, sp = blockIdx.x;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31, gID = lane >> 2, tid = lane & 3;
@@ -260,23 +286,29 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     TV[k] = s_tab[4 + k][lane];
   }
 
-  // L2 prefetch rows of this lane (64-byte row segments of a tile: code planes and scale rows of K
-  // and V; k16: 128-byte lines): byte offset in the head's K|V sections at token 0, bytes per token.
-  constexpr int KR = K16 ? D / 4 : G * KB + G, VR = G * VB + G, NPF = (KR + VR + 31) / 32;
-  int pf_off[NPF], pf_mul[NPF];
+  // cp.async chunks (16 B) of a tile copied by this lane: chunk c = lane + 32 i lands at byte 16 c of
+  // the stage; its source is head base + ch_off + t0 * ch_mul (t0 = tile's first token in its page).
+  constexpr int NCH = (TG::chunks + 31) / 32;
+  int ch_off[NCH], ch_mul[NCH];
 #pragma unroll
-  for (int i = 0; i < NPF; ++i) {
-    const int r = lane + 32 * i;
-    pf_off[i] = -1;
-    pf_mul[i] = 0;
-    if (r < KR) {
-      if (K16) { pf_off[i] = r * 128; pf_mul[i] = D * 2; }
-      else if (r < G * KB) { pf_off[i] = r * P * 4; pf_mul[i] = 4; }
-      else { pf_off[i] = KSC + (r - G * KB) * P * 2; pf_mul[i] = 2; }
-    } else if (r < KR + VR) {
-      const int rv = r - KR;
-      pf_off[i] = (int)p.ksec_bytes + (rv < G * VB ? rv * P * 4 : VSC + (rv - G * VB) * P * 2);
-      pf_mul[i] = rv < G * VB ? 4 : 2;
+  for (int i = 0; i < NCH; ++i) {
+    const int c = lane + 32 * i;
+    ch_off[i] = -1;
+    ch_mul[i] = 0;
+    if (c < TG::chunks) {
+      int off = 16 * c, sec = 0, sec_page_off = 0, bits = KB;
+      if (off >= TG::kbytes) { off -= TG::kbytes; sec = 1; sec_page_off = (int)p.ksec_bytes; bits = VB; }
+      if (sec == 0 && K16) {
+        ch_off[i] = off;
+        ch_mul[i] = 2 * D;
+      } else if (off < G * bits * 64) {  // code plane row r, part q
+        ch_off[i] = sec_page_off + (off / 64) * P * 4 + off % 64;
+        ch_mul[i] = 4;
+      } else {  // scale row
+        off -= G * bits * 64;
+        ch_off[i] = sec_page_off + G * bits * P * 4 + (off / 32) * P * 2 + off % 32;
+        ch_mul[i] = 2;
+      }
     }
   }
 
@@ -330,6 +362,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
           qb[g][c][1] = pack_half2(sq[gID][b + 1] * qinv, sq[gID][b + 17] * qinv);
         }
     }
+    __syncthreads();  // sq is dead: the tile stages reuse its memory
     // this lane's softmax rows: query vectors 2 tid + j
     const float post = p.softcap > 0.0f ? kLog2e : 1.0f;
     float fac2[2];
@@ -352,41 +385,60 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
         for (int k = 0; k < 4; ++k) acc[g][mt][k] = 0.0f;
 
-    // Page of tile ti (or -1, reported); the next tile's page is loaded one iteration ahead and its
-    // bytes are prefetched into L2 one tile ahead, so the dependent loads of a tile mostly hit L2.
+    // Page of tile ti (or -1, reported).
     const int32_t* btrow = p.bt + (int64_t)s * p.bt_stride;
     auto page_of = [&](int64_t ti) -> int32_t {
-      if (ti >= te) return -1;
       const int64_t q = (ti * 16) / P;
       const int32_t pg = btrow[q];
       if (pg >= 0 && pg < p.num_pages) return pg;
       if (lane == 0) report_error(p.err, kOutOfRange, kErrBlockTable, s, q, pg, p.num_pages);
       return -1;
     };
-    int32_t pg_next = page_of(tb + warp), pg_after = page_of(tb + warp + kAttnWarps);
-    for (int64_t ti = tb + warp; ti < te; ti += kAttnWarps) {
-      const int64_t ci0 = ti * 16;
-      const int32_t pg = pg_next;
-      pg_next = pg_after;                       // loaded one iteration ago
-      pg_after = page_of(ti + 2 * kAttnWarps);  // used next iteration
-      if (pg_next >= 0) {  // L2 prefetch of the next tile
-        const int tn = (int)(((ti + kAttnWarps) * 16) % P);
-        const uint8_t* base = p.pages + (int64_t)pg_next * p.page_bytes + (int64_t)h * p.head_stride;
+    // This warp's tiles: ti = tb + warp + 4 k, k < nmy. Tile k is staged into stage k % NST by
+    // cp.async NST - 1 tiles ahead of its use; its page index is read one issue earlier still.
+    const int64_t first = tb + warp;
+    const int nmy = te > first ? (int)((te - first + kAttnWarps - 1) / kAttnWarps) : 0;
+    uint8_t* wst = smem + warp * NST * TB;
+    auto page_k = [&](int k) -> int32_t { return k < nmy ? page_of(first + (int64_t)k * kAttnWarps) : -1; };
+    auto issue = [&](int k, int32_t pg) {
+      if (k < nmy) {
+        if (lane == 0) s_pg[warp][k % NST] = pg;
+        if (pg >= 0) {
+          const uint8_t* hb = p.pages + (int64_t)pg * p.page_bytes + (int64_t)h * p.head_stride;
+          const int t0 = (int)(((first + (int64_t)k * kAttnWarps) * 16) % P);
+          uint8_t* dst = wst + (k % NST) * TB;
 #pragma unroll
-        for (int i = 0; i < NPF; ++i)
-          if (pf_off[i] >= 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + pf_off[i] + tn * pf_mul[i]));
+          for (int i = 0; i < NCH; ++i)
+            if (ch_off[i] >= 0) cp_async16(dst + 16 * (lane + 32 * i), hb + ch_off[i] + t0 * ch_mul[i]);
+        }
       }
-      if (pg < 0) continue;
-      const int t0 = (int)(ci0 % P);
-      const uint8_t* ksec = p.pages + (int64_t)pg * p.page_bytes + (int64_t)h * p.head_stride;
-      const uint8_t* vsec = ksec + p.ksec_bytes;
+      cp_async_commit();  // one group per tile slot, empty or not, so wait_group counts tiles
+    };
+    int32_t pg_ahead = page_k(0);
+#pragma unroll 1
+    for (int k = 0; k < NST - 1; ++k) {
+      const int32_t pn = page_k(k + 1);
+      issue(k, pg_ahead);
+      pg_ahead = pn;
+    }
+#pragma unroll 1
+    for (int k = 0; k < nmy; ++k) {
+      const int32_t pn = page_k(k + NST);
+      issue(k + NST - 1, pg_ahead);
+      pg_ahead = pn;
+      cp_async_wait<NST - 1>();  // this lane's copies of tile k have landed
+      __syncwarp();              // ... and every lane's
+      const int32_t pg = s_pg[warp][k % NST];
+      const int64_t ci0 = (first + (int64_t)k * kAttnWarps) * 16;
+      const uint8_t* st = wst + (k % NST) * TB;  // the staged tile
+      if (pg >= 0) {
       const int64_t rem = C - ci0;
       const int nvalid = rem < 16 ? (int)rem : 16;  // token offsets o < nvalid exist
 
       // ---- scores S = K Q^T: sc[k] = (token gID + 8 (k >> 1), query 2 tid + (k & 1))
       float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       if constexpr (K16) {
-        const uint16_t* ka = (const uint16_t*)ksec + (t0 + gID) * D;
+        const uint16_t* ka = (const uint16_t*)st + gID * D;
         const uint16_t* kb = ka + 8 * D;
 #pragma unroll
         for (int g = 0; g < G; ++g)
@@ -400,15 +452,15 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
             mma16816(sc, a0, a1, a2, a3, qb[g][c][0], qb[g][c][1]);
           }
       } else {
-        const uint32_t* kw = (const uint32_t*)ksec + t0 + gID;                  // token gID, plane 0
-        const uint16_t* ks = (const uint16_t*)(ksec + KSC) + t0 + gID;          // its scale, group 0
+        const uint32_t* kw = (const uint32_t*)st + gID;                           // token gID, plane 0
+        const uint16_t* ks = (const uint16_t*)(st + G * KB * 64) + gID;           // its scale, group 0
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           uint32_t wa[KW], wb[KW];
 #pragma unroll
           for (int k = 0; k < KW; ++k) {
-            wa[k] = kw[(g * KB + k) * P];
-            wb[k] = kw[(g * KB + k) * P + 8];
+            wa[k] = kw[(g * KB + k) * 16];
+            wb[k] = kw[(g * KB + k) * 16 + 8];
           }
           float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -423,7 +475,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
             const uint32_t a3 = lookup_sel<KB>(sb_.s >> 16, sb_.h >> 16, TK) ^ ((ub << 14) & kSignMask);
             mma16816(c4, a0, a1, a2, a3, qb[g][c][0], qb[g][c][1]);
           }
-          const float fa = h_lo(ks[g * P]), fb = h_lo(ks[g * P + 8]);
+          const float fa = h_lo(ks[g * 16]), fb = h_lo(ks[g * 16 + 8]);
           sc[0] += c4[0] * fa;
           sc[1] += c4[1] * fa;
           sc[2] += c4[2] * fb;
@@ -465,24 +517,25 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       }
 
       // ---- O^T += V^T P^T; this lane: coordinates 2gID + {0,16,1,17} of each group, tokens a,b,c,d
-      const uint32_t* vw = (const uint32_t*)vsec + t0 + 2 * tid;                   // token a, plane 0
-      const uint16_t* vs = (const uint16_t*)(vsec + VSC) + t0 + gID;              // token gID's V scale
+      const uint8_t* vst = st + TG::kbytes;
+      const uint32_t* vw = (const uint32_t*)vst + 2 * tid;                        // token a, plane 0
+      const uint16_t* vs = (const uint16_t*)(vst + G * VB * 64) + gID;            // token gID's V scale
       const int i0v = 2 * gID, fwv = gID >> 2;
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         // P x token scale (fp32, then fp16: p <= 1 and |scale| <= 65504 cannot overflow), transposed
         // (tokens past the end get scale 0: their bytes may be uninitialised, and 0 x Inf is NaN)
-        const float sa = gID < nvalid ? h_lo(vs[g * P]) : 0.0f, sb = gID + 8 < nvalid ? h_lo(vs[g * P + 8]) : 0.0f;
+        const float sa = gID < nvalid ? h_lo(vs[g * 16]) : 0.0f, sb = gID + 8 < nvalid ? h_lo(vs[g * 16 + 8]) : 0.0f;
         uint32_t pb0 = pack_half2(pr[0] * sa, pr[1] * sa), pb1 = pack_half2(pr[2] * sb, pr[3] * sb);
         pb0 = movmatrix_trans(pb0);
         pb1 = movmatrix_trans(pb1);
-        const int wi = (g * VB + (VB == 2 ? 0 : fwv)) * P, si = (g * VB + VB - 1) * P;
+        const int wi = (g * VB + (VB == 2 ? 0 : fwv)) * 16, si = (g * VB + VB - 1) * 16;
         const uint2 fab = *(const uint2*)(vw + wi), fcd = *(const uint2*)(vw + wi + 8);
         const uint2 gab = *(const uint2*)(vw + si), gcd = *(const uint2*)(vw + si + 8);
         uint2 pab = make_uint2(0u, 0u), pcd = make_uint2(0u, 0u);
         if (VB == 4) {
-          pab = *(const uint2*)(vw + (g * VB + 2) * P);
-          pcd = *(const uint2*)(vw + (g * VB + 2) * P + 8);
+          pab = *(const uint2*)(vw + (g * VB + 2) * 16);
+          pcd = *(const uint2*)(vw + (g * VB + 2) * 16 + 8);
         }
         const Sel<VB> xa = make_sel<VB>(make_x<VB>(fab.x, pab.x, i0v)), xb = make_sel<VB>(make_x<VB>(fab.y, pab.y, i0v));
         const Sel<VB> xc = make_sel<VB>(make_x<VB>(fcd.x, pcd.x, i0v)), xd = make_sel<VB>(make_x<VB>(fcd.y, pcd.y, i0v));
@@ -503,8 +556,12 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         mma16816(acc[g][0], aA0, aA1, aA2, aA3, pb0, pb1);
         mma16816(acc[g][1], aB0, aB1, aB2, aB3, pb0, pb1);
       }
+      }  // pg >= 0
+      __syncwarp();  // every lane is done with this stage before it is refilled
     }
+    cp_async_wait<0>();
 
+    __syncthreads();  // every warp is done with its stages: sm_acc reuses their memory
     // ---- combine the 4 warps, write this split's partial
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -566,16 +623,17 @@ const char* const kAttnDefaultGrid = "k2v2, k3v3, k4v4, k4v2, k16v3 for head_dim
 template <int D, int KB, int VB>
 AttnFn attn_kernel_for_page(int page) {
   if constexpr (!attn_compiled(D, KB, VB)) {
-    return nullptr;
+    return {};
   } else {
+    constexpr int smem = TileGeom<D, KB, VB>::smem;
     switch (page) {
-      case 16: return attn_kernel<D, KB, VB, 16>;
-      case 32: return attn_kernel<D, KB, VB, 32>;
-      case 64: return attn_kernel<D, KB, VB, 64>;
-      case 128: return attn_kernel<D, KB, VB, 128>;
-      case 256: return attn_kernel<D, KB, VB, 256>;
+      case 16: return {attn_kernel<D, KB, VB, 16>, smem};
+      case 32: return {attn_kernel<D, KB, VB, 32>, smem};
+      case 64: return {attn_kernel<D, KB, VB, 64>, smem};
+      case 128: return {attn_kernel<D, KB, VB, 128>, smem};
+      case 256: return {attn_kernel<D, KB, VB, 256>, smem};
     }
-    return nullptr;
+    return {};
   }
 }
 
@@ -597,7 +655,7 @@ AttnFn attn_kernel_k16(int d, int vb, int page);
       case 2563: return attn_kernel_for_page<256, KB, 3>(page);         \
       case 2564: return attn_kernel_for_page<256, KB, 4>(page);         \
     }                                                                   \
-    return nullptr;                                                     \
+    return {};                                                          \
   }
 
 }  // namespace cuda

@@ -1,7 +1,10 @@
-// Warp-level quantizer of format v1: one warp quantizes one head vector. Lane l holds coordinates
-// l + 32 r (r < D/32), so register r across the warp is exactly scale group r. Every float op is
-// explicitly rounded (__fadd_rn/__fmul_rn/__fdiv_rn/__fsqrt_rn: no FMA contraction), sums use the
-// xor-butterfly order of tree_sum32, so the bytes equal the reference's bit for bit.
+// Quantizers of format v1 on the GPU. Every float op is explicitly rounded (__fadd_rn/__fmul_rn/
+// __fdiv_rn/__fsqrt_rn: no FMA contraction) and sums follow tree_sum32's order, so the bytes equal
+// the reference's (src/core/quant_math.h, src/ref/quantize.cpp) bit for bit.
+//  * warp level (warp_rotate, warp_quantize_group): one warp per head vector, lane l holds
+//    coordinates l + 32 r, so register r across the warp is scale group r.
+//  * thread level (thread_fwht, thread_quantize_group; used by append.cu): one thread owns 64
+//    coordinates, i.e. two whole groups; D/64 threads per vector. See thread_fwht for the mapping.
 #pragma once
 #include "common.cuh"
 
@@ -97,6 +100,211 @@ __device__ __forceinline__ void warp_quantize_group(float y, int bits, int rule,
     words[lane * P] = out;
   }
   if (lane == 31) *scale_dst = scale;
+}
+
+
+// ---- thread-level quantizer ----------------------------------------------------------------------
+// Per b-bit codebook (index b - 2), filled on the host from src/core/quant_math.h.
+struct QuantTables {
+  float thr[7];   // t_i = codebook_threshold(b, i): the reference's decision thresholds
+  float hulp[7];  // ulp(t_i) / 2 (a power of two)
+  float mag[8];   // positive levels mag_b[m] as float (exact fp16 values)
+};
+
+// fp16 scale with saturation (FORMAT.md "Scale"): cvt.rn.f16.f32 is IEEE round-to-nearest-even
+// (f16 subnormals and overflow to inf included), i.e. f32_to_f16 of half.h; then inf -> 65504.
+__device__ __forceinline__ uint16_t scale_to_f16_hw(float s) {
+  const uint16_t h = __half_as_ushort(__float2half_rn(s));
+  return (h & 0x7fffu) >= 0x7c00u ? (uint16_t)0x7bffu : h;
+}
+__device__ __forceinline__ float f16_bits_to_f32_hw(uint32_t h16) {  // exact (cvt.f32.f16)
+  return __half2float(__ushort_as_half((unsigned short)h16));
+}
+
+// Thread mapping of thread_fwht. NT = D/64 threads per vector; thread t (0 <= t < NT, bits tb0 and
+// tb1 of t are bits 0 and 1 of the lane index) starts with input coordinate 64 t + k in r[k] (k < 64),
+// multiplied by the rotation sign and, where tb0 = 1 and k >= 32 (coordinate bits 5 and 6 both set),
+// by an extra -1 ("pre-negation", see below). All of it is one xor of fp16 sign bits, done by the
+// loader with the mask of fwht_input_mask.
+//  1. stages h = 1..32 in registers: (r[k], r[k+h]) -> (r[k] + r[k+h], r[k] - r[k+h]), k & h == 0.
+//     For a tb0 = 1 thread the pre-negated upper half makes stage 32 compute L + (-U) = L - U (the
+//     new coordinate k+32) into r[k] and L - (-U) = L + U (the new coordinate k) into r[k+32]: its
+//     registers now hold local coordinate k ^ 32 in r[k], with exact values and no pending sign.
+//  2. stage 64 (D >= 128), partners lane ^ 1: both threads send r[32+k], keep r[k] and compute
+//     lo = r[k] + o, hi = r[k] - o. The tb0 = 0 thread holds (a, b) = (r[k], o): exact a+b, a-b;
+//     the tb0 = 1 thread holds (b, a): exact b+a = a+b and b-a = -(a-b) (pending sign -1).
+//  3. stage 128 (D = 256), partners lane ^ 2: the tb1 = 0 thread keeps r[k] and sends r[32+k], the
+//     tb1 = 1 thread keeps r[32+k] and sends r[k]; lo = kept + o, hi = kept - o (tb1 = 1: pending
+//     sign -1 on hi). Pairs always join values with the same pending sign.
+// Result: r[k] = coordinate 32 t + k (group t, j = k) times sign_a, r[32+k] = coordinate
+// 32 (t + NT) + k (group t + NT) times sign_b, see fwht_pending_signs; the caller multiplies by
+// sign * 1/sqrt(d). fl(-a + -b) = -fl(a + b) and fl(-a * c) = -fl(a * c) for nonzero results;
+// a zero may come out with the other sign, which changes no byte: every consumer (y < 0, |y|, y*y,
+// and sums of non-negative terms) ignores the sign of zero.
+template <int D>
+__device__ __forceinline__ uint4 fwht_input_mask(const SignWords& sw, int pos) {
+  uint32_t m[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int lo = 8 * pos + 2 * e, hi = lo + 1;
+    const uint32_t flo = (uint32_t)sign_negative(sw, lo) ^ (uint32_t)((lo >> 5) & (lo >> 6) & 1);
+    const uint32_t fhi = (uint32_t)sign_negative(sw, hi) ^ (uint32_t)((hi >> 5) & (hi >> 6) & 1);
+    m[e] = (flo << 15) | (fhi << 31);
+  }
+  return make_uint4(m[0], m[1], m[2], m[3]);
+}
+
+// Pending signs (+1/-1) of the two blocks after thread_fwht, for thread t of its vector.
+template <int D>
+__device__ __forceinline__ void fwht_pending_signs(int t, float& sa, float& sb) {
+  const int tb0 = t & 1, tb1 = (t >> 1) & 1;
+  if (D == 64) { sa = 1.0f; sb = 1.0f; }
+  if (D == 128) { sa = 1.0f; sb = tb0 ? -1.0f : 1.0f; }
+  if (D == 256) {
+    const float s1 = tb0 ? -1.0f : 1.0f;
+    sa = tb1 ? s1 : 1.0f;
+    sb = tb1 ? -s1 : 1.0f;
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void thread_fwht(float (&r)[64], int lane) {
+#pragma unroll
+  for (int h = 1; h < 64; h <<= 1) {
+#pragma unroll
+    for (int k = 0; k < 64; ++k)
+      if ((k & h) == 0) {
+        const float a = r[k], b = r[k + h];
+        r[k] = __fadd_rn(a, b);
+        r[k + h] = __fsub_rn(a, b);
+      }
+  }
+  if (D >= 128) {
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      const float o = __shfl_xor_sync(kFull, r[32 + k], 1), a = r[k];
+      r[k] = __fadd_rn(a, o);
+      r[32 + k] = __fsub_rn(a, o);
+    }
+  }
+  if (D == 256) {
+    const bool tb1 = (lane >> 1) & 1;
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      const float send = tb1 ? r[k] : r[32 + k], kept = tb1 ? r[32 + k] : r[k];
+      const float o = __shfl_xor_sync(kFull, send, 2);
+      r[k] = __fadd_rn(kept, o);
+      r[32 + k] = __fsub_rn(kept, o);
+    }
+  }
+}
+
+// Quantize one group of 32 rotated values y[0..31] (FORMAT.md 4-6, quant_math.h quantize_group):
+// returns the fp16 scale, w[0..BITS-1] the packed words. Equivalences used (all exact):
+//  * tree_sum32(t) / 32 == t * 2^-5 (both the rounding of the same real number);
+//  * code magnitude: fl(|y| / s) > t_i  <=>  |y| > T_i = RD(t_i*s + hulp_i*s). t_i has <= 13
+//    significant bits and an even significand (checked on the host), s is fp16 (<= 11 bits), so
+//    t_i*s and hulp_i*s are exact floats and __fadd_rd rounds their exact sum down; the rounding
+//    boundary of fl(z) between t_i and its successor is t_i + hulp_i, a tie rounds to the even t_i
+//    (not above it), and |y| > P <=> |y| > RD(P) for a float |y|. Thresholds ascend, so a binary
+//    search over them gives the thermometer count m;
+//  * sign = (y / s < 0) == (y < 0): |y| >= 2^-28 when nonzero (a multiple of 2^-24 times 1/sqrt(d)),
+//    so y / s never underflows to zero; -0 gives a positive sign in both;
+//  * LSQ numerator terms y * level(code) == |y| * mag[m] for y != 0 (level has the sign of y); for
+//    y = +-0 the term is a zero of either sign, and the sum of these non-negative terms is positive
+//    (s0 != 0), so zero signs never reach the result.
+// Sums keep tree_sum32's pairs: t[j] + t[j+16] is formed as soon as both terms exist.
+template <int BITS, bool LSQ>
+__device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], const QuantTables& q,
+                                                         uint32_t (&w)[BITS]) {
+  constexpr int M = 1 << (BITS - 1);
+  float s8[8];  // tree_sum32 after steps 16 and 8
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float a = __fadd_rn(__fmul_rn(y[j], y[j]), __fmul_rn(y[j + 16], y[j + 16]));
+    const float b = __fadd_rn(__fmul_rn(y[j + 8], y[j + 8]), __fmul_rn(y[j + 24], y[j + 24]));
+    s8[j] = __fadd_rn(a, b);
+  }
+#pragma unroll
+  for (int step = 4; step >= 1; step >>= 1)
+#pragma unroll
+    for (int j = 0; j < step; ++j) s8[j] = __fadd_rn(s8[j], s8[j + step]);
+  const float rms = __fsqrt_rn(__fmul_rn(s8[0], 0.03125f));
+  const uint16_t s0 = scale_to_f16_hw(rms);
+  const float s0f = f16_bits_to_f32_hw(s0);
+  float T[M - 1];
+#pragma unroll
+  for (int i = 0; i < M - 1; ++i) T[i] = __fadd_rd(__fmul_rn(q.thr[i], s0f), __fmul_rn(q.hulp[i], s0f));
+#pragma unroll
+  for (int b = 0; b < BITS; ++b) w[b] = 0u;
+  float num8[8], den8[8];
+  float num16[16], den16[16];
+#pragma unroll
+  for (int jj = 0; jj < 32; ++jj) {
+    // visit j in the order 0, 16, 8, 24, 1, 17, 9, 25, ...: pairs of the tree combine at once
+    const int j = (jj >> 2) + 16 * (jj & 1) + 8 * ((jj >> 1) & 1);
+    const float a = fabsf(y[j]);
+    float l;
+    if constexpr (BITS == 2) {
+      const bool c0 = a > T[0];
+      l = c0 ? q.mag[1] : q.mag[0];
+      if (c0) w[0] |= 1u << j;
+    } else if constexpr (BITS == 3) {
+      const bool c1 = a > T[1];
+      const bool c0 = a > (c1 ? T[2] : T[0]);
+      const float lo = c1 ? q.mag[2] : q.mag[0], hi = c1 ? q.mag[3] : q.mag[1];
+      l = c0 ? hi : lo;
+      const int fw = fmkv_field_word(j), fs = fmkv_field_shift(j);
+      if (c0) w[fw] |= 1u << fs;
+      if (c1) w[fw] |= 2u << fs;
+    } else {
+      const bool c2 = a > T[3];
+      const bool c1 = a > (c2 ? T[5] : T[1]);
+      const bool c0 = a > (c2 ? (c1 ? T[6] : T[4]) : (c1 ? T[2] : T[0]));
+      const float q0 = c2 ? q.mag[4] : q.mag[0], q1 = c2 ? q.mag[5] : q.mag[1];
+      const float q2 = c2 ? q.mag[6] : q.mag[2], q3 = c2 ? q.mag[7] : q.mag[3];
+      const float r0 = c1 ? q2 : q0, r1 = c1 ? q3 : q1;
+      l = c0 ? r1 : r0;
+      const int fw = fmkv_field_word(j), fs = fmkv_field_shift(j);
+      if (c0) w[fw] |= 1u << fs;
+      if (c1) w[fw] |= 2u << fs;
+      if (c2) w[2] |= 1u << j;
+    }
+    if (y[j] < 0.0f) w[BITS - 1] |= 1u << j;
+    if constexpr (LSQ) {
+      const float tn = __fmul_rn(a, l), td = __fmul_rn(l, l);
+      // jj & 1: second of the pair (j, j+16); jj & 2: second of the step-8 pair
+      const int i16 = j & 15;
+      if ((jj & 1) == 0) {
+        num16[i16] = tn;
+        den16[i16] = td;
+      } else {
+        num16[i16] = __fadd_rn(num16[i16], tn);
+        den16[i16] = __fadd_rn(den16[i16], td);
+        if (jj & 2) {
+          num8[j & 7] = __fadd_rn(num16[j & 7], num16[(j & 7) + 8]);
+          den8[j & 7] = __fadd_rn(den16[j & 7], den16[(j & 7) + 8]);
+        }
+      }
+    }
+  }
+  uint16_t scale = s0;
+  if constexpr (LSQ) {
+#pragma unroll
+    for (int step = 4; step >= 1; step >>= 1)
+#pragma unroll
+      for (int j = 0; j < step; ++j) {
+        num8[j] = __fadd_rn(num8[j], num8[j + step]);
+        den8[j] = __fadd_rn(den8[j], den8[j + step]);
+      }
+    scale = scale_to_f16_hw(__fdiv_rn(num8[0], den8[0]));
+  }
+  if (s0 == 0) {  // FORMAT.md 5.2: all codes 0, scale 0
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) w[b] = 0u;
+    scale = 0;
+  }
+  return scale;
 }
 
 }  // namespace cuda
