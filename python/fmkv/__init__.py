@@ -2,7 +2,9 @@
 attention computed directly on the compressed cache.
 
 Tensors may be numpy arrays or any DLPack-capable CPU tensor (torch tensors included) of dtype
-float32, float16 or bfloat16. Every error raised by the library, or detected here (shape, dtype,
+float32, float16 or bfloat16 (:class:`Cache` holds host memory). CUDA tensors go through
+``fmkv.torch_ops`` (torch custom ops, ``TorchCache``) and ``fmkv.hf.FmkvCache`` on the 'cuda'
+backend; device-detected errors of those surface at :func:`synchronize` / :func:`cuda_check`. Every error raised by the library, or detected here (shape, dtype,
 device), is an :class:`FmkvError` (a ``ValueError``) with ``.code`` / ``.status`` set.
 """
 from __future__ import annotations
@@ -23,6 +25,8 @@ __all__ = [
     "format_version",
     "backends",
     "default_backend",
+    "synchronize",
+    "cuda_check",
     "codebook",
     "bytes_per_token_head",
     "quantize_vector",
@@ -48,6 +52,24 @@ def backends() -> Dict[str, Dict[str, Any]]:
 def default_backend() -> str:
     """'cpu' when the SIMD backend is compiled in, else the scalar reference 'ref'."""
     return "cpu" if backends()["cpu"]["available"] else "ref"
+
+
+def synchronize(backend: str = "cuda") -> None:
+    """Wait for a backend's device and raise, as :class:`FmkvError`, the first error its kernels
+    detected since the last call (``fmkv_device_synchronize``).
+
+    The CUDA backend checks the batch arrays it cannot read from the host -- block-table entries,
+    slots, lengths, row offsets -- and NaN/Inf in K/V/Q on the device: a failed op writes nothing,
+    records the error in a device error word, and later fmkv CUDA ops are skipped until this call
+    reads and clears it. The ops themselves never synchronise (they can be captured in a CUDA
+    graph), so such errors surface here, not at the op. Reads the calling thread's current CUDA
+    device. A no-op for the host backends ('ref', 'cpu'), whose ops raise at once."""
+    _fmkv.synchronize(str(backend))
+
+
+def cuda_check() -> None:
+    """``synchronize('cuda')``: raise device-detected errors of fmkv's CUDA ops (see synchronize)."""
+    _fmkv.synchronize("cuda")
 
 
 def bytes_per_token_head(head_dim: int, bits: int) -> int:

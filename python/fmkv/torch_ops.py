@@ -11,17 +11,34 @@ implementations that only compute output metadata):
   ``block_table`` int32 [n, stride] (see include/fmkv/params.h, fmkv_batch);
 * ``config``: :func:`config_to_list` of an :class:`fmkv.Config`.
 
-Only CPU tensors are supported by this build (the ``ref`` or ``cpu`` backend); tensors on any
-other device, or of an unsupported dtype, raise :class:`fmkv.FmkvError`.
+**Devices.** All tensors of one call live on one device, and the backend follows it: CPU tensors
+run on the host backend (``'cpu'`` when compiled, else ``'ref'``), CUDA tensors on the ``'cuda'``
+backend, directly on device memory (no copy). ``backend=""`` picks it from the device; a backend
+that does not match the device (``'cpu'`` with CUDA tensors, ``'cuda'`` with CPU tensors) raises
+:class:`fmkv.FmkvError` naming the tensor and its device, as does a CUDA tensor when the extension
+was built without CUDA (``fmkv.backends()['cuda']``; build with
+``pip install . -C cmake.define.FMKV_CUDA=ON``, see python/README.md).
+
+**CUDA semantics.** The ops are enqueued on the current torch stream of the tensors' device and
+never synchronise with the host: no ``.item()``, no host copies, and the only allocations are the
+output and a workspace from torch's caching allocator, so ``attention`` (and ``append``) can be
+captured in a ``torch.cuda.CUDAGraph`` (run each op once before capturing: the first CUDA call of a
+process allocates fmkv's device error word). Errors that only the device can see -- a block-table
+entry outside the page pool, a slot or length out of range, NaN/Inf in K/V/Q -- are recorded by the
+kernels in a device error word (the failed op writes nothing, and later fmkv CUDA ops are skipped)
+and raised by :func:`cuda_check` (``fmkv.synchronize('cuda')``), which waits for the device.
+Shape, dtype and device errors are raised by the op itself.
 
 :class:`TorchCache` manages those tensors (page allocation, block tables, lengths) for
-``num_layers`` layers, like :class:`fmkv.Cache` but with torch-owned storage.
+``num_layers`` layers, like :class:`fmkv.Cache` but with torch-owned storage on a CPU or CUDA
+device.
 
 Importing this module registers the ops (it needs torch; fmkv itself does not).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+import contextlib
+from typing import Dict, List, Optional
 
 try:
     import torch
@@ -31,10 +48,13 @@ except ImportError as _e:  # pragma: no cover
 
 from . import Config, FmkvError, _fmkv, default_backend
 
-__all__ = ["append", "attention", "config_to_list", "TorchCache"]
+__all__ = ["append", "attention", "config_to_list", "TorchCache", "backend_for_device", "cuda_check",
+           "attention_workspace_bytes"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SCALE = {"lsq": _fmkv.SCALE_LSQ, "rms": _fmkv.SCALE_RMS}
+_HOST_BACKENDS = ("ref", "cpu")
+_AVAILABLE: Dict[str, bool] = {}
 
 
 def config_to_list(config: Config) -> List[int]:
@@ -55,13 +75,56 @@ def _raw_config(cfg: List[int]) -> "_fmkv.RawConfig":
     return c
 
 
-def _check_device(op: str, **tensors: Tensor) -> None:
+def _available(backend: str) -> bool:
+    if backend not in _AVAILABLE:
+        _AVAILABLE[backend] = bool(_fmkv.backend_available(backend))
+    return _AVAILABLE[backend]
+
+
+def backend_for_device(device, backend: Optional[str] = None, what: str = "fmkv") -> str:
+    """The fmkv backend for tensors on ``device``: the given one after checking it matches the
+    device, else 'cuda' for CUDA devices and the default host backend for the CPU."""
+    dev = torch.device(device)
+    if backend:
+        if backend in _HOST_BACKENDS and dev.type != "cpu":
+            raise FmkvError(f"{what}: backend {backend!r} works on CPU tensors, but the tensors are on '{dev}' "
+                            f"(use backend 'cuda' or leave it empty; fmkv never copies between devices)")
+        if backend == "cuda" and dev.type != "cuda":
+            raise FmkvError(f"{what}: backend 'cuda' works on CUDA tensors, but the tensors are on '{dev}' "
+                            f"(move them to the GPU, or use a host backend)")
+        if backend not in _HOST_BACKENDS and backend != "cuda":
+            raise FmkvError(f"{what}: backend {backend!r} is not available for torch tensors (use 'ref', 'cpu' or 'cuda')")
+        if not _available(backend):
+            raise FmkvError(f"{what}: backend {backend!r} is not compiled into this build or has no usable device"
+                            + (" (build the extension with CUDA: pip install . -C cmake.define.FMKV_CUDA=ON)"
+                               if backend == "cuda" else ""))
+        return backend
+    if dev.type == "cpu":
+        return default_backend()
+    if dev.type == "cuda":
+        if not _available("cuda"):
+            info = _fmkv.backends()["cuda"]
+            raise FmkvError(f"{what}: tensors are on '{dev}' but this fmkv build has no usable 'cuda' backend "
+                            f"(fmkv.backends()['cuda'] = {info}); build the extension with CUDA "
+                            f"(pip install . -C cmake.define.FMKV_CUDA=ON, see python/README.md) or use CPU tensors")
+        return "cuda"
+    raise FmkvError(f"{what}: tensors on device '{dev}' are not supported (CPU or CUDA)")
+
+
+def _check_device(op: str, fake: bool, **tensors: Tensor) -> torch.device:
+    """All tensors are torch tensors on one device; returns it."""
+    dev, first = None, None
     for name, t in tensors.items():
         if not isinstance(t, Tensor):
             raise FmkvError(f"fmkv::{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type not in ("cpu", "meta"):
-            raise FmkvError(f"fmkv::{op}: {name} is on device '{t.device}', but this fmkv build runs on CPU "
-                            f"tensors only (backends 'ref' / 'cpu'); move the cache and inputs to the CPU")
+        if dev is None:
+            dev, first = t.device, name
+        elif t.device != dev:
+            raise FmkvError(f"fmkv::{op}: {name} is on device '{t.device}' but {first} is on '{dev}'; all tensors "
+                            f"of one call must be on the same device (fmkv never copies between devices)")
+    if not fake and dev.type not in ("cpu", "cuda"):
+        raise FmkvError(f"fmkv::{op}: tensors on device '{dev}' are not supported (CPU or CUDA)")
+    return dev
 
 
 def _check_float(op: str, **tensors: Tensor) -> None:
@@ -72,25 +135,66 @@ def _check_float(op: str, **tensors: Tensor) -> None:
             raise FmkvError(f"fmkv::{op}: {name}: expected a 3-D tensor [tokens, heads, head_dim], got shape {tuple(t.shape)}")
 
 
-def _backend(backend: str) -> str:
-    return backend or default_backend()
+def _on_device(dev: torch.device):
+    """Make ``dev`` the current CUDA device for the call (fmkv's CUDA backend works on the current
+    device; torch exports DLPack only from it)."""
+    if dev.index is None or dev.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(dev)
+
+
+def _dl(t: Tensor):
+    """A DLPack capsule of a CUDA tensor without any stream synchronisation (stream=-1): the op is
+    ordered on the current stream itself, and a cross-stream wait would break graph capture."""
+    return t.__dlpack__(stream=-1)
+
+
+def _dense_last(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def attention_workspace_bytes(config: Config, q_heads: int, max_rows: int, num_seqs: int, backend: str = "cuda") -> int:
+    """Bytes of the workspace ``fmkv_attention`` needs on ``backend`` (0 for host backends)."""
+    return int(_fmkv.attention_workspace_bytes(backend, config._raw(), int(q_heads), int(max_rows), int(num_seqs), 0))
+
+
+def cuda_check(device=None) -> None:
+    """Wait for the CUDA device and raise the first error fmkv's kernels detected there since the
+    last check (bad block-table entry, slot, length, NaN/Inf input) as :class:`fmkv.FmkvError`.
+    ``device``: a CUDA device (default: the current one)."""
+    if device is None:
+        _fmkv.synchronize("cuda")
+        return
+    with torch.cuda.device(torch.device(device)):
+        _fmkv.synchronize("cuda")
 
 
 @torch.library.custom_op("fmkv::append", mutates_args=("pages", "fp16_k", "fp16_v"))
 def append(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v: Tensor, slots: Tensor, seq_lens: Tensor,
            row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int, backend: str = "") -> None:
     """Compress rows of k / v ([rows, num_kv_heads, head_dim]) into one layer's pages / fp16
-    regions, in place. seq_lens: tokens already cached per sequence (not updated here)."""
-    _check_device("append", pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, k=k, v=v, slots=slots, seq_lens=seq_lens,
-                  row_offsets=row_offsets, block_table=block_table)
+    regions, in place. seq_lens: tokens already cached per sequence (not updated here).
+    backend "" follows the tensors' device (CPU: host backend, CUDA: 'cuda')."""
+    dev = _check_device("append", False, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, k=k, v=v, slots=slots,
+                        seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
     _check_float("append", k=k, v=v)
-    _fmkv.append_raw(_backend(backend), _raw_config(config), layer, pages, fp16_k, fp16_v, slots, seq_lens,
-                     row_offsets, block_table, k.detach(), v.detach())
+    b = backend_for_device(dev, backend, "fmkv::append")
+    raw = _raw_config(config)
+    if dev.type != "cuda":
+        _fmkv.append_raw(b, raw, layer, pages, fp16_k, fp16_v, slots, seq_lens, row_offsets, block_table,
+                         k.detach(), v.detach())
+        return
+    with _on_device(dev):
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        _fmkv.append_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots), _dl(seq_lens),
+                         _dl(row_offsets), _dl(block_table), _dl(_dense_last(k.detach())),
+                         _dl(_dense_last(v.detach())), stream)
 
 
 @append.register_fake
 def _append_fake(pages, fp16_k, fp16_v, k, v, slots, seq_lens, row_offsets, block_table, config, layer, backend=""):
-    _check_device("append", pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, k=k, v=v)
+    _check_device("append", True, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, k=k, v=v, slots=slots,
+                  seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
     _check_float("append", k=k, v=v)
     return None
 
@@ -100,51 +204,84 @@ def attention(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor, slots: T
               row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int, softmax_scale: float = 0.0,
               softcap: float = 0.0, backend: str = "") -> Tensor:
     """Attention of q ([rows, q_heads, head_dim]; causal, the last rows of each sequence) over one
-    layer. seq_lens include the query tokens. Returns a new tensor shaped and typed like q.
-    softmax_scale 0 means 1/sqrt(head_dim)."""
-    _check_device("attention", pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots, seq_lens=seq_lens,
-                  row_offsets=row_offsets, block_table=block_table)
+    layer. seq_lens include the query tokens. Returns a new tensor shaped and typed like q, on q's
+    device. softmax_scale 0 means 1/sqrt(head_dim). backend "" follows the tensors' device."""
+    dev = _check_device("attention", False, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
+                        seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
     _check_float("attention", q=q)
+    b = backend_for_device(dev, backend, "fmkv::attention")
+    raw = _raw_config(config)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _fmkv.attention_raw(_backend(backend), _raw_config(config), layer, pages, fp16_k, fp16_v, slots, seq_lens,
-                        row_offsets, block_table, q.detach(), out, softmax_scale, softcap)
+    if dev.type != "cuda":
+        _fmkv.attention_raw(b, raw, layer, pages, fp16_k, fp16_v, slots, seq_lens, row_offsets, block_table,
+                            q.detach(), out, softmax_scale, softcap)
+        return out
+    with _on_device(dev):
+        ws_bytes = _fmkv.attention_workspace_bytes(b, raw, int(q.shape[1]), int(q.shape[0]), int(slots.shape[0]), 0)
+        ws = torch.empty(max(int(ws_bytes), 1), dtype=torch.uint8, device=dev)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        _fmkv.attention_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots), _dl(seq_lens),
+                            _dl(row_offsets), _dl(block_table), _dl(_dense_last(q.detach())), _dl(out),
+                            softmax_scale, softcap, _dl(ws), stream)
     return out
 
 
 @attention.register_fake
 def _attention_fake(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, block_table, config, layer,
                     softmax_scale=0.0, softcap=0.0, backend=""):
-    _check_device("attention", pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q)
+    _check_device("attention", True, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
+                  seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
     _check_float("attention", q=q)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 class TorchCache:
-    """Paged compressed KV cache whose storage is torch CPU tensors, driven by the custom ops.
+    """Paged compressed KV cache whose storage is torch tensors on one device (CPU or CUDA),
+    driven by the custom ops.
 
     ``pages[layer]`` uint8 [num_pages, page_bytes], ``fp16_k[layer]`` / ``fp16_v[layer]`` float16
     [max_seqs, num_kv_heads, sink + window, head_dim]; all layers of a sequence share one block
-    table (as in fmkv::HostCache).
+    table (as in fmkv::HostCache). ``device`` (default: CUDA when ``backend='cuda'``, else CPU)
+    holds the storage; inputs must be on it. ``backend`` defaults to the device's (host backend on
+    the CPU, 'cuda' on a GPU).
+
+    Bookkeeping: page allocation and lengths are kept in host mirrors (Python ints); the device
+    holds the block table [max_seqs, num_pages] int32, per-layer lengths [num_layers, max_seqs]
+    int64 and the slot indices. On CUDA an append updates the device lengths with an in-place add
+    and copies newly assigned block-table entries from pinned host memory asynchronously, so no call
+    synchronises the host with the device. Device-detected errors surface at :func:`cuda_check`;
+    the failed op wrote nothing but the lengths had already advanced, so remove the sequence
+    (or rebuild the cache) after such an error.
     """
 
-    def __init__(self, config: Config, num_layers: int, num_pages: int, max_seqs: int, backend: Optional[str] = None):
+    def __init__(self, config: Config, num_layers: int, num_pages: int, max_seqs: int, backend: Optional[str] = None,
+                 device=None):
         if not isinstance(config, Config):
             raise FmkvError(f"config must be an fmkv.Config, got {type(config).__name__}")
         if num_layers < 1 or num_pages < 0 or max_seqs < 1:
             raise FmkvError("TorchCache: need num_layers >= 1, num_pages >= 0, max_seqs >= 1")
+        if device is None:
+            device = "cuda" if backend == "cuda" else "cpu"
+        dev = torch.device(device)
+        self.backend = backend_for_device(dev, backend, "TorchCache")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
         self.config = config
-        self.backend = backend or default_backend()
-        if self.backend not in ("ref", "cpu") or not _fmkv.backends()[self.backend]["available"]:
-            raise FmkvError(f"TorchCache: backend {self.backend!r} is not available for CPU tensors")
         self._cfg = config_to_list(config)
         R = config.sink_tokens + config.window_tokens
         H, d = config.num_kv_heads, config.head_dim
-        self.pages = [torch.zeros(num_pages, config.page_bytes, dtype=torch.uint8) for _ in range(num_layers)]
-        self.fp16_k = [torch.zeros(max_seqs, H, R, d, dtype=torch.float16) for _ in range(num_layers)]
-        self.fp16_v = [torch.zeros(max_seqs, H, R, d, dtype=torch.float16) for _ in range(num_layers)]
+        self.pages = [torch.zeros(num_pages, config.page_bytes, dtype=torch.uint8, device=dev) for _ in range(num_layers)]
+        self.fp16_k = [torch.zeros(max_seqs, H, R, d, dtype=torch.float16, device=dev) for _ in range(num_layers)]
+        self.fp16_v = [torch.zeros(max_seqs, H, R, d, dtype=torch.float16, device=dev) for _ in range(num_layers)]
         self._free = list(range(num_pages - 1, -1, -1))
         self._tables: List[List[int]] = [[] for _ in range(max_seqs)]
         self._lens = [[-1] * max_seqs for _ in range(num_layers)]
+        # Device-side batch arrays of one-sequence calls (views of these are passed to the ops).
+        self._bt = torch.zeros(max_seqs, max(num_pages, 1), dtype=torch.int32, device=dev)
+        self._lens_dev = torch.zeros(num_layers, max_seqs, dtype=torch.int64, device=dev)
+        self._slots = torch.arange(max_seqs, dtype=torch.int32, device=dev)
+        self._offsets: Dict[int, Tensor] = {}
 
     @property
     def num_layers(self) -> int:
@@ -153,6 +290,24 @@ class TorchCache:
     @property
     def free_pages(self) -> int:
         return len(self._free)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the cache storage allocated on the device: page pools and fp16 sink/window
+        regions of every layer (the same count as fmkv.Cache.resident_bytes)."""
+        return sum(t.untyped_storage().nbytes() for ts in (self.pages, self.fp16_k, self.fp16_v) for t in ts)
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the device-side bookkeeping (block table, lengths, slots, row offsets)."""
+        return sum(t.untyped_storage().nbytes() for t in [self._bt, self._lens_dev, self._slots, *self._offsets.values()])
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of pages held by live sequences plus their fp16 regions (as fmkv.Cache.used_bytes)."""
+        live = [s for s in range(len(self._tables)) if self._lens[0][s] >= 0]
+        pages = sum(len(self._tables[s]) for s in live)
+        return self.num_layers * (pages * self.config.page_bytes + self.config.fp16_slot_bytes * len(live))
 
     def _seq(self, s: int) -> int:
         if not 0 <= s < len(self._tables) or self._lens[0][s] < 0:
@@ -169,6 +324,7 @@ class TorchCache:
             if self._lens[0][s] < 0:
                 for lens in self._lens:
                     lens[s] = 0
+                self._lens_dev[:, s].zero_()
                 self._tables[s] = []
                 return s
         raise FmkvError(f"TorchCache: all {len(self._tables)} sequence slots are in use")
@@ -186,10 +342,23 @@ class TorchCache:
     def block_table(self, s: int) -> List[int]:
         return list(self._tables[self._seq(s)])
 
-    def _batch(self, s: int, length: int, rows: int):
-        t = self._tables[s]
-        return (torch.tensor([s], dtype=torch.int32), torch.tensor([length], dtype=torch.int64),
-                torch.tensor([0, rows], dtype=torch.int64), torch.tensor([t], dtype=torch.int32).reshape(1, len(t)))
+    def _row_offsets(self, rows: int) -> Tensor:
+        t = self._offsets.get(rows)
+        if t is None:  # [0, rows], computed on the device: no host-to-device copy
+            t = torch.arange(2, dtype=torch.int64, device=self.device) * rows
+            self._offsets[rows] = t
+        return t
+
+    def _store_table(self, s: int, first: int) -> None:
+        new = self._tables[s][first:]
+        if not new:
+            return
+        src = torch.tensor(new, dtype=torch.int32)
+        if self.device.type == "cuda":
+            src = src.pin_memory()  # asynchronous copy: the caching host allocator keeps it alive
+            self._bt[s, first:first + len(new)].copy_(src, non_blocking=True)
+        else:
+            self._bt[s, first:first + len(new)].copy_(src)
 
     def append(self, layer: int, s: int, k: Tensor, v: Tensor) -> None:
         layer, s = self._layer(layer), self._seq(s)
@@ -200,18 +369,22 @@ class TorchCache:
         need = -(-comp // c.page_size) - len(self._tables[s])
         if need > len(self._free):
             raise FmkvError(f"TorchCache: out of pages ({len(self._free)} free, sequence needs {need} more)")
+        first = len(self._tables[s])
         for _ in range(max(0, need)):
             self._tables[s].append(self._free.pop())
+        self._store_table(s, first)
         torch.ops.fmkv.append(self.pages[layer], self.fp16_k[layer], self.fp16_v[layer], k, v,
-                              *self._batch(s, length, n), self._cfg, layer, self.backend)
+                              self._slots[s:s + 1], self._lens_dev[layer, s:s + 1], self._row_offsets(n),
+                              self._bt[s:s + 1], self._cfg, layer, self.backend)
+        self._lens_dev[layer, s:s + 1].add_(n)
         self._lens[layer][s] = length + n
 
     def attention(self, layer: int, s: int, q: Tensor, softmax_scale: Optional[float] = None,
                   softcap: float = 0.0) -> Tensor:
         layer, s = self._layer(layer), self._seq(s)
-        length = self._lens[layer][s]
         if softmax_scale is not None and not softmax_scale > 0:
             raise FmkvError("softmax_scale must be > 0 (None means 1/sqrt(head_dim))")
         return torch.ops.fmkv.attention(self.pages[layer], self.fp16_k[layer], self.fp16_v[layer], q,
-                                        *self._batch(s, length, int(q.shape[0])), self._cfg, layer,
+                                        self._slots[s:s + 1], self._lens_dev[layer, s:s + 1],
+                                        self._row_offsets(int(q.shape[0])), self._bt[s:s + 1], self._cfg, layer,
                                         float(softmax_scale or 0.0), float(softcap), self.backend)

@@ -4,8 +4,17 @@
 //
 // Errors: every fmkv::Error (from the library, or raised here for shape / dtype / device
 // problems) becomes fmkv.FmkvError (a ValueError) carrying the library's message and status code.
+//
+// Devices: fmkv.Cache and the format primitives work on host memory. The raw ops (append_raw /
+// attention_raw, used by fmkv.torch_ops) take the tensors of one layer and one batch on the
+// backend's device: host (DLPack kDLCPU) for 'ref' / 'cpu', CUDA device memory (kDLCUDA) for
+// 'cuda', where the pointers go to the C API as they are (no copy, no host synchronisation, no
+// allocation: the caller passes its stream and, for attention, a workspace tensor). A tensor on
+// the wrong kind of device, or on another device than the call's other tensors, is an error;
+// nothing is ever copied between devices here.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -14,6 +23,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -107,6 +117,72 @@ void require_host(const char* name, const AnyArray& a) {
 }
 
 size_t elem_size(fmkv_dtype dt) { return dt == FMKV_F32 ? 4 : 2; }
+
+// ---- devices of the raw ops --------------------------------------------------------------------
+std::string device_str(int32_t type, int32_t id) {
+  if (type == nb::device::cpu::value) return "cpu";
+  if (type == nb::device::cuda::value) return "cuda:" + std::to_string(id);
+  if (type == nb::device::cuda_host::value) return "cuda_host (pinned host memory, DLPack type 3)";
+  if (type == nb::device::cuda_managed::value) return "cuda_managed:" + std::to_string(id);
+  return "DLPack device type " + std::to_string(type) + ":" + std::to_string(id);
+}
+
+bool is_host_backend(fmkv_backend b) { return b == FMKV_BACKEND_REF || b == FMKV_BACKEND_CPU; }
+
+// Every tensor of one raw call must live on the backend's kind of device (host memory for 'ref' /
+// 'cpu', CUDA device memory for 'cuda'), all on the same device. Never a copy.
+class DeviceCheck {
+ public:
+  explicit DeviceCheck(fmkv_backend b) : b_(b) {
+    if (!is_host_backend(b) && b != FMKV_BACKEND_CUDA)
+      fail(std::string("backend '") + fmkv_backend_name(b) + "' is not supported by the raw ops (use 'ref', 'cpu' or 'cuda')",
+           FMKV_ERR_UNSUPPORTED);
+    if (!fmkv_backend_available(b))
+      fail(std::string("backend '") + fmkv_backend_name(b) + "' is not compiled into this build or has no usable device" +
+               (b == FMKV_BACKEND_CUDA ? " (build the extension with CUDA: pip install . -C cmake.define.FMKV_CUDA=ON, see python/README.md)" : ""),
+           FMKV_ERR_UNSUPPORTED);
+  }
+  bool cuda() const { return b_ == FMKV_BACKEND_CUDA; }
+
+  template <typename A>
+  void operator()(const char* name, const A& a) {
+    const int32_t t = a.device_type(), id = a.device_id();
+    const int32_t want = cuda() ? (int32_t)nb::device::cuda::value : (int32_t)nb::device::cpu::value;
+    if (t != want)
+      fail(std::string(name) + ": tensor is on device " + device_str(t, id) + " but backend '" + fmkv_backend_name(b_) +
+               (cuda() ? "' works on CUDA device memory: move the tensor to the GPU, or use backend 'cpu' / 'ref' with CPU tensors"
+                       : "' works on host (CPU) memory: use backend 'cuda' for CUDA tensors, or move the tensor to the CPU") +
+               " (fmkv never copies between devices)");
+    if (!first_) {
+      first_ = name;
+      id_ = id;
+    } else if (cuda() && id != id_) {
+      fail(std::string(name) + ": tensor is on device " + device_str(t, id) + " but " + first_ + " is on " +
+           device_str(t, id_) + "; all tensors of one call must be on the same device");
+    }
+  }
+
+ private:
+  fmkv_backend b_;
+  const char* first_ = nullptr;
+  int32_t id_ = 0;
+};
+
+// A [rows][heads][dim] tensor in device memory: a view, never a copy (the dim stride must be 1).
+fmkv_tensor device_tensor(const char* name, const AnyArray& a, const char* expect) {
+  fmkv_dtype dt = float_dtype(name, a);
+  if (a.ndim() != 3)
+    fail(std::string(name) + ": expected a 3-D tensor " + expect + ", got shape " + shape_str(a));
+  if (a.shape(1) > (size_t)std::numeric_limits<int32_t>::max() || a.shape(2) > (size_t)std::numeric_limits<int32_t>::max())
+    fail(std::string(name) + ": shape " + shape_str(a) + " is too large", FMKV_ERR_OVERFLOW);
+  int64_t s0 = a.shape(0) > 1 ? a.stride(0) : 0, s1 = a.shape(1) > 1 ? a.stride(1) : 0,
+          s2 = a.shape(2) > 1 ? a.stride(2) : 1;
+  if (s2 != 1 || s0 < 0 || s1 < 0)
+    fail(std::string(name) + ": a device tensor needs unit stride in its last dimension and non-negative strides "
+                             "(fmkv does not copy device memory); pass a contiguous tensor");
+  return fmkv_tensor{const_cast<void*>(a.data()), (int32_t)dt, (int64_t)a.shape(0), (int32_t)a.shape(1),
+                     (int32_t)a.shape(2), s0, s1};
+}
 
 // A [rows][heads][dim] host tensor: a view of the caller's memory when its strides fit
 // fmkv_tensor (unit dim stride, non-negative strides), else a packed copy.
@@ -318,7 +394,11 @@ class Cache {
 // One layer's storage lives in the caller's tensors: pages (uint8, num_pages * page_bytes bytes),
 // fp16_k / fp16_v (2-byte elements, num_slots * num_kv_heads * (sink + window) * head_dim; may
 // be empty when sink + window == 0). The batch: slots int32 [n], seq_lens int64 [n],
-// row_offsets int64 [n + 1], block_table int32 [n, stride]. All contiguous host memory.
+// row_offsets int64 [n + 1], block_table int32 [n, stride]. All contiguous, all on the backend's
+// device (host memory for 'ref' / 'cpu', one CUDA device for 'cuda'; see DeviceCheck).
+// On 'cuda' the ops are stream-ordered on the caller's stream and do not synchronise: errors that
+// only the device can see (block-table entries, lengths, slots, NaN/Inf inputs) are recorded in
+// the device error word and raised by synchronize('cuda') (fmkv_device_synchronize).
 using MutArray = nb::ndarray<>;
 
 template <typename A>
@@ -340,9 +420,10 @@ size_t numel(const A& a) {
   return n;
 }
 
+// Device placement is checked by DeviceCheck before; this checks dtype, rank and layout only
+// (the pointer is never dereferenced here: it may be device memory).
 template <typename T, typename A>
 const T* index_array(const char* name, const A& a, size_t ndim, const char* what) {
-  require_host(name, AnyArray(a));
   if (!is_dtype(a.dtype(), nb::dlpack::dtype_code::Int, 8 * sizeof(T)))
     fail(std::string(name) + ": dtype " + dtype_name(a.dtype()) + " is not supported (expected " + what + ")");
   if (a.ndim() != ndim)
@@ -358,7 +439,6 @@ struct RawLayer {
 RawLayer raw_layer(const fmkv_config& c, int64_t layer_index, const MutArray& pages, const MutArray& fk, const MutArray& fv) {
   fmkv::check(fmkv_config_validate(&c));
   RawLayer r;
-  require_host("pages", AnyArray(pages));
   if (!is_dtype(pages.dtype(), nb::dlpack::dtype_code::UInt, 8))
     fail("pages: dtype " + dtype_name(pages.dtype()) + " is not supported (expected uint8)");
   require_contiguous("pages", pages);
@@ -370,7 +450,6 @@ RawLayer raw_layer(const fmkv_config& c, int64_t layer_index, const MutArray& pa
   const int64_t slot_elems = fmkv_config_fp16_slot_bytes(&c) / 4;
   for (const MutArray* a : {&fk, &fv}) {
     const char* n = a == &fk ? "fp16_k" : "fp16_v";
-    require_host(n, AnyArray(*a));
     if (a->dtype().bits != 16 || a->dtype().lanes != 1 || a->dtype().code == (uint8_t)nb::dlpack::dtype_code::Bfloat)
       fail(std::string(n) + ": dtype " + dtype_name(a->dtype()) + " is not supported (expected float16, or int16/uint16 bits)");
     require_contiguous(n, *a);
@@ -390,10 +469,10 @@ RawLayer raw_layer(const fmkv_config& c, int64_t layer_index, const MutArray& pa
 
 struct RawBatch {
   fmkv_batch b{};
-  int32_t dummy_table = 0;  // a non-NULL block table when it has no entries
+  int32_t dummy_table = 0;  // a non-NULL host block table when it has no entries
 };
 
-void raw_batch(RawBatch& r, const AnyArray& slots, const AnyArray& seq_lens, const AnyArray& row_offsets,
+void raw_batch(RawBatch& r, bool device, const AnyArray& slots, const AnyArray& seq_lens, const AnyArray& row_offsets,
                const AnyArray& block_table) {
   const int32_t* sl = index_array<int32_t>("slots", slots, 1, "int32");
   const int64_t* ln = index_array<int64_t>("seq_lens", seq_lens, 1, "int64");
@@ -408,17 +487,45 @@ void raw_batch(RawBatch& r, const AnyArray& slots, const AnyArray& seq_lens, con
   r.b.slots = sl;
   r.b.seq_lens = ln;
   r.b.row_offsets = ro;
-  r.b.block_table = numel(block_table) > 0 ? bt : &r.dummy_table;
-  r.b.block_table_stride = (int64_t)block_table.shape(1);
+  if (numel(block_table) > 0) {
+    r.b.block_table = bt;
+    r.b.block_table_stride = (int64_t)block_table.shape(1);
+  } else if (device) {  // no entries: never dereferenced (a sequence that needs a page fails on the device)
+    r.b.block_table = nullptr;
+    r.b.block_table_stride = 0;
+  } else {
+    r.b.block_table = &r.dummy_table;
+    r.b.block_table_stride = (int64_t)block_table.shape(1);
+  }
 }
+
+void* stream_ptr(uintptr_t stream) { return reinterpret_cast<void*>(stream); }
 
 void raw_append(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
                 const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
-                const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& k, const AnyArray& v) {
+                const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& k, const AnyArray& v,
+                uintptr_t stream) {
   const fmkv_backend b = backend_from_name(backend);
+  DeviceCheck dev(b);
+  dev("pages", pages);
+  dev("fp16_k", fk);
+  dev("fp16_v", fv);
+  dev("slots", slots);
+  dev("seq_lens", seq_lens);
+  dev("row_offsets", row_offsets);
+  dev("block_table", block_table);
+  dev("k", k);
+  dev("v", v);
   RawLayer L = raw_layer(cfg, layer_index, pages, fk, fv);
   RawBatch B;
-  raw_batch(B, slots, seq_lens, row_offsets, block_table);
+  raw_batch(B, dev.cuda(), slots, seq_lens, row_offsets, block_table);
+  if (dev.cuda()) {
+    fmkv_tensor kt = device_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
+    fmkv_tensor vt = device_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
+    nb::gil_scoped_release nogil;
+    fmkv::check(fmkv_append(b, &cfg, &L.lc, &B.b, &kt, &vt, stream_ptr(stream)));
+    return;
+  }
   HostTensor kt = host_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
   HostTensor vt = host_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
   nb::gil_scoped_release nogil;
@@ -428,23 +535,55 @@ void raw_append(const std::string& backend, const fmkv_config& cfg, int64_t laye
 void raw_attention(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
                    const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
                    const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& q, const MutArray& out,
-                   double softmax_scale, double softcap) {
+                   double softmax_scale, double softcap, std::optional<MutArray> workspace, uintptr_t stream) {
   const fmkv_backend b = backend_from_name(backend);
+  DeviceCheck dev(b);
+  dev("pages", pages);
+  dev("fp16_k", fk);
+  dev("fp16_v", fv);
+  dev("slots", slots);
+  dev("seq_lens", seq_lens);
+  dev("row_offsets", row_offsets);
+  dev("block_table", block_table);
+  dev("q", q);
+  dev("out", out);
+  if (workspace) dev("workspace", *workspace);
   RawLayer L = raw_layer(cfg, layer_index, pages, fk, fv);
   RawBatch B;
-  raw_batch(B, slots, seq_lens, row_offsets, block_table);
-  HostTensor qt = host_tensor("q", q, "[query_tokens, q_heads, head_dim]");
-  require_host("out", AnyArray(out));
+  raw_batch(B, dev.cuda(), slots, seq_lens, row_offsets, block_table);
   const fmkv_dtype odt = float_dtype("out", AnyArray(out));
-  if (out.ndim() != 3 || (int64_t)out.shape(0) != qt.t.rows || (int64_t)out.shape(1) != qt.t.heads || (int64_t)out.shape(2) != qt.t.dim)
-    fail("out: shape " + shape_str(AnyArray(out)) + " must equal q's shape " + shape_str(q));
-  require_contiguous("out", out);
   if (!(softmax_scale >= 0) || !std::isfinite(softmax_scale)) fail("softmax_scale must be finite and >= 0 (0 means 1/sqrt(head_dim))");
   if (!(softcap >= 0) || !std::isfinite(softcap)) fail("softcap must be finite and >= 0 (0 disables it)");
-  fmkv_tensor ot = fmkv::make_tensor(out.data(), odt, qt.t.rows, qt.t.heads, qt.t.dim);
   fmkv_attention_opts opts{(float)softmax_scale, (float)softcap};
+  void* ws = nullptr;
+  size_t ws_bytes = 0;
+  if (workspace) {
+    if (!is_dtype(workspace->dtype(), nb::dlpack::dtype_code::UInt, 8))
+      fail("workspace: dtype " + dtype_name(workspace->dtype()) + " is not supported (expected uint8)");
+    require_contiguous("workspace", *workspace);
+    ws = workspace->data();
+    ws_bytes = numel(*workspace);
+  }
+  auto check_out = [&](const fmkv_tensor& qt) {
+    if (out.ndim() != 3 || (int64_t)out.shape(0) != qt.rows || (int64_t)out.shape(1) != qt.heads || (int64_t)out.shape(2) != qt.dim)
+      fail("out: shape " + shape_str(AnyArray(out)) + " must equal q's shape " + shape_str(q));
+    require_contiguous("out", out);
+    return fmkv::make_tensor(out.data(), odt, qt.rows, qt.heads, qt.dim);
+  };
+  if (dev.cuda()) {
+    fmkv_tensor qt = device_tensor("q", q, "[query_tokens, q_heads, head_dim]");
+    fmkv_tensor ot = check_out(qt);
+    if (qt.rows > 0 && B.b.num_seqs > 0 && !ws)
+      fail("workspace: the cuda backend needs a workspace tensor (uint8, on q's device) of "
+           "attention_workspace_bytes('cuda', config, q_heads, rows, num_seqs, max_seq_len) bytes");
+    nb::gil_scoped_release nogil;
+    fmkv::check(fmkv_attention(b, &cfg, &L.lc, &B.b, &qt, &opts, &ot, ws, ws_bytes, stream_ptr(stream)));
+    return;
+  }
+  HostTensor qt = host_tensor("q", q, "[query_tokens, q_heads, head_dim]");
+  fmkv_tensor ot = check_out(qt.t);
   nb::gil_scoped_release nogil;
-  fmkv::check(fmkv_attention(b, &cfg, &L.lc, &B.b, &qt.t, &opts, &ot, nullptr, 0, nullptr));
+  fmkv::check(fmkv_attention(b, &cfg, &L.lc, &B.b, &qt.t, &opts, &ot, ws, ws_bytes, nullptr));
 }
 
 const char* status_name(int code) {
@@ -560,11 +699,32 @@ NB_MODULE(_fmkv, m) {
     return numpy_array(std::move(out), {(size_t)d});
   }, "codes"_a, "scales"_a, "bits"_a, "seed"_a = 0, "layer"_a = 0);
 
+  // stream: a cudaStream_t as an integer (torch.cuda.current_stream().cuda_stream), 0 = the legacy
+  // default stream; ignored by the host backends.
   m.def("append_raw", &raw_append, "backend"_a, "config"_a, "layer"_a, "pages"_a, "fp16_k"_a, "fp16_v"_a, "slots"_a,
-        "seq_lens"_a, "row_offsets"_a, "block_table"_a, "k"_a, "v"_a);
+        "seq_lens"_a, "row_offsets"_a, "block_table"_a, "k"_a, "v"_a, "stream"_a = (uintptr_t)0);
   m.def("attention_raw", &raw_attention, "backend"_a, "config"_a, "layer"_a, "pages"_a, "fp16_k"_a, "fp16_v"_a,
         "slots"_a, "seq_lens"_a, "row_offsets"_a, "block_table"_a, "q"_a, "out"_a, "softmax_scale"_a = 0.0,
-        "softcap"_a = 0.0);
+        "softcap"_a = 0.0, "workspace"_a = nb::none(), "stream"_a = (uintptr_t)0);
+  m.def("attention_workspace_bytes", [](const std::string& backend, const fmkv_config& c, int64_t q_heads, int64_t max_rows,
+                                         int64_t num_seqs, int64_t max_seq_len) {
+    const fmkv_backend b = backend_from_name(backend);
+    fmkv::check(fmkv_config_validate(&c));
+    return fmkv_attention_workspace_bytes(b, &c, to_i32("q_heads", q_heads, 0), max_rows < 0 ? 0 : max_rows,
+                                          to_i32("num_seqs", num_seqs, 0), max_seq_len < 0 ? 0 : max_seq_len);
+  }, "backend"_a, "config"_a, "q_heads"_a, "max_rows"_a, "num_seqs"_a, "max_seq_len"_a = 0,
+     "Workspace bytes attention_raw needs on a backend (0 for host backends): fmkv_attention_workspace_bytes.");
+  m.def("backend_available", [](const std::string& backend) {
+    return fmkv_backend_available(backend_from_name(backend)) != 0;
+  }, "backend"_a);
+  // Waits for the backend's device and raises the first error its kernels recorded since the last
+  // call (CUDA: block-table entries, slots, lengths, NaN/Inf inputs; the failed op wrote nothing and
+  // later fmkv CUDA ops were skipped). Reads the error word of the calling thread's current device.
+  m.def("synchronize", [](const std::string& backend) {
+    const fmkv_backend b = backend_from_name(backend);
+    nb::gil_scoped_release nogil;
+    fmkv::check(fmkv_device_synchronize(b));
+  }, "backend"_a);
 
   nb::class_<Cache>(m, "Cache", "fmkv::HostCache: paged compressed KV cache in host memory (fmkv.Cache wraps it)")
       .def(nb::init<const fmkv_config&, int64_t, int64_t, int64_t, const std::string&>(), "config"_a, "num_layers"_a,

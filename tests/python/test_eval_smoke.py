@@ -73,7 +73,8 @@ def test_fused_kernel_path_equals_dequantize_then_attend(model_tok, monkeypatch)
     q = parse_config("k3v3")
     log = record_fused(monkeypatch)
     try:
-        cache = fhf.FmkvCache(model.config, k_bits=3, v_bits=3, max_cache_len=64, prefill="compressed")
+        cache = fhf.FmkvCache(model.config, k_bits=3, v_bits=3, max_cache_len=64, prefill="compressed",
+                              window_tokens=0)  # every token compressed, like the "k3v3" eval config
         fused = []
         with torch.no_grad():
             pkv = cache

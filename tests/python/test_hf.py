@@ -70,7 +70,8 @@ def test_generate_with_compressed_cache(arch):
     model = _model(arch)
     ids = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(1))
     ref = _gen(model, ids, 24)
-    cache = fhf.FmkvCache(model.config, k_bits=4, v_bits=4, max_cache_len=256)
+    # window_tokens=0: every token compressed (the default 64-token fp16 window would hold all 47)
+    cache = fhf.FmkvCache(model.config, k_bits=4, v_bits=4, max_cache_len=256, window_tokens=0)
     out = _gen(model, ids, 24, cache)
     assert out.shape == ref.shape
     assert isinstance(cache.layers[1], fhf.FmkvLayer)
@@ -84,7 +85,8 @@ def test_generate_with_compressed_cache(arch):
     # compare teacher-forced top-1 on the fp16 continuation).
     seq = torch.cat([ids, ref.unsqueeze(0)], 1)
     a = _teacher_forced_argmax(model, seq)
-    b = _teacher_forced_argmax(model, seq, fhf.FmkvCache(model.config, k_bits=4, v_bits=4, max_cache_len=256))
+    b = _teacher_forced_argmax(model, seq, fhf.FmkvCache(model.config, k_bits=4, v_bits=4, max_cache_len=256,
+                                                         window_tokens=0))
     agree = sum(x == y for x, y in zip(a, b)) / len(a)
     print(f"{arch}: k4v4 teacher-forced top-1 agreement {agree:.3f}")
     assert agree >= 0.5, (arch, agree)
@@ -156,10 +158,10 @@ def check_fused_against_dequantized(log, q_cfg, tol=2e-5):
 
 
 @pytest.mark.parametrize("name,kw", [
-    ("k3v3", dict(k_bits=3, v_bits=3)),
-    ("k4v2-rms", dict(k_bits=4, v_bits=2, scale_rule="rms")),
+    ("k3v3", dict(k_bits=3, v_bits=3, window_tokens=0)),
+    ("k4v2-rms", dict(k_bits=4, v_bits=2, scale_rule="rms", window_tokens=0)),
     ("k3v3-s2-w8", dict(k_bits=3, v_bits=3, sink_tokens=2, window_tokens=8)),
-    ("k16v3", dict(k_bits=16, v_bits=3)),
+    ("k16v3", dict(k_bits=16, v_bits=3, window_tokens=0)),
 ])
 def test_fused_decode_equals_dequantize_then_attend(name, kw, monkeypatch):
     """fmkv.Cache.attention token by token == fmkv.eval's dequantize-then-attend.
@@ -193,3 +195,62 @@ def test_fused_decode_equals_dequantize_then_attend(name, kw, monkeypatch):
     nll = lambda lp: -lp.gather(1, tgt).mean().item()  # noqa: E731
     assert abs(nll(fused) - nll(ref)) < 0.01 + 0.25 * abs(nll(ref) - nll(fp))
     assert (fused - ref).abs().max().item() < 0.5 * (fused - fp).abs().max().item()
+
+
+def test_default_window_and_bytes():
+    """The default keeps the 64 most recent tokens in fp16 (docs/EVAL.md: k4v4-w32 +0.91%,
+    k3v3-w64 +2.76% perplexity vs +4.8% / +21.5% with every token compressed); the storage is
+    torch tensors on the model's device, and its bytes equal an fmkv.Cache of the same shape."""
+    import fmkv as F
+
+    assert fhf.DEFAULT_WINDOW_TOKENS == 64
+    model = _model("llama")
+    cache = fhf.FmkvCache(model.config, k_bits=3, v_bits=3, max_cache_len=200)
+    assert cache.options["window_tokens"] == 64
+    ids = torch.randint(0, 320, (2, 100), generator=torch.Generator().manual_seed(5))
+    _gen(model, ids, 4, cache)
+    layer = cache.fmkv_layers[0]
+    assert layer.window_tokens == 64 and layer.storage_device.type == "cpu" and layer.pages.device.type == "cpu"
+    assert layer.get_seq_length() == 103
+    ref = F.Cache(layer.config, 1, 2 * layer.pages_per_seq, 2, backend="ref")
+    assert layer.resident_bytes == ref.resident_bytes
+    s = [ref.add_sequence() for _ in range(2)]
+    k = torch.randn(103, 2, 64)
+    for i in s:
+        ref.append(0, i, k, k)
+    assert layer.used_bytes == ref.used_bytes
+    assert cache.resident_bytes == 4 * layer.resident_bytes
+    assert cache.device_bytes > cache.resident_bytes
+    cache.check()  # host cache: nothing to raise
+
+
+@pytest.mark.parametrize("kw", [dict(k_bits=3, v_bits=3, window_tokens=0),
+                                dict(k_bits=4, v_bits=2, sink_tokens=2, window_tokens=8)])
+def test_layer_matches_fmkv_cache(kw):
+    """FmkvLayer (torch ops, batched, static block table) == fmkv.Cache (HostCache) bit for bit."""
+    import fmkv as F
+
+    layer = fhf.FmkvLayer(3, max_cache_len=96, page_size=16, seed=9, **kw)
+    g = torch.Generator().manual_seed(6)
+    b, h, hq, d = 2, 2, 4, 64
+    chunks = [torch.randn(b, h, n, d, generator=g) for n in (20, 1, 1, 17)]
+    for kv in chunks:
+        layer.update(kv, -kv)
+    q = torch.randn(b, hq, 3, d, generator=g)
+    out = layer.attention(q, None, None)
+    ref = F.Cache(layer.config, 1, 2 * layer.pages_per_seq, 2)
+    for i in range(b):
+        s = ref.add_sequence()
+        for kv in chunks:
+            ref.append(0, s, kv[i].transpose(0, 1), -kv[i].transpose(0, 1))
+        want = ref.attention(0, s, q[i].transpose(0, 1))
+        assert torch.equal(out[i], torch.from_numpy(want)), i
+
+
+@pytest.mark.skipif(fmkv.backends()["cuda"]["available"], reason="checks the error of a build without CUDA")
+def test_cuda_device_without_cuda_backend_is_an_error():
+    model = _model("llama")
+    ids = torch.randint(0, 320, (1, 8), generator=torch.Generator().manual_seed(7))
+    cache = fhf.FmkvCache(model.config, max_cache_len=64, device="cuda")
+    with pytest.raises(fmkv.FmkvError, match=r"FmkvCache layer 0: tensors are on 'cuda' but this fmkv build has no usable 'cuda' backend"):
+        _gen(model, ids, 2, cache)

@@ -52,6 +52,9 @@ def test_torch_cache_matches_reference(backend, tgen, dtype):
     cache.append(1, cs, k[20:], v[20:])
     if dtype == torch.float32:
         assert np.array_equal(cache.attention(1, cs, q), out.numpy())
+    # storage bytes: the same count as fmkv.Cache, from the tensors actually allocated
+    assert tc.resident_bytes == cache.resident_bytes and tc.used_bytes == cache.used_bytes
+    assert tc.device == torch.device("cpu") and tc.index_bytes > 0
     tc.remove_sequence(s)
     assert tc.free_pages == 8
 
@@ -147,18 +150,63 @@ def test_op_errors(tgen):
     with pytest.raises(fmkv.FmkvError, match=r"expected the 9 ints"):
         torch.ops.fmkv.attention(*bad)
     bad = list(att)
-    bad[12] = "cuda"
-    with pytest.raises(fmkv.FmkvError, match=r"backend 'cuda' is not compiled"):
+    bad[12] = "cuda"  # CPU tensors with the cuda backend: never a silent copy
+    with pytest.raises(fmkv.FmkvError, match=r"backend 'cuda' works on CUDA tensors, but the tensors are on 'cpu'"):
+        torch.ops.fmkv.attention(*bad)
+    bad = list(att)
+    bad[4] = att[4].to("meta")  # mixed devices in one call
+    with pytest.raises(fmkv.FmkvError, match=r"slots is on device 'meta' but pages is on 'cpu'"):
         torch.ops.fmkv.attention(*bad)
     with pytest.raises(fmkv.FmkvError, match=r"backend 'metal' is not available"):
         torch_ops.TorchCache(config, 1, 4, 1, backend="metal")
 
 
+def test_raw_binding_device_checks(tgen):
+    """The binding itself rejects a backend that does not match the tensors' device."""
+    config = fmkv.Config(head_dim=64, num_kv_heads=2, page_size=16)
+    app, att = opcheck_args(config, tgen, "ref")
+    raw = config._raw()
+    args = list(att[:8])
+    out = torch.empty_like(att[3])
+    if fmkv.backends()["cuda"]["available"]:
+        with pytest.raises(fmkv.FmkvError, match=r"pages: tensor is on device cpu but backend 'cuda' works on CUDA device memory"):
+            fmkv._fmkv.attention_raw("cuda", raw, 0, *args, out)
+    else:
+        with pytest.raises(fmkv.FmkvError, match=r"backend 'cuda' is not compiled into this build"):
+            fmkv._fmkv.attention_raw("cuda", raw, 0, *args, out)
+    with pytest.raises(fmkv.FmkvError, match=r"backend 'metal' is not supported by the raw ops"):
+        fmkv._fmkv.attention_raw("metal", raw, 0, *args, out)
+    # host backends need no workspace: 0 bytes
+    assert torch_ops.attention_workspace_bytes(config, 4, 2, 1, backend="cpu") == 0
+    assert fmkv._fmkv.attention_workspace_bytes("ref", raw, 4, 2, 1, 0) == 0
+    fmkv.synchronize("ref")  # host backends: nothing pending, nothing to raise
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to check the device error")
-def test_op_rejects_cuda_tensors(tgen):
+def test_op_rejects_cuda_tensor_with_host_backend(tgen):
     config = fmkv.Config(head_dim=64, num_kv_heads=2, page_size=16)
     app, att = opcheck_args(config, tgen, "ref")
     bad = list(att)
     bad[3] = att[3].cuda()
-    with pytest.raises(fmkv.FmkvError, match=r"q is on device 'cuda:0'.*CPU tensors only"):
+    with pytest.raises(fmkv.FmkvError, match=r"q is on device 'cuda:0' but pages is on 'cpu'"):
         torch.ops.fmkv.attention(*bad)
+    bad = [a.cuda() if isinstance(a, torch.Tensor) else a for a in att]
+    with pytest.raises(fmkv.FmkvError, match=r"backend 'ref' works on CPU tensors, but the tensors are on 'cuda:0'"):
+        torch.ops.fmkv.attention(*bad)
+
+
+def test_backend_follows_device():
+    assert torch_ops.backend_for_device("cpu") == fmkv.default_backend()
+    assert torch_ops.backend_for_device("cpu", "ref") == "ref"
+    with pytest.raises(fmkv.FmkvError, match=r"backend 'cpu' works on CPU tensors, but the tensors are on 'cuda'"):
+        torch_ops.backend_for_device("cuda", "cpu")
+    with pytest.raises(fmkv.FmkvError, match=r"backend 'cuda' works on CUDA tensors, but the tensors are on 'cpu'"):
+        torch_ops.backend_for_device("cpu", "cuda")
+    if not fmkv.backends()["cuda"]["available"]:
+        # CUDA tensors with an extension built without CUDA (or no device): a clear error
+        with pytest.raises(fmkv.FmkvError, match=r"no usable 'cuda' backend.*FMKV_CUDA=ON"):
+            torch_ops.backend_for_device("cuda")
+        with pytest.raises(fmkv.FmkvError, match=r"no usable 'cuda' backend"):
+            torch_ops.TorchCache(fmkv.Config(head_dim=64, num_kv_heads=1), 1, 2, 1, device="cuda")
+    else:
+        assert torch_ops.backend_for_device("cuda") == "cuda"

@@ -3,6 +3,7 @@
     python -m fmkv.eval ppl --model smollm2-135m --text wiki.test.raw \
         --configs fp16,k4v4,k3v3,k2v2,k4v2,k16v3 --ctx 2048 --tokens 65536
     python -m fmkv.eval needle --max-ctx 131072
+    python -m fmkv.eval needle --device cuda --max-ctx 1048576 --out needle_cuda.jsonl
 """
 from __future__ import annotations
 
@@ -271,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--head-dim", type=int, default=128)
     n.add_argument("--out", default="docs/results/needle.jsonl")
     n.add_argument("--backend", default=None)
+    n.add_argument("--device", default=None,
+                   help="run on torch tensors on this device ('cuda', 'cuda:1', 'cpu') through fmkv.torch_ops; "
+                        "contexts up to 1,048,576 (default: numpy through fmkv.Cache, up to 131072)")
+    n.add_argument("--commit", default="", help="commit to record (default: git rev-parse HEAD)")
     n.set_defaults(func=cmd_needle)
     return p
 

@@ -1,35 +1,41 @@
 """Hugging Face transformers integration: a compressed KV cache and the attention that reads it.
 
     import fmkv.hf
-    cache = fmkv.hf.FmkvCache(model.config, k_bits=3, v_bits=3)
+    cache = fmkv.hf.FmkvCache(model.config, k_bits=3, v_bits=3)     # window_tokens=64 by default
     out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
     print(cache.resident_bytes, cache.fp16_equivalent_bytes())
 
 or load the model with ``attn_implementation="fmkv"`` (registered in transformers'
 ``AttentionInterface`` when this module is imported) and pass an FmkvCache.
 
-* Each full-attention layer stores its K/V in a real ``fmkv.Cache`` (compressed pages plus the
-  optional fp16 sink/window regions): the tensors are not kept in fp16 anywhere.
+* Each full-attention layer stores its K/V compressed in torch tensors on the model's device (the
+  device of the first key tensor, or ``device=``): a page pool plus the fp16 sink/window regions,
+  written and read by ``torch.ops.fmkv.append`` / ``attention`` (fmkv.torch_ops). CPU models use
+  the host backend ('cpu', else 'ref'); CUDA models the 'cuda' backend, on device memory, with no
+  host-device copy or synchronisation per step. ``device="cpu"`` with a CUDA model keeps the cache
+  in host memory and copies each step's K/V/Q there explicitly.
 * Prefill (a chunk with no cached past) attends the chunk at full precision while writing the
   compressed cache; every later step (decode, or a prefill chunk with a cached past) runs the fused
-  kernel ``fmkv.Cache.attention`` on the compressed cache (causal for multi-row queries).
-  ``prefill="compressed"`` makes the first chunk read the compressed cache too.
+  kernel on the compressed cache (causal for multi-row queries). ``prefill="compressed"`` makes the
+  first chunk read the compressed cache too.
 * Sliding-window layers (Gemma 3, Mistral with a window, ...) keep transformers' fp16
   ``DynamicSlidingWindowLayer``: their size is bounded by the window.
 * Options: asymmetric ``k_bits`` / ``v_bits`` (K may be 16 = fp16), ``window_tokens`` (recent
-  tokens kept in fp16: measured to matter most, see docs/EVAL.md), ``sink_tokens``,
-  ``boundary_layers`` (first/last N layers at ``boundary_k_bits`` / ``boundary_v_bits``),
-  ``scale_rule`` ('lsq' default, or 'rms'), rotation ``seed``.
+  tokens kept in fp16, default 64: measured to matter most, see docs/EVAL.md; pass 0 to compress
+  every token), ``sink_tokens``, ``boundary_layers`` (first/last N layers at ``boundary_k_bits`` /
+  ``boundary_v_bits``), ``scale_rule`` ('lsq' default, or 'rms'), rotation ``seed``, ``backend``
+  (default: the device's), ``device``.
+* On CUDA, errors only the device can detect surface at ``fmkv.cuda_check()`` (or
+  ``FmkvCache.check()``), not at the step that caused them.
 
-Limits: host backends (tensors on CPU; CUDA tensors are copied to the host), batches must not be
-padded (the kernel takes no padding mask), no beam search / cache cropping.
+Limits: batches must not be padded (the kernel takes no padding mask), no beam search / cache
+cropping; page pools are allocated up front for ``max_cache_len`` tokens per sequence.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
 
 import fmkv
@@ -37,6 +43,12 @@ import fmkv
 __all__ = ["FmkvCache", "FmkvLayer", "fmkv_attention", "register", "ATTN_NAME"]
 
 ATTN_NAME = "fmkv"
+# Recent tokens kept in fp16 by default. docs/EVAL.md: the error on the last few dozen tokens
+# dominates; a 32-token window takes k4v4 from +4.8% to +0.9% perplexity and 64 tokens take k3v3
+# (the default bits) from +21.5% to +2.8% (k3v3-w32: +3.5%, misses the +3% target). 64 meets both
+# targets (k4v4 with 64 lies between w32 +0.91% and w128 +0.58%) and costs 64 fp16 tokens per
+# sequence per layer, amortised to nothing at long context.
+DEFAULT_WINDOW_TOKENS = 64
 _M64 = (1 << 64) - 1
 _LAYER_MUL = 0xD6E8FEB86659FD93
 
@@ -55,16 +67,25 @@ def layer_seed(seed: int, layer: int) -> int:
 
 
 class FmkvLayer(CacheLayerMixin):
-    """One decoder layer's compressed K/V: an ``fmkv.Cache`` with one layer, one sequence per batch row."""
+    """One decoder layer's compressed K/V in torch tensors on the model's device, one sequence per
+    batch row, driven by ``torch.ops.fmkv.append`` / ``attention`` (fmkv.torch_ops).
+
+    Storage, allocated at the first update: page pool uint8 [batch * pages_per_seq, page_bytes]
+    (pages for ``max_cache_len`` tokens per sequence), fp16 sink/window regions
+    [batch, kv_heads, sink + window, head_dim]. The block table is static (sequence i owns pages
+    [i * pages_per_seq, (i + 1) * pages_per_seq)), lengths live on the device ([batch] int64,
+    advanced by an in-place add) and the host keeps only ``self.length``: a decode step does no
+    host-device copy and no synchronisation.
+    """
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
     def __init__(self, layer_idx: int, k_bits: int = 3, v_bits: int = 3, max_cache_len: int = 4096,
-                 page_size: int = 64, sink_tokens: int = 0, window_tokens: int = 0,
+                 page_size: int = 64, sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                  scale_rule: str = "lsq", seed: int = 0, backend: Optional[str] = None,
-                 prefill: str = "full"):
+                 prefill: str = "full", device=None):
         super().__init__()
         self.layer_idx = int(layer_idx)
         self.k_bits, self.v_bits = int(k_bits), int(v_bits)
@@ -75,42 +96,80 @@ class FmkvLayer(CacheLayerMixin):
         self.seed = int(seed)
         self.backend = backend
         self.prefill = prefill
-        self.cache: Optional[fmkv.Cache] = None
-        self.seqs: List[int] = []
+        self.storage_device = None if device is None else torch.device(device)
+        self.batch = 0
+        self.pages: Optional[torch.Tensor] = None
         self.length = 0
         self.dtype = torch.float32
 
     def __repr__(self) -> str:
         return (f"FmkvLayer(layer={self.layer_idx}, k{self.k_bits}v{self.v_bits}, len={self.length}, "
-                f"sink={self.sink_tokens}, window={self.window_tokens})")
+                f"sink={self.sink_tokens}, window={self.window_tokens}, device={self.storage_device})")
+
+    @property
+    def seqs(self) -> List[int]:
+        """Sequence index of each batch row (row i is sequence i)."""
+        return list(range(self.batch))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        from .. import torch_ops
+
         b, h, _, d = key_states.shape
         self.device = key_states.device
         self.dtype = key_states.dtype
+        dev = self.storage_device if self.storage_device is not None else key_states.device
+        self.backend_name = torch_ops.backend_for_device(dev, self.backend, f"FmkvCache layer {self.layer_idx}")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.storage_device = dev
         self.config = fmkv.Config(head_dim=d, num_kv_heads=h, k_bits=self.k_bits, v_bits=self.v_bits,
                                   page_size=self.page_size, sink_tokens=self.sink_tokens,
                                   window_tokens=self.window_tokens, scale_rule=self.scale_rule,
                                   seed=layer_seed(self.seed, self.layer_idx))
-        pages_per_seq = max(1, math.ceil(max(0, self.max_cache_len - self.sink_tokens) / self.page_size))
-        self.cache = fmkv.Cache(self.config, 1, pages_per_seq * b, b, backend=self.backend)
-        self.seqs = [self.cache.add_sequence() for _ in range(b)]
+        self._cfg = torch_ops.config_to_list(self.config)
+        pps = max(1, math.ceil(max(0, self.max_cache_len - self.sink_tokens) / self.page_size))
+        R = self.sink_tokens + self.window_tokens
+        self.pages_per_seq = pps
+        self.batch = b
+        self.pages = torch.zeros(b * pps, self.config.page_bytes, dtype=torch.uint8, device=dev)
+        self.fp16_k = torch.zeros(b, h, R, d, dtype=torch.float16, device=dev)
+        self.fp16_v = torch.zeros(b, h, R, d, dtype=torch.float16, device=dev)
+        self.block_table = torch.arange(b * pps, dtype=torch.int32, device=dev).view(b, pps)
+        self.slots = torch.arange(b, dtype=torch.int32, device=dev)
+        self.lens = torch.zeros(b, dtype=torch.int64, device=dev)
+        self._offsets: Dict[int, torch.Tensor] = {}
         self.length = 0
         self.is_initialized = True
+
+    def _row_offsets(self, n: int) -> torch.Tensor:
+        t = self._offsets.get(n)
+        if t is None:  # [0, n, 2n, ...]: made on the device, cached per chunk length
+            t = torch.arange(self.batch + 1, dtype=torch.int64, device=self.storage_device) * n
+            self._offsets[n] = t
+        return t
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, h, n, d] -> [b * n, h, d] rows on the storage device (a view when b == 1)."""
+        x = x.detach()
+        if x.device != self.storage_device:  # explicit device= offload (documented), never implicit
+            x = x.to(self.storage_device)
+        b, h, n, d = x.shape
+        x = x.transpose(1, 2)
+        return x[0] if b == 1 else x.reshape(b * n, h, d)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, _, n, _ = key_states.shape
-        if b != len(self.seqs):
-            raise fmkv.FmkvError(f"batch size changed from {len(self.seqs)} to {b}")
+        if b != self.batch:
+            raise fmkv.FmkvError(f"batch size changed from {self.batch} to {b}")
         if self.length + n > self.max_cache_len:
             raise fmkv.FmkvError(f"cache full: {self.length} + {n} tokens > max_cache_len {self.max_cache_len}")
         with torch.no_grad():
-            k = key_states.detach().to("cpu").transpose(1, 2).contiguous()  # [b, n, h, d]
-            v = value_states.detach().to("cpu").transpose(1, 2).contiguous()
-            for i, s in enumerate(self.seqs):
-                self.cache.append(0, s, k[i], v[i])
+            torch.ops.fmkv.append(self.pages, self.fp16_k, self.fp16_v, self._rows(key_states),
+                                  self._rows(value_states), self.slots, self.lens, self._row_offsets(n),
+                                  self.block_table, self._cfg, 0, self.backend_name)
+            self.lens.add_(n)
         past = self.length
         self.length += n
         # The chunk's own K/V go to the attention function, tagged with this layer: it attends them
@@ -121,11 +180,13 @@ class FmkvLayer(CacheLayerMixin):
 
     def attention(self, query: torch.Tensor, scaling: Optional[float], softcap: Optional[float]) -> torch.Tensor:
         """Fused attention of query [b, hq, n, d] (the last n appended tokens) -> [b, n, hq, d]."""
-        q = query.detach().to("cpu", torch.float32).transpose(1, 2).contiguous()  # [b, n, hq, d]
-        outs = [torch.from_numpy(np.asarray(self.cache.attention(
-            0, s, q[i], softmax_scale=None if scaling is None else float(scaling),
-            softcap=float(softcap or 0.0)))) for i, s in enumerate(self.seqs)]
-        return torch.stack(outs, 0).to(device=query.device, dtype=query.dtype)
+        b, hq, n, d = query.shape
+        with torch.no_grad():
+            out = torch.ops.fmkv.attention(self.pages, self.fp16_k, self.fp16_v, self._rows(query), self.slots,
+                                           self.lens, self._row_offsets(n), self.block_table, self._cfg, 0,
+                                           0.0 if scaling is None else float(scaling), float(softcap or 0.0),
+                                           self.backend_name)
+        return out.view(b, n, hq, d).to(device=query.device, dtype=query.dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple:
         return self.length + query_length, 0
@@ -138,20 +199,34 @@ class FmkvLayer(CacheLayerMixin):
 
     @property
     def resident_bytes(self) -> int:
-        return 0 if self.cache is None else int(self.cache.resident_bytes)
+        """Bytes of storage allocated on the device: page pool + fp16 sink/window regions."""
+        if self.pages is None:
+            return 0
+        return sum(t.untyped_storage().nbytes() for t in (self.pages, self.fp16_k, self.fp16_v))
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the device-side bookkeeping: block table, lengths, slots, row offsets."""
+        if self.pages is None:
+            return 0
+        return sum(t.untyped_storage().nbytes() for t in (self.block_table, self.slots, self.lens,
+                                                           *self._offsets.values()))
 
     @property
     def used_bytes(self) -> int:
-        return 0 if self.cache is None else int(self.cache.used_bytes)
+        """Bytes of the pages holding compressed tokens plus the fp16 regions (as fmkv.Cache.used_bytes)."""
+        if self.pages is None:
+            return 0
+        c = self.config
+        comp = max(0, self.length - c.sink_tokens - c.window_tokens)
+        return self.batch * (math.ceil(comp / c.page_size) * c.page_bytes + c.fp16_slot_bytes)
 
     def reset(self) -> None:
-        if self.cache is not None:
-            for s in self.seqs:
-                self.cache.remove_sequence(s)
-            self.seqs = [self.cache.add_sequence() for _ in self.seqs]
+        if self.pages is not None:
+            self.lens.zero_()
         self.length = 0
 
-    def offload(self):  # host memory already
+    def offload(self):  # storage stays where it was allocated
         pass
 
     def prefetch(self):
@@ -184,10 +259,10 @@ class FmkvCache(Cache):
     """transformers Cache whose full-attention layers hold compressed fmkv storage."""
 
     def __init__(self, config, k_bits: int = 3, v_bits: int = 3, max_cache_len: int = 4096,
-                 page_size: int = 64, sink_tokens: int = 0, window_tokens: int = 0,
+                 page_size: int = 64, sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                  boundary_layers: int = 0, boundary_k_bits: int = 16, boundary_v_bits: int = 4,
                  scale_rule: str = "lsq", seed: int = 0, backend: Optional[str] = None,
-                 prefill: str = "full", set_attention: bool = True):
+                 prefill: str = "full", set_attention: bool = True, device=None):
         if prefill not in ("full", "compressed"):
             raise ValueError("prefill must be 'full' or 'compressed'")
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -203,12 +278,13 @@ class FmkvCache(Cache):
             boundary = boundary_layers > 0 and (i < boundary_layers or i >= n - boundary_layers)
             layers.append(FmkvLayer(i, boundary_k_bits if boundary else k_bits,
                                     boundary_v_bits if boundary else v_bits, max_cache_len, page_size,
-                                    sink_tokens, window_tokens, scale_rule, seed, backend, prefill))
+                                    sink_tokens, window_tokens, scale_rule, seed, backend, prefill, device))
         super().__init__(layers=layers)
         self.max_cache_len = int(max_cache_len)
         self.options = dict(k_bits=k_bits, v_bits=v_bits, page_size=page_size, sink_tokens=sink_tokens,
                             window_tokens=window_tokens, boundary_layers=boundary_layers,
-                            scale_rule=scale_rule, seed=seed, prefill=prefill)
+                            scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend,
+                            device=None if device is None else str(device))
         if set_attention:
             use_fmkv_attention(config)
 
@@ -216,9 +292,24 @@ class FmkvCache(Cache):
     def fmkv_layers(self) -> List[FmkvLayer]:
         return [layer for layer in self.layers if isinstance(layer, FmkvLayer)]
 
+    def check(self) -> None:
+        """Raise the first error fmkv's CUDA kernels detected on this cache's device(s) since the
+        last check (waits for the device); nothing to do for a host cache."""
+        from .. import torch_ops
+
+        for dev in sorted({str(layer.storage_device) for layer in self.fmkv_layers
+                           if layer.pages is not None and layer.storage_device.type == "cuda"}):
+            torch_ops.cuda_check(dev)
+
+    @property
+    def device_bytes(self) -> int:
+        """resident_bytes plus the device-side bookkeeping (block tables, lengths, slots)."""
+        return self.resident_bytes + sum(layer.index_bytes for layer in self.fmkv_layers)
+
     @property
     def resident_bytes(self) -> int:
-        """Allocated bytes: compressed page pools + fp16 regions, plus fp16 sliding-window layers."""
+        """Allocated bytes: compressed page pools + fp16 regions (tensor storage on the cache's
+        device), plus fp16 sliding-window layers."""
         total = sum(layer.resident_bytes for layer in self.fmkv_layers)
         for layer in self.layers:
             if not isinstance(layer, FmkvLayer) and getattr(layer, "keys", None) is not None:
@@ -238,9 +329,9 @@ class FmkvCache(Cache):
         """Bytes the same tokens would take in an fp16 DynamicCache (K and V, all layers)."""
         total = 0
         for layer in self.layers:
-            if isinstance(layer, FmkvLayer) and layer.cache is not None:
+            if isinstance(layer, FmkvLayer) and layer.pages is not None:
                 c = layer.config
-                total += 2 * 2 * c.num_kv_heads * c.head_dim * layer.length * len(layer.seqs)
+                total += 2 * 2 * c.num_kv_heads * c.head_dim * layer.length * layer.batch
             elif getattr(layer, "keys", None) is not None:
                 total += layer.keys.numel() * 2 * 2
         return total
