@@ -280,13 +280,19 @@ class FmkvCache(Cache):
                                     boundary_v_bits if boundary else v_bits, max_cache_len, page_size,
                                     sink_tokens, window_tokens, scale_rule, seed, backend, prefill, device))
         super().__init__(layers=layers)
-        self.max_cache_len = int(max_cache_len)
+        self._max_cache_len = int(max_cache_len)
         self.options = dict(k_bits=k_bits, v_bits=v_bits, page_size=page_size, sink_tokens=sink_tokens,
                             window_tokens=window_tokens, boundary_layers=boundary_layers,
                             scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend,
                             device=None if device is None else str(device))
         if set_attention:
             use_fmkv_attention(config)
+
+    @property
+    def max_cache_len(self) -> int:
+        """Tokens per sequence the page pools hold (a read-only property of Cache in newer
+        transformers, so it is defined here rather than assigned)."""
+        return self._max_cache_len
 
     @property
     def fmkv_layers(self) -> List[FmkvLayer]:
