@@ -1,6 +1,7 @@
 // fmkv CUDA benchmark: decode attention on the compressed cache (CUDA graph, median over replays,
 // rotating cache copies when one copy would sit in L2), quantize-append throughput, and the device
-// copy bandwidth. Prints one JSON object per line. Driver: bench/cuda_bench.py.
+// copy bandwidth, and one decode step per layer (append + attention: separate vs fused, in a CUDA
+// graph). Prints one JSON object per line. Driver: bench/cuda_bench.py.
 //   fmkv_cuda_bench [--quick]
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -249,6 +250,52 @@ int main(int argc, char** argv) {
         t.push_back(ms / copies);
       }
       FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
+      // ---- one decode step per layer (append this token's K/V + attention), inside a CUDA graph:
+      // separate calls (fmkv_append + fmkv_attention) vs fused (fmkv_append_attention). The step
+      // re-appends token ctx - 1 (lengths ctx - 1 before, ctx after), so every replay is identical.
+      double step_sep_us = 0, step_fused_us = 0;
+      if (!only && ctx <= 131072) {
+        int64_t *dl0;
+        CK(cudaMalloc(&dl0, 8 * B));
+        std::vector<int64_t> before(B, ctx - 1);
+        CK(cudaMemcpy(dl0, before.data(), 8 * B, cudaMemcpyHostToDevice));
+        fmkv_tensor kt{kin, FMKV_F16, B, H, d, (int64_t)H * d, d}, vt{vin, FMKV_F16, B, H, d, (int64_t)H * d, d};
+        auto time_graph = [&](bool fused) {
+          cudaGraph_t g;
+          cudaGraphExec_t x;
+          CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+          for (int cp = 0; cp < copies; ++cp) {
+            fmkv_batch b0{B, nullptr, dl0, dro, dt + cp * np1, pps}, b1{B, nullptr, dl, dro, dt + cp * np1, pps};
+            if (fused) {
+              FK(fmkv_append_attention(FMKV_BACKEND_CUDA, &cfg, &lc, &b0, &kt, &vt, &qt, &opts, &ot, work, (size_t)ws, st));
+            } else {
+              FK(fmkv_append(FMKV_BACKEND_CUDA, &cfg, &lc, &b0, &kt, &vt, st));
+              FK(fmkv_attention(FMKV_BACKEND_CUDA, &cfg, &lc, &b1, &qt, &opts, &ot, work, (size_t)ws, st));
+            }
+          }
+          CK(cudaStreamEndCapture(st, &g));
+          CK(cudaGraphInstantiate(&x, g, 0));
+          for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(x, st));
+          CK(cudaStreamSynchronize(st));
+          std::vector<float> tt;
+          for (int i = 0; i < 50; ++i) {
+            CK(cudaEventRecord(e0, st));
+            CK(cudaGraphLaunch(x, st));
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            tt.push_back(ms / copies);
+          }
+          FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
+          CK(cudaGraphExecDestroy(x));
+          CK(cudaGraphDestroy(g));
+          return median(tt) * 1e3;
+        };
+        step_sep_us = time_graph(false);
+        step_fused_us = time_graph(true);
+        CK(cudaFree(dl0));
+      }
       std::vector<__half> oh((size_t)B * HQ * d);
       CK(cudaMemcpy(oh.data(), o, oh.size() * 2, cudaMemcpyDeviceToHost));
       int nonfinite = 0;
@@ -262,6 +309,11 @@ int main(int argc, char** argv) {
                   "\"gbps\":%.1f,\"copy_gbps\":%.1f,\"pct_copy_bw\":%.1f,\"copies\":%d,\"nonfinite_out\":%d}\n",
                   f.kb, f.vb, B, (long long)ctx, d, HQ, H, P, us, bytes, bytes / us / 1e3, cbw,
                   100.0 * bytes / us / 1e3 / cbw, copies, nonfinite);
+      if (step_fused_us > 0)
+        std::printf("{\"kind\":\"step\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":1,\"context\":%lld,"
+                    "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"fused_us\":%.3f,"
+                    "\"separate_us\":%.3f,\"attention_only_us\":%.3f,\"copies\":%d}\n",
+                    f.kb, f.vb, B, (long long)ctx, d, HQ, H, P, step_fused_us, step_sep_us, us, copies);
       std::fflush(stdout);
       CK(cudaGraphExecDestroy(exec));
       CK(cudaGraphDestroy(graph));

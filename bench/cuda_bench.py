@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Driver of the fmkv CUDA benchmark: runs bench/cuda_bench.cu's binary, times torch SDPA (fp16,
 flash backend, CUDA graph, same shapes; GQA folded into the query length, which is exact for q_len=1),
-merges, prints a table and writes docs/results/cuda_decode.jsonl, cuda_quantize.jsonl and a PNG.
+merges, prints a table and writes docs/results/cuda_decode.jsonl, cuda_quantize.jsonl, cuda_step.jsonl
+(one decode step per layer: append + attention, separate calls vs fmkv_append_attention) and a PNG.
 
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results [--commit SHA] [--quick]
 """
@@ -98,7 +99,7 @@ def main():
             except Exception as e:
                 print("SDPA failed for", r["batch"], r["context"], e, file=sys.stderr)
                 sdpa[(r["batch"], r["context"])] = (float("nan"), "failed")
-    dec, qua = [], []
+    dec, qua, steps = [], [], []
     for r in recs:
         if r["kind"] == "decode":
             bt, be = sdpa[(r["batch"], r["context"])]
@@ -109,6 +110,16 @@ def main():
                             copy_gbps=r["copy_gbps"], pct_copy_bw=r["pct_copy_bw"], baseline="torch_sdpa_fp16_" + be,
                             baseline_time_us=round(bt, 3), speedup=round(bt / r["time_us"], 3),
                             nonfinite_out=r["nonfinite_out"]))
+        elif r["kind"] == "step":
+            bt, be = sdpa[(r["batch"], r["context"])]
+            steps.append(dict(suite="cuda_step", backend="cuda", device=device, commit=a.commit,
+                              op="decode_step_append_attention", batch=r["batch"], q_len=1, context=r["context"],
+                              head_dim=r["head_dim"], q_heads=r["q_heads"], kv_heads=r["kv_heads"], layers=1,
+                              k_bits=r["k_bits"], v_bits=r["v_bits"], page_size=r["page_size"],
+                              time_us=r["fused_us"], separate_us=r["separate_us"],
+                              attention_only_us=r["attention_only_us"], graph="cuda_graph",
+                              baseline="torch_sdpa_fp16_" + be + "_attention_only", baseline_time_us=round(bt, 3),
+                              speedup=round(bt / r["fused_us"], 3)))
         elif r["kind"] == "quantize":
             qua.append(dict(suite="cuda_quantize", backend="cuda", device=device, commit=a.commit, op="quantize_append",
                             batch=1, q_len=r["tokens"], context=r["tokens"], head_dim=r["head_dim"], q_heads=0,
@@ -122,11 +133,19 @@ def main():
     with open(os.path.join(a.out, "cuda_quantize.jsonl"), "w") as f:
         for r in qua:
             f.write(json.dumps(r) + "\n")
+    with open(os.path.join(a.out, "cuda_step.jsonl"), "w") as f:
+        for r in steps:
+            f.write(json.dumps(r) + "\n")
     print("device: %s   copy bandwidth (read+write): %.0f GB/s" % (device, copy["gbps"]))
     print("%-5s %3s %8s %10s %8s %6s %10s %8s" % ("fmt", "B", "context", "fmkv_us", "GB/s", "%copy", "sdpa_us", "speedup"))
     for r in dec:
         print("k%dv%d %3d %8d %10.2f %8.0f %6.1f %10.2f %8.2f" % (r["k_bits"], r["v_bits"], r["batch"], r["context"],
               r["time_us"], r["gbps"], r["pct_copy_bw"], r["baseline_time_us"], r["speedup"]))
+    print("decode step per layer (append 1 token + attention), CUDA graph:")
+    print("%-5s %3s %8s %10s %12s %10s %10s" % ("fmt", "B", "context", "fused_us", "separate_us", "attn_us", "sdpa_us"))
+    for r in steps:
+        print("k%dv%d %3d %8d %10.2f %12.2f %10.2f %10.2f" % (r["k_bits"], r["v_bits"], r["batch"], r["context"],
+              r["time_us"], r["separate_us"], r["attention_only_us"], r["baseline_time_us"]))
     for r in qua:
         print("quantize k%dv%d %d tokens: %.1f us, %.0f GB/s, %.1f Mtok/s" % (r["k_bits"], r["v_bits"], r["context"],
               r["time_us"], r["gbps"], r["mtok_per_s"]))

@@ -213,6 +213,62 @@ inline std::vector<float> run_attention(fmkv_backend b, const Scenario& s, const
   return out;
 }
 
+// The fused decode step on backend b: appends k/v (s.rows per sequence after s.lens tokens) and
+// attends q over the result in one fmkv_append_attention call. Returns the new layer state and the
+// fp32 output (poisoned with NaN before the call).
+inline std::pair<LayerState, std::vector<float>> run_append_attention(
+    fmkv_backend b, const Scenario& s, const fmkv_tensor& k_host, const fmkv_tensor& v_host, const fmkv_tensor& q_host,
+    fmkv_dtype out_dtype, fmkv_attention_opts opts = {0.0f, 0.0f}) {
+  auto off = s.offsets();
+  size_t es = k_host.dtype == FMKV_F32 ? 4 : 2, qe = q_host.dtype == FMKV_F32 ? 4 : 2, oe = out_dtype == FMKV_F32 ? 4 : 2;
+  size_t kv_bytes = (size_t)k_host.rows * k_host.heads * k_host.dim * es;
+  size_t n = (size_t)q_host.rows * q_host.heads * q_host.dim;
+  DeviceBuf pages(b, s.pages.size()), fk(b, s.fp16_k.size() * 2 + 2), fv(b, s.fp16_v.size() * 2 + 2),
+      k(b, kv_bytes + 1), v(b, kv_bytes + 1), q(b, n * qe + 1), o(b, n * oe + 1), lens(b, s.lens.size() * 8 + 8),
+      offs(b, off.size() * 8), table(b, s.table.size() * 4 + 4), slots(b, s.slots.size() * 4 + 4);
+  pages.upload(s.pages);
+  fk.upload(s.fp16_k);
+  fv.upload(s.fp16_v);
+  check(fmkv_device_copy(b, k.p, k_host.data, kv_bytes, 1));
+  check(fmkv_device_copy(b, v.p, v_host.data, kv_bytes, 1));
+  check(fmkv_device_copy(b, q.p, q_host.data, n * qe, 1));
+  std::vector<uint8_t> poison(n * oe + 1, 0xFF);
+  check(fmkv_device_copy(b, o.p, poison.data(), poison.size(), 1));
+  lens.upload(s.lens);
+  offs.upload(off);
+  table.upload(s.table);
+  slots.upload(s.slots);
+  int64_t max_len = 0;
+  for (size_t i = 0; i < s.lens.size(); ++i) max_len = std::max(max_len, s.lens[i] + s.rows[i]);
+  int64_t ws = fmkv_attention_workspace_bytes(b, &s.cfg, q_host.heads, q_host.rows, s.seqs(), max_len);
+  DeviceBuf work(b, (size_t)ws + 16);
+  fmkv_layer_cache lc{(uint8_t*)pages.p, s.num_pages, (uint16_t*)fk.p, (uint16_t*)fv.p, std::max<int32_t>(1, s.seqs()), s.layer};
+  fmkv_batch bt{s.seqs(), (int32_t*)slots.p, (int64_t*)lens.p, (int64_t*)offs.p, (int32_t*)table.p, s.table_stride};
+  fmkv_tensor kt = k_host, vt = v_host, qt = q_host, ot = make_tensor(o.p, out_dtype, q_host.rows, q_host.heads, q_host.dim);
+  kt.data = k.p;
+  vt.data = v.p;
+  qt.data = q.p;
+  check(fmkv_append_attention(b, &s.cfg, &lc, &bt, &kt, &vt, &qt, &opts, &ot, work.p, (size_t)ws, nullptr));
+  check(fmkv_device_synchronize(b));
+  LayerState st;
+  st.pages = pages.download<uint8_t>();
+  st.fp16_k = fk.download<uint16_t>();
+  st.fp16_v = fv.download<uint16_t>();
+  st.fp16_k.resize(s.fp16_k.size());
+  st.fp16_v.resize(s.fp16_v.size());
+  std::vector<uint8_t> raw = o.download<uint8_t>();
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (out_dtype == FMKV_F32) std::memcpy(&out[i], &raw[i * 4], 4);
+    else {
+      uint16_t h;
+      std::memcpy(&h, &raw[i * 2], 2);
+      out[i] = out_dtype == FMKV_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+    }
+  }
+  return {st, out};
+}
+
 
 inline fmkv_config config(int32_t d, int32_t kb, int32_t vb, int32_t kv_heads = 2, int32_t page = 16,
                           int32_t sink = 0, int32_t window = 0, int32_t rule = FMKV_SCALE_LSQ) {

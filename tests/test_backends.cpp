@@ -103,6 +103,80 @@ TEST_P(Backends, AttentionMatchesReference) {
     }
 }
 
+// fmkv_append_attention == fmkv_append then fmkv_attention: pages and fp16 regions bit-exact with
+// the reference append, output within the backend's attention bound of the float64 reference.
+// Decode (1 row), speculative (several rows), windows sliding over page boundaries, sinks, a new
+// compressed token landing on a fresh page, several sequences, fp16 K.
+TEST_P(Backends, FusedAppendAttention) {
+  const fmkv_backend b = GetParam();
+  struct F {
+    int d, kb, vb, kv_heads, group, page, sink, window, rule;
+    std::vector<int64_t> lens, rows;
+    fmkv_dtype in;
+  };
+  const std::vector<F> cases = {
+      {128, 3, 3, 2, 4, 64, 0, 0, FMKV_SCALE_LSQ, {4095, 0, 63}, {1, 1, 1}, FMKV_F16},
+      {128, 4, 4, 2, 4, 16, 4, 32, FMKV_SCALE_LSQ, {300, 35, 7}, {1, 3, 16}, FMKV_BF16},
+      {64, 4, 2, 3, 3, 32, 0, 64, FMKV_SCALE_RMS, {500, 64}, {5, 1}, FMKV_F32},
+      {64, 2, 2, 1, 9, 16, 2, 0, FMKV_SCALE_LSQ, {17, 1000}, {16, 2}, FMKV_F16},
+      {128, 16, 3, 2, 4, 16, 0, 8, FMKV_SCALE_LSQ, {200, 8}, {2, 1}, FMKV_F16},
+      {256, 3, 3, 1, 2, 16, 0, 16, FMKV_SCALE_LSQ, {90}, {4}, FMKV_F16},
+  };
+  for (const F& f : cases) {
+    fmkv_config c = config(f.d, f.kb, f.vb, f.kv_heads, f.page, f.sink, f.window, f.rule);
+    Scenario s = make_scenario(c, f.lens, f.rows);
+    Scenario fill = s;
+    fill.lens.assign(s.lens.size(), 0);
+    fill.rows = s.lens;
+    int64_t n0 = 0, n1 = 0;
+    for (auto x : s.lens) n0 += x;
+    for (auto x : s.rows) n1 += x;
+    auto k0 = random_tensor(f.in, n0, c.num_kv_heads, c.head_dim, 3.0), v0 = random_tensor(f.in, n0, c.num_kv_heads, c.head_dim);
+    LayerState st0 = run_append(FMKV_BACKEND_REF, fill, make_tensor(k0.data(), f.in, n0, c.num_kv_heads, c.head_dim),
+                                make_tensor(v0.data(), f.in, n0, c.num_kv_heads, c.head_dim));
+    s.pages = st0.pages;
+    s.fp16_k = st0.fp16_k;
+    s.fp16_v = st0.fp16_v;
+    auto k1 = random_tensor(f.in, n1, c.num_kv_heads, c.head_dim, 3.0), v1 = random_tensor(f.in, n1, c.num_kv_heads, c.head_dim);
+    const int32_t HQ = f.kv_heads * f.group;
+    auto qb = random_tensor(f.in, n1, HQ, c.head_dim, 1.0);
+    fmkv_tensor kt = make_tensor(k1.data(), f.in, n1, c.num_kv_heads, c.head_dim);
+    fmkv_tensor vt = make_tensor(v1.data(), f.in, n1, c.num_kv_heads, c.head_dim);
+    fmkv_tensor q = make_tensor(qb.data(), f.in, n1, HQ, c.head_dim);
+    LayerState want = run_append(FMKV_BACKEND_REF, s, kt, vt);
+    std::vector<float> want_out = run_attention(FMKV_BACKEND_REF, s, want, q, FMKV_F32);
+    std::pair<LayerState, std::vector<float>> got;
+    try {
+      got = run_append_attention(b, s, kt, vt, q, FMKV_F32);
+    } catch (const fmkv::Error& e) {
+      if (cuda_combination_not_compiled(b, e, f.d, f.kb, f.vb)) continue;
+      throw;
+    }
+    const std::string what = std::string(fmkv_backend_name(b)) + " d=" + std::to_string(f.d) + " k" +
+                             std::to_string(f.kb) + "v" + std::to_string(f.vb) + " window " + std::to_string(f.window);
+    EXPECT_TRUE(got.first.pages == want.pages) << "pages differ: " << what;
+    EXPECT_TRUE(got.first.fp16_k == want.fp16_k && got.first.fp16_v == want.fp16_v) << "fp16 regions differ: " << what;
+    EXPECT_LT(rel_error(got.second, want_out), attention_tolerance(b, FMKV_F32)) << what;
+  }
+}
+
+// More than FMKV_FUSED_MAX_ROWS rows in a sequence: a clear error, nothing written.
+TEST_P(Backends, FusedAppendAttentionRowLimit) {
+  const fmkv_backend b = GetParam();
+  fmkv_config c = config(64, 3, 3, 1, 16, 0, 8);
+  Scenario s = make_scenario(c, {40}, {FMKV_FUSED_MAX_ROWS + 1});
+  const int64_t n = FMKV_FUSED_MAX_ROWS + 1;
+  auto k = random_tensor(FMKV_F16, n, 1, 64), v = random_tensor(FMKV_F16, n, 1, 64), q = random_tensor(FMKV_F16, n, 2, 64);
+  try {
+    run_append_attention(b, s, make_tensor(k.data(), FMKV_F16, n, 1, 64), make_tensor(v.data(), FMKV_F16, n, 1, 64),
+                         make_tensor(q.data(), FMKV_F16, n, 2, 64), FMKV_F32);
+    ADD_FAILURE() << "no error for " << n << " rows";
+  } catch (const fmkv::Error& e) {
+    EXPECT_EQ(e.code(), FMKV_ERR_INVALID_ARGUMENT) << e.what();
+    EXPECT_NE(std::string(e.what()).find("at most 16"), std::string::npos) << e.what();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, Backends,
                          ::testing::Values(FMKV_BACKEND_CPU, FMKV_BACKEND_CUDA, FMKV_BACKEND_METAL),
                          [](const ::testing::TestParamInfo<fmkv_backend>& i) { return std::string(fmkv_backend_name(i.param)); });

@@ -52,6 +52,20 @@ fmkv_status fmkv_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_la
                            const fmkv_attention_opts* opts, fmkv_tensor* out, void* workspace,
                            size_t workspace_bytes, void* stream);
 
+/* One decode step in one call: append the rows of k and v (new tokens) to the batch's sequences
+ * and attend q (one query row per new token, causal) over the cache including them -- the same
+ * result as fmkv_append followed by fmkv_attention with seq_lens + rows (pages and fp16 regions
+ * bit-exact). batch->seq_lens are the lengths BEFORE the append; the caller advances them after.
+ * At most FMKV_FUSED_MAX_ROWS rows per sequence (decode, speculative verification); use the two
+ * calls for prefill. On CUDA this is one attention launch (plus the merge) instead of an append
+ * and an attention; device-detected errors (bad block-table entry, NaN/Inf) leave the failing
+ * sequence untouched and are returned by fmkv_device_synchronize. Workspace as fmkv_attention. */
+#define FMKV_FUSED_MAX_ROWS 16
+fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer_cache* layer,
+                                  const fmkv_batch* batch, const fmkv_tensor* k, const fmkv_tensor* v,
+                                  const fmkv_tensor* q, const fmkv_attention_opts* opts, fmkv_tensor* out,
+                                  void* workspace, size_t workspace_bytes, void* stream);
+
 /* Workspace bytes fmkv_attention needs on backend b for at most max_rows query rows of
  * q_heads heads and sequences of at most max_seq_len tokens (0 for host backends). */
 int64_t fmkv_attention_workspace_bytes(fmkv_backend b, const fmkv_config* cfg, int32_t q_heads,

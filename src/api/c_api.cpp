@@ -2,6 +2,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "../core/backends.h"
 #include "../core/quant_math.h"
@@ -183,6 +184,62 @@ fmkv_status fmkv_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_la
 #endif
 #ifdef FMKV_WITH_CPU
     if (b == FMKV_BACKEND_CPU) fmkv::cpu::decode_attention(a);
+#endif
+  });
+}
+
+fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer_cache* layer,
+                                  const fmkv_batch* batch, const fmkv_tensor* k, const fmkv_tensor* v,
+                                  const fmkv_tensor* q, const fmkv_attention_opts* opts, fmkv_tensor* out,
+                                  void* workspace, size_t workspace_bytes, void* stream) {
+  return guarded([&] {
+    require(cfg && layer && batch && k && v && q && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_append_attention: NULL argument");
+    require_backend(b);
+    fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f};
+    fmkv::AppendArgs ap{*cfg, *layer, *batch, *k, *v, stream};
+    fmkv::validate_append_shapes(ap);
+    require(k->rows == q->rows, FMKV_ERR_INVALID_ARGUMENT,
+            "fmkv_append_attention: k has " + std::to_string(k->rows) + " rows but q has " + std::to_string(q->rows) +
+                " (one query row per appended token)");
+    if (b == FMKV_BACKEND_CUDA) {
+      fmkv::AttentionArgs a{*cfg, *layer, *batch, *q, *out, o, workspace, workspace_bytes, stream};
+      fmkv::validate_attention_shapes(a);
+#ifdef FMKV_WITH_CUDA
+      fmkv::cuda::append_attention(ap, a);
+#endif
+      return;
+    }
+    // Host-visible arrays: check everything (with the lengths after the append) before writing.
+    fmkv::validate_append_host(ap);
+    std::vector<int64_t> after((size_t)batch->num_seqs);
+    for (int32_t s = 0; s < batch->num_seqs; ++s) {
+      const int64_t rows = batch->row_offsets[s + 1] - batch->row_offsets[s];
+      require(rows <= FMKV_FUSED_MAX_ROWS, FMKV_ERR_INVALID_ARGUMENT,
+              "fmkv_append_attention: sequence " + std::to_string(s) + ": " + std::to_string(rows) +
+                  " rows, but the fused call takes at most " + std::to_string(FMKV_FUSED_MAX_ROWS) +
+                  " per sequence (use fmkv_append, then fmkv_attention)");
+      after[(size_t)s] = batch->seq_lens[s] + rows;  // validate_append_host checked for overflow
+    }
+    fmkv_batch b2 = *batch;
+    b2.seq_lens = after.data();
+    fmkv::AttentionArgs a{*cfg, *layer, b2, *q, *out, o, workspace, workspace_bytes, stream};
+    fmkv::validate_attention_shapes(a);
+    fmkv::validate_attention_host(a);
+    if (b == FMKV_BACKEND_REF) {
+      fmkv::ref::append(ap);
+      fmkv::ref::decode_attention(a);
+    }
+#ifdef FMKV_WITH_METAL
+    if (b == FMKV_BACKEND_METAL) {
+      fmkv::metal::append(ap);
+      fmkv::metal::decode_attention(a);
+    }
+#endif
+#ifdef FMKV_WITH_CPU
+    if (b == FMKV_BACKEND_CPU) {
+      fmkv::cpu::append(ap);
+      fmkv::cpu::decode_attention(a);
+    }
 #endif
   });
 }

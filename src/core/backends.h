@@ -17,6 +17,9 @@ std::string device_name();
 // Host-side checks done, arrays are device pointers: kernels bounds-check block tables.
 void append(const AppendArgs& a);
 void decode_attention(const AttentionArgs& a);
+// Fused decode step: append ap's rows, then attend a.q over the cache including them, in one
+// attention launch (a.batch.seq_lens: lengths before the append).
+void append_attention(const AppendArgs& ap, const AttentionArgs& a);
 void* alloc(size_t bytes);
 void free(void* p);
 void copy(void* dst, const void* src, size_t bytes, bool to_device);

@@ -36,7 +36,8 @@ enum ErrKind : int {
   kErrNonFiniteKV = 6,  // k/v element NaN/Inf/beyond fp16 (seq = 0 k / 1 v, index = row, value = head, bound = i)
   kErrQRows = 7,        // more query rows than cached tokens
   kErrNonFiniteQ = 8,   // q element NaN/Inf (index = row, value = head, bound = i)
-  kErrLenOverflow = 9   // len + rows overflows
+  kErrLenOverflow = 9,  // len + rows overflows
+  kErrFusedRows = 10    // fused append + attention: more rows in a sequence than it takes (index = rows, value = limit)
 };
 
 long long* error_word();  // device pointer of the current device's error word
@@ -59,6 +60,23 @@ __device__ __forceinline__ void report_error(long long* err, int code, int kind,
 __device__ __forceinline__ bool error_set(const long long* err) {
   return *(volatile const long long*)err != 0;
 }
+
+// ---- programmatic dependent launch (sm_90) -----------------------------------------------------
+// A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization may start before its
+// predecessor finishes; grid_dependency_wait() blocks until the predecessor's memory is visible,
+// grid_dependents_launch() lets the dependent start launching. Both are no-ops below sm_90 (and
+// without the attribute the launch is ordinary).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+bool programmatic_launch_supported();  // compute capability >= 9.0 (runtime.cu)
 
 // ---- small helpers ------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {

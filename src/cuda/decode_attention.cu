@@ -18,6 +18,8 @@ namespace {
 template <int D>
 __global__ void __launch_bounds__(D) merge_kernel(AttnParams p) {
   __shared__ float y[D];
+  // Launched as a programmatic dependent of attn_kernel (sm_90): wait until its partials are written.
+  grid_dependency_wait();
   if (error_set(p.err)) return;
   const int64_t row = blockIdx.x;
   const int hq = blockIdx.y, c = threadIdx.x;
@@ -77,7 +79,9 @@ int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64
   return workspace_for(max_rows, q_heads, cfg.head_dim, preferred_splits(num_seqs, cfg.num_kv_heads));
 }
 
-void decode_attention(const AttentionArgs& a) {
+namespace {
+// Attention (ap == nullptr) or the fused decode step (append ap's rows of k / v first).
+void launch(const AttentionArgs& a, const AppendArgs* ap) {
   const fmkv_config& c = a.cfg;
   if (a.batch.num_seqs == 0 || a.q.rows == 0) return;
   const int32_t d = c.head_dim, HQ = a.q.heads;
@@ -140,6 +144,18 @@ void decode_attention(const AttentionArgs& a) {
   p.part_acc = (float*)((char*)a.workspace + align256(parts * (int64_t)sizeof(float2)));
   p.nsplit = ns;
   p.err = error_word();
+  p.fused = ap != nullptr;
+  p.k = ap ? ap->k.data : nullptr;
+  p.v = ap ? ap->v.data : nullptr;
+  p.k_dtype = ap ? ap->k.dtype : 0;
+  p.v_dtype = ap ? ap->v.dtype : 0;
+  p.k_rs = ap ? ap->k.row_stride : 0;
+  p.k_hs = ap ? ap->k.head_stride : 0;
+  p.v_rs = ap ? ap->v.row_stride : 0;
+  p.v_hs = ap ? ap->v.head_stride : 0;
+  p.kb = c.k_bits;
+  p.vb = c.v_bits;
+  p.rule = c.scale_rule;
   cudaStream_t st = to_stream(a.stream);
   {  // opt in to the kernel's dynamic shared memory (static + dynamic may exceed 48 KB), once per kernel
     static std::mutex mu;
@@ -151,14 +167,45 @@ void decode_attention(const AttentionArgs& a) {
   }
   if (reinterpret_cast<uintptr_t>(a.layer.pages) % 16 != 0)
     throw Error(kInvalidArgument, "cuda attention: layer pages must be 16-byte aligned (tiles are copied in 16-byte chunks)");
-  fn.fn<<<dim3((unsigned)(ns + 1), (unsigned)c.num_kv_heads, (unsigned)p.num_seqs), 128, fn.smem, st>>>(p);
-  const dim3 mg((unsigned)a.q.rows, (unsigned)HQ);
+  // Both launches are programmatic dependents of what precedes them in the stream (sm_90): their
+  // launch overlaps the predecessor's tail; each kernel waits (griddepcontrol.wait) before reading.
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  const unsigned nattr = programmatic_launch_supported() ? 1 : 0;
+  {
+    cudaLaunchConfig_t lc = {};
+    lc.gridDim = dim3((unsigned)(ns + 1), (unsigned)c.num_kv_heads, (unsigned)p.num_seqs);
+    lc.blockDim = dim3(128);
+    lc.dynamicSmemBytes = (size_t)fn.smem;
+    lc.stream = st;
+    lc.attrs = attr;
+    lc.numAttrs = nattr;
+    check_cuda(cudaLaunchKernelEx(&lc, fn.fn, p), "attention kernel launch");
+  }
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3((unsigned)a.q.rows, (unsigned)HQ);
+  lc.blockDim = dim3((unsigned)d);
+  lc.stream = st;
+  lc.attrs = attr;
+  lc.numAttrs = nattr;
   switch (d) {
-    case 64: merge_kernel<64><<<mg, 64, 0, st>>>(p); break;
-    case 128: merge_kernel<128><<<mg, 128, 0, st>>>(p); break;
-    default: merge_kernel<256><<<mg, 256, 0, st>>>(p); break;
+    case 64: check_cuda(cudaLaunchKernelEx(&lc, merge_kernel<64>, p), "merge kernel launch"); break;
+    case 128: check_cuda(cudaLaunchKernelEx(&lc, merge_kernel<128>, p), "merge kernel launch"); break;
+    default: check_cuda(cudaLaunchKernelEx(&lc, merge_kernel<256>, p), "merge kernel launch"); break;
   }
   check_cuda(cudaGetLastError(), "attention kernel launch");
+}
+
+}  // namespace
+
+void decode_attention(const AttentionArgs& a) { launch(a, nullptr); }
+
+void append_attention(const AppendArgs& ap, const AttentionArgs& a) {
+  if (ap.k.rows != a.q.rows)
+    throw Error(kInvalidArgument, "cuda append_attention: k has " + std::to_string(ap.k.rows) + " rows but q has " +
+                                      std::to_string(a.q.rows) + " (one query row per appended token)");
+  launch(a, &ap);
 }
 
 }  // namespace cuda

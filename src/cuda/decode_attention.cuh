@@ -21,7 +21,7 @@
 // Partials (m, l, acc in the rotated domain) go to the workspace; merge_kernel combines them, applies
 // the inverse rotation once (FWHT in shared memory) and adds the fp16 part.
 #pragma once
-#include "common.cuh"
+#include "quantize.cuh"
 
 namespace fmkv {
 namespace cuda {
@@ -49,6 +49,13 @@ struct AttnParams {
   float* part_acc;
   int32_t nsplit;
   long long* err;
+  // Fused decode step (fmkv_append_attention): the sink/window CTA of each (sequence, kv head) first
+  // appends that head's rows of k / v; seq_lens are then the lengths before the append.
+  int32_t fused;
+  const void *k, *v;
+  int32_t k_dtype, v_dtype;
+  int64_t k_rs, k_hs, v_rs, v_hs;
+  int32_t kb, vb, rule;
 };
 using AttnFnPtr = void (*)(AttnParams);
 struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared memory bytes
@@ -63,6 +70,7 @@ struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared me
 #define FMKV_ATTN_MIN_BLOCKS 4
 #endif
 constexpr int kAttnWarps = 4, kQV = 8, kMinTilesPerSplit = 4;
+constexpr int kFusedMaxRows = 16;  // rows per sequence of a fused append + attention call
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kSignMask = 0x80008000u;
 
@@ -136,9 +144,12 @@ __device__ __forceinline__ float h_hi(uint32_t x) { return __half2float(__ushort
 
 __device__ __forceinline__ float apply_softcap(float x, float cap) { return cap > 0.0f ? cap * tanhf(x / cap) : x; }
 
-// Sink + window tokens (fp16, unrotated): scalar fp32, one warp per query vector.
+// Sink + window tokens (fp16, unrotated) and, for a fused step, the tokens compressed by this step
+// (positions [e0, e1), dequantized to the raw domain in shared memory dk/dv): scalar fp32, one warp
+// per query vector. Ring tokens are [E, len).
 template <int D>
-__device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_t r0, int64_t n, int64_t E) {
+__device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_t r0, int64_t n, int64_t E,
+                          const float* dk = nullptr, const float* dv = nullptr, int64_t e0 = 0, int64_t e1 = 0) {
   constexpr int NR = D / 32;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t nqv = n * p.gq;
@@ -153,25 +164,38 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
       acc[r] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    if (p.R > 0) {
-      const int64_t sink_end = len < p.S ? len : p.S;
-      for (int pass = 0; pass < 2; ++pass) {
-        const int64_t b = pass ? E : 0, e = pass ? len : sink_end;
-        for (int64_t pp = b; pp < e && pp <= pos; ++pp) {
+    const int64_t sink_end = len < p.S ? len : p.S;
+    for (int pass = 0; pass < 3; ++pass) {
+      if (pass != 1 && p.R == 0) continue;
+      const int64_t b = pass == 0 ? 0 : pass == 1 ? e0 : E, e = pass == 0 ? sink_end : pass == 1 ? e1 : len;
+      for (int64_t pp = b; pp < e && pp <= pos; ++pp) {
+        float kx[NR], vx[NR];
+        if (pass == 1) {
+#pragma unroll
+          for (int r = 0; r < NR; ++r) {
+            kx[r] = dk[(pp - e0) * D + lane + 32 * r];
+            vx[r] = dv[(pp - e0) * D + lane + 32 * r];
+          }
+        } else {
           const int32_t fs = pp < p.S ? (int32_t)pp : p.S + (int32_t)((pp - p.S) % p.W);
           const int64_t off = (((int64_t)slot * p.H + h) * p.R + fs) * D;
-          float dot = 0.0f;
 #pragma unroll
-          for (int r = 0; r < NR; ++r) dot += q[r] * f16_to_f32(p.fp16_k[off + lane + 32 * r]);
-#pragma unroll
-          for (int o = 16; o >= 1; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-          const float x = apply_softcap(dot * p.sm_scale, p.softcap);
-          const float mn = fmaxf(m, x), corr = exp2f((m - mn) * kLog2e), pw = exp2f((x - mn) * kLog2e);
-          l = l * corr + pw;
-#pragma unroll
-          for (int r = 0; r < NR; ++r) acc[r] = acc[r] * corr + pw * f16_to_f32(p.fp16_v[off + lane + 32 * r]);
-          m = mn;
+          for (int r = 0; r < NR; ++r) {
+            kx[r] = f16_to_f32(p.fp16_k[off + lane + 32 * r]);
+            vx[r] = f16_to_f32(p.fp16_v[off + lane + 32 * r]);
+          }
         }
+        float dot = 0.0f;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) dot += q[r] * kx[r];
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        const float x = apply_softcap(dot * p.sm_scale, p.softcap);
+        const float mn = fmaxf(m, x), corr = exp2f((m - mn) * kLog2e), pw = exp2f((x - mn) * kLog2e);
+        l = l * corr + pw;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) acc[r] = acc[r] * corr + pw * vx[r];
+        m = mn;
       }
     }
     const int64_t idx = ((row * p.HQ + hq) * (p.nsplit + 1) + p.nsplit);
@@ -179,6 +203,240 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
     for (int r = 0; r < NR; ++r) p.part_acc[idx * D + lane + 32 * r] = acc[r];
     if (lane == 0) p.part_ml[idx] = make_float2(m, l);
   }
+}
+
+// Element bits -> "not finite": fp16_range also rejects values beyond fp16 (the quantizer's canonical
+// input is fp16, FORMAT.md), as the append's validation does.
+__device__ __forceinline__ bool elem_bad(uint32_t bits, int32_t dtype, bool fp16_range) {
+  if (dtype == FMKV_F16) return (bits & 0x7c00u) == 0x7c00u;
+  const float f = dtype == FMKV_F32 ? __uint_as_float(bits) : bf16_to_f32((uint16_t)bits);
+  if (!fp16_range) return !isfinite(f);
+  return (f32_to_f16(f) & 0x7c00u) == 0x7c00u;
+}
+
+// Any bad element among rows [r0, r0 + n) x heads x D of a [rows][heads][D] tensor? The CTA reads it
+// in 16-byte chunks, 4 chunks in flight per thread (element-wise when not 16-byte aligned), and
+// reports the first bad element it meets (code kNonFinite, kind, seq = which).
+__device__ inline bool block_any_bad(const void* base, int32_t dtype, int64_t rs, int64_t hs, int64_t r0, int64_t n, int heads,
+                              int D, bool fp16_range, long long* err, int kind, int which) {
+  const int es = dtype == FMKV_F32 ? 4 : 2, vec = 16 / es, per = D / vec;
+  const bool aligned = reinterpret_cast<uintptr_t>(base) % 16 == 0 && (rs * es) % 16 == 0 && (hs * es) % 16 == 0;
+  bool bad = false;
+  if (aligned) {
+    const int64_t total = n * heads * per;
+    for (int64_t c0 = threadIdx.x; c0 < total; c0 += 4 * (int64_t)blockDim.x) {
+      uint4 x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t c = c0 + u * (int64_t)blockDim.x;
+        if (c < total) {
+          const int64_t r = c / ((int64_t)heads * per);
+          const int hh = (int)((c / per) % heads), part = (int)(c % per);
+          x[u] = *reinterpret_cast<const uint4*>(static_cast<const char*>(base) + ((r0 + r) * rs + hh * hs) * es + part * 16);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t c = c0 + u * (int64_t)blockDim.x;
+        if (c >= total) continue;
+        const uint32_t w[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+        for (int k = 0; k < vec; ++k) {
+          const uint32_t b = es == 4 ? w[k] : (w[k >> 1] >> (16 * (k & 1))) & 0xffffu;
+          if (elem_bad(b, dtype, fp16_range)) {
+            const int64_t r = c / ((int64_t)heads * per);
+            const int hh = (int)((c / per) % heads), part = (int)(c % per);
+            report_error(err, kNonFinite, kind, which, r0 + r, hh, part * vec + k);
+            bad = true;
+          }
+        }
+      }
+    }
+  } else {
+    const int64_t total = n * heads * D;
+    for (int64_t e = threadIdx.x; e < total; e += blockDim.x) {
+      const int64_t r = e / ((int64_t)heads * D);
+      const int hh = (int)((e / D) % heads), i = (int)(e % D);
+      const int64_t off = (r0 + r) * rs + hh * hs + i;
+      const uint32_t b = dtype == FMKV_F32 ? __float_as_uint(static_cast<const float*>(base)[off])
+                                           : static_cast<const uint16_t*>(base)[off];
+      if (elem_bad(b, dtype, fp16_range)) {
+        report_error(err, kNonFinite, kind, which, r0 + r, hh, i);
+        bad = true;
+      }
+    }
+  }
+  return bad;
+}
+
+// Fused decode step, sink/window CTA of (sequence s, kv head h), 4 warps:
+//   1. validate every input of the sequence (rows, block table up to the new end, k/v/q finite):
+//      all CTAs of the sequence take the same decision, so a bad sequence is left untouched;
+//   2. compress the tokens [E0, E1) that leave the window (read from the ring) or arrive compressed
+//      (new rows): one warp per head vector, the quantizer of append.cu (bit-exact);
+//   3. write the new rows that land in the sink or the ring (after 2 read the ring);
+//   4. dequantize the tokens [E0, E1) of head h to the raw domain in shared memory (inverse FWHT by
+//      warp shuffles);
+//   5. attention of the sequence's query vectors of head h over sink + [E0, E1) + ring.
+// The split CTAs meanwhile attend [S, E0), which this step does not write.
+template <int D>
+__device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int64_t r0, int64_t n, uint8_t* smem) {
+  constexpr int NR = D / 32;
+  const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31;
+  const int64_t len = len0 + n;
+  const int64_t E0 = dev_compressed_end(p.S, p.W, len0), E1 = dev_compressed_end(p.S, p.W, len);
+  const int32_t slot = p.slots ? p.slots[s] : 0;
+  const int32_t* btrow = p.bt + (int64_t)s * p.bt_stride;
+  uint8_t* pages = const_cast<uint8_t*>(p.pages);  // the layer's pages are writable (fmkv_layer_cache)
+  uint16_t* fk = const_cast<uint16_t*>(p.fp16_k);
+  uint16_t* fv = const_cast<uint16_t*>(p.fp16_v);
+
+  // 1. validation
+  int bad = 0;
+  if (n > kFusedMaxRows) {
+    bad = 1;
+    if (tidx == 0) report_error(p.err, kInvalidArgument, kErrFusedRows, s, n, kFusedMaxRows, 0);
+  }
+  if (!bad) {
+    if (E1 > p.S) {  // every block-table entry up to the new end, 4 loads in flight per thread
+      const int64_t np = (E1 - 1 - p.S) / p.P + 1;
+      for (int64_t q0 = tidx; q0 < np; q0 += 4 * (int64_t)blockDim.x) {
+        int32_t pg[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) pg[u] = q0 + u * blockDim.x < np ? btrow[q0 + u * blockDim.x] : 0;
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (pg[u] < 0 || pg[u] >= p.num_pages) {
+            bad = 1;
+            report_error(p.err, kOutOfRange, kErrBlockTable, s, q0 + u * blockDim.x, pg[u], p.num_pages);
+          }
+      }
+    }
+    bad |= block_any_bad(p.k, p.k_dtype, p.k_rs, p.k_hs, r0, n, p.H, D, true, p.err, kErrNonFiniteKV, 0);
+    bad |= block_any_bad(p.v, p.v_dtype, p.v_rs, p.v_hs, r0, n, p.H, D, true, p.err, kErrNonFiniteKV, 1);
+    bad |= block_any_bad(p.q, p.q_dtype, p.q_rs, p.q_hs, r0, n, p.HQ, D, false, p.err, kErrNonFiniteQ, 0);
+  }
+  if (__syncthreads_or(bad)) return;
+
+  // 2. compress [E0, E1) of head h
+  const int64_t ncomp = E1 - E0;
+  for (int64_t vj = warp; vj < 2 * ncomp; vj += kAttnWarps) {
+    const int isv = (int)(vj & 1);
+    const int64_t q = E0 + (vj >> 1), ci = q - p.S;
+    const int32_t pg = btrow[ci / p.P];
+    const int32_t t = (int32_t)(ci % p.P);
+    uint16_t x[NR];
+    if (q >= len0) {
+      const int64_t rr = r0 + (q - len0);
+      const void* src = isv ? p.v : p.k;
+      const int32_t dt = isv ? p.v_dtype : p.k_dtype;
+      const int64_t base = rr * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+#pragma unroll
+      for (int i = 0; i < NR; ++i) x[i] = load_f16_bits(src, dt, base + lane + 32 * i);
+    } else {  // aged out of the ring window (read before step 3 rewrites the ring)
+      const int32_t fs = p.S + (int32_t)((q - p.S) % p.W);
+      const uint16_t* ring = (isv ? fv : fk) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
+#pragma unroll
+      for (int i = 0; i < NR; ++i) x[i] = ring[lane + 32 * i];
+    }
+    const int bits = isv ? p.vb : p.kb;
+    uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, p.P, h, isv);
+    if (bits == FMKV_FP16_BITS) {
+      uint16_t* dst = (uint16_t*)sec + (int64_t)t * D;
+#pragma unroll
+      for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = x[i];
+      continue;
+    }
+    float v[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) v[i] = f16_to_f32(x[i]);
+    warp_rotate<D>(v, p.sw, lane);
+    uint32_t* words = (uint32_t*)sec;
+    uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, bits, p.P));
+#pragma unroll
+    for (int g = 0; g < NR; ++g)
+      warp_quantize_group(v[g], bits, p.rule, lane, words + fmkv_code_word_index(bits, p.P, g, 0, t), p.P,
+                          scales + (int64_t)g * p.P + t);
+  }
+  __syncthreads();
+
+  // 3. new rows that land in the sink or in the ring
+  if (p.R > 0)
+    for (int64_t vj = warp; vj < 2 * n; vj += kAttnWarps) {
+      const int isv = (int)(vj & 1);
+      const int64_t j = vj >> 1, pos = len0 + j;
+      int32_t fs;
+      if (pos < p.S) fs = (int32_t)pos;
+      else if (p.W > 0 && pos >= len - p.W) fs = p.S + (int32_t)((pos - p.S) % p.W);
+      else continue;
+      uint16_t* dst = (isv ? fv : fk) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
+      const void* src = isv ? p.v : p.k;
+      const int32_t dt = isv ? p.v_dtype : p.k_dtype;
+      const int64_t base = (r0 + j) * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+#pragma unroll
+      for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = load_f16_bits(src, dt, base + lane + 32 * i);
+    }
+
+  // 4. dequantize [E0, E1) of head h (pages written in 2 are visible to this CTA after the barrier)
+  float* dk = reinterpret_cast<float*>(smem);
+  float* dv = dk + kFusedMaxRows * D;
+  for (int64_t vj = warp; vj < 2 * ncomp; vj += kAttnWarps) {
+    const int isv = (int)(vj & 1);
+    const int64_t j = vj >> 1, ci = E0 + j - p.S;
+    const int32_t pg = btrow[ci / p.P];
+    const int32_t t = (int32_t)(ci % p.P);
+    const int bits = isv ? p.vb : p.kb;
+    const uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, p.P, h, isv);
+    float y[NR];
+    if (bits == FMKV_FP16_BITS) {
+#pragma unroll
+      for (int r = 0; r < NR; ++r) y[r] = f16_to_f32(((const uint16_t*)sec)[(int64_t)t * D + lane + 32 * r]);
+    } else {
+      const uint32_t* words = (const uint32_t*)sec;
+      const uint16_t* sc = (const uint16_t*)(sec + fmkv_scales_offset(D, bits, p.P));
+#pragma unroll
+      for (int g = 0; g < NR; ++g) {  // group g = register g: coordinate lane of the group
+        const uint32_t w0 = words[fmkv_code_word_index(bits, p.P, g, 0, t)];
+        const uint32_t w1 = bits >= 3 ? words[fmkv_code_word_index(bits, p.P, g, 1, t)] : 0u;
+        const uint32_t w2 = bits == 4 ? words[fmkv_code_word_index(bits, p.P, g, 2, t)] : 0u;
+        const uint32_t sgn = words[fmkv_code_word_index(bits, p.P, g, bits - 1, t)];
+        uint32_t m;
+        if (bits == 2) m = (w0 >> lane) & 1u;
+        else m = ((fmkv_field_word(lane) ? w1 : w0) >> fmkv_field_shift(lane)) & 3u;
+        if (bits == 4) m |= ((w2 >> lane) & 1u) << 2;
+        const float l = dev_mag(bits, (int)m) * f16_to_f32(sc[(int64_t)g * p.P + t]);
+        y[g] = ((sgn >> lane) & 1u) ? -l : l;
+      }
+      // inverse rotation: x = signs * FWHT(y) / sqrt(D) (the FWHT is its own inverse up to D)
+#pragma unroll
+      for (int hh = 1; hh < 32; hh <<= 1)
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          const float o = __shfl_xor_sync(0xffffffffu, y[r], hh);
+          y[r] = (lane & hh) ? o - y[r] : y[r] + o;
+        }
+#pragma unroll
+      for (int hr = 1; hr < NR; hr <<= 1)
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+          if ((r & hr) == 0) {
+            const float a = y[r], b = y[r + hr];
+            y[r] = a + b;
+            y[r + hr] = a - b;
+          }
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        y[r] *= rotation_norm(D);
+        if (sign_negative(p.sw, lane + 32 * r)) y[r] = -y[r];
+      }
+    }
+    float* dst = (isv ? dv : dk) + j * D;
+#pragma unroll
+    for (int r = 0; r < NR; ++r) dst[lane + 32 * r] = y[r];
+  }
+  __syncthreads();
+
+  // 5. attention over sink + [E0, E1) + ring
+  fp16_part<D>(p, s, h, len, r0, n, E1, dk, dv, E0, E1);
 }
 
 // Sequence-level checks of a CTA (row offsets, length, slot, block-table stride). Reported once per
@@ -255,14 +513,22 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   __shared__ uint32_t s_tab[8][32];
   __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV];
   __shared__ int32_t s_pg[kAttnWarps][NST];
+  grid_dependency_wait();  // launched as a programmatic dependent: nothing upstream is read before this
   if (error_set(p.err)) return;
   const int s = blockIdx.z, h = blockIdx.y, sp = blockIdx.x;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31, gID = lane >> 2, tid = lane & 3;
-  const int64_t len = p.seq_lens[s], r0 = p.ro[s], n = p.ro[s + 1] - r0;
+  const int64_t len0 = p.seq_lens[s], r0 = p.ro[s], n = p.ro[s + 1] - r0;
+  // fused step: attention over len0 + n tokens, of which [S, ce(len0)) were compressed before it
+  if (p.fused && n > 0 && len0 > INT64_MAX - n) {
+    if (sp == 0 && h == 0 && tidx == 0) report_error(p.err, kOverflow, kErrLenOverflow, s, 0, len0, 0);
+    return;
+  }
+  const int64_t len = p.fused && n > 0 && len0 >= 0 ? len0 + n : len0;
   if (!attn_sequence_ok(p, s, h, sp, r0, n, len) || n <= 0) return;
-  const int64_t E = dev_compressed_end(p.S, p.W, len), C = E - p.S;
+  const int64_t E = dev_compressed_end(p.S, p.W, p.fused ? len0 : len), C = E - p.S;
   if (sp == p.nsplit) {
-    fp16_part<D>(p, s, h, len, r0, n, E);
+    if (p.fused) fused_step<D>(p, s, h, len0, r0, n, smem);
+    else fp16_part<D>(p, s, h, len, r0, n, E);
     return;
   }
   const int64_t nqv = n * p.gq;
@@ -604,6 +870,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     }
     __syncthreads();
   }
+  grid_dependents_launch();  // the merge kernel may start launching (it waits for this grid's writes)
 }
 
 // Compiled (head_dim, K bits, V bits) combinations: a default build compiles the grid below for

@@ -19,6 +19,7 @@ constexpr int kMaxDevices = 64;
 std::mutex g_mu;
 long long* g_err[kMaxDevices] = {};
 int g_sms[kMaxDevices] = {};
+int g_cc_major[kMaxDevices] = {};
 
 int current_device() {
   int dev = 0;
@@ -50,6 +51,17 @@ int sm_count() {
     g_sms[dev] = n > 0 ? n : 1;
   }
   return g_sms[dev];
+}
+
+bool programmatic_launch_supported() {
+  const int dev = current_device();
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (!g_cc_major[dev]) {
+    int major = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+    g_cc_major[dev] = major > 0 ? major : 1;
+  }
+  return g_cc_major[dev] >= 9;
 }
 
 bool available() {
@@ -140,6 +152,10 @@ void synchronize() {
       m = "q[" + S(e[3]) + "][" + S(e[4]) + "][" + S(e[5]) + "] is NaN or Inf";
       break;
     case kErrLenOverflow: m = q + "length overflows"; break;
+    case kErrFusedRows:
+      m = q + S(e[3]) + " rows, but the fused append + attention takes at most " + S(e[4]) +
+          " per sequence (use fmkv_append, then fmkv_attention)";
+      break;
     default: m = "unknown device error kind " + S(e[1]); break;
   }
   throw Error((int)e[0], "cuda: " + m +
