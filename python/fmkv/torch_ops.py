@@ -1,4 +1,6 @@
-"""torch.library custom ops over fmkv: ``torch.ops.fmkv.append`` and ``torch.ops.fmkv.attention``.
+"""torch.library custom ops over fmkv: ``torch.ops.fmkv.append``, ``torch.ops.fmkv.attention`` and the
+fused decode step ``torch.ops.fmkv.append_attention`` (append the new tokens' K/V and attend their
+queries in one call; on CUDA one attention launch instead of an append and an attention).
 
 The cache state of one layer lives in caller-owned torch tensors, so the ops are visible to
 torch.compile / AOT autograd (``append`` declares its in-place writes; both have fake (meta)
@@ -48,7 +50,7 @@ except ImportError as _e:  # pragma: no cover
 
 from . import Config, FmkvError, _fmkv, default_backend
 
-__all__ = ["append", "attention", "config_to_list", "TorchCache", "backend_for_device", "cuda_check",
+__all__ = ["append", "attention", "append_attention", "FUSED_MAX_ROWS", "config_to_list", "TorchCache", "backend_for_device", "cuda_check",
            "attention_workspace_bytes"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -233,6 +235,48 @@ def _attention_fake(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, bloc
                   seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
     _check_float("attention", q=q)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+@torch.library.custom_op("fmkv::append_attention", mutates_args=("pages", "fp16_k", "fp16_v"))
+def append_attention(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v: Tensor, q: Tensor, slots: Tensor,
+                     seq_lens: Tensor, row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int,
+                     softmax_scale: float = 0.0, softcap: float = 0.0, backend: str = "") -> Tensor:
+    """One decode step: append the rows of k / v ([rows, num_kv_heads, head_dim], at most
+    ``FUSED_MAX_ROWS`` per sequence) and return the attention of q ([rows, q_heads, head_dim], one
+    query row per new token, causal) over the cache including them -- the same as :func:`append`
+    followed by :func:`attention` with seq_lens + rows, in one call (one attention launch on CUDA).
+    seq_lens: tokens cached per sequence BEFORE the append (not updated here)."""
+    dev = _check_device("append_attention", False, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, k=k, v=v, q=q,
+                        slots=slots, seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
+    _check_float("append_attention", k=k, v=v, q=q)
+    b = backend_for_device(dev, backend, "fmkv::append_attention")
+    raw = _raw_config(config)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if dev.type != "cuda":
+        _fmkv.append_attention_raw(b, raw, layer, pages, fp16_k, fp16_v, slots, seq_lens, row_offsets, block_table,
+                                   k.detach(), v.detach(), q.detach(), out, softmax_scale, softcap)
+        return out
+    with _on_device(dev):
+        ws_bytes = _fmkv.attention_workspace_bytes(b, raw, int(q.shape[1]), int(q.shape[0]), int(slots.shape[0]), 0)
+        ws = torch.empty(max(int(ws_bytes), 1), dtype=torch.uint8, device=dev)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        _fmkv.append_attention_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots), _dl(seq_lens),
+                                   _dl(row_offsets), _dl(block_table), _dl(_dense_last(k.detach())),
+                                   _dl(_dense_last(v.detach())), _dl(_dense_last(q.detach())), _dl(out),
+                                   softmax_scale, softcap, _dl(ws), stream)
+    return out
+
+
+@append_attention.register_fake
+def _append_attention_fake(pages, fp16_k, fp16_v, k, v, q, slots, seq_lens, row_offsets, block_table, config, layer,
+                           softmax_scale=0.0, softcap=0.0, backend=""):
+    _check_device("append_attention", True, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, k=k, v=v, q=q, slots=slots,
+                  seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
+    _check_float("append_attention", k=k, v=v, q=q)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+FUSED_MAX_ROWS = int(_fmkv.FUSED_MAX_ROWS)
 
 
 class TorchCache:

@@ -586,6 +586,69 @@ void raw_attention(const std::string& backend, const fmkv_config& cfg, int64_t l
   fmkv::check(fmkv_attention(b, &cfg, &L.lc, &B.b, &qt.t, &opts, &ot, ws, ws_bytes, nullptr));
 }
 
+// fmkv_append_attention: append the rows of k / v and attend q (one row per new token) over the
+// result; seq_lens are the lengths before the append. Same device rules as attention_raw.
+void raw_append_attention(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
+                          const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
+                          const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& k, const AnyArray& v,
+                          const AnyArray& q, const MutArray& out, double softmax_scale, double softcap,
+                          std::optional<MutArray> workspace, uintptr_t stream) {
+  const fmkv_backend b = backend_from_name(backend);
+  DeviceCheck dev(b);
+  dev("pages", pages);
+  dev("fp16_k", fk);
+  dev("fp16_v", fv);
+  dev("slots", slots);
+  dev("seq_lens", seq_lens);
+  dev("row_offsets", row_offsets);
+  dev("block_table", block_table);
+  dev("k", k);
+  dev("v", v);
+  dev("q", q);
+  dev("out", out);
+  if (workspace) dev("workspace", *workspace);
+  RawLayer L = raw_layer(cfg, layer_index, pages, fk, fv);
+  RawBatch B;
+  raw_batch(B, dev.cuda(), slots, seq_lens, row_offsets, block_table);
+  const fmkv_dtype odt = float_dtype("out", AnyArray(out));
+  if (!(softmax_scale >= 0) || !std::isfinite(softmax_scale)) fail("softmax_scale must be finite and >= 0 (0 means 1/sqrt(head_dim))");
+  if (!(softcap >= 0) || !std::isfinite(softcap)) fail("softcap must be finite and >= 0 (0 disables it)");
+  fmkv_attention_opts opts{(float)softmax_scale, (float)softcap};
+  void* ws = nullptr;
+  size_t ws_bytes = 0;
+  if (workspace) {
+    if (!is_dtype(workspace->dtype(), nb::dlpack::dtype_code::UInt, 8))
+      fail("workspace: dtype " + dtype_name(workspace->dtype()) + " is not supported (expected uint8)");
+    require_contiguous("workspace", *workspace);
+    ws = workspace->data();
+    ws_bytes = numel(*workspace);
+  }
+  auto check_out = [&](const fmkv_tensor& qt) {
+    if (out.ndim() != 3 || (int64_t)out.shape(0) != qt.rows || (int64_t)out.shape(1) != qt.heads || (int64_t)out.shape(2) != qt.dim)
+      fail("out: shape " + shape_str(AnyArray(out)) + " must equal q's shape " + shape_str(q));
+    require_contiguous("out", out);
+    return fmkv::make_tensor(out.data(), odt, qt.rows, qt.heads, qt.dim);
+  };
+  if (dev.cuda()) {
+    fmkv_tensor kt = device_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
+    fmkv_tensor vt = device_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
+    fmkv_tensor qt = device_tensor("q", q, "[query_tokens, q_heads, head_dim]");
+    fmkv_tensor ot = check_out(qt);
+    if (qt.rows > 0 && B.b.num_seqs > 0 && !ws)
+      fail("workspace: the cuda backend needs a workspace tensor (uint8, on q's device) of "
+           "attention_workspace_bytes('cuda', config, q_heads, rows, num_seqs, max_seq_len) bytes");
+    nb::gil_scoped_release nogil;
+    fmkv::check(fmkv_append_attention(b, &cfg, &L.lc, &B.b, &kt, &vt, &qt, &opts, &ot, ws, ws_bytes, stream_ptr(stream)));
+    return;
+  }
+  HostTensor kt = host_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
+  HostTensor vt = host_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
+  HostTensor qt = host_tensor("q", q, "[query_tokens, q_heads, head_dim]");
+  fmkv_tensor ot = check_out(qt.t);
+  nb::gil_scoped_release nogil;
+  fmkv::check(fmkv_append_attention(b, &cfg, &L.lc, &B.b, &kt.t, &vt.t, &qt.t, &opts, &ot, ws, ws_bytes, nullptr));
+}
+
 const char* status_name(int code) {
   switch (code) {
     case FMKV_ERR_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
@@ -706,6 +769,10 @@ NB_MODULE(_fmkv, m) {
   m.def("attention_raw", &raw_attention, "backend"_a, "config"_a, "layer"_a, "pages"_a, "fp16_k"_a, "fp16_v"_a,
         "slots"_a, "seq_lens"_a, "row_offsets"_a, "block_table"_a, "q"_a, "out"_a, "softmax_scale"_a = 0.0,
         "softcap"_a = 0.0, "workspace"_a = nb::none(), "stream"_a = (uintptr_t)0);
+  m.def("append_attention_raw", &raw_append_attention, "backend"_a, "config"_a, "layer"_a, "pages"_a, "fp16_k"_a,
+        "fp16_v"_a, "slots"_a, "seq_lens"_a, "row_offsets"_a, "block_table"_a, "k"_a, "v"_a, "q"_a, "out"_a,
+        "softmax_scale"_a = 0.0, "softcap"_a = 0.0, "workspace"_a = nb::none(), "stream"_a = (uintptr_t)0);
+  m.attr("FUSED_MAX_ROWS") = FMKV_FUSED_MAX_ROWS;
   m.def("attention_workspace_bytes", [](const std::string& backend, const fmkv_config& c, int64_t q_heads, int64_t max_rows,
                                          int64_t num_seqs, int64_t max_seq_len) {
     const fmkv_backend b = backend_from_name(backend);

@@ -210,3 +210,38 @@ def test_backend_follows_device():
             torch_ops.TorchCache(fmkv.Config(head_dim=64, num_kv_heads=1), 1, 2, 1, device="cuda")
     else:
         assert torch_ops.backend_for_device("cuda") == "cuda"
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_append_attention_equals_append_then_attention(backend, tgen, window):
+    # The fused decode step writes the same bytes as append and returns the same attention as
+    # attention over the grown cache (two sequences, 1 and 3 new rows; pages shared by position).
+    config = fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=3, v_bits=3, page_size=16, window_tokens=window, seed=5)
+    cfg = torch_ops.config_to_list(config)
+    tables = [[5, 1, 0, 6], [3, 2, 4, 7]]
+    pages, fk, fv = layer_tensors(config, 8, 2)
+    k0 = torch.randn(53, 2, 64, generator=tgen)
+    v0 = torch.randn(53, 2, 64, generator=tgen)
+    torch.ops.fmkv.append(pages, fk, fv, k0, v0, *batch([1, 0], [0, 0], [20, 33], tables), cfg, 2)
+    k1, v1 = torch.randn(4, 2, 64, generator=tgen), torch.randn(4, 2, 64, generator=tgen)
+    q = torch.randn(4, 4, 64, generator=tgen)
+    p2, fk2, fv2 = pages.clone(), fk.clone(), fv.clone()
+    torch.ops.fmkv.append(pages, fk, fv, k1, v1, *batch([1, 0], [20, 33], [1, 3], tables), cfg, 2)
+    want = torch.ops.fmkv.attention(pages, fk, fv, q, *batch([1, 0], [21, 36], [1, 3], tables), cfg, 2, 0.0, 0.0, backend)
+    got = torch.ops.fmkv.append_attention(p2, fk2, fv2, k1, v1, q, *batch([1, 0], [20, 33], [1, 3], tables), cfg, 2,
+                                          0.0, 0.0, backend)
+    assert torch.equal(p2, pages) and torch.equal(fk2, fk) and torch.equal(fv2, fv)
+    assert reference.rel_error(got.numpy(), want.numpy()) < 1e-6
+
+
+def test_append_attention_row_limit_and_opcheck(tgen):
+    config = fmkv.Config(head_dim=64, num_kv_heads=1, page_size=16, window_tokens=4, seed=2)
+    cfg = torch_ops.config_to_list(config)
+    n = torch_ops.FUSED_MAX_ROWS + 1
+    pages, fk, fv = layer_tensors(config, 4, 1)
+    k, v, q = (torch.randn(n, h, 64, generator=tgen) for h in (1, 1, 2))
+    with pytest.raises(fmkv.FmkvError, match="at most 16"):
+        torch.ops.fmkv.append_attention(pages, fk, fv, k, v, q, *batch([0], [0], [n], [[0, 1, 2]]), cfg, 0)
+    assert not pages.any(), "nothing may be written on error"
+    args = (pages, fk, fv, k[:3], v[:3], q[:3], *batch([0], [0], [3], [[0, 1, 2]]), cfg, 0, 0.0, 0.0, "ref")
+    torch.library.opcheck(torch.ops.fmkv.append_attention.default, args)
