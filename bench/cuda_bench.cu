@@ -57,6 +57,33 @@ static float median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
+// Median time (ms) of one of `copies` calls: capture enqueue() (which issues the calls on st) in a
+// CUDA graph, warm up, replay `reps` times.
+template <typename F>
+static float graph_ms_per_call(cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1, int copies, int reps, F enqueue) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  enqueue();
+  CK(cudaStreamEndCapture(st, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, st));
+  CK(cudaStreamSynchronize(st));
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventRecord(e0, st));
+    CK(cudaGraphLaunch(exec, st));
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    t.push_back(ms / copies);
+  }
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  return median(t);
+}
+
 static double copy_gbps() {
   const size_t bytes = (size_t)2 << 30;
   void *a, *b;
@@ -227,28 +254,12 @@ int main(int argc, char** argv) {
       fmkv_attention_opts opts{0.0f, 0.0f};
       // one graph holding one call per copy
       CK(cudaDeviceSynchronize());
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      for (int cp = 0; cp < copies; ++cp) {
-        fmkv_batch bt{B, nullptr, dl, dro, dt + cp * np1, pps};
-        FK(fmkv_attention(FMKV_BACKEND_CUDA, &cfg, &lc, &bt, &qt, &opts, &ot, work, (size_t)ws, st));
-      }
-      CK(cudaStreamEndCapture(st, &graph));
-      CK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, st));
-      CK(cudaStreamSynchronize(st));
-      std::vector<float> t;
-      const int reps = ctx >= 1048576 ? 20 : 50;
-      for (int i = 0; i < reps; ++i) {
-        CK(cudaEventRecord(e0, st));
-        CK(cudaGraphLaunch(exec, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        t.push_back(ms / copies);
-      }
+      const float attn_ms = graph_ms_per_call(st, e0, e1, copies, ctx >= 1048576 ? 20 : 50, [&] {
+        for (int cp = 0; cp < copies; ++cp) {
+          fmkv_batch bt{B, nullptr, dl, dro, dt + cp * np1, pps};
+          FK(fmkv_attention(FMKV_BACKEND_CUDA, &cfg, &lc, &bt, &qt, &opts, &ot, work, (size_t)ws, st));
+        }
+      });
       FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
       // ---- one decode step per layer (append this token's K/V + attention), inside a CUDA graph:
       // separate calls (fmkv_append + fmkv_attention) vs fused (fmkv_append_attention). The step
@@ -261,36 +272,19 @@ int main(int argc, char** argv) {
         CK(cudaMemcpy(dl0, before.data(), 8 * B, cudaMemcpyHostToDevice));
         fmkv_tensor kt{kin, FMKV_F16, B, H, d, (int64_t)H * d, d}, vt{vin, FMKV_F16, B, H, d, (int64_t)H * d, d};
         auto time_graph = [&](bool fused) {
-          cudaGraph_t g;
-          cudaGraphExec_t x;
-          CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-          for (int cp = 0; cp < copies; ++cp) {
-            fmkv_batch b0{B, nullptr, dl0, dro, dt + cp * np1, pps}, b1{B, nullptr, dl, dro, dt + cp * np1, pps};
-            if (fused) {
-              FK(fmkv_append_attention(FMKV_BACKEND_CUDA, &cfg, &lc, &b0, &kt, &vt, &qt, &opts, &ot, work, (size_t)ws, st));
-            } else {
-              FK(fmkv_append(FMKV_BACKEND_CUDA, &cfg, &lc, &b0, &kt, &vt, st));
-              FK(fmkv_attention(FMKV_BACKEND_CUDA, &cfg, &lc, &b1, &qt, &opts, &ot, work, (size_t)ws, st));
+          const float ms = graph_ms_per_call(st, e0, e1, copies, 50, [&] {
+            for (int cp = 0; cp < copies; ++cp) {
+              fmkv_batch b0{B, nullptr, dl0, dro, dt + cp * np1, pps}, b1{B, nullptr, dl, dro, dt + cp * np1, pps};
+              if (fused) {
+                FK(fmkv_append_attention(FMKV_BACKEND_CUDA, &cfg, &lc, &b0, &kt, &vt, &qt, &opts, &ot, work, (size_t)ws, st));
+              } else {
+                FK(fmkv_append(FMKV_BACKEND_CUDA, &cfg, &lc, &b0, &kt, &vt, st));
+                FK(fmkv_attention(FMKV_BACKEND_CUDA, &cfg, &lc, &b1, &qt, &opts, &ot, work, (size_t)ws, st));
+              }
             }
-          }
-          CK(cudaStreamEndCapture(st, &g));
-          CK(cudaGraphInstantiate(&x, g, 0));
-          for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(x, st));
-          CK(cudaStreamSynchronize(st));
-          std::vector<float> tt;
-          for (int i = 0; i < 50; ++i) {
-            CK(cudaEventRecord(e0, st));
-            CK(cudaGraphLaunch(x, st));
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            tt.push_back(ms / copies);
-          }
+          });
           FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
-          CK(cudaGraphExecDestroy(x));
-          CK(cudaGraphDestroy(g));
-          return median(tt) * 1e3;
+          return ms * 1e3;
         };
         step_sep_us = time_graph(false);
         step_fused_us = time_graph(true);
@@ -300,7 +294,7 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(oh.data(), o, oh.size() * 2, cudaMemcpyDeviceToHost));
       int nonfinite = 0;
       for (auto x : oh) nonfinite += !std::isfinite(__half2float(x));
-      const double us = median(t) * 1e3;
+      const double us = attn_ms * 1e3;
       const double kv = (double)B * ctx * H *
                         (fmkv_bytes_per_token_head(d, f.kb) + fmkv_bytes_per_token_head(d, f.vb));
       const double bytes = kv + 2.0 * B * HQ * d * 2;
@@ -315,8 +309,6 @@ int main(int argc, char** argv) {
                     "\"separate_us\":%.3f,\"attention_only_us\":%.3f,\"copies\":%d}\n",
                     f.kb, f.vb, B, (long long)ctx, d, HQ, H, P, step_fused_us, step_sep_us, us, copies);
       std::fflush(stdout);
-      CK(cudaGraphExecDestroy(exec));
-      CK(cudaGraphDestroy(graph));
       CK(cudaFree(pages));
       CK(cudaFree(dt));
       CK(cudaFree(dl));

@@ -166,6 +166,20 @@ inline bool cuda_combination_not_compiled(fmkv_backend b, const fmkv::Error& e, 
          std::string(e.what()).find("not compiled") != std::string::npos && !in_default_cuda_grid(d, kb, vb);
 }
 
+// n output elements of dtype out_dtype (raw bytes) as float.
+inline std::vector<float> output_as_f32(const std::vector<uint8_t>& raw, fmkv_dtype out_dtype, size_t n) {
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (out_dtype == FMKV_F32) std::memcpy(&out[i], &raw[i * 4], 4);
+    else {
+      uint16_t h;
+      std::memcpy(&h, &raw[i * 2], 2);
+      out[i] = out_dtype == FMKV_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+    }
+  }
+  return out;
+}
+
 // Runs attention on backend b over the given layer state; output is fp32 [rows][q_heads][d],
 // poisoned with NaN before the call.
 inline std::vector<float> run_attention(fmkv_backend b, const Scenario& s, const LayerState& st,
@@ -200,16 +214,7 @@ inline std::vector<float> run_attention(fmkv_backend b, const Scenario& s, const
   qt.data = q.p;
   check(fmkv_attention(b, &s.cfg, &lc, &bt, &qt, &opts, &ot, work.p, (size_t)ws, nullptr));
   check(fmkv_device_synchronize(b));
-  std::vector<uint8_t> raw = o.download<uint8_t>();
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (out_dtype == FMKV_F32) std::memcpy(&out[i], &raw[i * 4], 4);
-    else {
-      uint16_t h;
-      std::memcpy(&h, &raw[i * 2], 2);
-      out[i] = out_dtype == FMKV_F16 ? f16_to_f32(h) : bf16_to_f32(h);
-    }
-  }
+  std::vector<float> out = output_as_f32(o.download<uint8_t>(), out_dtype, n);
   return out;
 }
 
@@ -256,16 +261,7 @@ inline std::pair<LayerState, std::vector<float>> run_append_attention(
   st.fp16_v = fv.download<uint16_t>();
   st.fp16_k.resize(s.fp16_k.size());
   st.fp16_v.resize(s.fp16_v.size());
-  std::vector<uint8_t> raw = o.download<uint8_t>();
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (out_dtype == FMKV_F32) std::memcpy(&out[i], &raw[i * 4], 4);
-    else {
-      uint16_t h;
-      std::memcpy(&h, &raw[i * 2], 2);
-      out[i] = out_dtype == FMKV_F16 ? f16_to_f32(h) : bf16_to_f32(h);
-    }
-  }
+  std::vector<float> out = output_as_f32(o.download<uint8_t>(), out_dtype, n);
   return {st, out};
 }
 

@@ -40,24 +40,33 @@ std::vector<Shape> shapes() {
   return v;
 }
 
+// A scenario whose cache already holds s.lens tokens per sequence (random K/V appended by the
+// reference), ready for an op that adds s.rows more; *added = rows in total.
+Scenario filled_scenario(const fmkv_config& c, const std::vector<int64_t>& lens, const std::vector<int64_t>& rows,
+                         fmkv_dtype in, int64_t* added) {
+  Scenario s = make_scenario(c, lens, rows);
+  Scenario fill = s;
+  fill.lens.assign(s.lens.size(), 0);
+  fill.rows = s.lens;
+  int64_t n0 = 0;
+  for (auto x : s.lens) n0 += x;
+  *added = 0;
+  for (auto x : s.rows) *added += x;
+  auto k0 = random_tensor(in, n0, c.num_kv_heads, c.head_dim, 3.0), v0 = random_tensor(in, n0, c.num_kv_heads, c.head_dim);
+  LayerState st = run_append(FMKV_BACKEND_REF, fill, make_tensor(k0.data(), in, n0, c.num_kv_heads, c.head_dim),
+                             make_tensor(v0.data(), in, n0, c.num_kv_heads, c.head_dim));
+  s.pages = st.pages;
+  s.fp16_k = st.fp16_k;
+  s.fp16_v = st.fp16_v;
+  return s;
+}
+
 TEST_P(Backends, AppendBitExact) {
   const fmkv_backend b = GetParam();
   for (const Shape& sh : shapes()) {
     fmkv_config c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
-    Scenario s = make_scenario(c, sh.lens, sh.rows);
-    // Existing content: fill the cache up to lens first with the reference.
-    Scenario fill = s;
-    fill.lens.assign(s.lens.size(), 0);
-    fill.rows = s.lens;
-    int64_t n0 = 0, n1 = 0;
-    for (auto x : s.lens) n0 += x;
-    for (auto x : s.rows) n1 += x;
-    auto k0 = random_tensor(sh.in, n0, c.num_kv_heads, c.head_dim, 3.0), v0 = random_tensor(sh.in, n0, c.num_kv_heads, c.head_dim);
-    LayerState st = run_append(FMKV_BACKEND_REF, fill, make_tensor(k0.data(), sh.in, n0, c.num_kv_heads, c.head_dim),
-                               make_tensor(v0.data(), sh.in, n0, c.num_kv_heads, c.head_dim));
-    s.pages = st.pages;
-    s.fp16_k = st.fp16_k;
-    s.fp16_v = st.fp16_v;
+    int64_t n1 = 0;
+    Scenario s = filled_scenario(c, sh.lens, sh.rows, sh.in, &n1);
     auto k1 = random_tensor(sh.in, n1, c.num_kv_heads, c.head_dim, 3.0), v1 = random_tensor(sh.in, n1, c.num_kv_heads, c.head_dim);
     fmkv_tensor kt = make_tensor(k1.data(), sh.in, n1, c.num_kv_heads, c.head_dim);
     fmkv_tensor vt = make_tensor(v1.data(), sh.in, n1, c.num_kv_heads, c.head_dim);
@@ -124,19 +133,8 @@ TEST_P(Backends, FusedAppendAttention) {
   };
   for (const F& f : cases) {
     fmkv_config c = config(f.d, f.kb, f.vb, f.kv_heads, f.page, f.sink, f.window, f.rule);
-    Scenario s = make_scenario(c, f.lens, f.rows);
-    Scenario fill = s;
-    fill.lens.assign(s.lens.size(), 0);
-    fill.rows = s.lens;
-    int64_t n0 = 0, n1 = 0;
-    for (auto x : s.lens) n0 += x;
-    for (auto x : s.rows) n1 += x;
-    auto k0 = random_tensor(f.in, n0, c.num_kv_heads, c.head_dim, 3.0), v0 = random_tensor(f.in, n0, c.num_kv_heads, c.head_dim);
-    LayerState st0 = run_append(FMKV_BACKEND_REF, fill, make_tensor(k0.data(), f.in, n0, c.num_kv_heads, c.head_dim),
-                                make_tensor(v0.data(), f.in, n0, c.num_kv_heads, c.head_dim));
-    s.pages = st0.pages;
-    s.fp16_k = st0.fp16_k;
-    s.fp16_v = st0.fp16_v;
+    int64_t n1 = 0;
+    Scenario s = filled_scenario(c, f.lens, f.rows, f.in, &n1);
     auto k1 = random_tensor(f.in, n1, c.num_kv_heads, c.head_dim, 3.0), v1 = random_tensor(f.in, n1, c.num_kv_heads, c.head_dim);
     const int32_t HQ = f.kv_heads * f.group;
     auto qb = random_tensor(f.in, n1, HQ, c.head_dim, 1.0);

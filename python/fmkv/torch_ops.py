@@ -171,6 +171,14 @@ def cuda_check(device=None) -> None:
         _fmkv.synchronize("cuda")
 
 
+def _workspace_and_stream(dev: torch.device, backend: str, raw, q: Tensor, slots: Tensor):
+    """The attention workspace (from torch's caching allocator, graph-safe) and the current stream
+    handle of a CUDA call."""
+    ws_bytes = _fmkv.attention_workspace_bytes(backend, raw, int(q.shape[1]), int(q.shape[0]), int(slots.shape[0]), 0)
+    ws = torch.empty(max(int(ws_bytes), 1), dtype=torch.uint8, device=dev)
+    return _dl(ws), torch.cuda.current_stream(dev).cuda_stream
+
+
 @torch.library.custom_op("fmkv::append", mutates_args=("pages", "fp16_k", "fp16_v"))
 def append(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v: Tensor, slots: Tensor, seq_lens: Tensor,
            row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int, backend: str = "") -> None:
@@ -219,12 +227,10 @@ def attention(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor, slots: T
                             q.detach(), out, softmax_scale, softcap)
         return out
     with _on_device(dev):
-        ws_bytes = _fmkv.attention_workspace_bytes(b, raw, int(q.shape[1]), int(q.shape[0]), int(slots.shape[0]), 0)
-        ws = torch.empty(max(int(ws_bytes), 1), dtype=torch.uint8, device=dev)
-        stream = torch.cuda.current_stream(dev).cuda_stream
+        ws, stream = _workspace_and_stream(dev, b, raw, q, slots)
         _fmkv.attention_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots), _dl(seq_lens),
                             _dl(row_offsets), _dl(block_table), _dl(_dense_last(q.detach())), _dl(out),
-                            softmax_scale, softcap, _dl(ws), stream)
+                            softmax_scale, softcap, ws, stream)
     return out
 
 
@@ -257,13 +263,11 @@ def append_attention(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v
                                    k.detach(), v.detach(), q.detach(), out, softmax_scale, softcap)
         return out
     with _on_device(dev):
-        ws_bytes = _fmkv.attention_workspace_bytes(b, raw, int(q.shape[1]), int(q.shape[0]), int(slots.shape[0]), 0)
-        ws = torch.empty(max(int(ws_bytes), 1), dtype=torch.uint8, device=dev)
-        stream = torch.cuda.current_stream(dev).cuda_stream
+        ws, stream = _workspace_and_stream(dev, b, raw, q, slots)
         _fmkv.append_attention_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots), _dl(seq_lens),
                                    _dl(row_offsets), _dl(block_table), _dl(_dense_last(k.detach())),
                                    _dl(_dense_last(v.detach())), _dl(_dense_last(q.detach())), _dl(out),
-                                   softmax_scale, softcap, _dl(ws), stream)
+                                   softmax_scale, softcap, ws, stream)
     return out
 
 

@@ -501,12 +501,9 @@ void raw_batch(RawBatch& r, bool device, const AnyArray& slots, const AnyArray& 
 
 void* stream_ptr(uintptr_t stream) { return reinterpret_cast<void*>(stream); }
 
-void raw_append(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
-                const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
-                const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& k, const AnyArray& v,
-                uintptr_t stream) {
-  const fmkv_backend b = backend_from_name(backend);
-  DeviceCheck dev(b);
+// One layer's storage and batch arrays must all live where the backend works (DeviceCheck).
+void check_layer_devices(DeviceCheck& dev, const MutArray& pages, const MutArray& fk, const MutArray& fv, const AnyArray& slots,
+                         const AnyArray& seq_lens, const AnyArray& row_offsets, const AnyArray& block_table) {
   dev("pages", pages);
   dev("fp16_k", fk);
   dev("fp16_v", fv);
@@ -514,6 +511,15 @@ void raw_append(const std::string& backend, const fmkv_config& cfg, int64_t laye
   dev("seq_lens", seq_lens);
   dev("row_offsets", row_offsets);
   dev("block_table", block_table);
+}
+
+void raw_append(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
+                const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
+                const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& k, const AnyArray& v,
+                uintptr_t stream) {
+  const fmkv_backend b = backend_from_name(backend);
+  DeviceCheck dev(b);
+  check_layer_devices(dev, pages, fk, fv, slots, seq_lens, row_offsets, block_table);
   dev("k", k);
   dev("v", v);
   RawLayer L = raw_layer(cfg, layer_index, pages, fk, fv);
@@ -532,58 +538,62 @@ void raw_append(const std::string& backend, const fmkv_config& cfg, int64_t laye
   fmkv::check(fmkv_append(b, &cfg, &L.lc, &B.b, &kt.t, &vt.t, nullptr));
 }
 
+// The attention-side arguments shared by attention_raw and append_attention_raw: q, out (shape and
+// dtype of q), options, the optional workspace; resolved for host or device memory.
+struct RawAttention {
+  fmkv_tensor q{}, out{};
+  fmkv_attention_opts opts{};
+  void* ws = nullptr;
+  size_t ws_bytes = 0;
+  HostTensor q_host;  // keeps a converted host q alive
+};
+
+void raw_attention_args(RawAttention& r, bool cuda, int32_t num_seqs, const AnyArray& q, const MutArray& out,
+                        double softmax_scale, double softcap, const std::optional<MutArray>& workspace) {
+  const fmkv_dtype odt = float_dtype("out", AnyArray(out));
+  if (!(softmax_scale >= 0) || !std::isfinite(softmax_scale)) fail("softmax_scale must be finite and >= 0 (0 means 1/sqrt(head_dim))");
+  if (!(softcap >= 0) || !std::isfinite(softcap)) fail("softcap must be finite and >= 0 (0 disables it)");
+  r.opts = fmkv_attention_opts{(float)softmax_scale, (float)softcap};
+  if (workspace) {
+    if (!is_dtype(workspace->dtype(), nb::dlpack::dtype_code::UInt, 8))
+      fail("workspace: dtype " + dtype_name(workspace->dtype()) + " is not supported (expected uint8)");
+    require_contiguous("workspace", *workspace);
+    r.ws = workspace->data();
+    r.ws_bytes = numel(*workspace);
+  }
+  if (cuda) {
+    r.q = device_tensor("q", q, "[query_tokens, q_heads, head_dim]");
+  } else {
+    r.q_host = host_tensor("q", q, "[query_tokens, q_heads, head_dim]");
+    r.q = r.q_host.t;
+  }
+  if (out.ndim() != 3 || (int64_t)out.shape(0) != r.q.rows || (int64_t)out.shape(1) != r.q.heads || (int64_t)out.shape(2) != r.q.dim)
+    fail("out: shape " + shape_str(AnyArray(out)) + " must equal q's shape " + shape_str(q));
+  require_contiguous("out", out);
+  r.out = fmkv::make_tensor(out.data(), odt, r.q.rows, r.q.heads, r.q.dim);
+  if (cuda && r.q.rows > 0 && num_seqs > 0 && !r.ws)
+    fail("workspace: the cuda backend needs a workspace tensor (uint8, on q's device) of "
+         "attention_workspace_bytes('cuda', config, q_heads, rows, num_seqs, max_seq_len) bytes");
+}
+
 void raw_attention(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
                    const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
                    const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& q, const MutArray& out,
                    double softmax_scale, double softcap, std::optional<MutArray> workspace, uintptr_t stream) {
   const fmkv_backend b = backend_from_name(backend);
   DeviceCheck dev(b);
-  dev("pages", pages);
-  dev("fp16_k", fk);
-  dev("fp16_v", fv);
-  dev("slots", slots);
-  dev("seq_lens", seq_lens);
-  dev("row_offsets", row_offsets);
-  dev("block_table", block_table);
+  check_layer_devices(dev, pages, fk, fv, slots, seq_lens, row_offsets, block_table);
   dev("q", q);
   dev("out", out);
   if (workspace) dev("workspace", *workspace);
   RawLayer L = raw_layer(cfg, layer_index, pages, fk, fv);
   RawBatch B;
   raw_batch(B, dev.cuda(), slots, seq_lens, row_offsets, block_table);
-  const fmkv_dtype odt = float_dtype("out", AnyArray(out));
-  if (!(softmax_scale >= 0) || !std::isfinite(softmax_scale)) fail("softmax_scale must be finite and >= 0 (0 means 1/sqrt(head_dim))");
-  if (!(softcap >= 0) || !std::isfinite(softcap)) fail("softcap must be finite and >= 0 (0 disables it)");
-  fmkv_attention_opts opts{(float)softmax_scale, (float)softcap};
-  void* ws = nullptr;
-  size_t ws_bytes = 0;
-  if (workspace) {
-    if (!is_dtype(workspace->dtype(), nb::dlpack::dtype_code::UInt, 8))
-      fail("workspace: dtype " + dtype_name(workspace->dtype()) + " is not supported (expected uint8)");
-    require_contiguous("workspace", *workspace);
-    ws = workspace->data();
-    ws_bytes = numel(*workspace);
-  }
-  auto check_out = [&](const fmkv_tensor& qt) {
-    if (out.ndim() != 3 || (int64_t)out.shape(0) != qt.rows || (int64_t)out.shape(1) != qt.heads || (int64_t)out.shape(2) != qt.dim)
-      fail("out: shape " + shape_str(AnyArray(out)) + " must equal q's shape " + shape_str(q));
-    require_contiguous("out", out);
-    return fmkv::make_tensor(out.data(), odt, qt.rows, qt.heads, qt.dim);
-  };
-  if (dev.cuda()) {
-    fmkv_tensor qt = device_tensor("q", q, "[query_tokens, q_heads, head_dim]");
-    fmkv_tensor ot = check_out(qt);
-    if (qt.rows > 0 && B.b.num_seqs > 0 && !ws)
-      fail("workspace: the cuda backend needs a workspace tensor (uint8, on q's device) of "
-           "attention_workspace_bytes('cuda', config, q_heads, rows, num_seqs, max_seq_len) bytes");
-    nb::gil_scoped_release nogil;
-    fmkv::check(fmkv_attention(b, &cfg, &L.lc, &B.b, &qt, &opts, &ot, ws, ws_bytes, stream_ptr(stream)));
-    return;
-  }
-  HostTensor qt = host_tensor("q", q, "[query_tokens, q_heads, head_dim]");
-  fmkv_tensor ot = check_out(qt.t);
+  RawAttention A;
+  raw_attention_args(A, dev.cuda(), B.b.num_seqs, q, out, softmax_scale, softcap, workspace);
   nb::gil_scoped_release nogil;
-  fmkv::check(fmkv_attention(b, &cfg, &L.lc, &B.b, &qt.t, &opts, &ot, ws, ws_bytes, nullptr));
+  fmkv::check(fmkv_attention(b, &cfg, &L.lc, &B.b, &A.q, &A.opts, &A.out, A.ws, A.ws_bytes,
+                             dev.cuda() ? stream_ptr(stream) : nullptr));
 }
 
 // fmkv_append_attention: append the rows of k / v and attend q (one row per new token) over the
@@ -595,13 +605,7 @@ void raw_append_attention(const std::string& backend, const fmkv_config& cfg, in
                           std::optional<MutArray> workspace, uintptr_t stream) {
   const fmkv_backend b = backend_from_name(backend);
   DeviceCheck dev(b);
-  dev("pages", pages);
-  dev("fp16_k", fk);
-  dev("fp16_v", fv);
-  dev("slots", slots);
-  dev("seq_lens", seq_lens);
-  dev("row_offsets", row_offsets);
-  dev("block_table", block_table);
+  check_layer_devices(dev, pages, fk, fv, slots, seq_lens, row_offsets, block_table);
   dev("k", k);
   dev("v", v);
   dev("q", q);
@@ -610,43 +614,22 @@ void raw_append_attention(const std::string& backend, const fmkv_config& cfg, in
   RawLayer L = raw_layer(cfg, layer_index, pages, fk, fv);
   RawBatch B;
   raw_batch(B, dev.cuda(), slots, seq_lens, row_offsets, block_table);
-  const fmkv_dtype odt = float_dtype("out", AnyArray(out));
-  if (!(softmax_scale >= 0) || !std::isfinite(softmax_scale)) fail("softmax_scale must be finite and >= 0 (0 means 1/sqrt(head_dim))");
-  if (!(softcap >= 0) || !std::isfinite(softcap)) fail("softcap must be finite and >= 0 (0 disables it)");
-  fmkv_attention_opts opts{(float)softmax_scale, (float)softcap};
-  void* ws = nullptr;
-  size_t ws_bytes = 0;
-  if (workspace) {
-    if (!is_dtype(workspace->dtype(), nb::dlpack::dtype_code::UInt, 8))
-      fail("workspace: dtype " + dtype_name(workspace->dtype()) + " is not supported (expected uint8)");
-    require_contiguous("workspace", *workspace);
-    ws = workspace->data();
-    ws_bytes = numel(*workspace);
-  }
-  auto check_out = [&](const fmkv_tensor& qt) {
-    if (out.ndim() != 3 || (int64_t)out.shape(0) != qt.rows || (int64_t)out.shape(1) != qt.heads || (int64_t)out.shape(2) != qt.dim)
-      fail("out: shape " + shape_str(AnyArray(out)) + " must equal q's shape " + shape_str(q));
-    require_contiguous("out", out);
-    return fmkv::make_tensor(out.data(), odt, qt.rows, qt.heads, qt.dim);
-  };
+  RawAttention A;
+  raw_attention_args(A, dev.cuda(), B.b.num_seqs, q, out, softmax_scale, softcap, workspace);
+  HostTensor kh, vh;
+  fmkv_tensor kt, vt;
   if (dev.cuda()) {
-    fmkv_tensor kt = device_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
-    fmkv_tensor vt = device_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
-    fmkv_tensor qt = device_tensor("q", q, "[query_tokens, q_heads, head_dim]");
-    fmkv_tensor ot = check_out(qt);
-    if (qt.rows > 0 && B.b.num_seqs > 0 && !ws)
-      fail("workspace: the cuda backend needs a workspace tensor (uint8, on q's device) of "
-           "attention_workspace_bytes('cuda', config, q_heads, rows, num_seqs, max_seq_len) bytes");
-    nb::gil_scoped_release nogil;
-    fmkv::check(fmkv_append_attention(b, &cfg, &L.lc, &B.b, &kt, &vt, &qt, &opts, &ot, ws, ws_bytes, stream_ptr(stream)));
-    return;
+    kt = device_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
+    vt = device_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
+  } else {
+    kh = host_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
+    vh = host_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
+    kt = kh.t;
+    vt = vh.t;
   }
-  HostTensor kt = host_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
-  HostTensor vt = host_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
-  HostTensor qt = host_tensor("q", q, "[query_tokens, q_heads, head_dim]");
-  fmkv_tensor ot = check_out(qt.t);
   nb::gil_scoped_release nogil;
-  fmkv::check(fmkv_append_attention(b, &cfg, &L.lc, &B.b, &kt.t, &vt.t, &qt.t, &opts, &ot, ws, ws_bytes, nullptr));
+  fmkv::check(fmkv_append_attention(b, &cfg, &L.lc, &B.b, &kt, &vt, &A.q, &A.opts, &A.out, A.ws, A.ws_bytes,
+                                    dev.cuda() ? stream_ptr(stream) : nullptr));
 }
 
 const char* status_name(int code) {

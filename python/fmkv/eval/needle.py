@@ -105,6 +105,8 @@ def run_needle(a) -> int:
     ctxs = [c for c in all_ctx if c <= a.max_ctx]
     bits = [int(b) for b in a.bits.split(",")] + [16]
     margins = [0.1, 0.25, 0.5, 1.0]
+    from .cli import _commit  # the eval CLI's helper (cli imports this module lazily, no cycle at import)
+
     commit = getattr(a, "commit", "") or _commit()
     rows = []
     t0 = time.time()
@@ -157,13 +159,3 @@ def run_needle(a) -> int:
             print(f"{b:>6} " + " ".join(f"{r['rate']:<7.2f}" for r in rs))
     return 0
 
-
-def _commit() -> str:
-    import subprocess
-
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        return "unknown"
