@@ -149,5 +149,45 @@ __device__ __forceinline__ bool sign_negative(const SignWords& s, int i) {
   return (s.w[i >> 6] >> (i & 63)) & 1ull;
 }
 
+// ---- kernel parameter structs (host side) -------------------------------------------------------
+// AppendParams and AttnParams name their layer / batch / config / k,v fields alike; these fill them
+// from the C API structs in one place.
+template <typename Params>
+void fill_layer_batch(Params& p, const fmkv_config& c, const fmkv_layer_cache& layer, const fmkv_batch& batch) {
+  p.pages = layer.pages;
+  p.num_pages = layer.num_pages;
+  p.page_bytes = page_bytes(c);
+  p.fp16_k = layer.fp16_k;
+  p.fp16_v = layer.fp16_v;
+  p.num_slots = layer.num_slots;
+  p.num_seqs = batch.num_seqs;
+  p.slots = batch.slots;
+  p.seq_lens = batch.seq_lens;
+  p.ro = batch.row_offsets;
+  p.bt = batch.block_table;
+  p.bt_stride = batch.block_table_stride;
+  p.H = c.num_kv_heads;
+  p.kb = c.k_bits;
+  p.vb = c.v_bits;
+  p.P = c.page_size;
+  p.S = c.sink_tokens;
+  p.W = c.window_tokens;
+  p.R = fp16_slots(c);
+  p.rule = c.scale_rule;
+  p.sw = make_sign_words(c.seed, layer.layer, c.head_dim);
+  p.err = error_word();
+}
+template <typename Params>
+void fill_kv(Params& p, const fmkv_tensor& k, const fmkv_tensor& v) {
+  p.k = k.data;
+  p.v = v.data;
+  p.k_dtype = k.dtype;
+  p.v_dtype = v.dtype;
+  p.k_rs = k.row_stride;
+  p.k_hs = k.head_stride;
+  p.v_rs = v.row_stride;
+  p.v_hs = v.head_stride;
+}
+
 }  // namespace cuda
 }  // namespace fmkv

@@ -105,21 +105,10 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
     throw Error(kUnsupported, "cuda attention: k" + std::to_string(c.k_bits) + "v" + std::to_string(c.v_bits) +
                                   " with head_dim " + std::to_string(d) + " is not compiled into this build (compiled: " +
                                   kAttnDefaultGrid + "; configure with -DFMKV_CUDA_FULL_GRID=ON for every combination)");
-  AttnParams p;
-  p.pages = a.layer.pages;
-  p.num_pages = a.layer.num_pages;
-  p.page_bytes = page_bytes(c);
+  AttnParams p{};
+  fill_layer_batch(p, c, a.layer, a.batch);
   p.head_stride = fmkv_head_stride_bytes(d, c.k_bits, c.v_bits, c.page_size);
   p.ksec_bytes = fmkv_section_bytes(d, c.k_bits, c.page_size);
-  p.fp16_k = a.layer.fp16_k;
-  p.fp16_v = a.layer.fp16_v;
-  p.num_slots = a.layer.num_slots;
-  p.num_seqs = a.batch.num_seqs;
-  p.slots = a.batch.slots;
-  p.seq_lens = a.batch.seq_lens;
-  p.ro = a.batch.row_offsets;
-  p.bt = a.batch.block_table;
-  p.bt_stride = a.batch.block_table_stride;
   p.q = a.q.data;
   p.q_dtype = a.q.dtype;
   p.q_rs = a.q.row_stride;
@@ -129,33 +118,16 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.o_dtype = a.out.dtype;
   p.o_rs = a.out.row_stride;
   p.o_hs = a.out.head_stride;
-  p.H = c.num_kv_heads;
   p.HQ = HQ;
   p.gq = HQ / c.num_kv_heads;
-  p.P = c.page_size;
-  p.S = c.sink_tokens;
-  p.W = c.window_tokens;
-  p.R = fp16_slots(c);
   p.sm_scale = a.opts.softmax_scale > 0 ? a.opts.softmax_scale : 1.0f / sqrtf((float)d);
   p.softcap = a.opts.softcap;
-  p.sw = make_sign_words(c.seed, a.layer.layer, d);
   const int64_t parts = a.q.rows * HQ * (int64_t)(ns + 1);
   p.part_ml = (float2*)a.workspace;
   p.part_acc = (float*)((char*)a.workspace + align256(parts * (int64_t)sizeof(float2)));
   p.nsplit = ns;
-  p.err = error_word();
   p.fused = ap != nullptr;
-  p.k = ap ? ap->k.data : nullptr;
-  p.v = ap ? ap->v.data : nullptr;
-  p.k_dtype = ap ? ap->k.dtype : 0;
-  p.v_dtype = ap ? ap->v.dtype : 0;
-  p.k_rs = ap ? ap->k.row_stride : 0;
-  p.k_hs = ap ? ap->k.head_stride : 0;
-  p.v_rs = ap ? ap->v.row_stride : 0;
-  p.v_hs = ap ? ap->v.head_stride : 0;
-  p.kb = c.k_bits;
-  p.vb = c.v_bits;
-  p.rule = c.scale_rule;
+  if (ap) fill_kv(p, ap->k, ap->v);
   cudaStream_t st = to_stream(a.stream);
   {  // opt in to the kernel's dynamic shared memory (static + dynamic may exceed 48 KB), once per kernel
     static std::mutex mu;
