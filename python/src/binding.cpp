@@ -24,6 +24,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -576,13 +577,20 @@ void raw_attention_args(RawAttention& r, bool cuda, int32_t num_seqs, const AnyA
          "attention_workspace_bytes('cuda', config, q_heads, rows, num_seqs, max_seq_len) bytes");
 }
 
-void raw_attention(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
-                   const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
-                   const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& q, const MutArray& out,
-                   double softmax_scale, double softcap, std::optional<MutArray> workspace, uintptr_t stream) {
+// attention_raw (kv == nullptr) and append_attention_raw (kv = the rows of k and v to append first,
+// fmkv_append_attention; seq_lens are then the lengths before the append).
+void attention_call(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
+                    const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
+                    const AnyArray& row_offsets, const AnyArray& block_table, const std::pair<AnyArray, AnyArray>* kv,
+                    const AnyArray& q, const MutArray& out, double softmax_scale, double softcap,
+                    const std::optional<MutArray>& workspace, uintptr_t stream) {
   const fmkv_backend b = backend_from_name(backend);
   DeviceCheck dev(b);
   check_layer_devices(dev, pages, fk, fv, slots, seq_lens, row_offsets, block_table);
+  if (kv) {
+    dev("k", kv->first);
+    dev("v", kv->second);
+  }
   dev("q", q);
   dev("out", out);
   if (workspace) dev("workspace", *workspace);
@@ -591,45 +599,43 @@ void raw_attention(const std::string& backend, const fmkv_config& cfg, int64_t l
   raw_batch(B, dev.cuda(), slots, seq_lens, row_offsets, block_table);
   RawAttention A;
   raw_attention_args(A, dev.cuda(), B.b.num_seqs, q, out, softmax_scale, softcap, workspace);
+  void* st = dev.cuda() ? stream_ptr(stream) : nullptr;
+  if (!kv) {
+    nb::gil_scoped_release nogil;
+    fmkv::check(fmkv_attention(b, &cfg, &L.lc, &B.b, &A.q, &A.opts, &A.out, A.ws, A.ws_bytes, st));
+    return;
+  }
+  HostTensor kh, vh;
+  fmkv_tensor kt, vt;
+  if (dev.cuda()) {
+    kt = device_tensor("k", kv->first, "[tokens, num_kv_heads, head_dim]");
+    vt = device_tensor("v", kv->second, "[tokens, num_kv_heads, head_dim]");
+  } else {
+    kh = host_tensor("k", kv->first, "[tokens, num_kv_heads, head_dim]");
+    vh = host_tensor("v", kv->second, "[tokens, num_kv_heads, head_dim]");
+    kt = kh.t;
+    vt = vh.t;
+  }
   nb::gil_scoped_release nogil;
-  fmkv::check(fmkv_attention(b, &cfg, &L.lc, &B.b, &A.q, &A.opts, &A.out, A.ws, A.ws_bytes,
-                             dev.cuda() ? stream_ptr(stream) : nullptr));
+  fmkv::check(fmkv_append_attention(b, &cfg, &L.lc, &B.b, &kt, &vt, &A.q, &A.opts, &A.out, A.ws, A.ws_bytes, st));
 }
 
-// fmkv_append_attention: append the rows of k / v and attend q (one row per new token) over the
-// result; seq_lens are the lengths before the append. Same device rules as attention_raw.
+void raw_attention(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
+                   const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
+                   const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& q, const MutArray& out,
+                   double softmax_scale, double softcap, std::optional<MutArray> workspace, uintptr_t stream) {
+  attention_call(backend, cfg, layer_index, pages, fk, fv, slots, seq_lens, row_offsets, block_table, nullptr, q, out,
+                 softmax_scale, softcap, workspace, stream);
+}
+
 void raw_append_attention(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
                           const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
                           const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& k, const AnyArray& v,
                           const AnyArray& q, const MutArray& out, double softmax_scale, double softcap,
                           std::optional<MutArray> workspace, uintptr_t stream) {
-  const fmkv_backend b = backend_from_name(backend);
-  DeviceCheck dev(b);
-  check_layer_devices(dev, pages, fk, fv, slots, seq_lens, row_offsets, block_table);
-  dev("k", k);
-  dev("v", v);
-  dev("q", q);
-  dev("out", out);
-  if (workspace) dev("workspace", *workspace);
-  RawLayer L = raw_layer(cfg, layer_index, pages, fk, fv);
-  RawBatch B;
-  raw_batch(B, dev.cuda(), slots, seq_lens, row_offsets, block_table);
-  RawAttention A;
-  raw_attention_args(A, dev.cuda(), B.b.num_seqs, q, out, softmax_scale, softcap, workspace);
-  HostTensor kh, vh;
-  fmkv_tensor kt, vt;
-  if (dev.cuda()) {
-    kt = device_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
-    vt = device_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
-  } else {
-    kh = host_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
-    vh = host_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
-    kt = kh.t;
-    vt = vh.t;
-  }
-  nb::gil_scoped_release nogil;
-  fmkv::check(fmkv_append_attention(b, &cfg, &L.lc, &B.b, &kt, &vt, &A.q, &A.opts, &A.out, A.ws, A.ws_bytes,
-                                    dev.cuda() ? stream_ptr(stream) : nullptr));
+  const std::pair<AnyArray, AnyArray> kv(k, v);
+  attention_call(backend, cfg, layer_index, pages, fk, fv, slots, seq_lens, row_offsets, block_table, &kv, q, out,
+                 softmax_scale, softcap, workspace, stream);
 }
 
 const char* status_name(int code) {
