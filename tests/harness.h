@@ -109,47 +109,10 @@ inline Scenario make_scenario(const fmkv_config& cfg, std::vector<int64_t> lens,
   return s;
 }
 
-// Runs append on backend b over a copy of the scenario's state; returns the new host image.
 struct LayerState {
   std::vector<uint8_t> pages;
   std::vector<uint16_t> fp16_k, fp16_v;
 };
-
-inline LayerState run_append(fmkv_backend b, const Scenario& s, const fmkv_tensor& k_host,
-                             const fmkv_tensor& v_host, fmkv_status* status = nullptr) {
-  auto off = s.offsets();
-  size_t es = k_host.dtype == FMKV_F32 ? 4 : 2;
-  size_t kv_bytes = (size_t)k_host.rows * k_host.heads * k_host.dim * es;
-  DeviceBuf pages(b, s.pages.size()), fk(b, s.fp16_k.size() * 2 + 2), fv(b, s.fp16_v.size() * 2 + 2),
-      k(b, kv_bytes + 1), v(b, kv_bytes + 1), lens(b, s.lens.size() * 8 + 8), offs(b, off.size() * 8),
-      table(b, s.table.size() * 4 + 4), slots(b, s.slots.size() * 4 + 4);
-  pages.upload(s.pages);
-  fk.upload(s.fp16_k);
-  fv.upload(s.fp16_v);
-  check(fmkv_device_copy(b, k.p, k_host.data, kv_bytes, 1));
-  check(fmkv_device_copy(b, v.p, v_host.data, kv_bytes, 1));
-  lens.upload(s.lens);
-  offs.upload(off);
-  table.upload(s.table);
-  slots.upload(s.slots);
-  int32_t nslots = std::max<int32_t>(1, s.seqs());
-  fmkv_layer_cache lc{(uint8_t*)pages.p, s.num_pages, (uint16_t*)fk.p, (uint16_t*)fv.p, nslots, s.layer};
-  fmkv_batch bt{s.seqs(), (int32_t*)slots.p, (int64_t*)lens.p, (int64_t*)offs.p, (int32_t*)table.p, s.table_stride};
-  fmkv_tensor kt = k_host, vt = v_host;
-  kt.data = k.p;
-  vt.data = v.p;
-  fmkv_status st = fmkv_append(b, &s.cfg, &lc, &bt, &kt, &vt, nullptr);
-  if (status) *status = st;
-  else check(st);
-  check(fmkv_device_synchronize(b));
-  LayerState out;
-  out.pages = pages.download<uint8_t>();
-  out.fp16_k = fk.download<uint16_t>();
-  out.fp16_v = fv.download<uint16_t>();
-  out.fp16_k.resize(s.fp16_k.size());
-  out.fp16_v.resize(s.fp16_v.size());
-  return out;
-}
 
 // The CUDA decode attention of a default build covers this grid (issue 4: at least k4v4, k3v3, k4v2,
 // k16v3 for head_dim 64/128); -DFMKV_CUDA_FULL_GRID=ON compiles every combination. Outside it the
@@ -180,42 +143,99 @@ inline std::vector<float> output_as_f32(const std::vector<uint8_t>& raw, fmkv_dt
   return out;
 }
 
+// One layer's state and one batch on backend b's memory: pages, fp16 regions, lengths (given:
+// before or after the op's rows), row offsets, block table and slots of scenario s.
+struct DeviceLayer {
+  DeviceBuf pages, fk, fv, lens, offs, table, slots;
+  fmkv_layer_cache lc;
+  fmkv_batch bt;
+  DeviceLayer(fmkv_backend b, const Scenario& s, const std::vector<uint8_t>& page_bytes,
+              const std::vector<uint16_t>& fp16_k, const std::vector<uint16_t>& fp16_v, const std::vector<int64_t>& lengths)
+      : pages(b, page_bytes.size()), fk(b, fp16_k.size() * 2 + 2), fv(b, fp16_v.size() * 2 + 2),
+        lens(b, lengths.size() * 8 + 8), offs(b, s.offsets().size() * 8), table(b, s.table.size() * 4 + 4),
+        slots(b, s.slots.size() * 4 + 4) {
+    pages.upload(page_bytes);
+    fk.upload(fp16_k);
+    fv.upload(fp16_v);
+    lens.upload(lengths);
+    offs.upload(s.offsets());
+    table.upload(s.table);
+    slots.upload(s.slots);
+    lc = fmkv_layer_cache{(uint8_t*)pages.p, s.num_pages, (uint16_t*)fk.p, (uint16_t*)fv.p, std::max<int32_t>(1, s.seqs()), s.layer};
+    bt = fmkv_batch{s.seqs(), (int32_t*)slots.p, (int64_t*)lens.p, (int64_t*)offs.p, (int32_t*)table.p, s.table_stride};
+  }
+  LayerState state(const Scenario& s) const {
+    LayerState out;
+    out.pages = pages.download<uint8_t>();
+    out.fp16_k = fk.download<uint16_t>();
+    out.fp16_v = fv.download<uint16_t>();
+    out.fp16_k.resize(s.fp16_k.size());
+    out.fp16_v.resize(s.fp16_v.size());
+    return out;
+  }
+};
+
+// A [rows][heads][dim] host tensor copied to backend memory; t is the same tensor over that copy.
+struct DeviceTensor {
+  DeviceBuf buf;
+  fmkv_tensor t;
+  DeviceTensor(fmkv_backend b, const fmkv_tensor& host)
+      : buf(b, (size_t)host.rows * host.heads * host.dim * (host.dtype == FMKV_F32 ? 4 : 2) + 1), t(host) {
+    check(fmkv_device_copy(b, buf.p, host.data, buf.n - 1, 1));
+    t.data = buf.p;
+  }
+};
+
+// An output tensor like q (dtype out_dtype) in backend memory, poisoned with NaN in every float format.
+struct DeviceOutput {
+  DeviceBuf buf;
+  fmkv_tensor t;
+  fmkv_dtype dtype;
+  size_t n;
+  DeviceOutput(fmkv_backend b, const fmkv_tensor& q, fmkv_dtype out_dtype)
+      : buf(b, (size_t)q.rows * q.heads * q.dim * (out_dtype == FMKV_F32 ? 4 : 2) + 1), dtype(out_dtype),
+        n((size_t)q.rows * q.heads * q.dim) {
+    std::vector<uint8_t> poison(buf.n, 0xFF);
+    check(fmkv_device_copy(b, buf.p, poison.data(), poison.size(), 1));
+    t = make_tensor(buf.p, out_dtype, q.rows, q.heads, q.dim);
+  }
+  std::vector<float> as_f32() const { return output_as_f32(buf.download<uint8_t>(), dtype, n); }
+};
+
+// Lengths after the op's rows (what attention takes).
+inline std::vector<int64_t> lengths_after(const Scenario& s) {
+  std::vector<int64_t> l(s.lens.size());
+  for (size_t i = 0; i < l.size(); ++i) l[i] = s.lens[i] + s.rows[i];
+  return l;
+}
+
+// Runs append on backend b over a copy of the scenario's state; returns the new host image.
+inline LayerState run_append(fmkv_backend b, const Scenario& s, const fmkv_tensor& k_host,
+                             const fmkv_tensor& v_host, fmkv_status* status = nullptr) {
+  DeviceLayer L(b, s, s.pages, s.fp16_k, s.fp16_v, s.lens);
+  DeviceTensor k(b, k_host), v(b, v_host);
+  fmkv_status st = fmkv_append(b, &s.cfg, &L.lc, &L.bt, &k.t, &v.t, nullptr);
+  if (status) *status = st;
+  else check(st);
+  check(fmkv_device_synchronize(b));
+  return L.state(s);
+}
+
 // Runs attention on backend b over the given layer state; output is fp32 [rows][q_heads][d],
 // poisoned with NaN before the call.
 inline std::vector<float> run_attention(fmkv_backend b, const Scenario& s, const LayerState& st,
                                         const fmkv_tensor& q_host, fmkv_dtype out_dtype,
                                         fmkv_attention_opts opts = {0.0f, 0.0f}) {
-  // For attention, lens = tokens in cache including the query rows.
-  std::vector<int64_t> lens(s.lens.size());
-  for (size_t i = 0; i < lens.size(); ++i) lens[i] = s.lens[i] + s.rows[i];
-  auto off = s.offsets();
-  size_t qe = q_host.dtype == FMKV_F32 ? 4 : 2, oe = out_dtype == FMKV_F32 ? 4 : 2;
-  size_t n = (size_t)q_host.rows * q_host.heads * q_host.dim;
-  DeviceBuf pages(b, st.pages.size()), fk(b, st.fp16_k.size() * 2 + 2), fv(b, st.fp16_v.size() * 2 + 2),
-      q(b, n * qe + 1), o(b, n * oe + 1), lb(b, lens.size() * 8 + 8), offs(b, off.size() * 8),
-      table(b, s.table.size() * 4 + 4), slots(b, s.slots.size() * 4 + 4);
-  pages.upload(st.pages);
-  fk.upload(st.fp16_k);
-  fv.upload(st.fp16_v);
-  check(fmkv_device_copy(b, q.p, q_host.data, n * qe, 1));
-  std::vector<uint8_t> poison(n * oe + 1, 0xFF);  // NaN in every float format
-  check(fmkv_device_copy(b, o.p, poison.data(), poison.size(), 1));
-  lb.upload(lens);
-  offs.upload(off);
-  table.upload(s.table);
-  slots.upload(s.slots);
-  int64_t max_len = 0;
-  for (auto l : lens) max_len = std::max(max_len, l);
-  int64_t ws = fmkv_attention_workspace_bytes(b, &s.cfg, q_host.heads, q_host.rows, s.seqs(), max_len);
+  const std::vector<int64_t> lens = lengths_after(s);  // attention: tokens in cache including the query rows
+  DeviceLayer L(b, s, st.pages, st.fp16_k, st.fp16_v, lens);
+  DeviceTensor q(b, q_host);
+  DeviceOutput o(b, q_host, out_dtype);
+  const int64_t max_len = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
+  const int64_t ws = fmkv_attention_workspace_bytes(b, &s.cfg, q_host.heads, q_host.rows, s.seqs(), max_len);
   DeviceBuf work(b, (size_t)ws + 16);
-  fmkv_layer_cache lc{(uint8_t*)pages.p, s.num_pages, (uint16_t*)fk.p, (uint16_t*)fv.p, std::max<int32_t>(1, s.seqs()), s.layer};
-  fmkv_batch bt{s.seqs(), (int32_t*)slots.p, (int64_t*)lb.p, (int64_t*)offs.p, (int32_t*)table.p, s.table_stride};
-  fmkv_tensor qt = q_host, ot = make_tensor(o.p, out_dtype, q_host.rows, q_host.heads, q_host.dim);
-  qt.data = q.p;
-  check(fmkv_attention(b, &s.cfg, &lc, &bt, &qt, &opts, &ot, work.p, (size_t)ws, nullptr));
+  check(fmkv_attention(b, &s.cfg, &L.lc, &L.bt, &q.t, &opts, &o.t, work.p, (size_t)ws, nullptr));
   check(fmkv_device_synchronize(b));
-  std::vector<float> out = output_as_f32(o.download<uint8_t>(), out_dtype, n);
-  return out;
+  return o.as_f32();
 }
 
 // The fused decode step on backend b: appends k/v (s.rows per sequence after s.lens tokens) and
@@ -224,47 +244,17 @@ inline std::vector<float> run_attention(fmkv_backend b, const Scenario& s, const
 inline std::pair<LayerState, std::vector<float>> run_append_attention(
     fmkv_backend b, const Scenario& s, const fmkv_tensor& k_host, const fmkv_tensor& v_host, const fmkv_tensor& q_host,
     fmkv_dtype out_dtype, fmkv_attention_opts opts = {0.0f, 0.0f}) {
-  auto off = s.offsets();
-  size_t es = k_host.dtype == FMKV_F32 ? 4 : 2, qe = q_host.dtype == FMKV_F32 ? 4 : 2, oe = out_dtype == FMKV_F32 ? 4 : 2;
-  size_t kv_bytes = (size_t)k_host.rows * k_host.heads * k_host.dim * es;
-  size_t n = (size_t)q_host.rows * q_host.heads * q_host.dim;
-  DeviceBuf pages(b, s.pages.size()), fk(b, s.fp16_k.size() * 2 + 2), fv(b, s.fp16_v.size() * 2 + 2),
-      k(b, kv_bytes + 1), v(b, kv_bytes + 1), q(b, n * qe + 1), o(b, n * oe + 1), lens(b, s.lens.size() * 8 + 8),
-      offs(b, off.size() * 8), table(b, s.table.size() * 4 + 4), slots(b, s.slots.size() * 4 + 4);
-  pages.upload(s.pages);
-  fk.upload(s.fp16_k);
-  fv.upload(s.fp16_v);
-  check(fmkv_device_copy(b, k.p, k_host.data, kv_bytes, 1));
-  check(fmkv_device_copy(b, v.p, v_host.data, kv_bytes, 1));
-  check(fmkv_device_copy(b, q.p, q_host.data, n * qe, 1));
-  std::vector<uint8_t> poison(n * oe + 1, 0xFF);
-  check(fmkv_device_copy(b, o.p, poison.data(), poison.size(), 1));
-  lens.upload(s.lens);
-  offs.upload(off);
-  table.upload(s.table);
-  slots.upload(s.slots);
-  int64_t max_len = 0;
-  for (size_t i = 0; i < s.lens.size(); ++i) max_len = std::max(max_len, s.lens[i] + s.rows[i]);
-  int64_t ws = fmkv_attention_workspace_bytes(b, &s.cfg, q_host.heads, q_host.rows, s.seqs(), max_len);
+  DeviceLayer L(b, s, s.pages, s.fp16_k, s.fp16_v, s.lens);  // lengths before the append
+  DeviceTensor k(b, k_host), v(b, v_host), q(b, q_host);
+  DeviceOutput o(b, q_host, out_dtype);
+  const std::vector<int64_t> after = lengths_after(s);
+  const int64_t max_len = after.empty() ? 0 : *std::max_element(after.begin(), after.end());
+  const int64_t ws = fmkv_attention_workspace_bytes(b, &s.cfg, q_host.heads, q_host.rows, s.seqs(), max_len);
   DeviceBuf work(b, (size_t)ws + 16);
-  fmkv_layer_cache lc{(uint8_t*)pages.p, s.num_pages, (uint16_t*)fk.p, (uint16_t*)fv.p, std::max<int32_t>(1, s.seqs()), s.layer};
-  fmkv_batch bt{s.seqs(), (int32_t*)slots.p, (int64_t*)lens.p, (int64_t*)offs.p, (int32_t*)table.p, s.table_stride};
-  fmkv_tensor kt = k_host, vt = v_host, qt = q_host, ot = make_tensor(o.p, out_dtype, q_host.rows, q_host.heads, q_host.dim);
-  kt.data = k.p;
-  vt.data = v.p;
-  qt.data = q.p;
-  check(fmkv_append_attention(b, &s.cfg, &lc, &bt, &kt, &vt, &qt, &opts, &ot, work.p, (size_t)ws, nullptr));
+  check(fmkv_append_attention(b, &s.cfg, &L.lc, &L.bt, &k.t, &v.t, &q.t, &opts, &o.t, work.p, (size_t)ws, nullptr));
   check(fmkv_device_synchronize(b));
-  LayerState st;
-  st.pages = pages.download<uint8_t>();
-  st.fp16_k = fk.download<uint16_t>();
-  st.fp16_v = fv.download<uint16_t>();
-  st.fp16_k.resize(s.fp16_k.size());
-  st.fp16_v.resize(s.fp16_v.size());
-  std::vector<float> out = output_as_f32(o.download<uint8_t>(), out_dtype, n);
-  return {st, out};
+  return {L.state(s), o.as_f32()};
 }
-
 
 inline fmkv_config config(int32_t d, int32_t kb, int32_t vb, int32_t kv_heads = 2, int32_t page = 16,
                           int32_t sink = 0, int32_t window = 0, int32_t rule = FMKV_SCALE_LSQ) {
