@@ -113,9 +113,11 @@ struct Fmt {
 };
 
 int main(int argc, char** argv) {
-  // --quick: fewer cases; --only B ctx kb vb: one decode case (for profilers)
+  // --quick: fewer cases; --only B ctx kb vb: one decode case (for profilers); --window W: k3v3 at
+  // B=1 with a W-token fp16 window (attention and decode step; no quantize timing)
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   const bool only = argc > 5 && std::string(argv[1]) == "--only";
+  const int window = argc > 2 && std::string(argv[1]) == "--window" ? std::atoi(argv[2]) : 0;
   if (!fmkv_backend_available(FMKV_BACKEND_CUDA)) {
     std::fprintf(stderr, "CUDA backend not available\n");
     return 1;
@@ -151,6 +153,10 @@ int main(int argc, char** argv) {
     cases = {{std::atoi(argv[2]), std::atoll(argv[3])}};
     fmts = {{std::atoi(argv[4]), std::atoi(argv[5])}};
   }
+  if (window > 0) {
+    cases = {{1, 4096}, {1, 32768}, {1, 131072}};
+    fmts = {{3, 3}};
+  }
 
   for (const Fmt& f : fmts) {
     fmkv_config cfg;
@@ -161,10 +167,11 @@ int main(int argc, char** argv) {
     cfg.v_bits = f.vb;
     cfg.page_size = P;
     cfg.seed = 1234;
+    cfg.window_tokens = window;
     const int64_t pb = fmkv_config_page_bytes(&cfg);
 
     // ---- quantize-append throughput: one 32k-token prefill chunk, fp16 input
-    if (!only) {
+    if (!only && window == 0) {
       const int64_t np = chunk / P;
       uint8_t* pages;
       CK(cudaMalloc(&pages, np * pb));
@@ -226,7 +233,12 @@ int main(int argc, char** argv) {
       int64_t *dl, *dro;
       CK(cudaMalloc(&dl, 8 * B));
       CK(cudaMalloc(&dro, 8 * (B + 1)));
-      fmkv_layer_cache lc{pages, copies * np1, nullptr, nullptr, 1, 0};
+      uint16_t *f16k = nullptr, *f16v = nullptr;  // the fp16 window of slot 0 (B = 1 with --window)
+      if (window > 0) {
+        CK(cudaMalloc(&f16k, (size_t)H * window * d * 2));
+        CK(cudaMalloc(&f16v, (size_t)H * window * d * 2));
+      }
+      fmkv_layer_cache lc{pages, copies * np1, f16k, f16v, 1, 0};
       for (int s = 0; s < B; ++s)
         for (int64_t done = 0; done < ctx; done += chunk) {
           const int64_t n = std::min(chunk, ctx - done);
@@ -300,14 +312,15 @@ int main(int argc, char** argv) {
       const double bytes = kv + 2.0 * B * HQ * d * 2;
       std::printf("{\"kind\":\"decode\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":1,\"context\":%lld,"
                   "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"time_us\":%.3f,\"bytes\":%.0f,"
-                  "\"gbps\":%.1f,\"copy_gbps\":%.1f,\"pct_copy_bw\":%.1f,\"copies\":%d,\"nonfinite_out\":%d}\n",
+                  "\"gbps\":%.1f,\"copy_gbps\":%.1f,\"pct_copy_bw\":%.1f,\"copies\":%d,\"nonfinite_out\":%d,"
+                  "\"window\":%d}\n",
                   f.kb, f.vb, B, (long long)ctx, d, HQ, H, P, us, bytes, bytes / us / 1e3, cbw,
-                  100.0 * bytes / us / 1e3 / cbw, copies, nonfinite);
+                  100.0 * bytes / us / 1e3 / cbw, copies, nonfinite, window);
       if (step_fused_us > 0)
         std::printf("{\"kind\":\"step\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":1,\"context\":%lld,"
                     "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"fused_us\":%.3f,"
-                    "\"separate_us\":%.3f,\"attention_only_us\":%.3f,\"copies\":%d}\n",
-                    f.kb, f.vb, B, (long long)ctx, d, HQ, H, P, step_fused_us, step_sep_us, us, copies);
+                    "\"separate_us\":%.3f,\"attention_only_us\":%.3f,\"copies\":%d,\"window\":%d}\n",
+                    f.kb, f.vb, B, (long long)ctx, d, HQ, H, P, step_fused_us, step_sep_us, us, copies, window);
       std::fflush(stdout);
       CK(cudaFree(pages));
       CK(cudaFree(dt));
@@ -316,6 +329,8 @@ int main(int argc, char** argv) {
       CK(cudaFree(q));
       CK(cudaFree(o));
       CK(cudaFree(work));
+      if (f16k) CK(cudaFree(f16k));
+      if (f16v) CK(cudaFree(f16v));
     }
   }
   return 0;

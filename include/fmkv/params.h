@@ -34,7 +34,8 @@ typedef struct fmkv_config {
 } fmkv_config;
 
 /* One layer's storage. pages: num_pages * fmkv_page_bytes(); fp16_k / fp16_v: sink + window
- * tokens, [num_slots][num_kv_heads][sink + window][head_dim] fp16 (NULL when sink + window == 0). */
+ * tokens, [num_slots][num_kv_heads][sink + window][head_dim] fp16 (NULL when sink + window == 0).
+ * The CUDA backend needs pages, fp16_k and fp16_v 16-byte aligned (cudaMalloc and torch give 256). */
 typedef struct fmkv_layer_cache {
   uint8_t* pages;
   int64_t num_pages;

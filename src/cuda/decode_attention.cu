@@ -13,54 +13,91 @@ namespace fmkv {
 namespace cuda {
 namespace {
 
-// One CTA (D threads) per (query row, q head): combine the split partials, un-rotate the compressed
-// part once (FWHT in shared memory), add the fp16 (sink/window) part, normalise, store.
+// One CTA (256 threads) per (query row, q head): combine the split partials, un-rotate the
+// compressed part once, add the fp16 (sink/window) part, normalise, store.
+// Thread -> data: thread t < nsplit + 1 loads partial t's (m, l); then thread t takes the float4 of
+// coordinates 4 (t % (D/4)) .. +3 of the partials i = t / (D/4) + k * (1024/D) (every load of a thread
+// in flight at once: the kernel is a chain of L2 round trips, not bandwidth); the slices are summed
+// in shared memory and warp 0 applies the inverse rotation with shuffles and stores.
+constexpr int kMergeThreads = 256;
 template <int D>
-__global__ void __launch_bounds__(D) merge_kernel(AttnParams p) {
-  __shared__ float y[D];
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
+  constexpr int LPS = D / 4, SL = kMergeThreads / LPS, NR = D / 32;
+  static_assert(kMaxSplits + 1 <= kMergeThreads, "one thread per partial");
+  __shared__ float s_w[kMaxSplits + 1];
+  __shared__ float s_wm[kMergeThreads / 32], s_wl[kMergeThreads / 32];
+  __shared__ __align__(16) float s_red[SL][D];
   // Launched as a programmatic dependent of attn_kernel (sm_90): wait until its partials are written.
   grid_dependency_wait();
   if (error_set(p.err)) return;
   const int64_t row = blockIdx.x;
-  const int hq = blockIdx.y, c = threadIdx.x;
-  const int64_t base = (row * p.HQ + hq) * (p.nsplit + 1);
-  float M = -INFINITY;
-  for (int i = 0; i <= p.nsplit; ++i) M = fmaxf(M, p.part_ml[base + i].x);
-  float L = 0.0f, A = 0.0f, Araw = 0.0f;
-  if (M != -INFINITY) {
-    for (int i = 0; i <= p.nsplit; ++i) {
-      const float2 ml = p.part_ml[base + i];
-      if (ml.x == -INFINITY) continue;
-      const float f = exp2f((ml.x - M) * kLog2e);
-      L += ml.y * f;
-      const float a = p.part_acc[(base + i) * D + c] * f;
-      if (i < p.nsplit) A += a;
-      else Araw = a;
-    }
-  }
-  y[c] = A;
+  const int hq = blockIdx.y, t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  const int nparts = p.nsplit + 1;
+  const int64_t base = (row * p.HQ + hq) * nparts;
+  // weights exp(m_i - M) and L = sum l_i exp(m_i - M)
+  const float2 ml = t < nparts ? p.part_ml[base + t] : make_float2(-INFINITY, 0.0f);
+  float m = ml.x;
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) s_wm[warp] = m;
   __syncthreads();
-  for (int hh = 1; hh < D; hh <<= 1) {
-    if ((c & hh) == 0) {
-      const float a = y[c], b = y[c + hh];
-      y[c] = a + b;
-      y[c + hh] = a - b;
+  float M = s_wm[0];
+#pragma unroll
+  for (int w = 1; w < kMergeThreads / 32; ++w) M = fmaxf(M, s_wm[w]);
+  const float f = ml.x == -INFINITY ? 0.0f : exp2f((ml.x - M) * kLog2e);
+  if (t < nparts) s_w[t] = f;
+  float l = ml.y * f;
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+  if (lane == 0) s_wl[warp] = l;
+  __syncthreads();
+  // compressed partials: slice sl of the splits, coordinates 4 j .. 4 j + 3
+  const int sl = t / LPS, j = t % LPS;
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (M != -INFINITY) {
+    const float4* pa = reinterpret_cast<const float4*>(p.part_acc + base * D) + j;
+#pragma unroll 8
+    for (int i = sl; i < p.nsplit; i += SL) {  // every split CTA wrote its partial (zeros when empty)
+      const float w = s_w[i];
+      const float4 x = pa[(int64_t)i * LPS];
+      acc.x += w * x.x;
+      acc.y += w * x.y;
+      acc.z += w * x.z;
+      acc.w += w * x.w;
     }
-    __syncthreads();
   }
-  float x = y[c] * rotation_norm(D);
-  if (sign_negative(p.sw, c)) x = -x;
-  const float o = (x + Araw) / L;
-  const int64_t off = row * p.o_rs + hq * p.o_hs + c;
-  if (p.o_dtype == FMKV_F32) ((float*)p.out)[off] = o;
-  else if (p.o_dtype == FMKV_F16) ((uint16_t*)p.out)[off] = f32_to_f16(o);
-  else ((uint16_t*)p.out)[off] = f32_to_bf16(o);
+  *reinterpret_cast<float4*>(&s_red[sl][4 * j]) = acc;
+  __syncthreads();
+  if (warp != 0) return;
+  float L = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kMergeThreads / 32; ++w) L += s_wl[w];
+  float y[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    float a = 0.0f;
+#pragma unroll
+    for (int k = 0; k < SL; ++k) a += s_red[k][lane + 32 * r];
+    y[r] = a;
+  }
+  warp_unrotate<D>(y, p.sw, lane);
+  const float wraw = s_w[p.nsplit];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    const int c = lane + 32 * r;
+    const float raw = wraw != 0.0f ? p.part_acc[(base + p.nsplit) * D + c] * wraw : 0.0f;
+    const float o = (y[r] + raw) / L;
+    const int64_t off = row * p.o_rs + hq * p.o_hs + c;
+    if (p.o_dtype == FMKV_F32) ((float*)p.out)[off] = o;
+    else if (p.o_dtype == FMKV_F16) ((uint16_t*)p.out)[off] = f32_to_f16(o);
+    else ((uint16_t*)p.out)[off] = f32_to_bf16(o);
+  }
 }
 
 int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads) {
   const int64_t ctas = (int64_t)std::max(num_seqs, 1) * std::max(kv_heads, 1);
   int64_t ns = (1056 + ctas - 1) / ctas;
-  return (int32_t)std::min<int64_t>(std::max<int64_t>(ns, 1), 64);
+  return (int32_t)std::min<int64_t>(std::max<int64_t>(ns, 1), kMaxSplits);
 }
 
 int64_t align256(int64_t x) { return (x + 255) & ~(int64_t)255; }
@@ -139,6 +176,9 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   }
   if (reinterpret_cast<uintptr_t>(a.layer.pages) % 16 != 0)
     throw Error(kInvalidArgument, "cuda attention: layer pages must be 16-byte aligned (tiles are copied in 16-byte chunks)");
+  if (c.sink_tokens + c.window_tokens > 0 &&
+      (reinterpret_cast<uintptr_t>(a.layer.fp16_k) % 16 != 0 || reinterpret_cast<uintptr_t>(a.layer.fp16_v) % 16 != 0))
+    throw Error(kInvalidArgument, "cuda attention: layer fp16_k / fp16_v must be 16-byte aligned (rows are read in 16-byte chunks)");
   // Both launches are programmatic dependents of what precedes them in the stream (sm_90): their
   // launch overlaps the predecessor's tail; each kernel waits (griddepcontrol.wait) before reading.
   cudaLaunchAttribute attr[1];
@@ -157,7 +197,7 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   }
   cudaLaunchConfig_t lc = {};
   lc.gridDim = dim3((unsigned)a.q.rows, (unsigned)HQ);
-  lc.blockDim = dim3((unsigned)d);
+  lc.blockDim = dim3((unsigned)kMergeThreads);
   lc.stream = st;
   lc.attrs = attr;
   lc.numAttrs = nattr;

@@ -17,7 +17,7 @@
 //                 pairs two tokens of one coordinate; the token scales multiply P (relative to the
 //                 tile's largest scale, which multiplies the fp32 result), so fp16 operands never
 //                 overflow or lose the small terms.
-// Q is rotated once per CTA in shared memory and normalised to max |q| = 1 before fp16 rounding.
+// Q is rotated once per CTA (in registers, a warp per query vector) and normalised to max |q| = 1 before fp16 rounding.
 // Partials (m, l, acc in the rotated domain) go to the workspace; merge_kernel combines them, applies
 // the inverse rotation once (FWHT in shared memory) and adds the fp16 part.
 #pragma once
@@ -69,17 +69,12 @@ struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared me
 #ifndef FMKV_ATTN_MIN_BLOCKS
 #define FMKV_ATTN_MIN_BLOCKS 4
 #endif
-constexpr int kAttnWarps = 4, kQV = 8, kMinTilesPerSplit = 4;
+constexpr int kAttnWarps = 4, kQV = 8, kMinTilesPerSplit = 4, kMaxSplits = 64;
 constexpr int kFusedMaxRows = 16;  // rows per sequence of a fused append + attention call
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kSignMask = 0x80008000u;
 
-template <int B>
-struct BitsTraits {
-  static constexpr uint32_t mask = B == 2 ? 0x0101u : B == 3 ? 0x0303u : 0x0707u;
-};
-
-// fp16x2 magnitude table: T[k] = level 2k | level 2k+1 << 16.
+// fp16x2 magnitude table: T[k] = level 2k | level 2k+1 << 16 (levels 0..3 in T[0..1], 4..7 in T[2..3]).
 __device__ __forceinline__ void load_tables(int bits, uint32_t (&T)[4]) {
   const int M = 1 << (bits - 1), off = FMKV_CODEBOOK_OFFSET(bits);
 #pragma unroll
@@ -90,53 +85,41 @@ __device__ __forceinline__ void load_tables(int bits, uint32_t (&T)[4]) {
   }
 }
 
-// t: magnitude of value a in byte 0, of value b in byte 1 (bits above b-1 of these bytes clear;
-// bytes 2,3 are ignored: the selector uses the low 16 bits only) -> fp16x2 (a, b).
+// Code decoding (FORMAT.md section 6). A "selector-form word" holds in bytes 0..3 the magnitude
+// fields (the 2-bit field, or the magnitude bit for 2-bit codes) of four values, each byte < 4.
+// pair_selectors() turns it into two byte-permute selectors (nibbles 2m, 2m+1 fetch the two bytes
+// of fp16 level m from T[0..1]); lookup() fetches an fp16 pair. 4-bit codes fetch levels m and 4 + m
+// and pick per half by the magnitude bit-2 mask; signs are XORed into bits 15/31 by the caller.
+//
+// Both selectors of a selector-form word x: .x fetches the pair (byte 0, byte 1), .y the pair
+// (byte 2, byte 3). One 64-bit multiply-add: x * 0x00220022 puts 0x22 m of bytes 0,1 in the low half
+// of the low word and of bytes 2,3 in the low half of the high word (bytes < 4: every byte of
+// x * 0x22 is <= 0x66, so nothing carries between them or out of the low word).
+__device__ __forceinline__ uint2 pair_selectors(uint32_t x) {
+  const uint64_t w = (uint64_t)x * 0x00220022u + 0x0000101000001010ull;
+  return make_uint2((uint32_t)w, (uint32_t)(w >> 32));
+}
+
+// 0xffff in each half of u whose top bit (bit 15 / bit 31) is set (byte permute, sign-replicate mode).
+__device__ __forceinline__ uint32_t half_mask(uint32_t u) { return prmt(u, 0u, 0xBB99u); }
+
 template <int B>
-__device__ __forceinline__ uint32_t lookup(uint32_t t, const uint32_t (&T)[4]) {
-  if (B == 2) return prmt(T[0], T[0], t * 0x22u + 0x1010u);
-  if (B == 3) return prmt(T[0], T[1], t * 0x22u + 0x1010u);
-  const uint32_t sel = (t & 0x0303u) * 0x22u + 0x1010u;
+__device__ __forceinline__ uint32_t lookup(uint32_t sel, uint32_t bit2_mask, const uint32_t (&T)[4]) {
+  if (B == 2) return prmt(T[0], T[0], sel);
+  if (B == 3) return prmt(T[0], T[1], sel);
   const uint32_t lo = prmt(T[0], T[1], sel), hi = prmt(T[2], T[3], sel);
-  const uint32_t msk = prmt(t << 5, 0u, 0x9988u);  // sign-replicate bit 2 of each magnitude
-  return (lo & ~msk) | (hi & msk);
+  return (lo & ~bit2_mask) | (hi & bit2_mask);
 }
 
-// Selector form of a lookup, computed once per token word and shared by its four values: byte k of
-// s = 0x10 + 0x22 m_k (the nibbles 2m, 2m+1 fetch the two bytes of fp16 level m), bit 7 of byte k of
-// h = magnitude bit 2 (B == 4). lookup_sel() uses bytes 0 and 1 of both; byte pairs of two tokens are
-// combined with one prmt before the lookup (V), or bytes 2,3 shifted down (K).
+// Selector-form word of coordinates (i0, i0+16, i0+1, i0+17) of a group (i0 even, < 16) of one token:
+// f is the field word (i0 >> 3) for B >= 3, the magnitude plane for B == 2.
 template <int B>
-struct Sel {
-  uint32_t s, h;
-};
-template <int B>
-__device__ __forceinline__ Sel<B> make_sel(uint32_t x) {
-  if (B == 4) return {(x & 0x03030303u) * 0x22u + 0x10101010u, x << 5};
-  return {x * 0x22u + 0x10101010u, 0u};
-}
-template <int B>
-__device__ __forceinline__ uint32_t lookup_sel(uint32_t s, uint32_t h, const uint32_t (&T)[4]) {
-  if (B == 2) return prmt(T[0], T[0], s);
-  if (B == 3) return prmt(T[0], T[1], s);
-  const uint32_t lo = prmt(T[0], T[1], s), hi = prmt(T[2], T[3], s);
-  const uint32_t msk = prmt(h, 0u, 0x9988u);  // sign-replicate bit 7 of bytes 0, 1
-  return (lo & ~msk) | (hi & msk);
-}
-
-// Bytes 0..3 = magnitudes of coordinates (i0, i0+16, i0+1, i0+17) of a group (i0 even, < 16), each
-// byte clean (higher bits zero), so lookup() may be given bytes 0,1 with garbage in bytes 2,3.
-// f: the field word (i0 >> 3) for B >= 3, the magnitude plane for B == 2; p2: bit-2 plane (B == 4).
-template <int B>
-__device__ __forceinline__ uint32_t make_x(uint32_t f, uint32_t p2, int i0) {
+__device__ __forceinline__ uint32_t make_x(uint32_t f, int i0) {
   if (B == 2) {
     const uint32_t y = f >> i0;
     return (y & 1u) | ((y >> 8) & 0x100u) | ((y << 15) & 0x10000u) | ((y << 7) & 0x1000000u);
   }
-  if (B == 3) return (f >> (i0 & 7)) & 0x03030303u;
-  const uint32_t y = p2 >> i0;
-  return ((f >> (i0 & 7)) & 0x03030303u) | ((y & 1u) << 2) | ((y >> 6) & 0x400u) | ((y << 17) & 0x40000u) |
-         ((y << 9) & 0x4000000u);
+  return (f >> (i0 & 7)) & 0x03030303u;
 }
 
 __device__ __forceinline__ float h_lo(uint32_t x) { return __half2float(__ushort_as_half((unsigned short)(x & 0xffffu))); }
@@ -144,64 +127,231 @@ __device__ __forceinline__ float h_hi(uint32_t x) { return __half2float(__ushort
 
 __device__ __forceinline__ float apply_softcap(float x, float cap) { return cap > 0.0f ? cap * tanhf(x / cap) : x; }
 
-// Sink + window tokens (fp16, unrotated) and, for a fused step, the tokens compressed by this step
-// (positions [e0, e1), dequantized to the raw domain in shared memory dk/dv): scalar fp32, one warp
-// per query vector. Ring tokens are [E, len).
+// 2^x by the SFU (ex2.approx.ftz: relative error ~2^-22, 2^-inf = 0; results below 2^-126 flush to 0,
+// which is below what an fp32 softmax weight can contribute next to the running maximum's 1).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---- fp16 part: sink + window tokens (fp16, unrotated) and, for a fused step, the tokens compressed
+// by this step (positions [e0, e1), dequantized to the raw domain in shared memory), attended in fp32
+// by the sink/window CTA of (sequence, kv head). Token list: sink [0, min(S, len)) at region slots
+// 0.., fresh [e0, e1) (rows of dk/dv), ring [E, len) at slots S + (p - S) mod W.
+// Per batch of kQV query vectors (q in shared memory) and chunk of kFp16Chunk tokens:
+//   1. scores: thread t takes token t of the chunk (its K row in 16-byte loads) against all kQV vectors;
+//   2. online softmax: warp w keeps the running max / sum of vectors 2w, 2w+1;
+//   3. O = O x corr + P V: warp w owns coordinates [w D/4, (w+1) D/4) (lane: 1 (D=128), 2 (D=256) or,
+//      for D=64, 1 coordinate of every other token), over every token of the chunk.
+// Shared memory (dynamic, Fp16Geom): dk, dv [16][D] floats each (fused step), q [kQV][D], P [chunk][kQV].
+constexpr int kFp16Chunk = 128;
+template <int D>
+struct Fp16Geom {
+  static constexpr int fresh_bytes = 2 * kFusedMaxRows * D * 4;
+  static constexpr int q_off = fresh_bytes, p_off = q_off + kQV * D * 4;
+  static constexpr int bytes = p_off + kFp16Chunk * kQV * 4;
+};
+
+// fp16x2 -> two floats
+__device__ __forceinline__ float2 h2_to_f2(uint32_t x) { return make_float2(h_lo(x), h_hi(x)); }
+
 template <int D>
 __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_t r0, int64_t n, int64_t E,
-                          const float* dk = nullptr, const float* dv = nullptr, int64_t e0 = 0, int64_t e1 = 0) {
-  constexpr int NR = D / 32;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+                          uint8_t* smem, int64_t e0 = 0, int64_t e1 = 0) {
+  using FG = Fp16Geom<D>;
+  constexpr int CW = D / kAttnWarps;                    // coordinates per warp in P V
+  constexpr int CPL = CW >= 32 ? CW / 32 : 1;           // ... per lane
+  constexpr int TPH = CW >= 32 ? 1 : 32 / CW;           // token phases per warp (D = 64: 2)
+  const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31;
+  const float* dk = reinterpret_cast<const float*>(smem);
+  const float* dv = dk + kFusedMaxRows * D;
+  float(*qs)[D] = reinterpret_cast<float(*)[D]>(smem + FG::q_off);
+  float(*ps)[kQV] = reinterpret_cast<float(*)[kQV]>(smem + FG::p_off);
+  __shared__ float s_corr[kQV], s_m[kQV], s_l[kQV];
+  __shared__ int64_t s_pos[kQV], s_qoff[kQV], s_part[kQV];
   const int64_t nqv = n * p.gq;
   const int32_t slot = p.slots ? p.slots[s] : 0;
-  for (int64_t v = warp; v < nqv; v += kAttnWarps) {
-    const int64_t row = r0 + v / p.gq, pos = len - n + v / p.gq;
-    const int hq = h * p.gq + (int)(v % p.gq);
-    float q[NR], acc[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      q[r] = load_elem(p.q, p.q_dtype, row * p.q_rs + hq * p.q_hs + lane + 32 * r);
-      acc[r] = 0.0f;
+  const int64_t Ts = p.R > 0 ? (len < p.S ? len : p.S) : 0, Tn = e1 - e0, Tr = p.R > 0 ? len - E : 0;
+  const int64_t T = Ts + Tn + Tr;
+  const int32_t ring0 = p.W > 0 ? (int32_t)((E - p.S) % p.W) : 0;  // ring slot offset of position E
+  const int64_t reg = (((int64_t)slot * p.H + h) * p.R) * D;
+  const uint16_t* kreg = p.fp16_k + (p.R > 0 ? reg : 0);
+  const uint16_t* vreg = p.fp16_v + (p.R > 0 ? reg : 0);
+  // token ti of the list -> its position and its row (region row index, or -1 - fresh row)
+  auto token = [&](int64_t ti, int64_t& pos) -> int64_t {
+    if (ti < Ts) {
+      pos = ti;
+      return ti;
     }
-    float m = -INFINITY, l = 0.0f;
-    const int64_t sink_end = len < p.S ? len : p.S;
-    for (int pass = 0; pass < 3; ++pass) {
-      if (pass != 1 && p.R == 0) continue;
-      const int64_t b = pass == 0 ? 0 : pass == 1 ? e0 : E, e = pass == 0 ? sink_end : pass == 1 ? e1 : len;
-      for (int64_t pp = b; pp < e && pp <= pos; ++pp) {
-        float kx[NR], vx[NR];
-        if (pass == 1) {
+    if (ti < Ts + Tn) {
+      pos = e0 + (ti - Ts);
+      return -1 - (ti - Ts);
+    }
+    const int32_t k = (int32_t)(ti - Ts - Tn);
+    int32_t fs = ring0 + k;
+    if (fs >= p.W) fs -= p.W;
+    pos = E + k;
+    return p.S + fs;
+  };
+  const int cbase = warp * CW + (CW >= 32 ? CPL * lane : (lane % CW)), tphase = CW >= 32 ? 0 : lane / CW;
+
+  for (int64_t vb = 0; vb < nqv; vb += kQV) {
+    if (tidx < kQV) {
+      const int64_t v = vb + tidx;
+      const int64_t row = r0 + v / p.gq;
+      const int hq = h * p.gq + (int)(v % p.gq);
+      s_pos[tidx] = v < nqv ? len - n + v / p.gq : -1;
+      s_qoff[tidx] = v < nqv ? row * p.q_rs + hq * p.q_hs : -1;
+      s_part[tidx] = v < nqv ? (row * p.HQ + hq) * (p.nsplit + 1) + p.nsplit : -1;
+    }
+    __syncthreads();
+    for (int e = tidx; e < kQV * D; e += blockDim.x) {
+      const int i = e / D, c = e % D;
+      const int64_t qo = s_qoff[i];
+      qs[i][c] = qo >= 0 ? load_elem(p.q, p.q_dtype, qo + c) : 0.0f;
+    }
+    __syncthreads();
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+    float acc[kQV][CPL];
 #pragma unroll
-          for (int r = 0; r < NR; ++r) {
-            kx[r] = dk[(pp - e0) * D + lane + 32 * r];
-            vx[r] = dv[(pp - e0) * D + lane + 32 * r];
+    for (int i = 0; i < kQV; ++i)
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) acc[i][c] = 0.0f;
+
+    for (int64_t c0 = 0; c0 < T; c0 += kFp16Chunk) {
+      const int cnt = T - c0 < kFp16Chunk ? (int)(T - c0) : kFp16Chunk;
+      // 1. scores (log2 units), -inf where masked
+      {
+        float sc[kQV];
+#pragma unroll
+        for (int i = 0; i < kQV; ++i) sc[i] = -INFINITY;
+        if (tidx < cnt) {
+          int64_t pos;
+          const int64_t rr = token(c0 + tidx, pos);
+          float dot[kQV];
+#pragma unroll
+          for (int i = 0; i < kQV; ++i) dot[i] = 0.0f;
+#pragma unroll 2
+          for (int c = 0; c < D; c += 8) {
+            float kx[8];
+            if (rr >= 0) {
+              const uint4 w = *reinterpret_cast<const uint4*>(kreg + rr * D + c);
+              const float2 a = h2_to_f2(w.x), b = h2_to_f2(w.y), cc = h2_to_f2(w.z), d = h2_to_f2(w.w);
+              kx[0] = a.x; kx[1] = a.y; kx[2] = b.x; kx[3] = b.y; kx[4] = cc.x; kx[5] = cc.y; kx[6] = d.x; kx[7] = d.y;
+            } else {
+              const float4 a = *reinterpret_cast<const float4*>(dk + (-1 - rr) * D + c);
+              const float4 b = *reinterpret_cast<const float4*>(dk + (-1 - rr) * D + c + 4);
+              kx[0] = a.x; kx[1] = a.y; kx[2] = a.z; kx[3] = a.w; kx[4] = b.x; kx[5] = b.y; kx[6] = b.z; kx[7] = b.w;
+            }
+#pragma unroll
+            for (int i = 0; i < kQV; ++i) {
+              const float4 qa = *reinterpret_cast<const float4*>(&qs[i][c]);
+              const float4 qb = *reinterpret_cast<const float4*>(&qs[i][c + 4]);
+              dot[i] += qa.x * kx[0] + qa.y * kx[1] + qa.z * kx[2] + qa.w * kx[3] + qb.x * kx[4] + qb.y * kx[5] +
+                        qb.z * kx[6] + qb.w * kx[7];
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kQV; ++i)
+            if (pos <= s_pos[i]) sc[i] = apply_softcap(dot[i] * p.sm_scale, p.softcap) * kLog2e;
+        }
+        *reinterpret_cast<float4*>(&ps[tidx][0]) = make_float4(sc[0], sc[1], sc[2], sc[3]);
+        *reinterpret_cast<float4*>(&ps[tidx][4]) = make_float4(sc[4], sc[5], sc[6], sc[7]);
+      }
+      __syncthreads();
+      // 2. online softmax of vectors 2 warp + j over the chunk
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int i = 2 * warp + j;
+        float x[kFp16Chunk / 32], cm = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < kFp16Chunk / 32; ++k) {
+          x[k] = ps[lane + 32 * k][i];
+          cm = fmaxf(cm, x[k]);
+        }
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
+        const float m_new = fmaxf(m_run[j], cm);
+        const float corr = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[j] - m_new);
+        const float ms = m_new == -INFINITY ? 0.0f : m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kFp16Chunk / 32; ++k) {
+          x[k] = fast_exp2(x[k] - ms);
+          ps[lane + 32 * k][i] = x[k];
+          sum += x[k];
+        }
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        l_run[j] = l_run[j] * corr + sum;
+        m_run[j] = m_new;
+        if (lane == 0) s_corr[i] = corr;
+      }
+      __syncthreads();
+      // 3. O = O x corr + P V over the chunk (this lane's coordinates)
+#pragma unroll
+      for (int i = 0; i < kQV; ++i) {
+        const float cr = s_corr[i];
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) acc[i][c] *= cr;
+      }
+#pragma unroll 4
+      for (int t = tphase; t < cnt; t += TPH) {
+        int64_t pos;
+        const int64_t rr = token(c0 + t, pos);
+        float vx[CPL];
+        if (rr >= 0) {
+          const uint16_t* vr = vreg + rr * D + cbase;
+          if (CPL == 1) vx[0] = f16_to_f32(vr[0]);
+          else {
+#pragma unroll
+            for (int c = 0; c < CPL; c += 2) {
+              const float2 f = h2_to_f2(*reinterpret_cast<const uint32_t*>(vr + c));
+              vx[c] = f.x;
+              vx[c + 1] = f.y;
+            }
           }
         } else {
-          const int32_t fs = pp < p.S ? (int32_t)pp : p.S + (int32_t)((pp - p.S) % p.W);
-          const int64_t off = (((int64_t)slot * p.H + h) * p.R + fs) * D;
 #pragma unroll
-          for (int r = 0; r < NR; ++r) {
-            kx[r] = f16_to_f32(p.fp16_k[off + lane + 32 * r]);
-            vx[r] = f16_to_f32(p.fp16_v[off + lane + 32 * r]);
-          }
+          for (int c = 0; c < CPL; ++c) vx[c] = dv[(-1 - rr) * D + cbase + c];
         }
-        float dot = 0.0f;
+        const float4 pa = *reinterpret_cast<const float4*>(&ps[t][0]);
+        const float4 pb = *reinterpret_cast<const float4*>(&ps[t][4]);
+        const float pw[kQV] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
 #pragma unroll
-        for (int r = 0; r < NR; ++r) dot += q[r] * kx[r];
+        for (int i = 0; i < kQV; ++i)
 #pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        const float x = apply_softcap(dot * p.sm_scale, p.softcap);
-        const float mn = fmaxf(m, x), corr = exp2f((m - mn) * kLog2e), pw = exp2f((x - mn) * kLog2e);
-        l = l * corr + pw;
+          for (int c = 0; c < CPL; ++c) acc[i][c] += pw[i] * vx[c];
+      }
+      __syncthreads();  // ps is rewritten by the next chunk
+    }
+    if (TPH > 1) {
 #pragma unroll
-        for (int r = 0; r < NR; ++r) acc[r] = acc[r] * corr + pw * vx[r];
-        m = mn;
+      for (int i = 0; i < kQV; ++i)
+#pragma unroll
+        for (int c = 0; c < CPL; ++c)
+#pragma unroll
+          for (int o = 16; o >= 32 / TPH; o >>= 1) acc[i][c] += __shfl_xor_sync(0xffffffffu, acc[i][c], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s_m[2 * warp + j] = m_run[j] * 0.69314718055994531f;  // back to natural-log units
+        s_l[2 * warp + j] = l_run[j];
       }
     }
-    const int64_t idx = ((row * p.HQ + hq) * (p.nsplit + 1) + p.nsplit);
+    __syncthreads();
 #pragma unroll
-    for (int r = 0; r < NR; ++r) p.part_acc[idx * D + lane + 32 * r] = acc[r];
-    if (lane == 0) p.part_ml[idx] = make_float2(m, l);
+    for (int i = 0; i < kQV; ++i) {
+      const int64_t idx = s_part[i];
+      if (idx < 0) continue;
+      if (tphase == 0)
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) p.part_acc[idx * D + cbase + c] = acc[i][c];
+      if (tidx == 0) p.part_ml[idx] = make_float2(s_m[i], s_l[i]);
+    }
+    __syncthreads();  // s_* and qs are rewritten by the next batch
   }
 }
 
@@ -222,29 +372,27 @@ __device__ inline bool block_any_bad(const void* base, int32_t dtype, int64_t rs
   const int es = dtype == FMKV_F32 ? 4 : 2, vec = 16 / es, per = D / vec;
   const bool aligned = reinterpret_cast<uintptr_t>(base) % 16 == 0 && (rs * es) % 16 == 0 && (hs * es) % 16 == 0;
   bool bad = false;
-  if (aligned) {
-    const int64_t total = n * heads * per;
-    for (int64_t c0 = threadIdx.x; c0 < total; c0 += 4 * (int64_t)blockDim.x) {
+  if (aligned) {  // n <= 16 rows (fused step): chunk indices fit 32 bits; per is a power of two
+    const uint32_t hp = (uint32_t)heads * per, total = (uint32_t)n * hp;
+    for (uint32_t c0 = threadIdx.x; c0 < total; c0 += 4 * blockDim.x) {
       uint4 x[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const int64_t c = c0 + u * (int64_t)blockDim.x;
+        const uint32_t c = c0 + u * blockDim.x;
         if (c < total) {
-          const int64_t r = c / ((int64_t)heads * per);
-          const int hh = (int)((c / per) % heads), part = (int)(c % per);
+          const uint32_t r = c / hp, hh = (c % hp) / per, part = c % per;
           x[u] = *reinterpret_cast<const uint4*>(static_cast<const char*>(base) + ((r0 + r) * rs + hh * hs) * es + part * 16);
         }
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const int64_t c = c0 + u * (int64_t)blockDim.x;
+        const uint32_t c = c0 + u * blockDim.x;
         if (c >= total) continue;
         const uint32_t w[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
         for (int k = 0; k < vec; ++k) {
           const uint32_t b = es == 4 ? w[k] : (w[k >> 1] >> (16 * (k & 1))) & 0xffffu;
           if (elem_bad(b, dtype, fp16_range)) {
-            const int64_t r = c / ((int64_t)heads * per);
-            const int hh = (int)((c / per) % heads), part = (int)(c % per);
+            const uint32_t r = c / hp, hh = (c % hp) / per, part = c % per;
             report_error(err, kNonFinite, kind, which, r0 + r, hh, part * vec + k);
             bad = true;
           }
@@ -272,13 +420,12 @@ __device__ inline bool block_any_bad(const void* base, int32_t dtype, int64_t rs
 //   1. validate every input of the sequence (rows, block table up to the new end, k/v/q finite):
 //      all CTAs of the sequence take the same decision, so a bad sequence is left untouched;
 //   2. compress the tokens [E0, E1) that leave the window (read from the ring) or arrive compressed
-//      (new rows): one warp per head vector, the quantizer of append.cu (bit-exact);
+//      (new rows): one warp per head vector, the quantizer of append.cu (bit-exact); the warp keeps
+//      the dequantized values and un-rotates them (shuffles) into shared memory;
 //   3. write the new rows that land in the sink or the ring (after 2 read the ring);
-//   4. dequantize the tokens [E0, E1) of head h to the raw domain in shared memory (inverse FWHT by
-//      warp shuffles);
-//   5. attention of the sequence's query vectors of head h over sink + [E0, E1) + ring.
+//   4. attention of the sequence's query vectors of head h over sink + [E0, E1) + ring (fp16_part).
 // The split CTAs meanwhile attend [S, E0), which this step does not write.
-template <int D>
+template <int D, int P>
 __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int64_t r0, int64_t n, uint8_t* smem) {
   constexpr int NR = D / 32;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31;
@@ -298,7 +445,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   }
   if (!bad) {
     if (E1 > p.S) {  // every block-table entry up to the new end, 4 loads in flight per thread
-      const int64_t np = (E1 - 1 - p.S) / p.P + 1;
+      const int64_t np = (int64_t)((uint64_t)(E1 - 1 - p.S) / P) + 1;
       for (int64_t q0 = tidx; q0 < np; q0 += 4 * (int64_t)blockDim.x) {
         int32_t pg[4];
 #pragma unroll
@@ -317,13 +464,17 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   }
   if (__syncthreads_or(bad)) return;
 
-  // 2. compress [E0, E1) of head h
+  // 2. compress [E0, E1) of head h; the warp keeps the dequantized values, un-rotates them and leaves
+  //    them in shared memory (dk / dv rows) for step 4
+  float* dk = reinterpret_cast<float*>(smem);
+  float* dv = dk + kFusedMaxRows * D;
   const int64_t ncomp = E1 - E0;
   for (int64_t vj = warp; vj < 2 * ncomp; vj += kAttnWarps) {
     const int isv = (int)(vj & 1);
-    const int64_t q = E0 + (vj >> 1), ci = q - p.S;
-    const int32_t pg = btrow[ci / p.P];
-    const int32_t t = (int32_t)(ci % p.P);
+    const int64_t j = vj >> 1, q = E0 + j;
+    const uint64_t ci = (uint64_t)(q - p.S);
+    const int32_t pg = btrow[ci / P];
+    const int32_t t = (int32_t)(ci % P);
     uint16_t x[NR];
     if (q >= len0) {
       const int64_t rr = r0 + (q - len0);
@@ -339,23 +490,30 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
       for (int i = 0; i < NR; ++i) x[i] = ring[lane + 32 * i];
     }
     const int bits = isv ? p.vb : p.kb;
-    uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, p.P, h, isv);
-    if (bits == FMKV_FP16_BITS) {
-      uint16_t* dst = (uint16_t*)sec + (int64_t)t * D;
-#pragma unroll
-      for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = x[i];
-      continue;
-    }
+    uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, P, h, isv);
+    float* dst = (isv ? dv : dk) + j * D;
     float v[NR];
 #pragma unroll
     for (int i = 0; i < NR; ++i) v[i] = f16_to_f32(x[i]);
+    if (bits == FMKV_FP16_BITS) {
+      uint16_t* raw = (uint16_t*)sec + (int64_t)t * D;
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        raw[lane + 32 * i] = x[i];
+        dst[lane + 32 * i] = v[i];
+      }
+      continue;
+    }
     warp_rotate<D>(v, p.sw, lane);
     uint32_t* words = (uint32_t*)sec;
-    uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, bits, p.P));
+    uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, bits, P));
 #pragma unroll
-    for (int g = 0; g < NR; ++g)
-      warp_quantize_group(v[g], bits, p.rule, lane, words + fmkv_code_word_index(bits, p.P, g, 0, t), p.P,
-                          scales + (int64_t)g * p.P + t);
+    for (int g = 0; g < NR; ++g)  // group g = register g: coordinate lane of the group
+      v[g] = warp_quantize_group(v[g], bits, p.rule, lane, words + fmkv_code_word_index(bits, P, g, 0, t), P,
+                                 scales + (int64_t)g * P + t);
+    warp_unrotate<D>(v, p.sw, lane);
+#pragma unroll
+    for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = v[i];
   }
   __syncthreads();
 
@@ -375,68 +533,10 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
 #pragma unroll
       for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = load_f16_bits(src, dt, base + lane + 32 * i);
     }
+  __syncthreads();  // ring rows and dk / dv complete
 
-  // 4. dequantize [E0, E1) of head h (pages written in 2 are visible to this CTA after the barrier)
-  float* dk = reinterpret_cast<float*>(smem);
-  float* dv = dk + kFusedMaxRows * D;
-  for (int64_t vj = warp; vj < 2 * ncomp; vj += kAttnWarps) {
-    const int isv = (int)(vj & 1);
-    const int64_t j = vj >> 1, ci = E0 + j - p.S;
-    const int32_t pg = btrow[ci / p.P];
-    const int32_t t = (int32_t)(ci % p.P);
-    const int bits = isv ? p.vb : p.kb;
-    const uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, p.P, h, isv);
-    float y[NR];
-    if (bits == FMKV_FP16_BITS) {
-#pragma unroll
-      for (int r = 0; r < NR; ++r) y[r] = f16_to_f32(((const uint16_t*)sec)[(int64_t)t * D + lane + 32 * r]);
-    } else {
-      const uint32_t* words = (const uint32_t*)sec;
-      const uint16_t* sc = (const uint16_t*)(sec + fmkv_scales_offset(D, bits, p.P));
-#pragma unroll
-      for (int g = 0; g < NR; ++g) {  // group g = register g: coordinate lane of the group
-        const uint32_t w0 = words[fmkv_code_word_index(bits, p.P, g, 0, t)];
-        const uint32_t w1 = bits >= 3 ? words[fmkv_code_word_index(bits, p.P, g, 1, t)] : 0u;
-        const uint32_t w2 = bits == 4 ? words[fmkv_code_word_index(bits, p.P, g, 2, t)] : 0u;
-        const uint32_t sgn = words[fmkv_code_word_index(bits, p.P, g, bits - 1, t)];
-        uint32_t m;
-        if (bits == 2) m = (w0 >> lane) & 1u;
-        else m = ((fmkv_field_word(lane) ? w1 : w0) >> fmkv_field_shift(lane)) & 3u;
-        if (bits == 4) m |= ((w2 >> lane) & 1u) << 2;
-        const float l = dev_mag(bits, (int)m) * f16_to_f32(sc[(int64_t)g * p.P + t]);
-        y[g] = ((sgn >> lane) & 1u) ? -l : l;
-      }
-      // inverse rotation: x = signs * FWHT(y) / sqrt(D) (the FWHT is its own inverse up to D)
-#pragma unroll
-      for (int hh = 1; hh < 32; hh <<= 1)
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          const float o = __shfl_xor_sync(0xffffffffu, y[r], hh);
-          y[r] = (lane & hh) ? o - y[r] : y[r] + o;
-        }
-#pragma unroll
-      for (int hr = 1; hr < NR; hr <<= 1)
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-          if ((r & hr) == 0) {
-            const float a = y[r], b = y[r + hr];
-            y[r] = a + b;
-            y[r + hr] = a - b;
-          }
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        y[r] *= rotation_norm(D);
-        if (sign_negative(p.sw, lane + 32 * r)) y[r] = -y[r];
-      }
-    }
-    float* dst = (isv ? dv : dk) + j * D;
-#pragma unroll
-    for (int r = 0; r < NR; ++r) dst[lane + 32 * r] = y[r];
-  }
-  __syncthreads();
-
-  // 5. attention over sink + [E0, E1) + ring
-  fp16_part<D>(p, s, h, len, r0, n, E1, dk, dv, E0, E1);
+  // 4. attention over sink + [E0, E1) + ring
+  fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);
 }
 
 // Sequence-level checks of a CTA (row offsets, length, slot, block-table stride). Reported once per
@@ -483,20 +583,27 @@ struct TileGeom {
   static constexpr int stage_bytes = kAttnWarps * stages * bytes;
   static constexpr int combine_bytes = kAttnWarps * kQV * D * 4;  // sm_acc; sq (kQV x D floats) is smaller
   static constexpr int smem = stage_bytes > combine_bytes ? stage_bytes : combine_bytes;
+  static constexpr int split_bytes = smem + kQV * D * 4;  // + the Q rotation buffer
+  // the sink/window CTA uses the same dynamic shared memory for the fp16 part (Fp16Geom)
+  static constexpr int smem_total = split_bytes > Fp16Geom<D>::bytes ? split_bytes : Fp16Geom<D>::bytes;
 };
 
 // Decode attention main kernel (see the file header). Template: head_dim D, K/V bits, page size P
 // (compile-time, so every load of a tile is a constant offset from one tile pointer).
 //
-// Thread -> data mapping of one warp and 16-token tile [t0, t0 + 16) of a page (lane = 4 gID + tid):
-//   K (mma A operand, 16 tokens x 16 coordinates): tokens gID and gID + 8; of each group g and chunk
+// Thread -> data mapping of one warp and 16-token tile [t0, t0 + 16) of a page (lane = 4 gID + tid).
+// mma row / k index r of the tile stands for token pi(r) = 2r (r < 8), 2(r - 8) + 1 (r >= 8), so that
+// the two tokens of a lane are adjacent words of a staged plane row (one 8- or 16-byte load):
+//   K (mma A operand, 16 tokens x 16 coordinates): tokens 2gID, 2gID + 1; of each group g and chunk
 //     c in {0, 1} the coordinates i0, i0+16 (a0/a1) and i0+1, i0+17 (a2/a3), i0 = 8c + 2 tid.
-//   Q (mma B operand): query vector gID, the same coordinates.   S (C fragment): tokens gID, gID+8
+//   Q (mma B operand): query vector gID, the same coordinates.   S (C fragment): tokens 2gID, 2gID+1
 //     x query vectors 2 tid, 2 tid + 1, so the softmax state of a lane is that of queries 2tid, 2tid+1.
-//   P -> B operand of the V mma (tokens 2tid, 2tid+1, 2tid+8, 2tid+9 x query gID) by movmatrix.trans,
-//     after the per-token V scale of group g has been folded into P (fp32, before fp16 rounding).
+//   P -> B operand of the V mma (k = 2tid, 2tid+1, 2tid+8, 2tid+9, i.e. tokens 4tid, 4tid+2, 4tid+1,
+//     4tid+3, x query gID) by movmatrix.trans, after the per-token V scale of group g has been folded
+//     into P (fp32, before fp16 rounding).
 //   V (mma A operand, 16 coordinates x 16 tokens): coordinates 2gID (+16, +1, +17) of each group, tokens
-//     2tid, 2tid+1, 2tid+8, 2tid+9.   O (C fragment): those coordinates x queries 2tid, 2tid+1.
+//     4tid .. 4tid + 3 (pairs (4tid, 4tid+2), (4tid+1, 4tid+3)).   O (C fragment): those coordinates x
+//     queries 2tid, 2tid+1.
 template <int D, int KB, int VB, int P>
 __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn_kernel(AttnParams p) {
   constexpr int G = D / 32;
@@ -504,10 +611,11 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   constexpr int KW = K16 ? 1 : KB;                        // code words per group and token (K)
   using TG = TileGeom<D, KB, VB>;
   constexpr int NST = TG::stages, TB = TG::bytes;
-  // Dynamic shared memory, reused by phase: Q rotation (sq), tile staging (per warp NST x TB bytes),
-  // combination of the 4 warps (sm_acc). __syncthreads() separates the phases.
+  // Dynamic shared memory: tile staging (per warp NST x TB bytes), reused by the combination of the
+  // 4 warps (sm_acc; __syncthreads() separates the phases), then Q rotation (sq, its own region: the
+  // first tiles are in flight while Q is rotated).
   extern __shared__ __align__(16) uint8_t smem[];
-  float(*sq)[D] = reinterpret_cast<float(*)[D]>(smem);
+  float(*sq)[D] = reinterpret_cast<float(*)[D]>(smem + TG::smem);
   float(*sm_acc)[kQV][D] = reinterpret_cast<float(*)[kQV][D]>(smem);
   __shared__ float s_qmax[kQV];
   __shared__ uint32_t s_tab[8][32];
@@ -527,8 +635,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   if (!attn_sequence_ok(p, s, h, sp, r0, n, len) || n <= 0) return;
   const int64_t E = dev_compressed_end(p.S, p.W, p.fused ? len0 : len), C = E - p.S;
   if (sp == p.nsplit) {
-    if (p.fused) fused_step<D>(p, s, h, len0, r0, n, smem);
-    else fp16_part<D>(p, s, h, len, r0, n, E);
+    if (p.fused) fused_step<D, P>(p, s, h, len0, r0, n, smem);
+    else fp16_part<D>(p, s, h, len, r0, n, E, smem);
     return;
   }
   const int64_t nqv = n * p.gq;
@@ -578,39 +686,72 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     }
   }
 
+  // This warp's tiles: ti = tb + warp + 4 k, k < nmy, i.e. compressed tokens ci_first + 64 k + [0, 16).
+  // Tile k is staged into stage k % NST by cp.async NST - 1 tiles ahead of its use; its page index
+  // is read one issue earlier still. Token offsets are unsigned (non-negative), so / P and % P are
+  // shifts and masks.
+  const int32_t* btrow = p.bt + (int64_t)s * p.bt_stride;
+  const int64_t first = tb + warp;
+  const int nmy = te > first ? (int)((te - first + kAttnWarps - 1) / kAttnWarps) : 0;
+  uint8_t* wst = smem + warp * NST * TB;
+  const uint8_t* head_base = p.pages + (int64_t)h * p.head_stride;
+  const uint64_t ci_first = (uint64_t)first * 16u;
+  constexpr uint32_t kTokensPerStep = 16 * kAttnWarps;
+  // Page of tile k (-1: no such tile, or an out-of-range entry, reported).
+  auto page_k = [&](int k) -> int32_t {
+    if (k >= nmy) return -1;
+    const uint64_t q = (ci_first + (uint64_t)kTokensPerStep * (uint32_t)k) / P;
+    const int32_t pg = btrow[q];
+    if (pg >= 0 && pg < p.num_pages) return pg;
+    if (lane == 0) report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)q, pg, p.num_pages);
+    return -1;
+  };
+  auto issue = [&](int k, int stage, int32_t pg) {
+    if (k < nmy) {
+      if (lane == 0) s_pg[warp][stage] = pg;
+      if (pg >= 0) {
+        const uint8_t* hb = head_base + (int64_t)pg * p.page_bytes;
+        const uint32_t t0 = (uint32_t)(ci_first + (uint64_t)kTokensPerStep * (uint32_t)k) % P;
+        uint8_t* dst = wst + stage * TB + 16 * lane;
+#pragma unroll
+        for (int i = 0; i < NCH; ++i)
+          if (ch_off[i] >= 0) cp_async16(dst + 512 * i, hb + (uint32_t)(ch_off[i] + (int)t0 * ch_mul[i]));
+      }
+    }
+    cp_async_commit();  // one group per tile slot, empty or not, so wait_group counts tiles
+  };
   for (int64_t vb = 0; vb < nqv; vb += kQV) {
-    // ---- Q: load 8 query vectors (finite-checked), rotate (unnormalised FWHT of s*q) in shared memory
-    for (int e = tidx; e < kQV * D; e += blockDim.x) {
-      const int i = e / D, c = e % D;
-      const int64_t v = vb + i;
-      float x = 0.0f;
-      if (v < nqv) {
-        const int64_t row = r0 + v / p.gq;
-        const int hq = h * p.gq + (int)(v % p.gq);
-        x = load_elem(p.q, p.q_dtype, row * p.q_rs + hq * p.q_hs + c);
-        if (!isfinite(x)) {
-          report_error(p.err, kNonFinite, kErrNonFiniteQ, 0, row, hq, c);
-          x = 0.0f;
-        }
-      }
-      if (!K16 && sign_negative(p.sw, c)) x = -x;
-      sq[i][c] = x;
+    // Start streaming this warp's first tiles before the Q work, so their latency overlaps it.
+    int32_t pg_ahead = page_k(0);
+#pragma unroll 1
+    for (int k = 0; k < NST - 1; ++k) {
+      const int32_t pn = page_k(k + 1);
+      issue(k, k, pg_ahead);
+      pg_ahead = pn;
     }
-    __syncthreads();
-    if (!K16) {
-      for (int hh = 1; hh < D; hh <<= 1) {
-        for (int e = tidx; e < kQV * D / 2; e += blockDim.x) {
-          const int i = e / (D / 2), k = e % (D / 2), c = (k / hh) * 2 * hh + (k % hh);
-          const float a = sq[i][c], b = sq[i][c + hh];
-          sq[i][c] = a + b;
-          sq[i][c + hh] = a - b;
-        }
-        __syncthreads();
-      }
-    }
+    // ---- Q: 8 query vectors (finite-checked), rotated in registers by warp w (vectors w, w + 4;
+    // lane holds coordinates lane + 32 r), max |q| of each, stored to sq for the fragment loads.
     for (int i = warp; i < kQV; i += kAttnWarps) {
+      constexpr int NR = D / 32;
+      const int64_t v = vb + i;
+      float x[NR];
+      const int64_t row = r0 + v / p.gq;
+      const int hq = h * p.gq + (int)(v % p.gq);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        x[r] = v < nqv ? load_elem(p.q, p.q_dtype, row * p.q_rs + hq * p.q_hs + lane + 32 * r) : 0.0f;
+        if (!isfinite(x[r])) {
+          report_error(p.err, kNonFinite, kErrNonFiniteQ, 0, row, hq, lane + 32 * r);
+          x[r] = 0.0f;
+        }
+      }
+      if (!K16) warp_rotate<D>(x, p.sw, lane);  // signs, FWHT, 1/sqrt(D)
       float m = 0.0f;
-      for (int c = lane; c < D; c += 32) m = fmaxf(m, fabsf(sq[i][c]));
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        sq[i][lane + 32 * r] = x[r];
+        m = fmaxf(m, fabsf(x[r]));
+      }
 #pragma unroll
       for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       if (lane == 0) s_qmax[i] = m;
@@ -628,16 +769,16 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
           qb[g][c][1] = pack_half2(sq[gID][b + 1] * qinv, sq[gID][b + 17] * qinv);
         }
     }
-    __syncthreads();  // sq is dead: the tile stages reuse its memory
     // this lane's softmax rows: query vectors 2 tid + j
-    const float post = p.softcap > 0.0f ? kLog2e : 1.0f;
+    const bool softcapped = p.softcap > 0.0f;
+    const float inv_cap = softcapped ? 1.0f / p.softcap : 0.0f;
     float fac2[2];
     int64_t pos[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int64_t v = vb + 2 * tid + j;
       pos[j] = v < nqv ? len - n + v / p.gq : -1;
-      const float fac = s_qmax[2 * tid + j] * (K16 ? 1.0f : rotation_norm(D)) * p.sm_scale;
+      const float fac = s_qmax[2 * tid + j] * p.sm_scale;
       // scores are kept in log2 units (x log2 e) inside the tile loop; m is converted back at the end
       fac2[j] = p.softcap > 0.0f ? fac : fac * kLog2e;
     }
@@ -651,61 +792,28 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
         for (int k = 0; k < 4; ++k) acc[g][mt][k] = 0.0f;
 
-    // Page of tile ti (or -1, reported).
-    const int32_t* btrow = p.bt + (int64_t)s * p.bt_stride;
-    auto page_of = [&](int64_t ti) -> int32_t {
-      const int64_t q = (ti * 16) / P;
-      const int32_t pg = btrow[q];
-      if (pg >= 0 && pg < p.num_pages) return pg;
-      if (lane == 0) report_error(p.err, kOutOfRange, kErrBlockTable, s, q, pg, p.num_pages);
-      return -1;
-    };
-    // This warp's tiles: ti = tb + warp + 4 k, k < nmy. Tile k is staged into stage k % NST by
-    // cp.async NST - 1 tiles ahead of its use; its page index is read one issue earlier still.
-    const int64_t first = tb + warp;
-    const int nmy = te > first ? (int)((te - first + kAttnWarps - 1) / kAttnWarps) : 0;
-    uint8_t* wst = smem + warp * NST * TB;
-    auto page_k = [&](int k) -> int32_t { return k < nmy ? page_of(first + (int64_t)k * kAttnWarps) : -1; };
-    auto issue = [&](int k, int32_t pg) {
-      if (k < nmy) {
-        if (lane == 0) s_pg[warp][k % NST] = pg;
-        if (pg >= 0) {
-          const uint8_t* hb = p.pages + (int64_t)pg * p.page_bytes + (int64_t)h * p.head_stride;
-          const int t0 = (int)(((first + (int64_t)k * kAttnWarps) * 16) % P);
-          uint8_t* dst = wst + (k % NST) * TB;
-#pragma unroll
-          for (int i = 0; i < NCH; ++i)
-            if (ch_off[i] >= 0) cp_async16(dst + 16 * (lane + 32 * i), hb + ch_off[i] + t0 * ch_mul[i]);
-        }
-      }
-      cp_async_commit();  // one group per tile slot, empty or not, so wait_group counts tiles
-    };
-    int32_t pg_ahead = page_k(0);
-#pragma unroll 1
-    for (int k = 0; k < NST - 1; ++k) {
-      const int32_t pn = page_k(k + 1);
-      issue(k, pg_ahead);
-      pg_ahead = pn;
-    }
+    int stage = 0, stage_fill = NST - 1;  // k % NST and (k + NST - 1) % NST
 #pragma unroll 1
     for (int k = 0; k < nmy; ++k) {
       const int32_t pn = page_k(k + NST);
-      issue(k + NST - 1, pg_ahead);
+      issue(k + NST - 1, stage_fill, pg_ahead);
       pg_ahead = pn;
+      stage_fill = stage;
       cp_async_wait<NST - 1>();  // this lane's copies of tile k have landed
       __syncwarp();              // ... and every lane's
-      const int32_t pg = s_pg[warp][k % NST];
-      const int64_t ci0 = (first + (int64_t)k * kAttnWarps) * 16;
-      const uint8_t* st = wst + (k % NST) * TB;  // the staged tile
+      const int32_t pg = s_pg[warp][stage];
+      const int64_t ci0 = (int64_t)(ci_first + (uint64_t)kTokensPerStep * (uint32_t)k);
+      const uint8_t* st = wst + stage * TB;  // the staged tile
+      stage = stage + 1 == NST ? 0 : stage + 1;
       if (pg >= 0) {
       const int64_t rem = C - ci0;
       const int nvalid = rem < 16 ? (int)rem : 16;  // token offsets o < nvalid exist
 
-      // ---- scores S = K Q^T: sc[k] = (token gID + 8 (k >> 1), query 2 tid + (k & 1))
+      // ---- scores S = K Q^T: sc[k] = (token 2 gID + (k >> 1), query 2 tid + (k & 1))
       float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       if constexpr (K16) {
-        const uint16_t* ka = (const uint16_t*)st + gID * D;
-        const uint16_t* kb = ka + 8 * D;
+        const uint16_t* ka = (const uint16_t*)st + 2 * gID * D;  // tokens 2 gID, 2 gID + 1
+        const uint16_t* kb = ka + D;
 #pragma unroll
         for (int g = 0; g < G; ++g)
 #pragma unroll
@@ -718,30 +826,38 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
             mma16816(sc, a0, a1, a2, a3, qb[g][c][0], qb[g][c][1]);
           }
       } else {
-        const uint32_t* kw = (const uint32_t*)st + gID;                           // token gID, plane 0
-        const uint16_t* ks = (const uint16_t*)(st + G * KB * 64) + gID;           // its scale, group 0
+        const uint32_t* kw = (const uint32_t*)st + 2 * gID;                 // tokens 2 gID, 2 gID + 1, plane 0
+        const uint32_t* ks = (const uint32_t*)(st + G * KB * 64) + gID;     // their scales, group 0
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           uint32_t wa[KW], wb[KW];
 #pragma unroll
           for (int k = 0; k < KW; ++k) {
-            wa[k] = kw[(g * KB + k) * 16];
-            wb[k] = kw[(g * KB + k) * 16 + 8];
+            const uint2 w2 = *(const uint2*)(kw + (g * KB + k) * 16);
+            wa[k] = w2.x;
+            wb[k] = w2.y;
           }
           float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const int i0 = 8 * c + 2 * tid;
-            const Sel<KB> sa_ = make_sel<KB>(make_x<KB>(KB == 2 ? wa[0] : wa[c], KB == 4 ? wa[KB == 4 ? 2 : 0] : 0u, i0));
-            const Sel<KB> sb_ = make_sel<KB>(make_x<KB>(KB == 2 ? wb[0] : wb[c], KB == 4 ? wb[KB == 4 ? 2 : 0] : 0u, i0));
-            const uint32_t ua = wa[KW - 1] >> i0, ub = wb[KW - 1] >> i0;
-            const uint32_t a0 = lookup_sel<KB>(sa_.s, sa_.h, TK) ^ ((ua << 15) & kSignMask);
-            const uint32_t a1 = lookup_sel<KB>(sb_.s, sb_.h, TK) ^ ((ub << 15) & kSignMask);
-            const uint32_t a2 = lookup_sel<KB>(sa_.s >> 16, sa_.h >> 16, TK) ^ ((ua << 14) & kSignMask);
-            const uint32_t a3 = lookup_sel<KB>(sb_.s >> 16, sb_.h >> 16, TK) ^ ((ub << 14) & kSignMask);
+            const int i0 = 8 * c + 2 * tid, sh0 = 15 - i0, sh1 = 14 - i0;  // coordinate i0 (+1) -> bit 15
+            const uint2 sa = pair_selectors(make_x<KB>(KB == 2 ? wa[0] : wa[c], i0));
+            const uint2 sb = pair_selectors(make_x<KB>(KB == 2 ? wb[0] : wb[c], i0));
+            uint32_t ma0 = 0u, mb0 = 0u, ma1 = 0u, mb1 = 0u;  // magnitude bit 2 (B == 4)
+            if (KB == 4) {
+              ma0 = half_mask(wa[2] << sh0);
+              mb0 = half_mask(wb[2] << sh0);
+              ma1 = half_mask(wa[2] << sh1);
+              mb1 = half_mask(wb[2] << sh1);
+            }
+            const uint32_t a0 = lookup<KB>(sa.x, ma0, TK) ^ ((wa[KW - 1] << sh0) & kSignMask);
+            const uint32_t a1 = lookup<KB>(sb.x, mb0, TK) ^ ((wb[KW - 1] << sh0) & kSignMask);
+            const uint32_t a2 = lookup<KB>(sa.y, ma1, TK) ^ ((wa[KW - 1] << sh1) & kSignMask);
+            const uint32_t a3 = lookup<KB>(sb.y, mb1, TK) ^ ((wb[KW - 1] << sh1) & kSignMask);
             mma16816(c4, a0, a1, a2, a3, qb[g][c][0], qb[g][c][1]);
           }
-          const float fa = h_lo(ks[g * 16]), fb = h_lo(ks[g * 16 + 8]);
+          const uint32_t s2 = ks[g * 8];
+          const float fa = h_lo(s2), fb = h_hi(s2);
           sc[0] += c4[0] * fa;
           sc[1] += c4[1] * fa;
           sc[2] += c4[2] * fb;
@@ -750,14 +866,25 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       }
 
       // ---- online softmax of queries 2 tid + j over the tile's 16 tokens (8 lanes of equal tid)
+      // token offset o of this tile is visible to query j iff o <= last[j] (causal limit and tile end)
+      int last[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int64_t dlt = pos[j] - (p.S + ci0);
+        last[j] = dlt < 0 ? -1 : dlt >= nvalid ? nvalid - 1 : (int)dlt;
+      }
       float pr[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) pr[k] = sc[k] * fac2[k & 1];
+      if (softcapped) {  // uniform branch
+#pragma unroll
+        for (int k = 0; k < 4; ++k) pr[k] = p.softcap * tanhf(pr[k] * inv_cap) * kLog2e;
+      }
       float mt_[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int o = gID + 8 * (k >> 1), j = k & 1;
-        const bool ok = o < nvalid && p.S + ci0 + o <= pos[j];
-        const float x = apply_softcap(sc[k] * fac2[j], p.softcap) * post;
-        pr[k] = ok ? x : -INFINITY;
+        const int o = 2 * gID + (k >> 1), j = k & 1;
+        pr[k] = o <= last[j] ? pr[k] : -INFINITY;
         mt_[j] = fmaxf(mt_[j], pr[k]);
       }
       float corr[2];
@@ -766,10 +893,10 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
         for (int o = 4; o <= 16; o <<= 1) mt_[j] = fmaxf(mt_[j], __shfl_xor_sync(0xffffffffu, mt_[j], o));
         const float m_new = fmaxf(m_run[j], mt_[j]);
-        corr[j] = m_new == -INFINITY ? 1.0f : exp2f(m_run[j] - m_new);
+        corr[j] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[j] - m_new);
         const float ms = m_new == -INFINITY ? 0.0f : m_new;  // all masked so far: p = exp2(-inf) = 0
-        pr[j] = exp2f(pr[j] - ms);
-        pr[j + 2] = exp2f(pr[j + 2] - ms);
+        pr[j] = fast_exp2(pr[j] - ms);
+        pr[j + 2] = fast_exp2(pr[j + 2] - ms);
         l_run[j] = l_run[j] * corr[j] + (pr[j] + pr[j + 2]);
         m_run[j] = m_new;
       }
@@ -784,41 +911,55 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 
       // ---- O^T += V^T P^T; this lane: coordinates 2gID + {0,16,1,17} of each group, tokens a,b,c,d
       const uint8_t* vst = st + TG::kbytes;
-      const uint32_t* vw = (const uint32_t*)vst + 2 * tid;                        // token a, plane 0
-      const uint16_t* vs = (const uint16_t*)(vst + G * VB * 64) + gID;            // token gID's V scale
+      const uint32_t* vw = (const uint32_t*)vst + 4 * tid;                // tokens 4 tid .. 4 tid + 3, plane 0
+      const uint32_t* vs = (const uint32_t*)(vst + G * VB * 64) + gID;    // V scales of tokens 2 gID, 2 gID + 1
       const int i0v = 2 * gID, fwv = gID >> 2;
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         // P x token scale (fp32, then fp16: p <= 1 and |scale| <= 65504 cannot overflow), transposed
         // (tokens past the end get scale 0: their bytes may be uninitialised, and 0 x Inf is NaN)
-        const float sa = gID < nvalid ? h_lo(vs[g * 16]) : 0.0f, sb = gID + 8 < nvalid ? h_lo(vs[g * 16 + 8]) : 0.0f;
+        const uint32_t vs2 = vs[g * 8];
+        const float sa = 2 * gID < nvalid ? h_lo(vs2) : 0.0f, sb = 2 * gID + 1 < nvalid ? h_hi(vs2) : 0.0f;
         uint32_t pb0 = pack_half2(pr[0] * sa, pr[1] * sa), pb1 = pack_half2(pr[2] * sb, pr[3] * sb);
         pb0 = movmatrix_trans(pb0);
         pb1 = movmatrix_trans(pb1);
         const int wi = (g * VB + (VB == 2 ? 0 : fwv)) * 16, si = (g * VB + VB - 1) * 16;
-        const uint2 fab = *(const uint2*)(vw + wi), fcd = *(const uint2*)(vw + wi + 8);
-        const uint2 gab = *(const uint2*)(vw + si), gcd = *(const uint2*)(vw + si + 8);
-        uint2 pab = make_uint2(0u, 0u), pcd = make_uint2(0u, 0u);
-        if (VB == 4) {
-          pab = *(const uint2*)(vw + (g * VB + 2) * 16);
-          pcd = *(const uint2*)(vw + (g * VB + 2) * 16 + 8);
+        // token pairs (a, b) = (4 tid, 4 tid + 2), (c, d) = (4 tid + 1, 4 tid + 3)
+        const uint4 f4 = *(const uint4*)(vw + wi), g4 = *(const uint4*)(vw + si);
+        const uint2 fab = make_uint2(f4.x, f4.z), fcd = make_uint2(f4.y, f4.w);
+        const uint2 gab = make_uint2(g4.x, g4.z), gcd = make_uint2(g4.y, g4.w);
+        const int sh0 = 15 - i0v, sh1 = 14 - i0v;
+        // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (x1), i0+1 | i0+17 (x2)
+        const uint32_t xa = make_x<VB>(fab.x, i0v), xb = make_x<VB>(fab.y, i0v);
+        const uint32_t xc = make_x<VB>(fcd.x, i0v), xd = make_x<VB>(fcd.y, i0v);
+        const uint2 s1ab = pair_selectors(prmt(xa, xb, 0x5140u)), s2ab = pair_selectors(prmt(xa, xb, 0x7362u));
+        const uint2 s1cd = pair_selectors(prmt(xc, xd, 0x5140u)), s2cd = pair_selectors(prmt(xc, xd, 0x7362u));
+        // sign planes of token pairs: coordinates 0..15 (lo) / 16..31 (hi) of token a | token b
+        const uint32_t wlo_ab = prmt(gab.x, gab.y, 0x5410u), whi_ab = prmt(gab.x, gab.y, 0x7632u);
+        const uint32_t wlo_cd = prmt(gcd.x, gcd.y, 0x5410u), whi_cd = prmt(gcd.x, gcd.y, 0x7632u);
+        uint32_t mA0 = 0u, mA1 = 0u, mA2 = 0u, mA3 = 0u, mB0 = 0u, mB1 = 0u, mB2 = 0u, mB3 = 0u;
+        if (VB == 4) {  // magnitude bit 2 planes, paired the same way
+          const uint4 p4 = *(const uint4*)(vw + (g * VB + 2) * 16);
+          const uint2 pab = make_uint2(p4.x, p4.z), pcd = make_uint2(p4.y, p4.w);
+          const uint32_t plo_ab = prmt(pab.x, pab.y, 0x5410u), phi_ab = prmt(pab.x, pab.y, 0x7632u);
+          const uint32_t plo_cd = prmt(pcd.x, pcd.y, 0x5410u), phi_cd = prmt(pcd.x, pcd.y, 0x7632u);
+          mA0 = half_mask(plo_ab << sh0);
+          mA1 = half_mask(phi_ab << sh0);
+          mA2 = half_mask(plo_cd << sh0);
+          mA3 = half_mask(phi_cd << sh0);
+          mB0 = half_mask(plo_ab << sh1);
+          mB1 = half_mask(phi_ab << sh1);
+          mB2 = half_mask(plo_cd << sh1);
+          mB3 = half_mask(phi_cd << sh1);
         }
-        const Sel<VB> xa = make_sel<VB>(make_x<VB>(fab.x, pab.x, i0v)), xb = make_sel<VB>(make_x<VB>(fab.y, pab.y, i0v));
-        const Sel<VB> xc = make_sel<VB>(make_x<VB>(fcd.x, pcd.x, i0v)), xd = make_sel<VB>(make_x<VB>(fcd.y, pcd.y, i0v));
-        const uint32_t ua = gab.x >> i0v, ub = gab.y >> i0v, uc = gcd.x >> i0v, ud = gcd.y >> i0v;
-        const uint32_t wlo_ab = prmt(ua, ub, 0x5410u), whi_ab = prmt(ua, ub, 0x7632u);
-        const uint32_t wlo_cd = prmt(uc, ud, 0x5410u), whi_cd = prmt(uc, ud, 0x7632u);
-        // value pair (token a|c, token b|d) of coordinate byte k: prmt(x, y, 0x40 + 0x11 k)
-#define FMKV_VPAIR(X, Y, SEL) lookup_sel<VB>(prmt(X.s, Y.s, SEL), VB == 4 ? prmt(X.h, Y.h, SEL) : 0u, TV)
-        const uint32_t aA0 = FMKV_VPAIR(xa, xb, 0x40u) ^ ((wlo_ab << 15) & kSignMask);
-        const uint32_t aA1 = FMKV_VPAIR(xa, xb, 0x51u) ^ ((whi_ab << 15) & kSignMask);
-        const uint32_t aA2 = FMKV_VPAIR(xc, xd, 0x40u) ^ ((wlo_cd << 15) & kSignMask);
-        const uint32_t aA3 = FMKV_VPAIR(xc, xd, 0x51u) ^ ((whi_cd << 15) & kSignMask);
-        const uint32_t aB0 = FMKV_VPAIR(xa, xb, 0x62u) ^ ((wlo_ab << 14) & kSignMask);
-        const uint32_t aB1 = FMKV_VPAIR(xa, xb, 0x73u) ^ ((whi_ab << 14) & kSignMask);
-        const uint32_t aB2 = FMKV_VPAIR(xc, xd, 0x62u) ^ ((wlo_cd << 14) & kSignMask);
-        const uint32_t aB3 = FMKV_VPAIR(xc, xd, 0x73u) ^ ((whi_cd << 14) & kSignMask);
-#undef FMKV_VPAIR
+        const uint32_t aA0 = lookup<VB>(s1ab.x, mA0, TV) ^ ((wlo_ab << sh0) & kSignMask);
+        const uint32_t aA1 = lookup<VB>(s1ab.y, mA1, TV) ^ ((whi_ab << sh0) & kSignMask);
+        const uint32_t aA2 = lookup<VB>(s1cd.x, mA2, TV) ^ ((wlo_cd << sh0) & kSignMask);
+        const uint32_t aA3 = lookup<VB>(s1cd.y, mA3, TV) ^ ((whi_cd << sh0) & kSignMask);
+        const uint32_t aB0 = lookup<VB>(s2ab.x, mB0, TV) ^ ((wlo_ab << sh1) & kSignMask);
+        const uint32_t aB1 = lookup<VB>(s2ab.y, mB1, TV) ^ ((whi_ab << sh1) & kSignMask);
+        const uint32_t aB2 = lookup<VB>(s2cd.x, mB2, TV) ^ ((wlo_cd << sh1) & kSignMask);
+        const uint32_t aB3 = lookup<VB>(s2cd.y, mB3, TV) ^ ((whi_cd << sh1) & kSignMask);
         mma16816(acc[g][0], aA0, aA1, aA2, aA3, pb0, pb1);
         mma16816(acc[g][1], aB0, aB1, aB2, aB3, pb0, pb1);
       }
@@ -892,7 +1033,7 @@ AttnFn attn_kernel_for_page(int page) {
   if constexpr (!attn_compiled(D, KB, VB)) {
     return {};
   } else {
-    constexpr int smem = TileGeom<D, KB, VB>::smem;
+    constexpr int smem = TileGeom<D, KB, VB>::smem_total;
     switch (page) {
       case 16: return {attn_kernel<D, KB, VB, 16>, smem};
       case 32: return {attn_kernel<D, KB, VB, 32>, smem};

@@ -58,9 +58,39 @@ __device__ __forceinline__ void warp_rotate(float (&v)[D / 32], const SignWords&
   for (int r = 0; r < NR; ++r) v[r] = __fmul_rn(v[r], norm);
 }
 
+// Inverse rotation of one vector held by a warp (y[r] = rotated coordinate lane + 32 r): x = signs x
+// FWHT(y) / sqrt(D) (the Sylvester FWHT is its own inverse up to the factor D). Not part of the
+// format, so ordinary float arithmetic.
+template <int D>
+__device__ __forceinline__ void warp_unrotate(float (&y)[D / 32], const SignWords& sw, int lane) {
+  constexpr int NR = D / 32;
+#pragma unroll
+  for (int hh = 1; hh < 32; hh <<= 1)
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const float o = __shfl_xor_sync(kFull, y[r], hh);
+      y[r] = (lane & hh) ? o - y[r] : y[r] + o;
+    }
+#pragma unroll
+  for (int hr = 1; hr < NR; hr <<= 1)
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+      if ((r & hr) == 0) {
+        const float a = y[r], b = y[r + hr];
+        y[r] = a + b;
+        y[r + hr] = a - b;
+      }
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    y[r] *= rotation_norm(D);
+    if (sign_negative(sw, lane + 32 * r)) y[r] = -y[r];
+  }
+}
+
 // Quantize group value y of this lane (coordinate j = lane) and write the group's planes and scale:
-// words[(w * P)] for w < bits, scale at *scale_dst. All lanes call it.
-__device__ __forceinline__ void warp_quantize_group(float y, int bits, int rule, int lane,
+// words[(w * P)] for w < bits, scale at *scale_dst. All lanes call it. Returns the lane's dequantized
+// value level(code) x scale (exact in float32, FORMAT.md section 5).
+__device__ __forceinline__ float warp_quantize_group(float y, int bits, int rule, int lane,
                                                     uint32_t* words, int64_t P, uint16_t* scale_dst) {
   float rms = __fsqrt_rn(__fdiv_rn(warp_tree_sum32(__fmul_rn(y, y)), 32.0f));
   uint16_t s0 = dev_scale_to_f16(rms);
@@ -100,6 +130,8 @@ __device__ __forceinline__ void warp_quantize_group(float y, int bits, int rule,
     words[lane * P] = out;
   }
   if (lane == 31) *scale_dst = scale;
+  const float level = s0f != 0.0f ? dev_mag(bits, (int)m) : 0.0f;
+  return (sign ? -level : level) * f16_to_f32(scale);
 }
 
 

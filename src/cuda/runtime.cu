@@ -1,6 +1,7 @@
 // CUDA backend runtime: device discovery, memory, copies, and the device error word that kernels
 // use to report invalid batch arrays (see common.cuh). synchronize() turns a recorded error into
 // an fmkv::Error with a message naming the sequence and entry.
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -61,7 +62,13 @@ bool programmatic_launch_supported() {
     check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
     g_cc_major[dev] = major > 0 ? major : 1;
   }
-  return g_cc_major[dev] >= 9;
+  // FMKV_CUDA_PDL=0 turns programmatic launches off (for A/B timing; the kernels' griddepcontrol
+  // instructions are no-ops in an ordinary launch)
+  static const bool disabled = [] {
+    const char* e = std::getenv("FMKV_CUDA_PDL");
+    return e && std::string(e) == "0";
+  }();
+  return g_cc_major[dev] >= 9 && !disabled;
 }
 
 bool available() {

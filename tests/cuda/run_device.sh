@@ -28,7 +28,19 @@ if [ "$MODE" != bench ]; then
     echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|PASSED|FAILED" $OUT/racecheck.log | head -5
   fi
 fi
+if [ "$MODE" != tests ]; then
+  # programmatic dependent launch on / off (FMKV_CUDA_PDL=0), same binary, same run
+  for c in "1 4096 3 3" "1 131072 3 3" "64 32768 3 3"; do
+    for pdl in 1 0; do
+      echo "pdl=$pdl B ctx kb vb = $c: $(FMKV_CUDA_PDL=$pdl /tmp/b/fmkv_cuda_bench --only $c | grep '"kind":"decode"' | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("%.2f us" % r["time_us"])')"
+    done
+  done | tee $OUT/pdl_ab.log
+fi
 if [ "$MODE" = all ] && command -v ncu >/dev/null; then
+  # per-kernel durations of one 4k decode call (attention + merge), serialised by ncu
+  timeout 60 ncu --clock-control none --launch-skip 6 --launch-count 4 --section SpeedOfLight \
+    /tmp/b/fmkv_cuda_bench --only 1 4096 3 3 > $OUT/ncu_4k.log 2>&1
+  echo "ncu 4k rc=$?"; grep -E "attn_kernel|merge_kernel|Duration" $OUT/ncu_4k.log | head -12
   timeout 120 ncu --clock-control none --kernel-name regex:attn_kernel --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
     /tmp/b/fmkv_cuda_bench --only 1 131072 3 3 > $OUT/ncu.log 2>&1
