@@ -166,13 +166,18 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.fused = ap != nullptr;
   if (ap) fill_kv(p, ap->k, ap->v);
   cudaStream_t st = to_stream(a.stream);
-  {  // opt in to the kernel's dynamic shared memory (static + dynamic may exceed 48 KB), once per kernel
+  {  // opt in to the kernel's dynamic shared memory (static + dynamic may exceed 48 KB), and ask for the
+     // largest shared-memory carveout so that 4 CTAs fit per SM (the kernel needs little L1), once per kernel
     static std::mutex mu;
     static std::set<AttnFnPtr> raised;
     std::lock_guard<std::mutex> lock(mu);
-    if (raised.insert(fn.fn).second)
+    if (raised.insert(fn.fn).second) {
       check_cuda(cudaFuncSetAttribute(fn.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, fn.smem),
                  "attention kernel shared memory attribute");
+      check_cuda(cudaFuncSetAttribute(fn.fn, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      (int)cudaSharedmemCarveoutMaxShared),
+                 "attention kernel carveout attribute");
+    }
   }
   if (reinterpret_cast<uintptr_t>(a.layer.pages) % 16 != 0)
     throw Error(kInvalidArgument, "cuda attention: layer pages must be 16-byte aligned (tiles are copied in 16-byte chunks)");

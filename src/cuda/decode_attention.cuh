@@ -140,18 +140,22 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // by the sink/window CTA of (sequence, kv head). Token list: sink [0, min(S, len)) at region slots
 // 0.., fresh [e0, e1) (rows of dk/dv), ring [E, len) at slots S + (p - S) mod W.
 // Per batch of kQV query vectors (q in shared memory) and chunk of kFp16Chunk tokens:
-//   1. scores: thread t takes token t of the chunk (its K row in 16-byte loads) against all kQV vectors;
+//   0. the chunk's V rows are copied to shared memory (cp.async, 2 threads per token) while
+//   1. scores: threads 2t, 2t+1 take the two halves of token t's K row (16-byte loads) against all kQV
+//      vectors, the halves summed by one shuffle;
 //   2. online softmax: warp w keeps the running max / sum of vectors 2w, 2w+1;
 //   3. O = O x corr + P V: warp w owns coordinates [w D/4, (w+1) D/4) (lane: 1 (D=128), 2 (D=256) or,
-//      for D=64, 1 coordinate of every other token), over every token of the chunk.
-// Shared memory (dynamic, Fp16Geom): dk, dv [16][D] floats each (fused step), q [kQV][D], P [chunk][kQV].
-constexpr int kFp16Chunk = 128;
+//      for D=64, 1 coordinate of every other token), over every token of the chunk (V from shared memory).
+// Shared memory (dynamic, Fp16Geom): dk, dv [16][D] floats each (fused step), q [kQV][D] floats,
+// P [chunk][kQV] floats, V [chunk][D] fp16.
+constexpr int kFp16Chunk = 64;
 template <int D>
 struct Fp16Geom {
   static constexpr int fresh_bytes = 2 * kFusedMaxRows * D * 4;
-  static constexpr int q_off = fresh_bytes, p_off = q_off + kQV * D * 4;
-  static constexpr int bytes = p_off + kFp16Chunk * kQV * 4;
+  static constexpr int q_off = fresh_bytes, p_off = q_off + kQV * D * 4, v_off = p_off + kFp16Chunk * kQV * 4;
+  static constexpr int bytes = v_off + kFp16Chunk * D * 2;
 };
+static_assert(2 * kFp16Chunk == 128, "two threads per token of a chunk");
 
 // fp16x2 -> two floats
 __device__ __forceinline__ float2 h2_to_f2(uint32_t x) { return make_float2(h_lo(x), h_hi(x)); }
@@ -163,11 +167,13 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
   constexpr int CW = D / kAttnWarps;                    // coordinates per warp in P V
   constexpr int CPL = CW >= 32 ? CW / 32 : 1;           // ... per lane
   constexpr int TPH = CW >= 32 ? 1 : 32 / CW;           // token phases per warp (D = 64: 2)
+  constexpr int HALF = D / 2;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31;
   const float* dk = reinterpret_cast<const float*>(smem);
   const float* dv = dk + kFusedMaxRows * D;
   float(*qs)[D] = reinterpret_cast<float(*)[D]>(smem + FG::q_off);
   float(*ps)[kQV] = reinterpret_cast<float(*)[kQV]>(smem + FG::p_off);
+  uint16_t(*vs)[D] = reinterpret_cast<uint16_t(*)[D]>(smem + FG::v_off);
   __shared__ float s_corr[kQV], s_m[kQV], s_l[kQV];
   __shared__ int64_t s_pos[kQV], s_qoff[kQV], s_part[kQV];
   const int64_t nqv = n * p.gq;
@@ -195,6 +201,7 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
     return p.S + fs;
   };
   const int cbase = warp * CW + (CW >= 32 ? CPL * lane : (lane % CW)), tphase = CW >= 32 ? 0 : lane / CW;
+  const int tt = tidx >> 1, hf = tidx & 1;  // phases 0/1: token tt of the chunk, half hf of its row
 
   for (int64_t vb = 0; vb < nqv; vb += kQV) {
     if (tidx < kQV) {
@@ -221,19 +228,24 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
 
     for (int64_t c0 = 0; c0 < T; c0 += kFp16Chunk) {
       const int cnt = T - c0 < kFp16Chunk ? (int)(T - c0) : kFp16Chunk;
-      // 1. scores (log2 units), -inf where masked
+      // 0 + 1. V half-row to shared memory (in flight during the scores), scores (log2 units; -inf masked)
       {
         float sc[kQV];
 #pragma unroll
         for (int i = 0; i < kQV; ++i) sc[i] = -INFINITY;
-        if (tidx < cnt) {
-          int64_t pos;
-          const int64_t rr = token(c0 + tidx, pos);
-          float dot[kQV];
+        int64_t pos = 0;
+        const int64_t rr = tt < cnt ? token(c0 + tt, pos) : -1;
+        if (tt < cnt && rr >= 0) {
 #pragma unroll
-          for (int i = 0; i < kQV; ++i) dot[i] = 0.0f;
+          for (int c = 0; c < HALF; c += 8) cp_async16(&vs[tt][hf * HALF + c], vreg + rr * D + hf * HALF + c);
+        }
+        cp_async_commit();
+        float dot[kQV];
+#pragma unroll
+        for (int i = 0; i < kQV; ++i) dot[i] = 0.0f;
+        if (tt < cnt) {
 #pragma unroll 2
-          for (int c = 0; c < D; c += 8) {
+          for (int c = hf * HALF; c < (hf + 1) * HALF; c += 8) {
             float kx[8];
             if (rr >= 0) {
               const uint4 w = *reinterpret_cast<const uint4*>(kreg + rr * D + c);
@@ -252,12 +264,18 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
                         qb.z * kx[6] + qb.w * kx[7];
             }
           }
+        }
+#pragma unroll
+        for (int i = 0; i < kQV; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], 1);
+        if (tt < cnt) {
 #pragma unroll
           for (int i = 0; i < kQV; ++i)
             if (pos <= s_pos[i]) sc[i] = apply_softcap(dot[i] * p.sm_scale, p.softcap) * kLog2e;
         }
-        *reinterpret_cast<float4*>(&ps[tidx][0]) = make_float4(sc[0], sc[1], sc[2], sc[3]);
-        *reinterpret_cast<float4*>(&ps[tidx][4]) = make_float4(sc[4], sc[5], sc[6], sc[7]);
+        if (hf == 0) {
+          *reinterpret_cast<float4*>(&ps[tt][0]) = make_float4(sc[0], sc[1], sc[2], sc[3]);
+          *reinterpret_cast<float4*>(&ps[tt][4]) = make_float4(sc[4], sc[5], sc[6], sc[7]);
+        }
       }
       __syncthreads();
       // 2. online softmax of vectors 2 warp + j over the chunk
@@ -288,7 +306,8 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
         m_run[j] = m_new;
         if (lane == 0) s_corr[i] = corr;
       }
-      __syncthreads();
+      cp_async_wait<0>();  // this thread's V copies ...
+      __syncthreads();     // ... and everyone's, and P, corr
       // 3. O = O x corr + P V over the chunk (this lane's coordinates)
 #pragma unroll
       for (int i = 0; i < kQV; ++i) {
@@ -296,25 +315,23 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
 #pragma unroll
         for (int c = 0; c < CPL; ++c) acc[i][c] *= cr;
       }
+      const int64_t fresh_end = Ts + Tn;  // tokens [Ts, Ts + Tn) of the list are fresh rows (dv)
 #pragma unroll 4
       for (int t = tphase; t < cnt; t += TPH) {
-        int64_t pos;
-        const int64_t rr = token(c0 + t, pos);
+        const int64_t ti = c0 + t;
         float vx[CPL];
-        if (rr >= 0) {
-          const uint16_t* vr = vreg + rr * D + cbase;
-          if (CPL == 1) vx[0] = f16_to_f32(vr[0]);
-          else {
+        if (ti >= Ts && ti < fresh_end) {
 #pragma unroll
-            for (int c = 0; c < CPL; c += 2) {
-              const float2 f = h2_to_f2(*reinterpret_cast<const uint32_t*>(vr + c));
-              vx[c] = f.x;
-              vx[c + 1] = f.y;
-            }
-          }
+          for (int c = 0; c < CPL; ++c) vx[c] = dv[(ti - Ts) * D + cbase + c];
+        } else if (CPL == 1) {
+          vx[0] = f16_to_f32(vs[t][cbase]);
         } else {
 #pragma unroll
-          for (int c = 0; c < CPL; ++c) vx[c] = dv[(-1 - rr) * D + cbase + c];
+          for (int c = 0; c < CPL; c += 2) {
+            const float2 f = h2_to_f2(*reinterpret_cast<const uint32_t*>(&vs[t][cbase + c]));
+            vx[c] = f.x;
+            vx[c + 1] = f.y;
+          }
         }
         const float4 pa = *reinterpret_cast<const float4*>(&ps[t][0]);
         const float4 pb = *reinterpret_cast<const float4*>(&ps[t][4]);
@@ -324,7 +341,7 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
 #pragma unroll
           for (int c = 0; c < CPL; ++c) acc[i][c] += pw[i] * vx[c];
       }
-      __syncthreads();  // ps is rewritten by the next chunk
+      __syncthreads();  // ps and vs are rewritten by the next chunk
     }
     if (TPH > 1) {
 #pragma unroll
