@@ -116,7 +116,9 @@ int main(int argc, char** argv) {
   // --quick: fewer cases; --only B ctx kb vb: one decode case (for profilers); --window W: k3v3 at
   // B=1 with a W-token fp16 window (attention and decode step; no quantize timing)
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
-  const bool only = argc > 5 && std::string(argv[1]) == "--only";
+  const bool only = argc > 5 && (std::string(argv[1]) == "--only" || std::string(argv[1]) == "--step-only");
+  // --step-only B ctx kb vb: plain (non-graph) launches of the fused decode step, for profilers
+  const bool step_only = only && std::string(argv[1]) == "--step-only";
   const int window = argc > 2 && std::string(argv[1]) == "--window" ? std::atoi(argv[2]) : 0;
   if (!fmkv_backend_available(FMKV_BACKEND_CUDA)) {
     std::fprintf(stderr, "CUDA backend not available\n");
@@ -264,6 +266,20 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&work, ws + 16));
       fmkv_tensor qt{q, FMKV_F16, B, HQ, d, (int64_t)HQ * d, d}, ot{o, FMKV_F16, B, HQ, d, (int64_t)HQ * d, d};
       fmkv_attention_opts opts{0.0f, 0.0f};
+      if (step_only) {  // 5 plain fused steps (re-appending token ctx - 1), then the next case
+        int64_t* dl0;
+        CK(cudaMalloc(&dl0, 8 * B));
+        std::vector<int64_t> before(B, ctx - 1);
+        CK(cudaMemcpy(dl0, before.data(), 8 * B, cudaMemcpyHostToDevice));
+        fmkv_tensor kt{kin, FMKV_F16, B, H, d, (int64_t)H * d, d}, vt{vin, FMKV_F16, B, H, d, (int64_t)H * d, d};
+        fmkv_batch b0{B, nullptr, dl0, dro, dt, pps};
+        for (int i = 0; i < 5; ++i)
+          FK(fmkv_append_attention(FMKV_BACKEND_CUDA, &cfg, &lc, &b0, &kt, &vt, &qt, &opts, &ot, work, (size_t)ws, st));
+        FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
+        std::printf("{\"kind\":\"step_only\",\"context\":%lld}\n", (long long)ctx);
+        CK(cudaFree(dl0));
+        continue;  // (buffers of this case are left to process exit)
+      }
       // one graph holding one call per copy
       CK(cudaDeviceSynchronize());
       const float attn_ms = graph_ms_per_call(st, e0, e1, copies, ctx >= 1048576 ? 20 : 50, [&] {

@@ -433,6 +433,36 @@ __device__ inline bool block_any_bad(const void* base, int32_t dtype, int64_t rs
   return bad;
 }
 
+// One head vector (x[r] = fp16 bits of coordinate lane + 32 r) written to token slot t of a page section
+// (bit-exact with the append), and its dequantized value in the raw domain to dst[0, D) (one warp).
+template <int D, int B, int P>
+__device__ __forceinline__ void compress_vector(const uint16_t (&x)[D / 32], uint8_t* sec, int32_t t, const SignWords& sw,
+                                                int rule, int lane, float* dst) {
+  constexpr int NR = D / 32;
+  float v[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) v[i] = f16_to_f32(x[i]);
+  if constexpr (B == FMKV_FP16_BITS) {
+    uint16_t* raw = (uint16_t*)sec + (int64_t)t * D;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      raw[lane + 32 * i] = x[i];
+      dst[lane + 32 * i] = v[i];
+    }
+  } else {
+    warp_rotate<D>(v, sw, lane);
+    uint32_t* words = (uint32_t*)sec;
+    uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, B, P));
+#pragma unroll
+    for (int g = 0; g < NR; ++g)  // group g = register g: coordinate lane of the group
+      v[g] = warp_quantize_group(v[g], B, rule, lane, words + fmkv_code_word_index(B, P, g, 0, t), P,
+                                 scales + (int64_t)g * P + t);
+    warp_unrotate<D>(v, sw, lane);
+#pragma unroll
+    for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = v[i];
+  }
+}
+
 // Fused decode step, sink/window CTA of (sequence s, kv head h), 4 warps:
 //   1. validate every input of the sequence (rows, block table up to the new end, k/v/q finite):
 //      all CTAs of the sequence take the same decision, so a bad sequence is left untouched;
@@ -442,7 +472,7 @@ __device__ inline bool block_any_bad(const void* base, int32_t dtype, int64_t rs
 //   3. write the new rows that land in the sink or the ring (after 2 read the ring);
 //   4. attention of the sequence's query vectors of head h over sink + [E0, E1) + ring (fp16_part).
 // The split CTAs meanwhile attend [S, E0), which this step does not write.
-template <int D, int P>
+template <int D, int P, int KB, int VB>
 __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int64_t r0, int64_t n, uint8_t* smem) {
   constexpr int NR = D / 32;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31;
@@ -506,31 +536,10 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
 #pragma unroll
       for (int i = 0; i < NR; ++i) x[i] = ring[lane + 32 * i];
     }
-    const int bits = isv ? p.vb : p.kb;
-    uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, P, h, isv);
+    uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, KB, VB, P, h, isv);
     float* dst = (isv ? dv : dk) + j * D;
-    float v[NR];
-#pragma unroll
-    for (int i = 0; i < NR; ++i) v[i] = f16_to_f32(x[i]);
-    if (bits == FMKV_FP16_BITS) {
-      uint16_t* raw = (uint16_t*)sec + (int64_t)t * D;
-#pragma unroll
-      for (int i = 0; i < NR; ++i) {
-        raw[lane + 32 * i] = x[i];
-        dst[lane + 32 * i] = v[i];
-      }
-      continue;
-    }
-    warp_rotate<D>(v, p.sw, lane);
-    uint32_t* words = (uint32_t*)sec;
-    uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, bits, P));
-#pragma unroll
-    for (int g = 0; g < NR; ++g)  // group g = register g: coordinate lane of the group
-      v[g] = warp_quantize_group(v[g], bits, p.rule, lane, words + fmkv_code_word_index(bits, P, g, 0, t), P,
-                                 scales + (int64_t)g * P + t);
-    warp_unrotate<D>(v, p.sw, lane);
-#pragma unroll
-    for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = v[i];
+    if (isv) compress_vector<D, VB, P>(x, sec, t, p.sw, p.rule, lane, dst);
+    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);
   }
   __syncthreads();
 
@@ -636,7 +645,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   float(*sm_acc)[kQV][D] = reinterpret_cast<float(*)[kQV][D]>(smem);
   __shared__ float s_qmax[kQV];
   __shared__ uint32_t s_tab[8][32];
-  __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV];
+  __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV], s_f[kAttnWarps][kQV];
+  __shared__ int64_t s_idx[kQV];
   __shared__ int32_t s_pg[kAttnWarps][NST];
   grid_dependency_wait();  // launched as a programmatic dependent: nothing upstream is read before this
   if (error_set(p.err)) return;
@@ -652,7 +662,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   if (!attn_sequence_ok(p, s, h, sp, r0, n, len) || n <= 0) return;
   const int64_t E = dev_compressed_end(p.S, p.W, p.fused ? len0 : len), C = E - p.S;
   if (sp == p.nsplit) {
-    if (p.fused) fused_step<D, P>(p, s, h, len0, r0, n, smem);
+    if (p.fused) fused_step<D, P, KB, VB>(p, s, h, len0, r0, n, smem);
     else fp16_part<D>(p, s, h, len, r0, n, E, smem);
     return;
   }
@@ -1004,27 +1014,38 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         for (int k = 0; k < 4; ++k)
           sm_acc[warp][2 * tid + (k & 1)][32 * g + 2 * gID + mt + ((k & 2) ? 16 : 0)] = acc[g][mt][k];
     __syncthreads();
-    for (int e = tidx; e < kQV * D; e += blockDim.x) {
-      const int i = e / D, c = e % D;
+    // per query vector (thread i < kQV): the combined max / sum, each warp's factor, the partial's index
+    if (tidx < kQV) {
+      const int i = tidx;
       const int64_t v = vb + i;
-      if (v >= nqv) continue;
       float M = -INFINITY;
 #pragma unroll
       for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm_m[w][i]);
-      float L = 0.0f, A = 0.0f;
-      if (M != -INFINITY) {
+      float L = 0.0f;
 #pragma unroll
-        for (int w = 0; w < kAttnWarps; ++w) {
-          const float f = exp2f((sm_m[w][i] - M) * kLog2e);
-          L += sm_l[w][i] * f;
-          A += sm_acc[w][i][c] * f;
-        }
+      for (int w = 0; w < kAttnWarps; ++w) {
+        const float f = M == -INFINITY ? 0.0f : exp2f((sm_m[w][i] - M) * kLog2e);
+        s_f[w][i] = f;
+        L += sm_l[w][i] * f;
       }
-      const int64_t row = r0 + v / p.gq;
-      const int hq = h * p.gq + (int)(v % p.gq);
-      const int64_t idx = (row * p.HQ + hq) * (p.nsplit + 1) + sp;
+      int64_t idx = -1;
+      if (v < nqv) {
+        const int64_t row = r0 + v / p.gq;
+        const int hq = h * p.gq + (int)(v % p.gq);
+        idx = (row * p.HQ + hq) * (p.nsplit + 1) + sp;
+        p.part_ml[idx] = make_float2(M, L);
+      }
+      s_idx[i] = idx;
+    }
+    __syncthreads();
+    for (int e = tidx; e < kQV * D; e += blockDim.x) {
+      const int i = e / D, c = e % D;
+      const int64_t idx = s_idx[i];
+      if (idx < 0) continue;
+      float A = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) A += sm_acc[w][i][c] * s_f[w][i];
       p.part_acc[idx * D + c] = A;
-      if (c == 0) p.part_ml[idx] = make_float2(M, L);
     }
     __syncthreads();
   }
