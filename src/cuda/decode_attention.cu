@@ -4,6 +4,7 @@
 // call, no host synchronisation, no allocation: safe to capture in a CUDA graph (the workspace comes
 // from the caller).
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <set>
 
@@ -57,13 +58,15 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   if (M != -INFINITY) {
     const float4* pa = reinterpret_cast<const float4*>(p.part_acc + base * D) + j;
 #pragma unroll 8
-    for (int i = sl; i < p.nsplit; i += SL) {  // every split CTA wrote its partial (zeros when empty)
+    for (int i = sl; i < p.nsplit; i += SL) {
       const float w = s_w[i];
       const float4 x = pa[(int64_t)i * LPS];
-      acc.x += w * x.x;
-      acc.y += w * x.y;
-      acc.z += w * x.z;
-      acc.w += w * x.w;
+      if (w != 0.0f) {  // an empty split writes only (m, l) = (-inf, 0): its acc is not read
+        acc.x += w * x.x;
+        acc.y += w * x.y;
+        acc.z += w * x.z;
+        acc.w += w * x.w;
+      }
     }
   }
   *reinterpret_cast<float4*>(&s_red[sl][4 * j]) = acc;
@@ -164,6 +167,7 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.part_acc = (float*)((char*)a.workspace + align256(parts * (int64_t)sizeof(float2)));
   p.nsplit = ns;
   p.fused = ap != nullptr;
+  p.debug_skip = std::getenv("FMKV_DEBUG_SKIP") ? std::atoi(std::getenv("FMKV_DEBUG_SKIP")) : 0;  // TEMP
   if (ap) fill_kv(p, ap->k, ap->v);
   cudaStream_t st = to_stream(a.stream);
   {  // opt in to the kernel's dynamic shared memory (static + dynamic may exceed 48 KB), and ask for the

@@ -56,6 +56,7 @@ struct AttnParams {
   int32_t k_dtype, v_dtype;
   int64_t k_rs, k_hs, v_rs, v_hs;
   int32_t kb, vb, rule;
+  int32_t debug_skip;  // TEMP
 };
 using AttnFnPtr = void (*)(AttnParams);
 struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared memory bytes
@@ -157,6 +158,19 @@ struct Fp16Geom {
 };
 static_assert(2 * kFp16Chunk == 128, "two threads per token of a chunk");
 
+// Query vector v (>= 0) of a sequence -> its row v / gq and GQA member v % gq (32-bit division when v
+// fits, which is every practical case; a 64-bit division is a long subroutine).
+__device__ __forceinline__ void split_vector(int64_t v, int gq, int64_t& row, int& member) {
+  if ((uint64_t)v <= 0xffffffffull) {
+    const uint32_t a = (uint32_t)v, g = (uint32_t)gq;
+    row = a / g;
+    member = (int)(a % g);
+  } else {
+    row = v / gq;
+    member = (int)(v % gq);
+  }
+}
+
 // fp16x2 -> two floats
 __device__ __forceinline__ float2 h2_to_f2(uint32_t x) { return make_float2(h_lo(x), h_hi(x)); }
 
@@ -206,9 +220,12 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
   for (int64_t vb = 0; vb < nqv; vb += kQV) {
     if (tidx < kQV) {
       const int64_t v = vb + tidx;
-      const int64_t row = r0 + v / p.gq;
-      const int hq = h * p.gq + (int)(v % p.gq);
-      s_pos[tidx] = v < nqv ? len - n + v / p.gq : -1;
+      int64_t vr;
+      int vh;
+      split_vector(v, p.gq, vr, vh);
+      const int64_t row = r0 + vr;
+      const int hq = h * p.gq + vh;
+      s_pos[tidx] = v < nqv ? len - n + vr : -1;
       s_qoff[tidx] = v < nqv ? row * p.q_rs + hq * p.q_hs : -1;
       s_part[tidx] = v < nqv ? (row * p.HQ + hq) * (p.nsplit + 1) + p.nsplit : -1;
     }
@@ -433,6 +450,66 @@ __device__ inline bool block_any_bad(const void* base, int32_t dtype, int64_t rs
   return bad;
 }
 
+// The fused step's k, v and q rows [r0, r0 + n) checked together: every thread has one 16-byte chunk
+// of each of the three tensors in flight per round (the three checks are one round trip, not three).
+// Falls back to block_any_bad per tensor when one is not 16-byte aligned.
+struct RowsToCheck {
+  const void* base;
+  int32_t dtype;
+  int64_t rs, hs;
+  int heads;
+  bool fp16_range;
+  int kind, which;
+};
+__device__ inline bool rows_any_bad3(const RowsToCheck (&t)[3], int64_t r0, int64_t n, int D, long long* err) {
+  bool aligned = true;
+  uint32_t per[3], hp[3], total[3], maxtotal = 0;
+#pragma unroll
+  for (int j = 0; j < 3; ++j) {
+    const int es = t[j].dtype == FMKV_F32 ? 4 : 2;
+    aligned = aligned && reinterpret_cast<uintptr_t>(t[j].base) % 16 == 0 && (t[j].rs * es) % 16 == 0 &&
+              (t[j].hs * es) % 16 == 0;
+    per[j] = (uint32_t)(D * es / 16);
+    hp[j] = (uint32_t)t[j].heads * per[j];
+    total[j] = (uint32_t)n * hp[j];
+    maxtotal = total[j] > maxtotal ? total[j] : maxtotal;
+  }
+  bool bad = false;
+  if (!aligned) {
+#pragma unroll
+    for (int j = 0; j < 3; ++j)
+      bad |= block_any_bad(t[j].base, t[j].dtype, t[j].rs, t[j].hs, r0, n, t[j].heads, D, t[j].fp16_range, err,
+                           t[j].kind, t[j].which);
+    return bad;
+  }
+  for (uint32_t c = threadIdx.x; c < maxtotal; c += blockDim.x) {
+    uint4 x[3];
+#pragma unroll
+    for (int j = 0; j < 3; ++j)
+      if (c < total[j]) {
+        const int es = t[j].dtype == FMKV_F32 ? 4 : 2;
+        const uint32_t r = c / hp[j], hh = (c % hp[j]) / per[j], part = c % per[j];
+        x[j] = *reinterpret_cast<const uint4*>(static_cast<const char*>(t[j].base) +
+                                               ((r0 + r) * t[j].rs + hh * t[j].hs) * es + part * 16);
+      }
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+      if (c >= total[j]) continue;
+      const int es = t[j].dtype == FMKV_F32 ? 4 : 2, vec = 16 / es;
+      const uint32_t w[4] = {x[j].x, x[j].y, x[j].z, x[j].w};
+      for (int k = 0; k < vec; ++k) {
+        const uint32_t b = es == 4 ? w[k] : (w[k >> 1] >> (16 * (k & 1))) & 0xffffu;
+        if (elem_bad(b, t[j].dtype, t[j].fp16_range)) {
+          const uint32_t r = c / hp[j], hh = (c % hp[j]) / per[j], part = c % per[j];
+          report_error(err, kNonFinite, t[j].kind, t[j].which, r0 + r, hh, part * vec + k);
+          bad = true;
+        }
+      }
+    }
+  }
+  return bad;
+}
+
 // One head vector (x[r] = fp16 bits of coordinate lane + 32 r) written to token slot t of a page section
 // (bit-exact with the append), and its dequantized value in the raw domain to dst[0, D) (one warp).
 template <int D, int B, int P>
@@ -486,6 +563,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
 
   // 1. validation
   int bad = 0;
+  if (!(p.debug_skip & 1)) {
   if (n > kFusedMaxRows) {
     bad = 1;
     if (tidx == 0) report_error(p.err, kInvalidArgument, kErrFusedRows, s, n, kFusedMaxRows, 0);
@@ -505,9 +583,11 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
           }
       }
     }
-    bad |= block_any_bad(p.k, p.k_dtype, p.k_rs, p.k_hs, r0, n, p.H, D, true, p.err, kErrNonFiniteKV, 0);
-    bad |= block_any_bad(p.v, p.v_dtype, p.v_rs, p.v_hs, r0, n, p.H, D, true, p.err, kErrNonFiniteKV, 1);
-    bad |= block_any_bad(p.q, p.q_dtype, p.q_rs, p.q_hs, r0, n, p.HQ, D, false, p.err, kErrNonFiniteQ, 0);
+    const RowsToCheck rows[3] = {{p.k, p.k_dtype, p.k_rs, p.k_hs, p.H, true, kErrNonFiniteKV, 0},
+                                 {p.v, p.v_dtype, p.v_rs, p.v_hs, p.H, true, kErrNonFiniteKV, 1},
+                                 {p.q, p.q_dtype, p.q_rs, p.q_hs, p.HQ, false, kErrNonFiniteQ, 0}};
+    bad |= rows_any_bad3(rows, r0, n, D, p.err);
+  }
   }
   if (__syncthreads_or(bad)) return;
 
@@ -516,7 +596,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   float* dk = reinterpret_cast<float*>(smem);
   float* dv = dk + kFusedMaxRows * D;
   const int64_t ncomp = E1 - E0;
-  for (int64_t vj = warp; vj < 2 * ncomp; vj += kAttnWarps) {
+  for (int64_t vj = warp; vj < ((p.debug_skip & 2) ? 0 : 2 * ncomp); vj += kAttnWarps) {
     const int isv = (int)(vj & 1);
     const int64_t j = vj >> 1, q = E0 + j;
     const uint64_t ci = (uint64_t)(q - p.S);
@@ -562,7 +642,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   __syncthreads();  // ring rows and dk / dv complete
 
   // 4. attention over sink + [E0, E1) + ring
-  fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);
+  if (!(p.debug_skip & 4)) fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);
 }
 
 // Sequence-level checks of a CTA (row offsets, length, slot, block-table stride). Reported once per
@@ -646,7 +726,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   __shared__ float s_qmax[kQV];
   __shared__ uint32_t s_tab[8][32];
   __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV], s_f[kAttnWarps][kQV];
-  __shared__ int64_t s_idx[kQV];
+  __shared__ int64_t s_idx[kQV], s_vpos[kQV], s_vpart[kQV];
   __shared__ int32_t s_pg[kAttnWarps][NST];
   grid_dependency_wait();  // launched as a programmatic dependent: nothing upstream is read before this
   if (error_set(p.err)) return;
@@ -671,13 +751,24 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   int64_t tps = (ntiles + p.nsplit - 1) / p.nsplit;
   if (tps < kMinTilesPerSplit) tps = kMinTilesPerSplit;
   const int64_t tb = (int64_t)sp * tps, te = ntiles < tb + tps ? ntiles : tb + tps;
+  if (tb >= ntiles) {  // an empty split (short sequence): partial (m, l) = (-inf, 0), no Q work
+    for (int64_t v = tidx; v < nqv; v += blockDim.x) {
+      int64_t vr;
+      int vh;
+      split_vector(v, p.gq, vr, vh);
+      p.part_ml[((r0 + vr) * p.HQ + h * p.gq + vh) * (p.nsplit + 1) + sp] = make_float2(-INFINITY, 0.0f);
+    }
+    return;
+  }
 
   // Codebook tables in ordinary registers: a table in a uniform register costs a move per lookup,
   // so every lane reads its own copy (a lane-dependent shared-memory address is never uniform).
-  if (tidx < 8) {
-    uint32_t T[4];
-    load_tables(tidx < 4 ? (K16 ? VB : KB) : VB, T);
-    for (int l = 0; l < 32; ++l) s_tab[tidx][l] = T[tidx & 3];
+  if (tidx < 8) {  // entry tidx & 3 of the K (tidx < 4) or V table
+    const int bits = tidx < 4 ? (K16 ? VB : KB) : VB, k = tidx & 3;
+    const int M = 1 << (bits - 1), off = FMKV_CODEBOOK_OFFSET(bits);
+    const uint32_t lo = 2 * k < M ? tab::fmkv_codebook_mag_f16[off + 2 * k] : 0u;
+    const uint32_t hi = 2 * k + 1 < M ? tab::fmkv_codebook_mag_f16[off + 2 * k + 1] : 0u;
+    for (int l = 0; l < 32; ++l) s_tab[tidx][l] = lo | (hi << 16);
   }
   __syncthreads();
   uint32_t TK[4], TV[4];
@@ -762,8 +853,15 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       constexpr int NR = D / 32;
       const int64_t v = vb + i;
       float x[NR];
-      const int64_t row = r0 + v / p.gq;
-      const int hq = h * p.gq + (int)(v % p.gq);
+      int64_t vr;  // query row (within the sequence) and q head of vector v (warp-uniform)
+      int vh;
+      split_vector(v, p.gq, vr, vh);
+      const int64_t row = r0 + vr;
+      const int hq = h * p.gq + vh;
+      if (lane == 0) {  // this vector's position and partial index, for the softmax mask and the combine
+        s_vpos[i] = v < nqv ? len - n + vr : -1;
+        s_vpart[i] = v < nqv ? (row * p.HQ + hq) * (p.nsplit + 1) : -1;
+      }
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         x[r] = v < nqv ? load_elem(p.q, p.q_dtype, row * p.q_rs + hq * p.q_hs + lane + 32 * r) : 0.0f;
@@ -803,8 +901,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     int64_t pos[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int64_t v = vb + 2 * tid + j;
-      pos[j] = v < nqv ? len - n + v / p.gq : -1;
+      pos[j] = s_vpos[2 * tid + j];
       const float fac = s_qmax[2 * tid + j] * p.sm_scale;
       // scores are kept in log2 units (x log2 e) inside the tile loop; m is converted back at the end
       fac2[j] = p.softcap > 0.0f ? fac : fac * kLog2e;
@@ -1030,9 +1127,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       }
       int64_t idx = -1;
       if (v < nqv) {
-        const int64_t row = r0 + v / p.gq;
-        const int hq = h * p.gq + (int)(v % p.gq);
-        idx = (row * p.HQ + hq) * (p.nsplit + 1) + sp;
+        idx = s_vpart[i] + sp;
         p.part_ml[idx] = make_float2(M, L);
       }
       s_idx[i] = idx;
