@@ -4,7 +4,6 @@
 // call, no host synchronisation, no allocation: safe to capture in a CUDA graph (the workspace comes
 // from the caller).
 #include <algorithm>
-#include <cstdlib>
 #include <mutex>
 #include <set>
 
@@ -167,7 +166,6 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.part_acc = (float*)((char*)a.workspace + align256(parts * (int64_t)sizeof(float2)));
   p.nsplit = ns;
   p.fused = ap != nullptr;
-  p.debug_skip = std::getenv("FMKV_DEBUG_SKIP") ? std::atoi(std::getenv("FMKV_DEBUG_SKIP")) : 0;  // TEMP
   if (ap) fill_kv(p, ap->k, ap->v);
   cudaStream_t st = to_stream(a.stream);
   {  // opt in to the kernel's dynamic shared memory (static + dynamic may exceed 48 KB), and ask for the

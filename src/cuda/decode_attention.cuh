@@ -56,7 +56,6 @@ struct AttnParams {
   int32_t k_dtype, v_dtype;
   int64_t k_rs, k_hs, v_rs, v_hs;
   int32_t kb, vb, rule;
-  int32_t debug_skip;  // TEMP
 };
 using AttnFnPtr = void (*)(AttnParams);
 struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared memory bytes
@@ -530,10 +529,8 @@ __device__ __forceinline__ void compress_vector(const uint16_t (&x)[D / 32], uin
     warp_rotate<D>(v, sw, lane);
     uint32_t* words = (uint32_t*)sec;
     uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, B, P));
-#pragma unroll
-    for (int g = 0; g < NR; ++g)  // group g = register g: coordinate lane of the group
-      v[g] = warp_quantize_group(v[g], B, rule, lane, words + fmkv_code_word_index(B, P, g, 0, t), P,
-                                 scales + (int64_t)g * P + t);
+    // group g = register g: coordinate lane of the group
+    warp_quantize_groups<NR, B>(v, rule, lane, words + fmkv_code_word_index(B, P, 0, 0, t), P, scales + t);
     warp_unrotate<D>(v, sw, lane);
 #pragma unroll
     for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = v[i];
@@ -563,7 +560,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
 
   // 1. validation
   int bad = 0;
-  if (!(p.debug_skip & 1)) {
+  {
   if (n > kFusedMaxRows) {
     bad = 1;
     if (tidx == 0) report_error(p.err, kInvalidArgument, kErrFusedRows, s, n, kFusedMaxRows, 0);
@@ -596,7 +593,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   float* dk = reinterpret_cast<float*>(smem);
   float* dv = dk + kFusedMaxRows * D;
   const int64_t ncomp = E1 - E0;
-  for (int64_t vj = warp; vj < ((p.debug_skip & 2) ? 0 : 2 * ncomp); vj += kAttnWarps) {
+  for (int64_t vj = warp; vj < 2 * ncomp; vj += kAttnWarps) {
     const int isv = (int)(vj & 1);
     const int64_t j = vj >> 1, q = E0 + j;
     const uint64_t ci = (uint64_t)(q - p.S);
@@ -642,7 +639,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   __syncthreads();  // ring rows and dk / dv complete
 
   // 4. attention over sink + [E0, E1) + ring
-  if (!(p.debug_skip & 4)) fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);
+  fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);
 }
 
 // Sequence-level checks of a CTA (row offsets, length, slot, block-table stride). Reported once per

@@ -1,7 +1,7 @@
 // Quantizers of format v1 on the GPU. Every float op is explicitly rounded (__fadd_rn/__fmul_rn/
 // __fdiv_rn/__fsqrt_rn: no FMA contraction) and sums follow tree_sum32's order, so the bytes equal
 // the reference's (src/core/quant_math.h, src/ref/quantize.cpp) bit for bit.
-//  * warp level (warp_rotate, warp_quantize_group): one warp per head vector, lane l holds
+//  * warp level (warp_rotate, warp_quantize_groups): one warp per head vector, lane l holds
 //    coordinates l + 32 r, so register r across the warp is scale group r.
 //  * thread level (thread_fwht, thread_quantize_group; used by append.cu): one thread owns 64
 //    coordinates, i.e. two whole groups; D/64 threads per vector. See thread_fwht for the mapping.
@@ -87,53 +87,79 @@ __device__ __forceinline__ void warp_unrotate(float (&y)[D / 32], const SignWord
   }
 }
 
-// Quantize group value y of this lane (coordinate j = lane) and write the group's planes and scale:
-// words[(w * P)] for w < bits, scale at *scale_dst. All lanes call it. Returns the lane's dequantized
-// value level(code) x scale (exact in float32, FORMAT.md section 5).
-__device__ __forceinline__ float warp_quantize_group(float y, int bits, int rule, int lane,
-                                                    uint32_t* words, int64_t P, uint16_t* scale_dst) {
-  float rms = __fsqrt_rn(__fdiv_rn(warp_tree_sum32(__fmul_rn(y, y)), 32.0f));
-  uint16_t s0 = dev_scale_to_f16(rms);
-  float s0f = f16_to_f32(s0);
-  uint32_t sign = 0, m = 0;
-  uint16_t scale = 0;
-  if (s0f != 0.0f) {  // warp-uniform
-    float u = __fdiv_rn(y, s0f);
-    sign = u < 0.0f ? 1u : 0u;
-    float a = u < 0.0f ? -u : u;
-    const int M = 1 << (bits - 1);
-    for (int i = 0; i + 1 < M; ++i) {
-      float thr = __fmul_rn(__fadd_rn(dev_mag(bits, i), dev_mag(bits, i + 1)), 0.5f);
-      m += a > thr ? 1u : 0u;
-    }
-    scale = s0;
-    if (rule == FMKV_SCALE_LSQ) {
-      float l = dev_mag(bits, (int)m);
-      if (sign) l = -l;
-      float num = warp_tree_sum32(__fmul_rn(y, l));
-      float den = warp_tree_sum32(__fmul_rn(l, l));
-      scale = dev_scale_to_f16(__fdiv_rn(num, den));
-    }
-  }
-  const uint32_t sw = __ballot_sync(kFull, sign);
-  uint32_t w0 = 0, w1 = 0, w2 = 0;
-  if (bits == 2) w0 = __ballot_sync(kFull, m & 1u);
-  if (bits >= 3) {
-    uint32_t f = (m & 3u) << fmkv_field_shift(lane);
-    int fw = fmkv_field_word(lane);
-    w0 = __reduce_or_sync(kFull, fw == 0 ? f : 0u);
-    w1 = __reduce_or_sync(kFull, fw == 1 ? f : 0u);
-  }
-  if (bits == 4) w2 = __ballot_sync(kFull, (m >> 2) & 1u);
-  if (lane < bits) {
-    uint32_t out = lane == bits - 1 ? sw : lane == 0 ? w0 : lane == 1 ? w1 : w2;
-    words[lane * P] = out;
-  }
-  if (lane == 31) *scale_dst = scale;
-  const float level = s0f != 0.0f ? dev_mag(bits, (int)m) : 0.0f;
-  return (sign ? -level : level) * f16_to_f32(scale);
+// Quantize all NR groups of a warp-held vector (y[g] = coordinate lane of group g) and write their
+// planes and scales, bit-exact with the reference (FORMAT.md 4-6): per group rms = sqrt(tree_sum(y^2) /
+// 32) -> fp16 s0; codes from y / s0 against the midpoint thresholds; LSQ rescale tree_sum(y l) /
+// tree_sum(l l). The groups run in lockstep (their shuffle trees and divisions overlap instead of
+// forming one long chain; a zero scale is handled by selects, not a branch).
+// Group g's planes at words0 + g * BITS * P (stride P between planes), its scale at scales0 + g * P.
+// y[g] becomes the dequantized value level(code) x scale.
+template <int NR>
+__device__ __forceinline__ void warp_tree_sum32_n(float (&t)[NR]) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1)
+#pragma unroll
+    for (int g = 0; g < NR; ++g) t[g] = __fadd_rn(t[g], __shfl_xor_sync(kFull, t[g], m));
 }
-
+template <int NR, int BITS>
+__device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], int rule, int lane, uint32_t* words0, int64_t P,
+                                                     uint16_t* scales0) {
+  constexpr int M = 1 << (BITS - 1);
+  float t[NR];
+#pragma unroll
+  for (int g = 0; g < NR; ++g) t[g] = __fmul_rn(y[g], y[g]);
+  warp_tree_sum32_n<NR>(t);
+  float s0f[NR], l[NR], num[NR], den[NR];
+  uint16_t scale[NR];
+  uint32_t sign[NR], m[NR];
+#pragma unroll
+  for (int g = 0; g < NR; ++g) {
+    const uint16_t s0 = dev_scale_to_f16(__fsqrt_rn(__fdiv_rn(t[g], 32.0f)));
+    s0f[g] = f16_to_f32(s0);
+    const bool nz = s0f[g] != 0.0f;  // warp-uniform
+    const float u = __fdiv_rn(y[g], nz ? s0f[g] : 1.0f);
+    sign[g] = nz && u < 0.0f ? 1u : 0u;
+    const float a = u < 0.0f ? -u : u;
+    uint32_t mm = 0;
+#pragma unroll
+    for (int i = 0; i + 1 < M; ++i) {
+      const float thr = __fmul_rn(__fadd_rn(dev_mag(BITS, i), dev_mag(BITS, i + 1)), 0.5f);
+      mm += a > thr ? 1u : 0u;
+    }
+    m[g] = nz ? mm : 0u;
+    l[g] = nz ? dev_mag(BITS, (int)m[g]) : 0.0f;
+    if (sign[g]) l[g] = -l[g];
+    scale[g] = s0;
+    num[g] = __fmul_rn(y[g], l[g]);
+    den[g] = __fmul_rn(l[g], l[g]);
+  }
+  if (rule == FMKV_SCALE_LSQ) {
+    warp_tree_sum32_n<NR>(num);
+    warp_tree_sum32_n<NR>(den);
+#pragma unroll
+    for (int g = 0; g < NR; ++g)
+      if (s0f[g] != 0.0f) scale[g] = dev_scale_to_f16(__fdiv_rn(num[g], den[g]));
+  }
+#pragma unroll
+  for (int g = 0; g < NR; ++g) {
+    const uint32_t sw = __ballot_sync(kFull, sign[g]);
+    uint32_t w0 = 0, w1 = 0, w2 = 0;
+    if (BITS == 2) w0 = __ballot_sync(kFull, m[g] & 1u);
+    if (BITS >= 3) {
+      const uint32_t f = (m[g] & 3u) << fmkv_field_shift(lane);
+      const int fw = fmkv_field_word(lane);
+      w0 = __reduce_or_sync(kFull, fw == 0 ? f : 0u);
+      w1 = __reduce_or_sync(kFull, fw == 1 ? f : 0u);
+    }
+    if (BITS == 4) w2 = __ballot_sync(kFull, (m[g] >> 2) & 1u);
+    if (lane < BITS) {
+      const uint32_t out = lane == BITS - 1 ? sw : lane == 0 ? w0 : lane == 1 ? w1 : w2;
+      words0[(int64_t)g * BITS * P + lane * P] = out;
+    }
+    if (lane == 31) scales0[(int64_t)g * P] = scale[g];
+    y[g] = l[g] * f16_to_f32(scale[g]);  // l carries the sign (0 when the scale is 0)
+  }
+}
 
 // ---- thread-level quantizer ----------------------------------------------------------------------
 // Per b-bit codebook (index b - 2), filled on the host from src/core/quant_math.h.

@@ -1,6 +1,7 @@
 #!/bin/bash
 # One device call: build (tests + bench) in /tmp, run the CUDA tests, optional memcheck, benchmark.
-#   tests/cuda/run_device.sh [tests|bench|all] [commit]   (SKIP_MEMCHECK=1: no compute-sanitizer run)
+#   tests/cuda/run_device.sh [tests|bench|all] [commit]   (SKIP_MEMCHECK=1: no compute-sanitizer run;
+#   SKIP_PDL_AB=1: no programmatic-launch on/off comparison)
 # Builds the full grid of decode-attention combinations (-DFMKV_CUDA_FULL_GRID=ON) so every one is tested.
 # Needs the GoogleTest sources in .gtest-src (carried) when the image has no gtest.
 MODE=${1:-all}; COMMIT=${2:-unknown}
@@ -28,7 +29,7 @@ if [ "$MODE" != bench ]; then
     echo "racecheck rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|PASSED|FAILED" $OUT/racecheck.log | head -5
   fi
 fi
-if [ "$MODE" != tests ]; then
+if [ "$MODE" != tests ] && [ -z "$SKIP_PDL_AB" ]; then
   # programmatic dependent launch on / off (FMKV_CUDA_PDL=0), same binary, same run
   for c in "1 4096 3 3" "1 131072 3 3" "64 32768 3 3"; do
     for pdl in 1 0; do
