@@ -24,8 +24,10 @@ template <int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   constexpr int LPS = D / 4, SL = kMergeThreads / LPS, NR = D / 32;
   static_assert(kMaxSplits + 1 <= kMergeThreads, "one thread per partial");
-  __shared__ float s_w[kMaxSplits + 1];
-  __shared__ float s_wm[kMergeThreads / 32], s_wl[kMergeThreads / 32];
+  // 16-byte aligned: the compiler reads s_wm / s_wl with vector loads, which must not straddle s_w
+  __shared__ __align__(16) float s_w[kMaxSplits + 1];
+  __shared__ __align__(16) float s_wm[kMergeThreads / 32];
+  __shared__ __align__(16) float s_wl[kMergeThreads / 32];
   __shared__ __align__(16) float s_red[SL][D];
   // Launched as a programmatic dependent of attn_kernel (sm_90): wait until its partials are written.
   grid_dependency_wait();
