@@ -74,17 +74,6 @@ constexpr int kFusedMaxRows = 16;  // rows per sequence of a fused append + atte
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kSignMask = 0x80008000u;
 
-// fp16x2 magnitude table: T[k] = level 2k | level 2k+1 << 16 (levels 0..3 in T[0..1], 4..7 in T[2..3]).
-__device__ __forceinline__ void load_tables(int bits, uint32_t (&T)[4]) {
-  const int M = 1 << (bits - 1), off = FMKV_CODEBOOK_OFFSET(bits);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    uint32_t lo = 2 * k < M ? tab::fmkv_codebook_mag_f16[off + 2 * k] : 0u;
-    uint32_t hi = 2 * k + 1 < M ? tab::fmkv_codebook_mag_f16[off + 2 * k + 1] : 0u;
-    T[k] = lo | (hi << 16);
-  }
-}
-
 // Code decoding (FORMAT.md section 6). A "selector-form word" holds in bytes 0..3 the magnitude
 // fields (the 2-bit field, or the magnitude bit for 2-bit codes) of four values, each byte < 4.
 // pair_selectors() turns it into two byte-permute selectors (nibbles 2m, 2m+1 fetch the two bytes
@@ -760,6 +749,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 
   // Codebook tables in ordinary registers: a table in a uniform register costs a move per lookup,
   // so every lane reads its own copy (a lane-dependent shared-memory address is never uniform).
+  // fp16x2 level tables: T[k] = level 2k | level 2k+1 << 16 (levels 0..3 in T[0..1], 4..7 in T[2..3])
   if (tidx < 8) {  // entry tidx & 3 of the K (tidx < 4) or V table
     const int bits = tidx < 4 ? (K16 ? VB : KB) : VB, k = tidx & 3;
     const int M = 1 << (bits - 1), off = FMKV_CODEBOOK_OFFSET(bits);
