@@ -2,24 +2,24 @@
 // cores. Grid (nsplit + 1, kv heads, sequences). CTA (split sp < nsplit, sequence s, kv head h) takes
 // a contiguous range of 16-token tiles of the compressed tokens, for up to 8 query vectors at a time
 // (all q heads of the GQA group x query rows), so every K/V byte is read once per 8 query vectors.
-// The last split (sp == nsplit) does the fp16 sink + window tokens (scalar fp32, raw domain).
+// The last split (sp == nsplit) does the fp16 sink + window tokens in the raw domain (fp16_part) and,
+// for a fused step, the append (fused_step).
 //
-// Per warp and 16-token tile:
-//   S^T = Q K^T   mma.m16n8k16 (m = 8 q vectors padded to 16, n = 8 tokens, k = 16 coordinates),
-//                 one mma per (group, field word); the K fragment is decoded in registers with a byte
-//                 permute from the field plane: (word >> 2s) & 0x0303 -> levels of coordinates
-//                 (i0, i0+16) as an fp16x2, the sign plane shifted into bits 15/31. Coordinates are
-//                 permuted consistently in Q and K (the dot product does not care). Per-group fp16
-//                 scales are applied in fp32 to each group's mma result.
-//   online softmax in fp32 (exp2), P kept in registers: the C fragment of S is exactly the B fragment
-//                 of the next mma.
+// Per warp and 16-token tile (staged in shared memory by cp.async, 2-3 tiles ahead):
+//   S = K Q^T     mma.m16n8k16 (m = 16 tokens, n = 8 q vectors, k = 16 coordinates), two per group;
+//                 the K fragment is decoded in registers: field word -> selector-form bytes -> one
+//                 64-bit multiply-add for two byte-permute selectors -> one prmt per fp16 pair from
+//                 the level table, the sign plane shifted into bits 15/31 (FORMAT.md section 6).
+//                 Coordinates are permuted consistently in Q and K (the dot product does not care).
+//                 Per-group fp16 scales are applied in fp32 to each group's mma result.
+//   online softmax in fp32 (ex2.approx, log2 units), P kept in registers.
 //   O^T += V^T P^T  mma.m16n8k16 (m = 16 coordinates, n = 8 q vectors, k = 16 tokens); the V fragment
-//                 pairs two tokens of one coordinate; the token scales multiply P (relative to the
-//                 tile's largest scale, which multiplies the fp32 result), so fp16 operands never
-//                 overflow or lose the small terms.
-// Q is rotated once per CTA (in registers, a warp per query vector) and normalised to max |q| = 1 before fp16 rounding.
-// Partials (m, l, acc in the rotated domain) go to the workspace; merge_kernel combines them, applies
-// the inverse rotation once (FWHT in shared memory) and adds the fp16 part.
+//                 pairs two tokens of one coordinate; P is multiplied by the token's V scale in fp32
+//                 (p <= 1, |scale| <= 65504: the fp16 operand cannot overflow) and transposed into
+//                 the B operand by movmatrix.
+// Q is rotated once per CTA (in registers, a warp per query vector) and normalised to max |q| = 1
+// before fp16 rounding. Partials (m, l, acc in the rotated domain) go to the workspace; merge_kernel
+// combines them, applies the inverse rotation once (shuffles) and adds the fp16 part.
 #pragma once
 #include "quantize.cuh"
 
