@@ -6,6 +6,7 @@ cuda_sdpa_variants.jsonl), merges, prints a table and writes docs/results/cuda_d
 (one decode step per layer: append + attention, separate calls vs fmkv_append_attention) and a PNG.
 
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results [--commit SHA] [--quick]
+    python3 bench/cuda_bench.py --out docs/results --replot      # redraw the PNG from the committed JSON
 """
 import argparse
 import json
@@ -103,11 +104,19 @@ def sdpa_time_us(B, ctx, l2_bytes=60 << 20, log=None):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bin", required=True)
+    ap.add_argument("--bin", help="the fmkv_cuda_bench binary (not needed with --replot)")
+    ap.add_argument("--replot", action="store_true",
+                    help="only redraw cuda_decode.png from the cuda_decode.jsonl already in --out")
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
+    if a.replot:
+        dec = [json.loads(l) for l in open(os.path.join(a.out, "cuda_decode.jsonl"))]
+        plot_decode(dec, dec[0]["copy_gbps"], dec[0]["device"], os.path.join(a.out, "cuda_decode.png"))
+        return
+    if not a.bin:
+        ap.error("--bin is required")
     os.makedirs(a.out, exist_ok=True)
     cmd = [a.bin] + (["--quick"] if a.quick else [])
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -186,25 +195,41 @@ def main():
     for r in qua:
         print("quantize k%dv%d %d tokens: %.1f us, %.0f GB/s, %.1f Mtok/s" % (r["k_bits"], r["v_bits"], r["context"],
               r["time_us"], r["gbps"], r["mtok_per_s"]))
+    plot_decode(dec, copy["gbps"], device, os.path.join(a.out, "cuda_decode.png"))
+
+
+def plot_decode(dec, copy_gbps, device, path):
+    """GB/s vs context at B=1 (no window) for each format and the SDPA baseline of the same records."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for kb, vb in sorted({(r["k_bits"], r["v_bits"]) for r in dec}):
-            xs = [r for r in dec if r["batch"] == 1 and r["k_bits"] == kb and r["v_bits"] == vb and not r["window_tokens"]]
+        fig, (ax, at) = plt.subplots(1, 2, figsize=(12, 4.5))
+        b1 = [r for r in dec if r["batch"] == 1 and not r.get("window_tokens")]
+        for kb, vb in sorted({(r["k_bits"], r["v_bits"]) for r in b1}):
+            xs = [r for r in b1 if r["k_bits"] == kb and r["v_bits"] == vb]
             ax.plot([r["context"] for r in xs], [r["gbps"] for r in xs], "o-", label="fmkv k%dv%d" % (kb, vb))
-        xs = sorted({r["context"] for r in dec if r["batch"] == 1 and not r["window_tokens"]})
-        sd = [2 * c * 8 * 128 * 2 / sdpa[(1, c)][0] / 1e3 for c in xs]
-        ax.plot(xs, sd, "s--", label="torch SDPA fp16")
-        ax.axhline(copy["gbps"], color="gray", ls=":", label="D2D copy")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens), B=1, 32q/8kv heads, d=128")
+            at.plot([r["context"] for r in xs], [r["time_us"] for r in xs], "o-", label="fmkv k%dv%d" % (kb, vb))
+        base = {}
+        for r in b1:
+            base.setdefault(r["context"], r["baseline_time_us"])
+        xs = sorted(base)
+        label = "torch SDPA fp16 (fastest of 8 formulations)"
+        ax.plot(xs, [2 * c * 8 * 128 * 2 / base[c] / 1e3 for c in xs], "s--", label=label)
+        at.plot(xs, [base[c] for c in xs], "s--", label=label)
+        ax.axhline(copy_gbps, color="gray", ls=":", label="D2D copy")
+        for a_ in (ax, at):
+            a_.set_xscale("log", base=2)
+            a_.set_xlabel("context (tokens), B=1, 32q/8kv heads, d=128")
+        at.set_yscale("log")
         ax.set_ylabel("GB/s (bytes that must move / time)")
-        ax.set_title("decode attention on %s" % device)
-        ax.legend()
+        at.set_ylabel("time per decode call (µs, CUDA graph)")
+        ax.set_title("decode attention on %s: bandwidth" % device)
+        at.set_title("decode attention on %s: time" % device)
+        ax.legend(fontsize=8)
+        at.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(os.path.join(a.out, "cuda_decode.png"), dpi=110)
+        fig.savefig(path, dpi=110)
     except Exception as e:
         print("plot failed:", e, file=sys.stderr)
 
