@@ -54,6 +54,15 @@ def batch(slots, lens, rows, tables, device="cpu"):
                                         torch.from_numpy(offs), torch.tensor(tables, dtype=torch.int32)))
 
 
+def assert_cuda_matches_cpu(res):
+    """res[device] = (pages, fp16_k, fp16_v, out) on the CPU: bytes equal, attention within TOL."""
+    fmkv.cuda_check()
+    cpu, gpu = res["cpu"], res[str(DEV)]
+    assert torch.equal(gpu[0], cpu[0]), "pages differ between the cuda and cpu backends"
+    assert torch.equal(gpu[1], cpu[1]) and torch.equal(gpu[2], cpu[2]), "fp16 regions differ"
+    assert reference.rel_error(gpu[3].numpy(), cpu[3].numpy()) < TOL
+
+
 CONFIGS = [
     dict(head_dim=64, num_kv_heads=2, k_bits=2, v_bits=2, page_size=16),
     dict(head_dim=128, num_kv_heads=2, k_bits=3, v_bits=3, page_size=16, sink_tokens=2, window_tokens=5),
@@ -91,11 +100,7 @@ def test_ops_match_cpu_backend(cfg, dtype, tgen):
         out = torch.ops.fmkv.attention(pages, fk, fv, qd, *batch([2, 0], total, [1, 3], tables, dev), c, 5)
         assert out.device == torch.device(dev) and out.dtype == qd.dtype and out.shape == q.shape
         res[str(dev)] = (pages.cpu(), fk.cpu(), fv.cpu(), out.float().cpu())
-    fmkv.cuda_check()
-    cpu, gpu = res["cpu"], res[str(DEV)]
-    assert torch.equal(gpu[0], cpu[0]), "pages differ between the cuda and cpu backends"
-    assert torch.equal(gpu[1], cpu[1]) and torch.equal(gpu[2], cpu[2]), "fp16 regions differ"
-    assert reference.rel_error(gpu[3].numpy(), cpu[3].numpy()) < TOL
+    assert_cuda_matches_cpu(res)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: f"d{c['head_dim']}k{c['k_bits']}v{c['v_bits']}"
@@ -118,11 +123,7 @@ def test_append_attention_matches_cpu_backend(cfg, tgen):
         out = torch.ops.fmkv.append_attention(pages, fk, fv, k1.to(dev), v1.to(dev), q.to(dev),
                                               *batch([2, 0], lens0, rows, tables, dev), c, 5)
         res[str(dev)] = (pages.cpu(), fk.cpu(), fv.cpu(), out.float().cpu())
-    fmkv.cuda_check()
-    cpu, gpu = res["cpu"], res[str(DEV)]
-    assert torch.equal(gpu[0], cpu[0]), "pages differ between the cuda and cpu backends"
-    assert torch.equal(gpu[1], cpu[1]) and torch.equal(gpu[2], cpu[2]), "fp16 regions differ"
-    assert reference.rel_error(gpu[3].numpy(), cpu[3].numpy()) < TOL
+    assert_cuda_matches_cpu(res)
     # graph capture: the step re-appends the same rows at the same positions, so replays are identical
     pages, fk, fv = layer_tensors(config, 12, 3, DEV)
     torch.ops.fmkv.append(pages, fk, fv, k0.to(DEV), v0.to(DEV), *batch([2, 0], [0, 0], lens0, tables, DEV), c, 5)
