@@ -266,18 +266,18 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&work, ws + 16));
       fmkv_tensor qt{q, FMKV_F16, B, HQ, d, (int64_t)HQ * d, d}, ot{o, FMKV_F16, B, HQ, d, (int64_t)HQ * d, d};
       fmkv_attention_opts opts{0.0f, 0.0f};
-      if (step_only) {  // 5 plain fused steps (re-appending token ctx - 1), then the next case
-        int64_t* dl0;
-        CK(cudaMalloc(&dl0, 8 * B));
-        std::vector<int64_t> before(B, ctx - 1);
-        CK(cudaMemcpy(dl0, before.data(), 8 * B, cudaMemcpyHostToDevice));
-        fmkv_tensor kt{kin, FMKV_F16, B, H, d, (int64_t)H * d, d}, vt{vin, FMKV_F16, B, H, d, (int64_t)H * d, d};
+      // a decode step re-appends token ctx - 1: lengths ctx - 1 before it, this token's K/V rows
+      int64_t* dl0;
+      CK(cudaMalloc(&dl0, 8 * B));
+      std::vector<int64_t> before(B, ctx - 1);
+      CK(cudaMemcpy(dl0, before.data(), 8 * B, cudaMemcpyHostToDevice));
+      fmkv_tensor kt{kin, FMKV_F16, B, H, d, (int64_t)H * d, d}, vt{vin, FMKV_F16, B, H, d, (int64_t)H * d, d};
+      if (step_only) {  // 5 plain fused steps, then the next case
         fmkv_batch b0{B, nullptr, dl0, dro, dt, pps};
         for (int i = 0; i < 5; ++i)
           FK(fmkv_append_attention(FMKV_BACKEND_CUDA, &cfg, &lc, &b0, &kt, &vt, &qt, &opts, &ot, work, (size_t)ws, st));
         FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
         std::printf("{\"kind\":\"step_only\",\"context\":%lld}\n", (long long)ctx);
-        CK(cudaFree(dl0));
         continue;  // (buffers of this case are left to process exit)
       }
       // one graph holding one call per copy
@@ -294,11 +294,6 @@ int main(int argc, char** argv) {
       // re-appends token ctx - 1 (lengths ctx - 1 before, ctx after), so every replay is identical.
       double step_sep_us = 0, step_fused_us = 0;
       if (!only && ctx <= 131072) {
-        int64_t *dl0;
-        CK(cudaMalloc(&dl0, 8 * B));
-        std::vector<int64_t> before(B, ctx - 1);
-        CK(cudaMemcpy(dl0, before.data(), 8 * B, cudaMemcpyHostToDevice));
-        fmkv_tensor kt{kin, FMKV_F16, B, H, d, (int64_t)H * d, d}, vt{vin, FMKV_F16, B, H, d, (int64_t)H * d, d};
         auto time_graph = [&](bool fused) {
           const float ms = graph_ms_per_call(st, e0, e1, copies, 50, [&] {
             for (int cp = 0; cp < copies; ++cp) {
@@ -316,8 +311,8 @@ int main(int argc, char** argv) {
         };
         step_sep_us = time_graph(false);
         step_fused_us = time_graph(true);
-        CK(cudaFree(dl0));
       }
+      CK(cudaFree(dl0));
       std::vector<__half> oh((size_t)B * HQ * d);
       CK(cudaMemcpy(oh.data(), o, oh.size() * 2, cudaMemcpyDeviceToHost));
       int nonfinite = 0;
