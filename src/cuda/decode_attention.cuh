@@ -386,61 +386,11 @@ __device__ __forceinline__ bool elem_bad(uint32_t bits, int32_t dtype, bool fp16
   return (f32_to_f16(f) & 0x7c00u) == 0x7c00u;
 }
 
-// Any bad element among rows [r0, r0 + n) x heads x D of a [rows][heads][D] tensor? The CTA reads it
-// in 16-byte chunks, 4 chunks in flight per thread (element-wise when not 16-byte aligned), and
-// reports the first bad element it meets (code kNonFinite, kind, seq = which).
-__device__ inline bool block_any_bad(const void* base, int32_t dtype, int64_t rs, int64_t hs, int64_t r0, int64_t n, int heads,
-                              int D, bool fp16_range, long long* err, int kind, int which) {
-  const int es = dtype == FMKV_F32 ? 4 : 2, vec = 16 / es, per = D / vec;
-  const bool aligned = reinterpret_cast<uintptr_t>(base) % 16 == 0 && (rs * es) % 16 == 0 && (hs * es) % 16 == 0;
-  bool bad = false;
-  if (aligned) {  // n <= 16 rows (fused step): chunk indices fit 32 bits; per is a power of two
-    const uint32_t hp = (uint32_t)heads * per, total = (uint32_t)n * hp;
-    for (uint32_t c0 = threadIdx.x; c0 < total; c0 += 4 * blockDim.x) {
-      uint4 x[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const uint32_t c = c0 + u * blockDim.x;
-        if (c < total) {
-          const uint32_t r = c / hp, hh = (c % hp) / per, part = c % per;
-          x[u] = *reinterpret_cast<const uint4*>(static_cast<const char*>(base) + ((r0 + r) * rs + hh * hs) * es + part * 16);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const uint32_t c = c0 + u * blockDim.x;
-        if (c >= total) continue;
-        const uint32_t w[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
-        for (int k = 0; k < vec; ++k) {
-          const uint32_t b = es == 4 ? w[k] : (w[k >> 1] >> (16 * (k & 1))) & 0xffffu;
-          if (elem_bad(b, dtype, fp16_range)) {
-            const uint32_t r = c / hp, hh = (c % hp) / per, part = c % per;
-            report_error(err, kNonFinite, kind, which, r0 + r, hh, part * vec + k);
-            bad = true;
-          }
-        }
-      }
-    }
-  } else {
-    const int64_t total = n * heads * D;
-    for (int64_t e = threadIdx.x; e < total; e += blockDim.x) {
-      const int64_t r = e / ((int64_t)heads * D);
-      const int hh = (int)((e / D) % heads), i = (int)(e % D);
-      const int64_t off = (r0 + r) * rs + hh * hs + i;
-      const uint32_t b = dtype == FMKV_F32 ? __float_as_uint(static_cast<const float*>(base)[off])
-                                           : static_cast<const uint16_t*>(base)[off];
-      if (elem_bad(b, dtype, fp16_range)) {
-        report_error(err, kNonFinite, kind, which, r0 + r, hh, i);
-        bad = true;
-      }
-    }
-  }
-  return bad;
-}
-
-// The fused step's k, v and q rows [r0, r0 + n) checked together: every thread has one 16-byte chunk
-// of each of the three tensors in flight per round (the three checks are one round trip, not three).
-// Falls back to block_any_bad per tensor when one is not 16-byte aligned.
+// The fused step's k, v and q rows [r0, r0 + n) x heads x D ([rows][heads][D] tensors) checked for
+// bad elements (kind kNonFinite, reported with the row, head and element). A 16-byte-aligned tensor is
+// read in 16-byte chunks, and the three tensors together: every thread has one chunk of each in flight
+// per round (one round trip, not three); a tensor that is not aligned is read element by element.
+// n <= 16 rows (fused step), so chunk indices fit 32 bits.
 struct RowsToCheck {
   const void* base;
   int32_t dtype;
@@ -450,26 +400,19 @@ struct RowsToCheck {
   int kind, which;
 };
 __device__ inline bool rows_any_bad3(const RowsToCheck (&t)[3], int64_t r0, int64_t n, int D, long long* err) {
-  bool aligned = true;
-  uint32_t per[3], hp[3], total[3], maxtotal = 0;
+  bool aligned[3];
+  uint32_t per[3], hp[3], total[3], maxtotal = 0;  // chunks per head row, per row, in all (aligned only)
 #pragma unroll
   for (int j = 0; j < 3; ++j) {
     const int es = t[j].dtype == FMKV_F32 ? 4 : 2;
-    aligned = aligned && reinterpret_cast<uintptr_t>(t[j].base) % 16 == 0 && (t[j].rs * es) % 16 == 0 &&
-              (t[j].hs * es) % 16 == 0;
+    aligned[j] = reinterpret_cast<uintptr_t>(t[j].base) % 16 == 0 && (t[j].rs * es) % 16 == 0 &&
+                 (t[j].hs * es) % 16 == 0;
     per[j] = (uint32_t)(D * es / 16);
     hp[j] = (uint32_t)t[j].heads * per[j];
-    total[j] = (uint32_t)n * hp[j];
+    total[j] = aligned[j] ? (uint32_t)n * hp[j] : 0u;
     maxtotal = total[j] > maxtotal ? total[j] : maxtotal;
   }
   bool bad = false;
-  if (!aligned) {
-#pragma unroll
-    for (int j = 0; j < 3; ++j)
-      bad |= block_any_bad(t[j].base, t[j].dtype, t[j].rs, t[j].hs, r0, n, t[j].heads, D, t[j].fp16_range, err,
-                           t[j].kind, t[j].which);
-    return bad;
-  }
   for (uint32_t c = threadIdx.x; c < maxtotal; c += blockDim.x) {
     uint4 x[3];
 #pragma unroll
@@ -492,6 +435,21 @@ __device__ inline bool rows_any_bad3(const RowsToCheck (&t)[3], int64_t r0, int6
           report_error(err, kNonFinite, t[j].kind, t[j].which, r0 + r, hh, part * vec + k);
           bad = true;
         }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 3; ++j) {
+    if (aligned[j]) continue;
+    const uint32_t all = (uint32_t)n * (uint32_t)t[j].heads * (uint32_t)D;
+    for (uint32_t e = threadIdx.x; e < all; e += blockDim.x) {
+      const uint32_t r = e / ((uint32_t)t[j].heads * D), hh = (e / D) % t[j].heads, i = e % D;
+      const int64_t off = (r0 + r) * t[j].rs + hh * t[j].hs + i;
+      const uint32_t b = t[j].dtype == FMKV_F32 ? __float_as_uint(static_cast<const float*>(t[j].base)[off])
+                                                : static_cast<const uint16_t*>(t[j].base)[off];
+      if (elem_bad(b, t[j].dtype, t[j].fp16_range)) {
+        report_error(err, kNonFinite, t[j].kind, t[j].which, r0 + r, hh, i);
+        bad = true;
       }
     }
   }
