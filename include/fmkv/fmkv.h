@@ -1,6 +1,9 @@
 /* fmkv C API: compressed KV cache (Hadamard rotation + Lloyd-Max codes, 2-4 bits) and attention
  * directly on it. Every function returns FMKV_OK or an error code; fmkv_last_error() then names
- * the problem (thread-local). Nothing is written on error. */
+ * the problem (thread-local). Nothing is written on error, except: a CUDA append that fails on a
+ * device-detected error may already have written compressed token slots at or past the sequence's
+ * compressed length (slots nothing reads until a successful append rewrites them); the visible
+ * cache -- tokens below the length, sink and window -- is unchanged (docs/FORMAT.md section 2). */
 #ifndef FMKV_H
 #define FMKV_H
 
@@ -41,7 +44,8 @@ int64_t fmkv_config_page_bytes(const fmkv_config* cfg);
 /* Bytes of the fp16 sink+window region of one sequence slot, K and V, one layer. */
 int64_t fmkv_config_fp16_slot_bytes(const fmkv_config* cfg);
 
-/* Append the rows of k and v ([rows][kv_heads][head_dim]) to the batch's sequences. */
+/* Append the rows of k and v ([rows][kv_heads][head_dim]) to the batch's sequences. On CUDA,
+ * errors the device detects (block table, slot, NaN/Inf) surface at fmkv_device_synchronize. */
 fmkv_status fmkv_append(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer_cache* layer,
                         const fmkv_batch* batch, const fmkv_tensor* k, const fmkv_tensor* v,
                         void* stream);

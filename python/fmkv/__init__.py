@@ -59,8 +59,9 @@ def synchronize(backend: str = "cuda") -> None:
     detected since the last call (``fmkv_device_synchronize``).
 
     The CUDA backend checks the batch arrays it cannot read from the host -- block-table entries,
-    slots, lengths, row offsets -- and NaN/Inf in K/V/Q on the device: a failed op writes nothing,
-    records the error in a device error word, and later fmkv CUDA ops are skipped until this call
+    slots, lengths, row offsets -- and NaN/Inf in K/V/Q on the device: a failed op leaves the visible
+    cache unchanged (an append may have written the token slots it was filling, past the sequence's
+    length), records the error in a device error word, and later fmkv CUDA ops are skipped until this call
     reads and clears it. The ops themselves never synchronise (they can be captured in a CUDA
     graph), so such errors surface here, not at the op. Reads the calling thread's current CUDA
     device. A no-op for the host backends ('ref', 'cpu'), whose ops raise at once."""

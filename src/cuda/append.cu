@@ -1,15 +1,21 @@
 // CUDA quantize-append (issue 4, kernel 1). Stream-ordered launches, no host sync:
-//   1. validate_seq:    per sequence, row_offsets / seq_lens / slot / every block-table entry the
-//                       append touches (device arrays); errors go to the device error word.
-//   2. validate_finite: every k/v element must be finite in fp16 (as the host check of the
-//                       reference does). One pass over the input, 16-byte loads where possible.
-//   3. compress:        every newly compressed token (the row's j-th slot of the sequence's range
-//                       [ce(len0), ce(len0 + n)) -- either a new row (q >= len0) or a token aging
-//                       out of the fp16 ring window, read BEFORE the ring is rewritten). A warp takes
-//                       32 / (D/64) consecutive rows of one (kv head, K|V); D/64 threads per vector,
-//                       each owning two whole scale groups (quantize.cuh, thread_fwht).
-//   4. write_fp16:      new sink tokens and the new tokens that end in the ring window.
-// Every kernel returns at once while the error word is set, so a failed call writes nothing.
+//   1. validate_seq:  per sequence, row_offsets / seq_lens / slot / every block-table entry the
+//                     append touches (device arrays); errors go to the device error word.
+//   2. compress:      every newly compressed token (the row's j-th slot of the sequence's range
+//                     [ce(len0), ce(len0 + n)) -- either a new row (q >= len0) or a token aging
+//                     out of the fp16 ring window, read BEFORE the ring is rewritten). A warp takes
+//                     32 / (D/64) consecutive rows of one (kv head, K|V); D/64 threads per vector,
+//                     each owning two whole scale groups (quantize.cuh, thread_fwht). The next
+//                     task's 4 KB tile is copied (cp.async) while the current one is computed.
+//                     Finiteness of a new row is checked here, on the rotated values: every output
+//                     of the FWHT is a signed sum of all inputs, so one NaN/Inf input makes every
+//                     output non-finite and finite fp16 inputs never do (|y| < 2^25).
+//   3. fp16_rows<check>: the new rows that go to the sink / ring window, checked for NaN/Inf;
+//   4. fp16_rows<write>: ... and written (only when no error is set).
+// Every kernel returns at once while the error word is set. A failed call leaves the visible cache
+// unchanged (compressed tokens below the sequence's length, sink and ring); compress may already have
+// written token slots at or past the sequence's compressed length, which nothing reads until a
+// successful append rewrites them (FORMAT.md section 2).
 #include <cmath>
 #include <cstring>
 
@@ -71,62 +77,6 @@ __global__ void validate_seq(AppendParams p) {
   for (int64_t q = p0 + threadIdx.x; q <= p1; q += blockDim.x) {
     int32_t pg = bt[q];
     if (pg < 0 || pg >= p.num_pages) report_error(p.err, kOutOfRange, kErrBlockTable, s, q, pg, p.num_pages);
-  }
-}
-
-// Nonzero iff one of the two fp16 values in x has an all-ones exponent (NaN / Inf): the exponent
-// field plus one carries into the halfword's sign position only then (no carry between halves).
-__device__ __forceinline__ uint32_t nonfinite2(uint32_t x) {
-  return ((x & 0x7c007c00u) + 0x04000400u) & 0x80008000u;
-}
-
-// One warp per (row, K|V); lanes read 16-byte chunks (4 in flight per lane) when the tensor allows,
-// single elements otherwise. Reads the input once, forward (compress then walks it backwards and
-// finds the tail still in L2).
-__global__ void __launch_bounds__(256) validate_finite(AppendParams p) {
-  if (error_set(p.err)) return;
-  const int lane = threadIdx.x & 31;
-  const int hd = p.H * p.d;  // elements of one row
-  const int lgc = p.d == 64 ? 3 : p.d == 128 ? 4 : 5;  // log2(16-byte chunks per head vector)
-  const int64_t nw = ((int64_t)gridDim.x * blockDim.x) >> 5;
-  for (int64_t it = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5; it < 2 * p.rows; it += nw) {
-    const int which = (int)(it & 1);
-    const int64_t r = it >> 1;
-    const void* src = which ? p.v : p.k;
-    const int32_t dt = which ? p.v_dtype : p.k_dtype;
-    const int64_t rs = which ? p.v_rs : p.k_rs, hs = which ? p.v_hs : p.k_hs;
-    if (p.in16[which]) {
-      const uint16_t* row = (const uint16_t*)src + r * rs;
-      const int nc = hd >> 3;
-      for (int c0 = lane; c0 < nc; c0 += 128) {
-        uint4 x[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int c = c0 + 32 * u;
-          x[u] = make_uint4(0, 0, 0, 0);
-          if (c < nc) x[u] = __ldcg((const uint4*)(row + (c >> lgc) * hs) + (c & ((1 << lgc) - 1)));
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          if ((nonfinite2(x[u].x) | nonfinite2(x[u].y) | nonfinite2(x[u].z) | nonfinite2(x[u].w)) == 0) continue;
-          const int c = c0 + 32 * u, h = c >> lgc, i0 = (c & ((1 << lgc) - 1)) * 8;
-          const uint32_t wds[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
-          for (int e = 0; e < 8; ++e) {
-            const uint32_t hx = (wds[e >> 1] >> (16 * (e & 1))) & 0xffffu;
-            if ((hx & 0x7c00u) == 0x7c00u) {
-              report_error(p.err, kNonFinite, kErrNonFiniteKV, which, r, h, i0 + e);
-              break;
-            }
-          }
-        }
-      }
-    } else {
-      for (int e = lane; e < hd; e += 32) {
-        const int h = e / p.d, i = e - h * p.d;
-        const uint16_t x = load_f16_bits(src, dt, r * rs + h * hs + i);
-        if ((x & 0x7c00u) == 0x7c00u) report_error(p.err, kNonFinite, kErrNonFiniteKV, which, r, h, i);
-      }
-    }
   }
 }
 
@@ -222,43 +172,115 @@ __device__ __forceinline__ void quantize_store(const float (&r)[64], const float
   }
 }
 
-// Chunk c (< 256) of a warp's 4 KB tile, with the rotation signs applied, at its swizzled place:
-// segment c / 8 (= the owner lane), 16-byte slot (c % 8) ^ (segment % 8). Conflict-free for the
-// loader (8 consecutive chunks per quarter warp) and for the owner's reads.
-__device__ __forceinline__ void tile_store(uint4* tile, int c, uint4 x, const uint4& mask) {
-  x.x ^= mask.x;
-  x.y ^= mask.y;
-  x.z ^= mask.z;
-  x.w ^= mask.w;
-  tile[(c >> 3) * 8 + ((c & 7) ^ ((c >> 3) & 7))] = x;
+// Place of chunk c (< 256) of a warp's 4 KB tile: segment c / 8 (= the owner lane), 16-byte slot
+// (c % 8) ^ (segment % 8). Conflict-free for the loader (8 consecutive chunks per quarter warp) and
+// for the owner's reads.
+__device__ __forceinline__ int tile_slot(int c) { return (c >> 3) * 8 + ((c & 7) ^ ((c >> 3) & 7)); }
+
+// Copy the source vectors of a warp task (vt of lane = vector * NT + t) into a tile: chunk
+// c = lane + 32 i (i < 8) is chunk c % CPV of vector c / CPV. cp.async when every vector of the task
+// allows 16-byte loads (the common case: all 8 copies of a lane in flight, no registers held), element
+// loads converted to fp16 otherwise. Rotation signs are applied by the reader.
+template <int D>
+__device__ __forceinline__ void stage_task(const AppendParams& p, const VecTask& vt, int isv, uint4* tile, int lane) {
+  constexpr int NT = D / 64, CPV = D / 8;
+  const int pos = lane % CPV;
+  const bool own16 = !vt.src || ((vt.src & 1u) ? p.ring16 : p.in16[isv]);
+  if (__all_sync(kFull, own16)) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint64_t src = shfl64(vt.src, ((lane + 32 * i) / CPV) * NT);
+      uint4* dst = tile + tile_slot(lane + 32 * i);
+      if (src) cp_async16(dst, (const uint4*)(uintptr_t)(src & ~(uint64_t)1) + pos);
+      else *dst = make_uint4(0, 0, 0, 0);
+    }
+  } else {
+#pragma unroll 1
+    for (int i = 0; i < 8; ++i) {
+      const uint64_t src = shfl64(vt.src, ((lane + 32 * i) / CPV) * NT);
+      tile[tile_slot(lane + 32 * i)] = src ? load_chunk(p, src, pos, isv) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// A non-finite new row found by compress (global row r of the call, kv head h): find its first bad
+// element and report it as the host backends name it (rare path; inlined: a call would make the
+// compiler save live registers around it).
+__device__ __forceinline__ void report_nonfinite_row(const AppendParams& p, int64_t r, int32_t h, int isv) {
+  const int s = find_seq(p.ro, p.num_seqs, r);
+  const int64_t row0 = p.ro[s], len0 = p.seq_lens[s];
+  const int64_t q = dev_compressed_end(p.S, p.W, len0) + (r - row0), rr = row0 + (q - len0);
+  const void* src = isv ? p.v : p.k;
+  const int32_t dt = isv ? p.v_dtype : p.k_dtype;
+  const int64_t base = rr * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+  for (int i = 0; i < p.d; ++i)
+    if ((load_f16_bits(src, dt, base + i) & 0x7c00u) == 0x7c00u) {
+      report_error(p.err, kNonFinite, kErrNonFiniteKV, isv, rr, h, i);
+      return;
+    }
 }
 
 // A warp task is VPW = 32 / NT consecutive global rows of one (kv head, K|V); lane = vector * NT + t.
-// Loader: lane reads 16-byte chunks lane + 32 i (i < 8) of the task's contiguous 4 KB fp16 tile
-// (coalesced), xors the rotation signs (fwht_input_mask) and stores them swizzled, so that thread t
-// of vector v then reads its own 128 bytes (segment v NT + t) without bank conflicts.
+// Task k of a warp is copied into stage k % 2 of the warp's tiles while task k - 1 is computed from
+// the other stage. Thread t of vector v reads its own 128 bytes (segment v NT + t, chunks 8 t .. 8 t
+// + 7 of the vector), applies the rotation signs (one xor per 16 bytes, masks of fwht_input_mask in
+// shared memory) and runs thread_fwht + quantize_store.
+constexpr int kCompressWarps = 8, kCompressStages = 2;
+constexpr int kCompressSmem = kCompressWarps * kCompressStages * 256 * 16;
+
 template <int D>
 __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
   constexpr int NT = D / 64, VPW = 32 / NT, CPV = D / 8;
-  __shared__ uint4 tiles[8][256];
+  extern __shared__ __align__(16) uint4 tiles[];  // [warp][stage][256]
+  __shared__ uint4 s_mask[CPV];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint4* tile = tiles[warp];
-  const int t = lane % NT, vec = lane / NT, pos = lane % CPV;
-  const uint4 qmask = fwht_input_mask<D>(p.sw, pos);
+  uint4* wtiles = tiles + warp * kCompressStages * 256;
+  const int t = lane % NT, vec = lane / NT;
+  if (threadIdx.x < CPV) s_mask[threadIdx.x] = fwht_input_mask<D>(p.sw, threadIdx.x);
   float cn[2];
   fwht_pending_signs<D>(t, cn[0], cn[1]);
   cn[0] = cn[0] * rotation_norm(D);  // exact: +-1 times the float nearest to 1/sqrt(d)
   cn[1] = cn[1] * rotation_norm(D);
-  const uint32_t hv2 = 2u * (uint32_t)p.H;
-  for (uint32_t it = blockIdx.x * 8u + warp; it < p.items; it += gridDim.x * 8u) {
-    if (error_set(p.err)) return;
-    // last rows first: the validation pass left them in L2
-    const uint32_t rb = p.row_blocks - 1u - it / hv2, hv = it % hv2;
-    const int isv = (int)(hv & 1u);
-    const int32_t h = (int32_t)(hv >> 1);
+  // validate_seq's verdict before anything is read: locate() trusts the slots and lengths it checked
+  // (one decision per CTA: another CTA may set the word meanwhile)
+  if (__syncthreads_or(error_set(p.err) ? 1 : 0)) return;
+  const uint32_t hv2 = 2u * (uint32_t)p.H, stride = gridDim.x * (uint32_t)kCompressWarps;
+  auto task_of = [&](uint64_t it, int& isv, int32_t& h, int64_t& r) {
+    const uint32_t hv = (uint32_t)(it % hv2);
+    isv = (int)(hv & 1u);
+    h = (int32_t)(hv >> 1);
+    r = (int64_t)(it / hv2) * VPW + vec;
+  };
+  uint64_t it = blockIdx.x * (uint64_t)kCompressWarps + warp;
+  int isv = 0;
+  int32_t h = 0;
+  int64_t r = 0;
+  VecTask vt{0, nullptr, 0};
+  if (it < p.items) {
+    task_of(it, isv, h, r);
+    vt = locate<D>(p, r, h, isv);
+    if ((isv ? p.vb : p.kb) != FMKV_FP16_BITS) stage_task<D>(p, vt, isv, wtiles, lane);
+  }
+  cp_async_commit();
+  for (int k = 0; it < p.items; ++k, it += stride) {
+    if (__any_sync(kFull, error_set(p.err))) break;  // one decision per warp
     const int bits = isv ? p.vb : p.kb;
-    const VecTask vt = locate<D>(p, (int64_t)rb * VPW + vec, h, isv);
-    if (bits == FMKV_FP16_BITS) {  // K kept in fp16, unrotated: copy chunk by chunk
+    // the next task: located and its copies issued before this one is computed
+    const uint64_t it_n = it + stride;
+    int isv_n = 0;
+    int32_t h_n = 0;
+    int64_t r_n = 0;
+    VecTask vt_n{0, nullptr, 0};
+    if (it_n < p.items) {
+      task_of(it_n, isv_n, h_n, r_n);
+      vt_n = locate<D>(p, r_n, h_n, isv_n);
+      if ((isv_n ? p.vb : p.kb) != FMKV_FP16_BITS)
+        stage_task<D>(p, vt_n, isv_n, wtiles + ((k + 1) & 1) * 256, lane);
+    }
+    cp_async_commit();
+    bool bad = false;
+    if (bits == FMKV_FP16_BITS) {  // K kept in fp16, unrotated: copy chunk by chunk (not staged)
+      const int pos = lane % CPV;
       const uint64_t dst_own = vt.sec ? (uint64_t)(uintptr_t)(vt.sec + (int64_t)vt.tok * D * 2) : 0;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -275,56 +297,55 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
           for (int e = 0; e < 8; ++e) d16[e] = (uint16_t)(w[e >> 1] >> (16 * (e & 1)));
         }
       }
-      continue;
-    }
-    // 16-byte loads straight into registers when every vector of the task allows them (the common
-    // case: all 8 loads of a lane in flight together), element loads otherwise.
-    const bool own16 = !vt.src || ((vt.src & 1u) ? p.ring16 : p.in16[isv]);
-    if (__all_sync(kFull, own16)) {
-      uint4 x[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint64_t src = shfl64(vt.src, ((lane + 32 * i) / CPV) * NT);
-        x[i] = make_uint4(0, 0, 0, 0);
-        if (src) x[i] = __ldcs((const uint4*)(uintptr_t)(src & ~(uint64_t)1) + pos);
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) tile_store(tile, lane + 32 * i, x[i], qmask);
     } else {
-#pragma unroll 1
-      for (int i = 0; i < 8; ++i) {
-        const uint64_t src = shfl64(vt.src, ((lane + 32 * i) / CPV) * NT);
-        tile_store(tile, lane + 32 * i, src ? load_chunk(p, src, pos, isv) : make_uint4(0, 0, 0, 0), qmask);
+      cp_async_wait<1>();  // this lane's copies of the current task have landed ...
+      __syncwarp();        // ... and every lane's
+      const uint4* tile = wtiles + (k & 1) * 256;
+      float r8[64];
+#pragma unroll
+      for (int k8 = 0; k8 < 8; ++k8) {
+        uint4 x = tile[lane * 8 + (k8 ^ (lane & 7))];
+        const uint4 m = s_mask[8 * t + k8];
+        x.x ^= m.x;
+        x.y ^= m.y;
+        x.z ^= m.z;
+        x.w ^= m.w;
+        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          r8[8 * k8 + 2 * e] = f16_bits_to_f32_hw(w[e] & 0xffffu);
+          r8[8 * k8 + 2 * e + 1] = f16_bits_to_f32_hw(w[e] >> 16);
+        }
+      }
+      thread_fwht<D>(r8, lane);
+      // one non-finite input makes every output non-finite (header comment); ring rows were checked
+      // when they were appended. Reported after the quantization (no live values around the call).
+      bad = !(fabsf(r8[0]) <= 3.402823466e38f) && t == 0 && vt.src && !(vt.src & 1u);
+      const bool lsq = p.rule == FMKV_SCALE_LSQ;
+      switch (bits * 2 + (lsq ? 1 : 0)) {
+        case 4: quantize_store<2, false, NT>(r8, cn, p.qt[0], vt, t, p.P); break;
+        case 5: quantize_store<2, true, NT>(r8, cn, p.qt[0], vt, t, p.P); break;
+        case 6: quantize_store<3, false, NT>(r8, cn, p.qt[1], vt, t, p.P); break;
+        case 7: quantize_store<3, true, NT>(r8, cn, p.qt[1], vt, t, p.P); break;
+        case 8: quantize_store<4, false, NT>(r8, cn, p.qt[2], vt, t, p.P); break;
+        default: quantize_store<4, true, NT>(r8, cn, p.qt[2], vt, t, p.P); break;
       }
     }
-    __syncwarp();
-    float r[64];
-#pragma unroll
-    for (int k8 = 0; k8 < 8; ++k8) {
-      const uint4 x = tile[lane * 8 + (k8 ^ (lane & 7))];
-      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        r[8 * k8 + 2 * e] = f16_bits_to_f32_hw(w[e] & 0xffffu);
-        r[8 * k8 + 2 * e + 1] = f16_bits_to_f32_hw(w[e] >> 16);
-      }
-    }
-    __syncwarp();  // the tile is rewritten by the next task
-    thread_fwht<D>(r, lane);
-    const bool lsq = p.rule == FMKV_SCALE_LSQ;
-    switch (bits * 2 + (lsq ? 1 : 0)) {
-      case 4: quantize_store<2, false, NT>(r, cn, p.qt[0], vt, t, p.P); break;
-      case 5: quantize_store<2, true, NT>(r, cn, p.qt[0], vt, t, p.P); break;
-      case 6: quantize_store<3, false, NT>(r, cn, p.qt[1], vt, t, p.P); break;
-      case 7: quantize_store<3, true, NT>(r, cn, p.qt[1], vt, t, p.P); break;
-      case 8: quantize_store<4, false, NT>(r, cn, p.qt[2], vt, t, p.P); break;
-      default: quantize_store<4, true, NT>(r, cn, p.qt[2], vt, t, p.P); break;
-    }
+    if (bad) report_nonfinite_row(p, r, h, isv);
+    __syncwarp();  // every lane is done with this stage before the task after next refills it
+    vt = vt_n;
+    isv = isv_n;
+    h = h_n;
+    r = r_n;
   }
+  cp_async_wait<0>();
 }
 
-template <int D>
-__global__ void __launch_bounds__(256) write_fp16(AppendParams p) {
+// New rows that go to the fp16 regions (sink, ring window): kCheck = true checks them for NaN/Inf
+// (reported like compress does), false writes them (nothing while the error word is set, so a failed
+// call leaves the regions unchanged). One warp per (row, kv head, K|V), lane i: elements i + 32 r.
+template <int D, bool kCheck>
+__global__ void __launch_bounds__(256) fp16_rows(AppendParams p) {
   constexpr int NR = D / 32;
   const int lane = threadIdx.x & 31;
   const int64_t nwarps = p.rows * p.H * 2;
@@ -342,21 +363,33 @@ __global__ void __launch_bounds__(256) write_fp16(AppendParams p) {
     if (pos < p.S) fs = (int32_t)pos;
     else if (p.W > 0 && pos >= len0 + n - p.W) fs = p.S + (int32_t)((pos - p.S) % p.W);
     else continue;
-    const int32_t slot = p.slots ? p.slots[s] : 0;
-    uint16_t* dst = (isv ? p.fp16_v : p.fp16_k) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
     const void* src = isv ? p.v : p.k;
     const int32_t dt = isv ? p.v_dtype : p.k_dtype;
     const int64_t base = r * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+    uint16_t x[NR];
 #pragma unroll
-    for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = load_f16_bits(src, dt, base + lane + 32 * i);
+    for (int i = 0; i < NR; ++i) x[i] = load_f16_bits(src, dt, base + lane + 32 * i);
+    if (kCheck) {
+#pragma unroll
+      for (int i = 0; i < NR; ++i)
+        if ((x[i] & 0x7c00u) == 0x7c00u) report_error(p.err, kNonFinite, kErrNonFiniteKV, isv, r, h, lane + 32 * i);
+    } else {
+      const int32_t slot = p.slots ? p.slots[s] : 0;
+      uint16_t* dst = (isv ? p.fp16_v : p.fp16_k) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
+#pragma unroll
+      for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = x[i];
+    }
   }
 }
 
 template <int D>
 int compress_blocks_per_sm() {  // same for every device of the one compiled architecture
   static const int n = [] {
+    check_cuda(cudaFuncSetAttribute(compress<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kCompressSmem),
+               "compress shared memory");
     int b = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, compress<D>, 256, 0), "occupancy");
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, compress<D>, 32 * kCompressWarps, kCompressSmem),
+               "occupancy");
     return b > 0 ? b : 1;
   }();
   return n;
@@ -367,11 +400,13 @@ void launch_append(AppendParams& p, cudaStream_t st) {
   constexpr int VPW = 32 / (D / 64);
   p.row_blocks = (uint32_t)((p.rows + VPW - 1) / VPW);
   p.items = p.row_blocks * 2u * (uint32_t)p.H;
-  const int64_t blocks = std::min<int64_t>(((int64_t)p.items + 7) / 8, (int64_t)compress_blocks_per_sm<D>() * sm_count());
-  compress<D><<<(unsigned)blocks, 256, 0, st>>>(p);
+  const int64_t blocks = std::min<int64_t>(((int64_t)p.items + kCompressWarps - 1) / kCompressWarps,
+                                           (int64_t)compress_blocks_per_sm<D>() * sm_count());
+  compress<D><<<(unsigned)blocks, 32 * kCompressWarps, kCompressSmem, st>>>(p);
   if (p.R > 0) {
     const int64_t wblocks = std::min<int64_t>((p.rows * p.H * 2 + 7) / 8, 1 << 20);
-    write_fp16<D><<<(unsigned)wblocks, 256, 0, st>>>(p);
+    fp16_rows<D, true><<<(unsigned)wblocks, 256, 0, st>>>(p);
+    fp16_rows<D, false><<<(unsigned)wblocks, 256, 0, st>>>(p);
   }
 }
 
@@ -420,8 +455,6 @@ void append(const AppendArgs& a) {
   cudaStream_t st = to_stream(a.stream);
   validate_seq<<<(unsigned)p.num_seqs, 128, 0, st>>>(p);
   if (p.rows > 0) {
-    const int64_t blocks = std::min<int64_t>((2 * p.rows + 7) / 8, 16 * (int64_t)sm_count());
-    validate_finite<<<(unsigned)blocks, 256, 0, st>>>(p);
     switch (p.d) {
       case 64: launch_append<64>(p, st); break;
       case 128: launch_append<128>(p, st); break;

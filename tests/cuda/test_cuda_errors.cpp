@@ -1,6 +1,9 @@
 // CUDA backend: errors that only the device can see (batch arrays are device pointers). The op
 // returns FMKV_OK (it is asynchronous), the next fmkv_device_synchronize() returns the error with a
-// message naming the entry, and the cache is untouched. Skips when no CUDA device is usable.
+// message naming the entry, and the visible cache is untouched: the fp16 regions entirely, and every
+// compressed token below a sequence's length (an append may already have written the token slots it
+// was filling, at or past the compressed length: FORMAT.md section 2). Skips when no CUDA device is
+// usable.
 #include "harness.h"
 
 namespace fmkv::test {
@@ -8,18 +11,56 @@ namespace {
 
 constexpr fmkv_backend kCuda = FMKV_BACKEND_CUDA;
 
+// The bytes of every compressed token below each sequence's compressed end E(len) equal in a and b
+// (code words and scale of every group, K and V, every kv head; k16 sections: the fp16 row).
+inline ::testing::AssertionResult visible_pages_equal(const Scenario& s, const std::vector<uint8_t>& a,
+                                                      const std::vector<uint8_t>& b) {
+  const fmkv_config& c = s.cfg;
+  const int32_t P = c.page_size, d = c.head_dim, G = fmkv_groups(d);
+  const int64_t pb = fmkv_config_page_bytes(&c);
+  for (int32_t q = 0; q < s.seqs(); ++q) {
+    const int64_t E = std::max<int64_t>(c.sink_tokens, s.lens[q] - c.window_tokens);
+    for (int64_t ci = 0; ci < E - c.sink_tokens; ++ci) {
+      const int64_t ti = q * s.table_stride + ci / P;
+      if (ti >= (int64_t)s.table.size()) break;
+      const int64_t page = s.table[ti];
+      if (page < 0 || page >= s.num_pages) continue;  // the error under test: nothing lives there
+      const int32_t t = (int32_t)(ci % P);
+      for (int32_t h = 0; h < c.num_kv_heads; ++h)
+        for (int isv = 0; isv < 2; ++isv) {
+          const int32_t bits = isv ? c.v_bits : c.k_bits;
+          const int64_t sec = page * pb + fmkv_section_offset(d, c.k_bits, c.v_bits, P, h, isv);
+          std::vector<std::pair<int64_t, int>> spans;  // (byte offset, bytes)
+          if (bits == FMKV_FP16_BITS) {
+            spans.push_back({sec + (int64_t)t * d * 2, d * 2});
+          } else {
+            for (int32_t g = 0; g < G; ++g) {
+              for (int32_t w = 0; w < bits; ++w) spans.push_back({sec + 4 * fmkv_code_word_index(bits, P, g, w, t), 4});
+              spans.push_back({sec + fmkv_scales_offset(d, bits, P) + 2 * ((int64_t)g * P + t), 2});
+            }
+          }
+          for (auto [off, n] : spans)
+            if (std::memcmp(a.data() + off, b.data() + off, n) != 0)
+              return ::testing::AssertionFailure() << "sequence " << q << " compressed token " << ci << " head " << h
+                                                   << (isv ? " V" : " K") << " changed";
+        }
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 struct CudaCase {
   fmkv_config c;
   Scenario s;
   std::vector<uint8_t> k, v;
   fmkv_tensor kt, vt;
-  CudaCase(int sink = 0, int window = 0) {
+  CudaCase(int sink = 0, int window = 0, int64_t rows = 2) {
     c = config(128, 3, 3, 2, 16, sink, window);
-    s = make_scenario(c, {20}, {2});
-    k = random_tensor(FMKV_F16, 2, 2, 128);
-    v = random_tensor(FMKV_F16, 2, 2, 128);
-    kt = make_tensor(k.data(), FMKV_F16, 2, 2, 128);
-    vt = make_tensor(v.data(), FMKV_F16, 2, 2, 128);
+    s = make_scenario(c, {20}, {rows});
+    k = random_tensor(FMKV_F16, rows, 2, 128);
+    v = random_tensor(FMKV_F16, rows, 2, 128);
+    kt = make_tensor(k.data(), FMKV_F16, rows, 2, 128);
+    vt = make_tensor(v.data(), FMKV_F16, rows, 2, 128);
   }
   // Append on the device; returns (status of synchronize, message); checks the cache is unchanged
   // on failure.
@@ -50,10 +91,12 @@ struct CudaCase {
     st = fmkv_device_synchronize(kCuda);
     std::string msg = fmkv_last_error();
     if (st != FMKV_OK) {
-      EXPECT_TRUE(pages.download<uint8_t>() == before.pages) << "cache modified by a failed call";
-      auto k16 = fk.download<uint16_t>();
+      EXPECT_TRUE(visible_pages_equal(s, pages.download<uint8_t>(), before.pages)) << "a failed call";
+      auto k16 = fk.download<uint16_t>(), v16 = fv.download<uint16_t>();
       k16.resize(before.fp16_k.size());
-      EXPECT_TRUE(k16 == before.fp16_k) << "fp16 region modified by a failed call";
+      v16.resize(before.fp16_v.size());
+      EXPECT_TRUE(k16 == before.fp16_k) << "fp16 K region modified by a failed call";
+      EXPECT_TRUE(v16 == before.fp16_v) << "fp16 V region modified by a failed call";
     }
     return {st, msg};
   }
@@ -89,11 +132,27 @@ TEST_F(CudaErrors, SlotOutOfRange) {
 }
 
 TEST_F(CudaErrors, NonFiniteInput) {
+  // a compressed row (found by the quantizer on the rotated values)
   CudaCase f;
   ((uint16_t*)f.v.data())[300] = 0x7E00;
   EXPECT_CUDA_ERR(f.append(), FMKV_ERR_NON_FINITE, "v[1][0][44]");
   CudaCase g;
   EXPECT_EQ(g.append().first, FMKV_OK);
+  // a row going to the fp16 window (checked before the window is written)
+  CudaCase w(0, 8);
+  ((uint16_t*)w.k.data())[300] = 0x7C00;
+  EXPECT_CUDA_ERR(w.append(), FMKV_ERR_NON_FINITE, "k[1][0][44]");
+  // rows 0..3 compressed directly (with the 8 ring tokens they push out), 4..11 to the window: a bad
+  // compressed row leaves the window unwritten
+  CudaCase m(2, 8, 12);
+  ((uint16_t*)m.k.data())[2 * 256 + 128 + 7] = 0xFC00;
+  EXPECT_CUDA_ERR(m.append(), FMKV_ERR_NON_FINITE, "k[2][1][7]");
+  // a bad row in the window, with compressed rows before it
+  CudaCase n(2, 8, 12);
+  ((uint16_t*)n.v.data())[10 * 256 + 3] = 0x7E01;
+  EXPECT_CUDA_ERR(n.append(), FMKV_ERR_NON_FINITE, "v[10][0][3]");
+  CudaCase ok(2, 8, 12);
+  EXPECT_EQ(ok.append().first, FMKV_OK);
 }
 
 TEST_F(CudaErrors, AttentionErrors) {

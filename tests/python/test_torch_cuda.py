@@ -7,7 +7,8 @@ reason. Checks, against the CPU backend on the same inputs:
 * attention is within 4e-3 relative (fp16 tensor-core arithmetic on the GPU);
 * mismatched device / backend combinations are errors naming the tensor and device, never copies;
 * device-detected errors (bad block-table entry, NaN input) surface at fmkv.cuda_check(), the op
-  itself does not synchronise and writes nothing;
+  itself does not synchronise and leaves the visible cache unchanged (a failed append may have
+  written the token slots it was filling, past the sequence's length: FORMAT.md section 2);
 * the attention op captured in a torch.cuda.CUDAGraph replays to the eager result;
 * FmkvCache generate() on CUDA (tiny random Llama) agrees with the CPU cache, resident bytes.
 """
@@ -52,6 +53,31 @@ def batch(slots, lens, rows, tables, device="cpu"):
     offs = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
     return tuple(t.to(device) for t in (torch.tensor(slots, dtype=torch.int32), torch.tensor(lens, dtype=torch.int64),
                                         torch.from_numpy(offs), torch.tensor(tables, dtype=torch.int32)))
+
+
+def token_slot_mask(config, slots):
+    """Bool [page_bytes]: the bytes of token slots `slots` of a page (FORMAT.md section 7: per kv head a
+    K then a V section; a quantized section is code words [G * bits][P] (uint32) then scales [G][P]
+    (fp16), an fp16 section values [P][d])."""
+    d, P, G = config.head_dim, config.page_size, config.head_dim // 32
+    sec = {b: (d * 2 * P if b == 16 else G * b * P * 4 + G * P * 2) for b in (config.k_bits, config.v_bits)}
+    mask = torch.zeros(config.page_bytes, dtype=torch.bool)
+    base = 0
+    for _ in range(config.num_kv_heads):
+        for b in (config.k_bits, config.v_bits):
+            for t in slots:
+                if b == 16:
+                    mask[base + t * d * 2: base + (t + 1) * d * 2] = True
+                    continue
+                for word in range(G * b):
+                    o = base + 4 * (word * P + t)
+                    mask[o: o + 4] = True
+                for g in range(G):
+                    o = base + G * b * P * 4 + 2 * (g * P + t)
+                    mask[o: o + 2] = True
+            base += sec[b]
+    assert base == config.page_bytes
+    return mask
 
 
 def assert_cuda_matches_cpu(res):
@@ -124,11 +150,20 @@ def test_append_attention_matches_cpu_backend(cfg, tgen):
                                               *batch([2, 0], lens0, rows, tables, dev), c, 5)
         res[str(dev)] = (pages.cpu(), fk.cpu(), fv.cpu(), out.float().cpu())
     assert_cuda_matches_cpu(res)
-    # graph capture: the step re-appends the same rows at the same positions, so replays are identical
+    # graph capture: every run starts from the cache as the prefill left it (a step is not idempotent:
+    # with a window it compresses the ring rows it then overwrites), so a replay equals the eager step
     pages, fk, fv = layer_tensors(config, 12, 3, DEV)
     torch.ops.fmkv.append(pages, fk, fv, k0.to(DEV), v0.to(DEV), *batch([2, 0], [0, 0], lens0, tables, DEV), c, 5)
+    state0 = [t.clone() for t in (pages, fk, fv)]
+
+    def restore():
+        for t, t0 in zip((pages, fk, fv), state0):
+            t.copy_(t0)
+
     args = (pages, fk, fv, k1.to(DEV), v1.to(DEV), q.to(DEV), *batch([2, 0], lens0, rows, tables, DEV), c, 5)
     eager = torch.ops.fmkv.append_attention(*args)
+    eager_state = [t.clone() for t in (pages, fk, fv)]
+    restore()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -137,10 +172,14 @@ def test_append_attention_matches_cpu_backend(cfg, tgen):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         captured = torch.ops.fmkv.append_attention(*args)
+    restore()
+    captured.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
     fmkv.cuda_check()
     assert torch.equal(captured, eager)
+    for t, want in zip((pages, fk, fv), eager_state):
+        assert torch.equal(t, want)
 
 
 def test_torch_cache_on_cuda(tgen):
@@ -233,7 +272,7 @@ def test_device_detected_errors_surface_at_sync(tgen):
     k = torch.randn(40, 2, 64, generator=tgen).to(DEV)
     # append with a block-table entry outside the 8-page pool: the op returns (no sync) ...
     torch.ops.fmkv.append(pages, fk, fv, k, k, *batch([0], [0], [40], [[2, 1000000, 0]], DEV), c, 0)
-    # ... the error surfaces at the sync function, and the op wrote nothing
+    # ... the error surfaces at the sync function (found before anything is written)
     with pytest.raises(fmkv.FmkvError, match=r"block_table\[1\] = 1000000 outside \[0, 8\)") as e:
         fmkv.cuda_check()
     assert e.value.status == "OUT_OF_RANGE"
@@ -252,7 +291,11 @@ def test_device_detected_errors_surface_at_sync(tgen):
     torch.ops.fmkv.append(pages, fk, fv, bad, k, *batch([0], [40], [40], [[2, 1, 0, 3, 4]], DEV), c, 0)
     with pytest.raises(fmkv.FmkvError, match=r"k\[7\]\[1\]\[3\] is NaN"):
         fmkv.synchronize("cuda")
-    assert torch.equal(pages, snapshot)
+    # the 40 cached tokens are untouched: pages 2 and 1, slots 0..7 of page 0 (the append was filling
+    # slots 8.. of page 0 and pages 3, 4, which nothing reads until a successful append rewrites them)
+    assert torch.equal(pages[[2, 1]], snapshot[[2, 1]])
+    visible = token_slot_mask(config, range(8)).to(DEV)
+    assert torch.equal(pages[0][visible], snapshot[0][visible])
     # after the check, the cache works again and matches the CPU backend
     out = torch.ops.fmkv.attention(pages, fk, fv, q, *batch([0], [40], [1], [[2, 1, 0]], DEV), c, 0)
     hp, hk, hv = layer_tensors(config, 8, 1, "cpu")
