@@ -112,11 +112,82 @@ struct Fmt {
   int kb, vb;
 };
 
+#ifdef FMKV_CUDA_TRACE
+// Latency trace of the last decode call (a -DFMKV_CUDA_TRACE=ON build, --trace): per CTA role, when
+// the CTAs entered and left (globaltimer, from the first attention CTA's entry) and the time between
+// consecutive recorded phases (clock64, converted with the clock rate measured from the same CTAs).
+namespace fmkv {
+namespace cuda {
+void trace_read(unsigned long long* host, size_t n);
+void trace_clear();
+}  // namespace cuda
+}  // namespace fmkv
+static void print_trace(const char* label, int64_t ctx, int B) {
+  const int C = 8192, S = 12;  // kTraceCtas, kTraceSlots (src/cuda/common.cuh)
+  std::vector<unsigned long long> t((size_t)2 * C * S);
+  fmkv::cuda::trace_read(t.data(), t.size());
+  auto row = [&](int k, int c) { return &t[((size_t)k * C + c) * S]; };
+  unsigned long long g0 = ~0ull;
+  std::vector<double> ghz;
+  for (int k = 0; k < 2; ++k)
+    for (int c = 0; c < C; ++c) {
+      const unsigned long long* r = row(k, c);
+      if (!r[10]) continue;
+      if (k == 0) g0 = std::min(g0, r[8]);
+      if (r[9] > r[8] + 2000 && r[7] > r[0]) ghz.push_back((double)(r[7] - r[0]) / (double)(r[9] - r[8]));
+    }
+  if (g0 == ~0ull || ghz.empty()) {
+    std::printf("{\"kind\":\"trace\",\"label\":\"%s\",\"error\":\"no trace recorded\"}\n", label);
+    return;
+  }
+  std::sort(ghz.begin(), ghz.end());
+  const double f = ghz[ghz.size() / 2];  // cycles per ns
+  const char* names[] = {"", "split", "fp16_part", "fused", "empty_split", "merge"};
+  auto stats = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    char b[96];
+    std::snprintf(b, sizeof b, "[%.2f,%.2f,%.2f]", v.front(), v[v.size() / 2], v.back());
+    return std::string(b);
+  };
+  for (int role = 1; role <= 5; ++role) {
+    const int k = role == 5 ? 1 : 0;
+    std::vector<double> entry, exit_;
+    std::vector<std::vector<double>> ph(8);  // ph[i]: time from the previous recorded phase to phase i
+    for (int c = 0; c < C; ++c) {
+      const unsigned long long* r = row(k, c);
+      if ((int)r[10] != role) continue;
+      entry.push_back((double)(r[8] - g0) * 1e-3);
+      exit_.push_back((double)(r[9] - g0) * 1e-3);
+      int prev = 0;
+      for (int i = 1; i < 8; ++i)
+        if (r[i]) {
+          ph[i].push_back((double)(r[i] - r[prev]) / f * 1e-3);
+          prev = i;
+        }
+    }
+    if (entry.empty()) continue;
+    std::string phases;
+    for (int i = 1; i < 8; ++i)
+      if (!ph[i].empty()) phases += std::string(phases.empty() ? "" : ",") + "\"" + std::to_string(i) + "\":" + stats(ph[i]);
+    std::printf("{\"kind\":\"trace\",\"label\":\"%s\",\"batch\":%d,\"context\":%lld,\"role\":\"%s\",\"ctas\":%zu,"
+                "\"sm_ghz\":%.3f,\"entry_us\":%s,\"exit_us\":%s,\"phase_us\":{%s}}\n",
+                label, B, (long long)ctx, names[role], entry.size(), f, stats(entry).c_str(), stats(exit_).c_str(),
+                phases.c_str());
+  }
+  std::fflush(stdout);
+}
+#endif
+
 int main(int argc, char** argv) {
   // --quick: fewer cases; --only B ctx kb vb: one decode case (for profilers); --window W: k3v3 at
-  // B=1 with a W-token fp16 window (attention and decode step; no quantize timing)
+  // B=1 with a W-token fp16 window (attention and decode step; no quantize timing); --quant-only kb vb:
+  // the quantize-append timing alone (for profilers)
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
-  const bool only = argc > 5 && (std::string(argv[1]) == "--only" || std::string(argv[1]) == "--step-only");
+  const bool quant_only = argc > 3 && std::string(argv[1]) == "--quant-only";
+  // --trace B ctx kb vb (a -DFMKV_CUDA_TRACE=ON build): one decode case, then the latency trace of its
+  // last attention call and of its last fused decode step (print_trace)
+  const bool trace = argc > 5 && std::string(argv[1]) == "--trace";
+  const bool only = argc > 5 && (std::string(argv[1]) == "--only" || std::string(argv[1]) == "--step-only" || trace);
   // --step-only B ctx kb vb: plain (non-graph) launches of the fused decode step, for profilers
   const bool step_only = only && std::string(argv[1]) == "--step-only";
   const int window = argc > 2 && std::string(argv[1]) == "--window" ? std::atoi(argv[2]) : 0;
@@ -124,6 +195,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "CUDA backend not available\n");
     return 1;
   }
+#ifdef FMKV_CUDA_TRACE
+  if (trace) fmkv::cuda::trace_clear();  // allocates the trace buffer (not allowed during graph capture)
+#endif
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   const double cbw = copy_gbps();
@@ -158,6 +232,10 @@ int main(int argc, char** argv) {
   if (window > 0) {
     cases = {{1, 4096}, {1, 32768}, {1, 131072}};
     fmts = {{3, 3}};
+  }
+  if (quant_only) {
+    cases.clear();
+    fmts = {{std::atoi(argv[2]), std::atoi(argv[3])}};
   }
 
   for (const Fmt& f : fmts) {
@@ -289,11 +367,14 @@ int main(int argc, char** argv) {
         }
       });
       FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
+#ifdef FMKV_CUDA_TRACE
+      if (trace) print_trace("attention", ctx, B);
+#endif
       // ---- one decode step per layer (append this token's K/V + attention), inside a CUDA graph:
       // separate calls (fmkv_append + fmkv_attention) vs fused (fmkv_append_attention). The step
       // re-appends token ctx - 1 (lengths ctx - 1 before, ctx after), so every replay is identical.
       double step_sep_us = 0, step_fused_us = 0;
-      if (!only && ctx <= 131072) {
+      if ((!only || trace) && ctx <= 131072) {
         auto time_graph = [&](bool fused) {
           const float ms = graph_ms_per_call(st, e0, e1, copies, 50, [&] {
             for (int cp = 0; cp < copies; ++cp) {
@@ -310,7 +391,13 @@ int main(int argc, char** argv) {
           return ms * 1e3;
         };
         step_sep_us = time_graph(false);
+#ifdef FMKV_CUDA_TRACE
+        if (trace) fmkv::cuda::trace_clear();
+#endif
         step_fused_us = time_graph(true);
+#ifdef FMKV_CUDA_TRACE
+        if (trace) print_trace("fused_step", ctx, B);
+#endif
       }
       CK(cudaFree(dl0));
       std::vector<__half> oh((size_t)B * HQ * d);

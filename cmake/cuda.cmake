@@ -42,6 +42,12 @@ option(FMKV_CUDA_FULL_GRID "Compile the CUDA decode attention for every head_dim
 if(FMKV_CUDA_FULL_GRID)
   target_compile_definitions(fmkv PRIVATE FMKV_CUDA_FULL_GRID=1)
 endif()
+# Latency trace of the decode launches (per-CTA phase timestamps, read by fmkv_cuda_bench --trace;
+# tests/cuda/trace.sh): a diagnostic build only, never on by default.
+option(FMKV_CUDA_TRACE "Record per-CTA phase timestamps in the CUDA decode kernels (diagnostic build)" OFF)
+if(FMKV_CUDA_TRACE)
+  target_compile_definitions(fmkv PUBLIC FMKV_CUDA_TRACE=1)
+endif()
 target_link_libraries(fmkv PUBLIC CUDA::cudart_static)
 set(FMKV_HAVE_CUDA_BACKEND ON)
 set(FMKV_HAVE_CUDA_BACKEND ON CACHE INTERNAL "fmkv CUDA backend compiled")

@@ -30,8 +30,10 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   __shared__ __align__(16) float s_wl[kMergeThreads / 32];
   __shared__ __align__(16) float s_red[SL][D];
   // Launched as a programmatic dependent of attn_kernel (sm_90): wait until its partials are written.
+  FMKV_TRACE(p, 1, 0);
   grid_dependency_wait();
   if (error_set(p.err)) return;
+  FMKV_TRACE(p, 1, 1);
   const int64_t row = blockIdx.x;
   const int hq = blockIdx.y, t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const int nparts = p.nsplit + 1;
@@ -53,6 +55,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   for (int o = 16; o >= 1; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
   if (lane == 0) s_wl[warp] = l;
   __syncthreads();
+  FMKV_TRACE(p, 1, 2);
   // compressed partials: slice sl of the splits, coordinates 4 j .. 4 j + 3
   const int sl = t / LPS, j = t % LPS;
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -72,6 +75,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   }
   *reinterpret_cast<float4*>(&s_red[sl][4 * j]) = acc;
   __syncthreads();
+  FMKV_TRACE(p, 1, 3);
   if (warp != 0) return;
   float L = 0.0f;
 #pragma unroll
@@ -96,6 +100,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
     else if (p.o_dtype == FMKV_F16) ((uint16_t*)p.out)[off] = f32_to_f16(o);
     else ((uint16_t*)p.out)[off] = f32_to_bf16(o);
   }
+  FMKV_TRACE(p, 1, 7, kTraceMerge);
 }
 
 int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads) {
@@ -169,6 +174,9 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.nsplit = ns;
   p.fused = ap != nullptr;
   if (ap) fill_kv(p, ap->k, ap->v);
+#ifdef FMKV_CUDA_TRACE
+  p.trace = trace_buffer();
+#endif
   cudaStream_t st = to_stream(a.stream);
   {  // opt in to the kernel's dynamic shared memory (static + dynamic may exceed 48 KB), and ask for the
      // largest shared-memory carveout so that 4 CTAs fit per SM (the kernel needs little L1), once per kernel

@@ -56,6 +56,7 @@ struct AttnParams {
   int32_t k_dtype, v_dtype;
   int64_t k_rs, k_hs, v_rs, v_hs;
   int32_t kb, vb, rule;
+  unsigned long long* trace;  // FMKV_CUDA_TRACE builds: per-CTA phase timestamps (common.cuh)
 };
 using AttnFnPtr = void (*)(AttnParams);
 struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared memory bytes
@@ -534,6 +535,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   }
   }
   if (__syncthreads_or(bad)) return;
+  FMKV_TRACE(p, 0, 3);
 
   // 2. compress [E0, E1) of head h; the warp keeps the dequantized values, un-rotates them and leaves
   //    them in shared memory (dk / dv rows) for step 4
@@ -566,6 +568,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
     else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);
   }
   __syncthreads();
+  FMKV_TRACE(p, 0, 4);
 
   // 3. new rows that land in the sink or in the ring
   if (p.R > 0)
@@ -584,9 +587,11 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
       for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = load_f16_bits(src, dt, base + lane + 32 * i);
     }
   __syncthreads();  // ring rows and dk / dv complete
+  FMKV_TRACE(p, 0, 5);
 
   // 4. attention over sink + [E0, E1) + ring
   fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);
+  FMKV_TRACE(p, 0, 6);
 }
 
 // Sequence-level checks of a CTA (row offsets, length, slot, block-table stride). Reported once per
@@ -672,8 +677,10 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV], s_f[kAttnWarps][kQV];
   __shared__ int64_t s_idx[kQV], s_vpos[kQV], s_vpart[kQV];
   __shared__ int32_t s_pg[kAttnWarps][NST];
+  FMKV_TRACE(p, 0, 0);
   grid_dependency_wait();  // launched as a programmatic dependent: nothing upstream is read before this
   if (error_set(p.err)) return;
+  FMKV_TRACE(p, 0, 1);
   const int s = blockIdx.z, h = blockIdx.y, sp = blockIdx.x;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31, gID = lane >> 2, tid = lane & 3;
   const int64_t len0 = p.seq_lens[s], r0 = p.ro[s], n = p.ro[s + 1] - r0;
@@ -685,9 +692,11 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   const int64_t len = p.fused && n > 0 && len0 >= 0 ? len0 + n : len0;
   if (!attn_sequence_ok(p, s, h, sp, r0, n, len) || n <= 0) return;
   const int64_t E = dev_compressed_end(p.S, p.W, p.fused ? len0 : len), C = E - p.S;
+  FMKV_TRACE(p, 0, 2);
   if (sp == p.nsplit) {
     if (p.fused) fused_step<D, P, KB, VB>(p, s, h, len0, r0, n, smem);
     else fp16_part<D>(p, s, h, len, r0, n, E, smem);
+    FMKV_TRACE(p, 0, 7, p.fused ? kTraceFused : kTraceFp16Part);
     return;
   }
   const int64_t nqv = n * p.gq;
@@ -702,6 +711,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       split_vector(v, p.gq, vr, vh);
       p.part_ml[((r0 + vr) * p.HQ + h * p.gq + vh) * (p.nsplit + 1) + sp] = make_float2(-INFINITY, 0.0f);
     }
+    FMKV_TRACE(p, 0, 7, kTraceEmptySplit);
     return;
   }
 
@@ -722,6 +732,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     TK[k] = s_tab[k][lane];
     TV[k] = s_tab[4 + k][lane];
   }
+  FMKV_TRACE(p, 0, 3);
 
   // cp.async chunks (16 B) of a tile copied by this lane: chunk c = lane + 32 i lands at byte 16 c of
   // the stage; its source is head base + ch_off + t0 * ch_mul (t0 = tile's first token in its page).
@@ -827,6 +838,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       if (lane == 0) s_qmax[i] = m;
     }
     __syncthreads();
+    FMKV_TRACE(p, 0, 4);
     uint32_t qb[G][2][2];  // B operand: query vector gID, normalised to max |q| = 1
     {
       const float qmax = s_qmax[gID], qinv = qmax > 0.0f ? 1.0f / qmax : 0.0f;
@@ -870,6 +882,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       stage_fill = stage;
       cp_async_wait<NST - 1>();  // this lane's copies of tile k have landed
       __syncwarp();              // ... and every lane's
+      if (k == 0) FMKV_TRACE(p, 0, 5);
       const int32_t pg = s_pg[warp][stage];
       const int64_t ci0 = (int64_t)(ci_first + (uint64_t)kTokensPerStep * (uint32_t)k);
       const uint8_t* st = wst + stage * TB;  // the staged tile
@@ -1036,6 +1049,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       __syncwarp();  // every lane is done with this stage before it is refilled
     }
     cp_async_wait<0>();
+    FMKV_TRACE(p, 0, 6);
 
     __syncthreads();  // every warp is done with its stages: sm_acc reuses their memory
     // ---- combine the 4 warps, write this split's partial
@@ -1089,6 +1103,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     }
     __syncthreads();
   }
+  FMKV_TRACE(p, 0, 7, kTraceSplit);
   grid_dependents_launch();  // the merge kernel may start launching (it waits for this grid's writes)
 }
 

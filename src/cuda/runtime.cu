@@ -71,6 +71,26 @@ bool programmatic_launch_supported() {
   return g_cc_major[dev] >= 9 && !disabled;
 }
 
+#ifdef FMKV_CUDA_TRACE
+unsigned long long* trace_buffer() {  // one buffer (current device at first use), for diagnostics
+  static unsigned long long* buf = [] {
+    void* p = nullptr;
+    const size_t bytes = sizeof(unsigned long long) * 2 * kTraceCtas * kTraceSlots;
+    check_cuda(cudaMalloc(&p, bytes), "trace buffer");
+    check_cuda(cudaMemset(p, 0, bytes), "trace buffer");
+    return (unsigned long long*)p;
+  }();
+  return buf;
+}
+// Host copy of the trace (fmkv_cuda_bench --trace): n = 2 * kTraceCtas * kTraceSlots values.
+void trace_read(unsigned long long* host, size_t n) {
+  check_cuda(cudaMemcpy(host, trace_buffer(), n * sizeof(unsigned long long), cudaMemcpyDeviceToHost), "trace read");
+}
+void trace_clear() {
+  check_cuda(cudaMemset(trace_buffer(), 0, sizeof(unsigned long long) * 2 * kTraceCtas * kTraceSlots), "trace clear");
+}
+#endif
+
 bool available() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
