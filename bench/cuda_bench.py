@@ -7,6 +7,7 @@ cuda_sdpa_variants.jsonl), merges, prints a table and writes docs/results/cuda_d
 
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results [--commit SHA] [--quick]
     python3 bench/cuda_bench.py --out docs/results --replot      # redraw the PNG from the committed JSON
+    python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --quantize-only  # cuda_quantize.jsonl
 """
 import argparse
 import json
@@ -102,6 +103,38 @@ def sdpa_time_us(B, ctx, l2_bytes=60 << 20, log=None):
     return best
 
 
+def quantize_record(r, copy, device, commit):
+    """A cuda_quantize.jsonl line from the binary's quantize record and the same run's copy bandwidth."""
+    return dict(suite="cuda_quantize", backend="cuda", device=device, commit=commit, op="quantize_append",
+                batch=1, q_len=r["tokens"], context=r["tokens"], head_dim=r["head_dim"], q_heads=0,
+                kv_heads=r["kv_heads"], layers=1, k_bits=r["k_bits"], v_bits=r["v_bits"],
+                page_size=r["page_size"], time_us=r["time_us"], bytes=r["bytes"], gbps=r["gbps"],
+                copy_gbps=copy["gbps"], pct_copy_bw=round(100 * r["gbps"] / copy["gbps"], 1),
+                mtok_per_s=r["mtok_per_s"])
+
+
+def print_quantize(qua):
+    for r in qua:
+        print("quantize k%dv%d %d tokens: %.1f us, %.0f GB/s, %.1f%% of copy bw, %.1f Mtok/s" % (
+              r["k_bits"], r["v_bits"], r["context"], r["time_us"], r["gbps"], r["pct_copy_bw"], r["mtok_per_s"]))
+
+
+def quantize_only(a):
+    """--quantize-only: the prefill-chunk quantize timing of each format (binary --quant-only kb vb, which
+    measures the copy bandwidth in the same process); rewrites cuda_quantize.jsonl only."""
+    qua = []
+    for kb, vb in ((3, 3), (4, 4), (4, 2)):
+        res = subprocess.run([a.bin, "--quant-only", str(kb), str(vb)], capture_output=True, text=True)
+        sys.stderr.write(res.stderr)
+        recs = [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
+        copy = next(r for r in recs if r["kind"] == "copy")
+        qua += [quantize_record(r, copy, copy["device"], a.commit) for r in recs if r["kind"] == "quantize"]
+    with open(os.path.join(a.out, "cuda_quantize.jsonl"), "w") as f:
+        for r in qua:
+            f.write(json.dumps(r) + "\n")
+    print_quantize(qua)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", help="the fmkv_cuda_bench binary (not needed with --replot)")
@@ -110,6 +143,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quantize-only", action="store_true",
+                    help="only the quantize-append timing (rewrites cuda_quantize.jsonl, nothing else)")
     a = ap.parse_args()
     if a.replot:
         dec = [json.loads(l) for l in open(os.path.join(a.out, "cuda_decode.jsonl"))]
@@ -118,6 +153,9 @@ def main():
     if not a.bin:
         ap.error("--bin is required")
     os.makedirs(a.out, exist_ok=True)
+    if a.quantize_only:
+        quantize_only(a)
+        return
     cmd = [a.bin] + (["--quick"] if a.quick else [])
     res = subprocess.run(cmd, capture_output=True, text=True)
     sys.stderr.write(res.stderr)
@@ -164,12 +202,7 @@ def main():
                               baseline="torch_sdpa_fp16_" + be + "_attention_only", baseline_time_us=round(bt, 3),
                               speedup=round(bt / r["fused_us"], 3), window_tokens=r.get("window", 0)))
         elif r["kind"] == "quantize":
-            qua.append(dict(suite="cuda_quantize", backend="cuda", device=device, commit=a.commit, op="quantize_append",
-                            batch=1, q_len=r["tokens"], context=r["tokens"], head_dim=r["head_dim"], q_heads=0,
-                            kv_heads=r["kv_heads"], layers=1, k_bits=r["k_bits"], v_bits=r["v_bits"],
-                            page_size=r["page_size"], time_us=r["time_us"], bytes=r["bytes"], gbps=r["gbps"],
-                            copy_gbps=copy["gbps"], pct_copy_bw=round(100 * r["gbps"] / copy["gbps"], 1),
-                            mtok_per_s=r["mtok_per_s"]))
+            qua.append(quantize_record(r, copy, device, a.commit))
     with open(os.path.join(a.out, "cuda_decode.jsonl"), "w") as f:
         for r in dec:
             f.write(json.dumps(r) + "\n")
@@ -192,9 +225,7 @@ def main():
     for r in steps:
         print("k%dv%d %3d %8d %6d %10.2f %12.2f %10.2f %10.2f" % (r["k_bits"], r["v_bits"], r["batch"], r["context"],
               r["window_tokens"], r["time_us"], r["separate_us"], r["attention_only_us"], r["baseline_time_us"]))
-    for r in qua:
-        print("quantize k%dv%d %d tokens: %.1f us, %.0f GB/s, %.1f Mtok/s" % (r["k_bits"], r["v_bits"], r["context"],
-              r["time_us"], r["gbps"], r["mtok_per_s"]))
+    print_quantize(qua)
     plot_decode(dec, copy["gbps"], device, os.path.join(a.out, "cuda_decode.png"))
 
 

@@ -2,7 +2,8 @@
 # One device call: build (tests + bench) in /tmp, run the CUDA tests, optional memcheck, benchmark.
 #   tests/cuda/run_device.sh [tests|bench|all] [commit]   (SKIP_MEMCHECK=1: no compute-sanitizer run;
 #   SKIP_PDL_AB=1: no programmatic-launch on/off comparison)
-# Builds the full grid of decode-attention combinations (-DFMKV_CUDA_FULL_GRID=ON) so every one is tested.
+# Builds the full grid of decode-attention combinations (-DFMKV_CUDA_FULL_GRID=ON) so every one is tested
+# (FULL_GRID=OFF: the default grid, a faster build).
 # Needs the GoogleTest sources in .gtest-src (carried) when the image has no gtest.
 MODE=${1:-all}; COMMIT=${2:-unknown}
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -13,7 +14,7 @@ if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.
     && ninja -C /tmp/gtb install >> $OUT/gtest_build.log 2>&1 || { echo "gtest build failed"; tail -20 $OUT/gtest_build.log; }
   GT="-DCMAKE_PREFIX_PATH=/tmp/gti"
 fi
-cmake -S . -B /tmp/b -G Ninja -DFMKV_CUDA=ON -DFMKV_CUDA_FULL_GRID=ON -DFMKV_BUILD_CLI=OFF $GT > $OUT/build.log 2>&1
+cmake -S . -B /tmp/b -G Ninja -DFMKV_CUDA=ON -DFMKV_CUDA_FULL_GRID=${FULL_GRID:-ON} -DFMKV_BUILD_CLI=OFF $GT > $OUT/build.log 2>&1
 ninja -C /tmp/b -j16 fmkv_tests fmkv_cuda_tests fmkv_cuda_bench >> $OUT/build.log 2>&1 || { echo BUILD FAILED; grep -E "error|FAILED" $OUT/build.log | head -30; exit 1; }
 echo "build ok"
 if [ "$MODE" != bench ]; then
