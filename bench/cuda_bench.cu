@@ -184,6 +184,8 @@ int main(int argc, char** argv) {
   // the quantize-append timing alone (for profilers)
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   const bool quant_only = argc > 3 && std::string(argv[1]) == "--quant-only";
+  // --latency: k3v3 at B=1 4k / 32k / 128k and B=64 8k, attention and decode step (no quantize timing)
+  const bool latency = argc > 1 && std::string(argv[1]) == "--latency";
   // --trace B ctx kb vb (a -DFMKV_CUDA_TRACE=ON build): one decode case, then the latency trace of its
   // last attention call and of its last fused decode step (print_trace)
   const bool trace = argc > 5 && std::string(argv[1]) == "--trace";
@@ -233,6 +235,10 @@ int main(int argc, char** argv) {
     cases = {{1, 4096}, {1, 32768}, {1, 131072}};
     fmts = {{3, 3}};
   }
+  if (latency) {
+    cases = {{1, 4096}, {1, 32768}, {1, 131072}, {64, 8192}};
+    fmts = {{3, 3}};
+  }
   if (quant_only) {
     cases.clear();
     fmts = {{std::atoi(argv[2]), std::atoi(argv[3])}};
@@ -251,7 +257,7 @@ int main(int argc, char** argv) {
     const int64_t pb = fmkv_config_page_bytes(&cfg);
 
     // ---- quantize-append throughput: one 32k-token prefill chunk, fp16 input
-    if (!only && window == 0) {
+    if (!only && !latency && window == 0) {
       const int64_t np = chunk / P;
       uint8_t* pages;
       CK(cudaMalloc(&pages, np * pb));

@@ -8,6 +8,7 @@ cuda_sdpa_variants.jsonl), merges, prints a table and writes docs/results/cuda_d
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results [--commit SHA] [--quick]
     python3 bench/cuda_bench.py --out docs/results --replot      # redraw the PNG from the committed JSON
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --quantize-only  # cuda_quantize.jsonl
+    python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --latency  # cuda_latency.jsonl
 """
 import argparse
 import json
@@ -143,6 +144,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--latency", action="store_true",
+                    help="k3v3 B=1 4k/32k/128k and B=64 8k only, attention and decode step, with SDPA; writes "
+                         "cuda_latency.jsonl (decode and step records) instead of the full files")
     ap.add_argument("--quantize-only", action="store_true",
                     help="only the quantize-append timing (rewrites cuda_quantize.jsonl, nothing else)")
     a = ap.parse_args()
@@ -156,16 +160,17 @@ def main():
     if a.quantize_only:
         quantize_only(a)
         return
-    cmd = [a.bin] + (["--quick"] if a.quick else [])
+    cmd = [a.bin] + (["--quick"] if a.quick else []) + (["--latency"] if a.latency else [])
     res = subprocess.run(cmd, capture_output=True, text=True)
     sys.stderr.write(res.stderr)
     recs = [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
-    if not a.quick:  # k3v3 B=1 with a 64-token fp16 window (the default of fmkv.hf.FmkvCache)
+    if not a.quick and not a.latency:  # k3v3 B=1 with a 64-token fp16 window (the default of fmkv.hf.FmkvCache)
         resw = subprocess.run([a.bin, "--window", "64"], capture_output=True, text=True)
         sys.stderr.write(resw.stderr)
         recs += [r for r in (json.loads(l) for l in resw.stdout.splitlines() if l.startswith("{"))
                  if r["kind"] != "copy"]
-    with open(os.path.join(a.out, "cuda_bench_raw.jsonl"), "w") as f:
+    raw_name = "cuda_latency_raw.jsonl" if a.latency else "cuda_bench_raw.jsonl"
+    with open(os.path.join(a.out, raw_name), "w") as f:
         for r in recs:
             f.write(json.dumps(r) + "\n")
     if res.returncode != 0:
@@ -177,7 +182,7 @@ def main():
         if r["kind"] == "decode" and (r["batch"], r["context"]) not in sdpa:
             sdpa[(r["batch"], r["context"])] = sdpa_time_us(r["batch"], r["context"], l2_bytes=copy["l2_bytes"],
                                                             log=sdpa_log)
-    with open(os.path.join(a.out, "cuda_sdpa_variants.jsonl"), "w") as f:
+    with open(os.path.join(a.out, "cuda_latency_sdpa.jsonl" if a.latency else "cuda_sdpa_variants.jsonl"), "w") as f:
         for r in sdpa_log:
             f.write(json.dumps(dict(suite="cuda_sdpa_variants", device=device, commit=a.commit, **r)) + "\n")
     dec, qua, steps = [], [], []
@@ -203,15 +208,20 @@ def main():
                               speedup=round(bt / r["fused_us"], 3), window_tokens=r.get("window", 0)))
         elif r["kind"] == "quantize":
             qua.append(quantize_record(r, copy, device, a.commit))
-    with open(os.path.join(a.out, "cuda_decode.jsonl"), "w") as f:
-        for r in dec:
-            f.write(json.dumps(r) + "\n")
-    with open(os.path.join(a.out, "cuda_quantize.jsonl"), "w") as f:
-        for r in qua:
-            f.write(json.dumps(r) + "\n")
-    with open(os.path.join(a.out, "cuda_step.jsonl"), "w") as f:
-        for r in steps:
-            f.write(json.dumps(r) + "\n")
+    if a.latency:
+        with open(os.path.join(a.out, "cuda_latency.jsonl"), "w") as f:
+            for r in dec + steps:
+                f.write(json.dumps(dict(r, suite="cuda_latency")) + "\n")
+    else:
+        with open(os.path.join(a.out, "cuda_decode.jsonl"), "w") as f:
+            for r in dec:
+                f.write(json.dumps(r) + "\n")
+        with open(os.path.join(a.out, "cuda_quantize.jsonl"), "w") as f:
+            for r in qua:
+                f.write(json.dumps(r) + "\n")
+        with open(os.path.join(a.out, "cuda_step.jsonl"), "w") as f:
+            for r in steps:
+                f.write(json.dumps(r) + "\n")
     print("device: %s   copy bandwidth (read+write): %.0f GB/s" % (device, copy["gbps"]))
     print("%-5s %3s %8s %6s %10s %8s %6s %10s %8s %s" % ("fmt", "B", "context", "window", "fmkv_us", "GB/s", "%copy",
                                                          "sdpa_us", "speedup", "sdpa_variant"))
@@ -226,6 +236,8 @@ def main():
         print("k%dv%d %3d %8d %6d %10.2f %12.2f %10.2f %10.2f" % (r["k_bits"], r["v_bits"], r["batch"], r["context"],
               r["window_tokens"], r["time_us"], r["separate_us"], r["attention_only_us"], r["baseline_time_us"]))
     print_quantize(qua)
+    if a.latency:
+        return
     plot_decode(dec, copy["gbps"], device, os.path.join(a.out, "cuda_decode.png"))
 
 

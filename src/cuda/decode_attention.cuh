@@ -389,9 +389,10 @@ __device__ __forceinline__ bool elem_bad(uint32_t bits, int32_t dtype, bool fp16
 
 // The fused step's k, v and q rows [r0, r0 + n) x heads x D ([rows][heads][D] tensors) checked for
 // bad elements (kind kNonFinite, reported with the row, head and element). A 16-byte-aligned tensor is
-// read in 16-byte chunks, and the three tensors together: every thread has one chunk of each in flight
-// per round (one round trip, not three); a tensor that is not aligned is read element by element.
-// n <= 16 rows (fused step), so chunk indices fit 32 bits.
+// read in 16-byte chunks, and the three tensors together: every thread has up to 2 chunks of each in
+// flight per round (a decode step with 32 q heads, d = 128: 512 q chunks, 2 rounds; more chunks in
+// flight spill registers of the tile loop, which shares this kernel); a tensor that is not aligned is
+// read element by element. n <= 16 rows (fused step), so chunk indices fit 32 bits.
 struct RowsToCheck {
   const void* base;
   int32_t dtype;
@@ -401,6 +402,7 @@ struct RowsToCheck {
   int kind, which;
 };
 __device__ inline bool rows_any_bad3(const RowsToCheck (&t)[3], int64_t r0, int64_t n, int D, long long* err) {
+  constexpr int U = 2;  // chunks of each tensor per thread and round (4: tile-loop spills)
   bool aligned[3];
   uint32_t per[3], hp[3], total[3], maxtotal = 0;  // chunks per head row, per row, in all (aligned only)
 #pragma unroll
@@ -414,27 +416,35 @@ __device__ inline bool rows_any_bad3(const RowsToCheck (&t)[3], int64_t r0, int6
     maxtotal = total[j] > maxtotal ? total[j] : maxtotal;
   }
   bool bad = false;
-  for (uint32_t c = threadIdx.x; c < maxtotal; c += blockDim.x) {
-    uint4 x[3];
+  for (uint32_t c0 = threadIdx.x; c0 < maxtotal; c0 += U * blockDim.x) {
+    uint4 x[3][U];
 #pragma unroll
-    for (int j = 0; j < 3; ++j)
-      if (c < total[j]) {
-        const int es = t[j].dtype == FMKV_F32 ? 4 : 2;
-        const uint32_t r = c / hp[j], hh = (c % hp[j]) / per[j], part = c % per[j];
-        x[j] = *reinterpret_cast<const uint4*>(static_cast<const char*>(t[j].base) +
-                                               ((r0 + r) * t[j].rs + hh * t[j].hs) * es + part * 16);
-      }
+    for (int u = 0; u < U; ++u) {
+      const uint32_t c = c0 + u * blockDim.x;
 #pragma unroll
-    for (int j = 0; j < 3; ++j) {
-      if (c >= total[j]) continue;
-      const int es = t[j].dtype == FMKV_F32 ? 4 : 2, vec = 16 / es;
-      const uint32_t w[4] = {x[j].x, x[j].y, x[j].z, x[j].w};
-      for (int k = 0; k < vec; ++k) {
-        const uint32_t b = es == 4 ? w[k] : (w[k >> 1] >> (16 * (k & 1))) & 0xffffu;
-        if (elem_bad(b, t[j].dtype, t[j].fp16_range)) {
+      for (int j = 0; j < 3; ++j)
+        if (c < total[j]) {
+          const int es = t[j].dtype == FMKV_F32 ? 4 : 2;
           const uint32_t r = c / hp[j], hh = (c % hp[j]) / per[j], part = c % per[j];
-          report_error(err, kNonFinite, t[j].kind, t[j].which, r0 + r, hh, part * vec + k);
-          bad = true;
+          x[j][u] = *reinterpret_cast<const uint4*>(static_cast<const char*>(t[j].base) +
+                                                    ((r0 + r) * t[j].rs + hh * t[j].hs) * es + part * 16);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t c = c0 + u * blockDim.x;
+#pragma unroll
+      for (int j = 0; j < 3; ++j) {
+        if (c >= total[j]) continue;
+        const int es = t[j].dtype == FMKV_F32 ? 4 : 2, vec = 16 / es;
+        const uint32_t w[4] = {x[j][u].x, x[j][u].y, x[j][u].z, x[j][u].w};
+        for (int k = 0; k < vec; ++k) {
+          const uint32_t b = es == 4 ? w[k] : (w[k >> 1] >> (16 * (k & 1))) & 0xffffu;
+          if (elem_bad(b, t[j].dtype, t[j].fp16_range)) {
+            const uint32_t r = c / hp[j], hh = (c % hp[j]) / per[j], part = c % per[j];
+            report_error(err, kNonFinite, t[j].kind, t[j].which, r0 + r, hh, part * vec + k);
+            bad = true;
+          }
         }
       }
     }
@@ -514,24 +524,33 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
     if (tidx == 0) report_error(p.err, kInvalidArgument, kErrFusedRows, s, n, kFusedMaxRows, 0);
   }
   if (!bad) {
-    if (E1 > p.S) {  // every block-table entry up to the new end, 4 loads in flight per thread
-      const int64_t np = (int64_t)((uint64_t)(E1 - 1 - p.S) / P) + 1;
-      for (int64_t q0 = tidx; q0 < np; q0 += 4 * (int64_t)blockDim.x) {
-        int32_t pg[4];
+    // every block-table entry up to the new end, 8 loads in flight per thread and round; the first
+    // round's loads are issued before the k/v/q checks, so the two overlap
+    constexpr int UB = 8;
+    const int64_t np = E1 > p.S ? (int64_t)((uint64_t)(E1 - 1 - p.S) / P) + 1 : 0;
+    auto table_round = [&](int64_t q0, int32_t(&pg)[UB]) {
 #pragma unroll
-        for (int u = 0; u < 4; ++u) pg[u] = q0 + u * blockDim.x < np ? btrow[q0 + u * blockDim.x] : 0;
+      for (int u = 0; u < UB; ++u) pg[u] = q0 + u * blockDim.x < np ? btrow[q0 + u * blockDim.x] : 0;
+    };
+    auto table_check = [&](int64_t q0, const int32_t(&pg)[UB]) {
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (pg[u] < 0 || pg[u] >= p.num_pages) {
-            bad = 1;
-            report_error(p.err, kOutOfRange, kErrBlockTable, s, q0 + u * blockDim.x, pg[u], p.num_pages);
-          }
-      }
-    }
+      for (int u = 0; u < UB; ++u)
+        if (pg[u] < 0 || pg[u] >= p.num_pages) {
+          bad = 1;
+          report_error(p.err, kOutOfRange, kErrBlockTable, s, q0 + u * blockDim.x, pg[u], p.num_pages);
+        }
+    };
+    int32_t pg[UB];
+    table_round(tidx, pg);
     const RowsToCheck rows[3] = {{p.k, p.k_dtype, p.k_rs, p.k_hs, p.H, true, kErrNonFiniteKV, 0},
                                  {p.v, p.v_dtype, p.v_rs, p.v_hs, p.H, true, kErrNonFiniteKV, 1},
                                  {p.q, p.q_dtype, p.q_rs, p.q_hs, p.HQ, false, kErrNonFiniteQ, 0}};
     bad |= rows_any_bad3(rows, r0, n, D, p.err);
+    table_check(tidx, pg);
+    for (int64_t q0 = tidx + UB * (int64_t)blockDim.x; q0 < np; q0 += UB * (int64_t)blockDim.x) {
+      table_round(q0, pg);
+      table_check(q0, pg);
+    }
   }
   }
   if (__syncthreads_or(bad)) return;
@@ -805,27 +824,39 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     }
     // ---- Q: 8 query vectors (finite-checked), rotated in registers by warp w (vectors w, w + 4;
     // lane holds coordinates lane + 32 r), max |q| of each, stored to sq for the fragment loads.
-    for (int i = warp; i < kQV; i += kAttnWarps) {
-      constexpr int NR = D / 32;
+    // the warp's vectors are loaded together (one round trip), then checked and rotated one by one
+    constexpr int NR = D / 32, QPW = kQV / kAttnWarps;
+    static_assert(kQV % kAttnWarps == 0, "whole query vectors per warp");
+    float xq[QPW][NR];
+    int64_t qrow[QPW];
+    int qhead[QPW];
+#pragma unroll
+    for (int u = 0; u < QPW; ++u) {
+      const int i = warp + u * kAttnWarps;
       const int64_t v = vb + i;
-      float x[NR];
       int64_t vr;  // query row (within the sequence) and q head of vector v (warp-uniform)
       int vh;
       split_vector(v, p.gq, vr, vh);
-      const int64_t row = r0 + vr;
-      const int hq = h * p.gq + vh;
+      qrow[u] = r0 + vr;
+      qhead[u] = h * p.gq + vh;
       if (lane == 0) {  // this vector's position and partial index, for the softmax mask and the combine
         s_vpos[i] = v < nqv ? len - n + vr : -1;
-        s_vpart[i] = v < nqv ? (row * p.HQ + hq) * (p.nsplit + 1) : -1;
+        s_vpart[i] = v < nqv ? (qrow[u] * p.HQ + qhead[u]) * (p.nsplit + 1) : -1;
       }
 #pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        x[r] = v < nqv ? load_elem(p.q, p.q_dtype, row * p.q_rs + hq * p.q_hs + lane + 32 * r) : 0.0f;
+      for (int r = 0; r < NR; ++r)
+        xq[u][r] = v < nqv ? load_elem(p.q, p.q_dtype, qrow[u] * p.q_rs + qhead[u] * p.q_hs + lane + 32 * r) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < QPW; ++u) {
+      const int i = warp + u * kAttnWarps;
+      float(&x)[NR] = xq[u];
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
         if (!isfinite(x[r])) {
-          report_error(p.err, kNonFinite, kErrNonFiniteQ, 0, row, hq, lane + 32 * r);
+          report_error(p.err, kNonFinite, kErrNonFiniteQ, 0, qrow[u], qhead[u], lane + 32 * r);
           x[r] = 0.0f;
         }
-      }
       if (!K16) warp_rotate<D>(x, p.sw, lane);  // signs, FWHT, 1/sqrt(D)
       float m = 0.0f;
 #pragma unroll
