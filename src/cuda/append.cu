@@ -9,7 +9,8 @@
 //                     task's 4 KB tile is copied (cp.async) while the current one is computed.
 //                     Finiteness of a new row is checked here, on the rotated values: every output
 //                     of the FWHT is a signed sum of all inputs, so one NaN/Inf input makes every
-//                     output non-finite and finite fp16 inputs never do (|y| < 2^25).
+//                     output non-finite and finite fp16 inputs never do (|y| < 2^25); k16 rows
+//                     (copied, not rotated) chunk by chunk.
 //   3. fp16_rows<check>: the new rows that go to the sink / ring window, checked for NaN/Inf;
 //   4. fp16_rows<write>: ... and written (only when no error is set).
 // Every kernel returns at once while the error word is set. A failed call leaves the visible cache
@@ -203,6 +204,10 @@ __device__ __forceinline__ void stage_task(const AppendParams& p, const VecTask&
   }
 }
 
+// Nonzero iff one of the two fp16 values in x has an all-ones exponent (NaN / Inf): the exponent
+// field plus one carries into the halfword's sign position only then (no carry between halves).
+__device__ __forceinline__ uint32_t nonfinite2(uint32_t x) { return ((x & 0x7c007c00u) + 0x04000400u) & 0x80008000u; }
+
 // A non-finite new row found by compress (global row r of the call, kv head h): find its first bad
 // element and report it as the host backends name it (rare path; inlined: a call would make the
 // compiler save live registers around it).
@@ -282,12 +287,14 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
     if (bits == FMKV_FP16_BITS) {  // K kept in fp16, unrotated: copy chunk by chunk (not staged)
       const int pos = lane % CPV;
       const uint64_t dst_own = vt.sec ? (uint64_t)(uintptr_t)(vt.sec + (int64_t)vt.tok * D * 2) : 0;
+      int bad_vec = -1;  // a vector of the task with a non-finite new-row chunk (reported below)
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int c = lane + 32 * i, owner = (c / CPV) * NT;
         const uint64_t src = shfl64(vt.src, owner), dst = shfl64(dst_own, owner);
         if (!dst) continue;
         const uint4 x = load_chunk(p, src, pos, isv);
+        if (!(src & 1u) && (nonfinite2(x.x) | nonfinite2(x.y) | nonfinite2(x.z) | nonfinite2(x.w))) bad_vec = c / CPV;
         if (p.pages16) {
           *((uint4*)(uintptr_t)dst + pos) = x;
         } else {
@@ -297,6 +304,7 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
           for (int e = 0; e < 8; ++e) d16[e] = (uint16_t)(w[e >> 1] >> (16 * (e & 1)));
         }
       }
+      if (bad_vec >= 0) report_nonfinite_row(p, (int64_t)(it / hv2) * VPW + bad_vec, h, isv);
     } else {
       cp_async_wait<1>();  // this lane's copies of the current task have landed ...
       __syncwarp();        // ... and every lane's

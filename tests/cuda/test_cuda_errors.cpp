@@ -54,8 +54,8 @@ struct CudaCase {
   Scenario s;
   std::vector<uint8_t> k, v;
   fmkv_tensor kt, vt;
-  CudaCase(int sink = 0, int window = 0, int64_t rows = 2) {
-    c = config(128, 3, 3, 2, 16, sink, window);
+  CudaCase(int sink = 0, int window = 0, int64_t rows = 2, int k_bits = 3) {
+    c = config(128, k_bits, 3, 2, 16, sink, window);
     s = make_scenario(c, {20}, {rows});
     k = random_tensor(FMKV_F16, rows, 2, 128);
     v = random_tensor(FMKV_F16, rows, 2, 128);
@@ -153,6 +153,12 @@ TEST_F(CudaErrors, NonFiniteInput) {
   EXPECT_CUDA_ERR(n.append(), FMKV_ERR_NON_FINITE, "v[10][0][3]");
   CudaCase ok(2, 8, 12);
   EXPECT_EQ(ok.append().first, FMKV_OK);
+  // K kept in fp16 (k_bits 16): copied, not rotated, checked chunk by chunk
+  CudaCase k16(0, 0, 2, 16);
+  ((uint16_t*)k16.k.data())[300] = 0x7C00;
+  EXPECT_CUDA_ERR(k16.append(), FMKV_ERR_NON_FINITE, "k[1][0][44]");
+  CudaCase k16ok(0, 0, 2, 16);
+  EXPECT_EQ(k16ok.append().first, FMKV_OK);
 }
 
 TEST_F(CudaErrors, AttentionErrors) {
