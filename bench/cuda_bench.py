@@ -104,6 +104,12 @@ def sdpa_time_us(B, ctx, l2_bytes=60 << 20, log=None):
     return best
 
 
+def write_jsonl(path, recs):
+    with open(path, "w") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+
+
 def quantize_record(r, copy, device, commit):
     """A cuda_quantize.jsonl line from the binary's quantize record and the same run's copy bandwidth."""
     return dict(suite="cuda_quantize", backend="cuda", device=device, commit=commit, op="quantize_append",
@@ -130,9 +136,7 @@ def quantize_only(a):
         recs = [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
         copy = next(r for r in recs if r["kind"] == "copy")
         qua += [quantize_record(r, copy, copy["device"], a.commit) for r in recs if r["kind"] == "quantize"]
-    with open(os.path.join(a.out, "cuda_quantize.jsonl"), "w") as f:
-        for r in qua:
-            f.write(json.dumps(r) + "\n")
+    write_jsonl(os.path.join(a.out, "cuda_quantize.jsonl"), qua)
     print_quantize(qua)
 
 
@@ -209,19 +213,11 @@ def main():
         elif r["kind"] == "quantize":
             qua.append(quantize_record(r, copy, device, a.commit))
     if a.latency:
-        with open(os.path.join(a.out, "cuda_latency.jsonl"), "w") as f:
-            for r in dec + steps:
-                f.write(json.dumps(dict(r, suite="cuda_latency")) + "\n")
+        write_jsonl(os.path.join(a.out, "cuda_latency.jsonl"), [dict(r, suite="cuda_latency") for r in dec + steps])
     else:
-        with open(os.path.join(a.out, "cuda_decode.jsonl"), "w") as f:
-            for r in dec:
-                f.write(json.dumps(r) + "\n")
-        with open(os.path.join(a.out, "cuda_quantize.jsonl"), "w") as f:
-            for r in qua:
-                f.write(json.dumps(r) + "\n")
-        with open(os.path.join(a.out, "cuda_step.jsonl"), "w") as f:
-            for r in steps:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(os.path.join(a.out, "cuda_decode.jsonl"), dec)
+        write_jsonl(os.path.join(a.out, "cuda_quantize.jsonl"), qua)
+        write_jsonl(os.path.join(a.out, "cuda_step.jsonl"), steps)
     print("device: %s   copy bandwidth (read+write): %.0f GB/s" % (device, copy["gbps"]))
     print("%-5s %3s %8s %6s %10s %8s %6s %10s %8s %s" % ("fmt", "B", "context", "window", "fmkv_us", "GB/s", "%copy",
                                                          "sdpa_us", "speedup", "sdpa_variant"))

@@ -250,39 +250,34 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
   // (one decision per CTA: another CTA may set the word meanwhile)
   if (__syncthreads_or(error_set(p.err) ? 1 : 0)) return;
   const uint32_t hv2 = 2u * (uint32_t)p.H, stride = gridDim.x * (uint32_t)kCompressWarps;
-  auto task_of = [&](uint64_t it, int& isv, int32_t& h, int64_t& r) {
-    const uint32_t hv = (uint32_t)(it % hv2);
-    isv = (int)(hv & 1u);
-    h = (int32_t)(hv >> 1);
-    r = (int64_t)(it / hv2) * VPW + vec;
+  // Task `it` (if it exists): this lane's vector located and, unless it is k16, its tile copies
+  // issued into `stage`; one cp.async group per call either way.
+  auto begin_task = [&](uint64_t it, int stage, int& isv, int32_t& h, int64_t& r, VecTask& vt) {
+    if (it < p.items) {
+      const uint32_t hv = (uint32_t)(it % hv2);
+      isv = (int)(hv & 1u);
+      h = (int32_t)(hv >> 1);
+      r = (int64_t)(it / hv2) * VPW + vec;
+      vt = locate<D>(p, r, h, isv);
+      if ((isv ? p.vb : p.kb) != FMKV_FP16_BITS) stage_task<D>(p, vt, isv, wtiles + stage * 256, lane);
+    }
+    cp_async_commit();
   };
   uint64_t it = blockIdx.x * (uint64_t)kCompressWarps + warp;
   int isv = 0;
   int32_t h = 0;
   int64_t r = 0;
   VecTask vt{0, nullptr, 0};
-  if (it < p.items) {
-    task_of(it, isv, h, r);
-    vt = locate<D>(p, r, h, isv);
-    if ((isv ? p.vb : p.kb) != FMKV_FP16_BITS) stage_task<D>(p, vt, isv, wtiles, lane);
-  }
-  cp_async_commit();
+  begin_task(it, 0, isv, h, r, vt);
   for (int k = 0; it < p.items; ++k, it += stride) {
     if (__any_sync(kFull, error_set(p.err))) break;  // one decision per warp
     const int bits = isv ? p.vb : p.kb;
     // the next task: located and its copies issued before this one is computed
-    const uint64_t it_n = it + stride;
     int isv_n = 0;
     int32_t h_n = 0;
     int64_t r_n = 0;
     VecTask vt_n{0, nullptr, 0};
-    if (it_n < p.items) {
-      task_of(it_n, isv_n, h_n, r_n);
-      vt_n = locate<D>(p, r_n, h_n, isv_n);
-      if ((isv_n ? p.vb : p.kb) != FMKV_FP16_BITS)
-        stage_task<D>(p, vt_n, isv_n, wtiles + ((k + 1) & 1) * 256, lane);
-    }
-    cp_async_commit();
+    begin_task(it + stride, (k + 1) & 1, isv_n, h_n, r_n, vt_n);
     bool bad = false;
     if (bits == FMKV_FP16_BITS) {  // K kept in fp16, unrotated: copy chunk by chunk (not staged)
       const int pos = lane % CPV;
