@@ -111,8 +111,15 @@ def _codebook_cpu(bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return mags, thr
 
 
-def codebook_tensor(bits: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(positive levels, midpoint thresholds) of the b-bit codebook as float32 tensors."""
+def codebook_tensor(bits: int, device=None, levels: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(positive levels, midpoint thresholds) of the b-bit codebook as float32 tensors. ``levels``
+    replaces the format's levels (research only, e.g. fmkv.eval.e5m2_levels; the result is then not
+    format v1)."""
+    if levels is not None:
+        mags = levels.to(device=device, dtype=torch.float32)
+        if mags.numel() != 1 << (int(bits) - 1):
+            raise ValueError(f"{mags.numel()} levels for a {bits}-bit codebook (expected {1 << (int(bits) - 1)})")
+        return mags, (mags[:-1] + mags[1:]) * 0.5
     mags, thr = _codebook_cpu(int(bits))
     return mags.to(device), thr.to(device)
 
@@ -153,9 +160,11 @@ class QuantizedTensor:
     seed: int = 0
     layer: int = 0
     rotated: bool = True
+    levels: Optional[torch.Tensor] = None  # research codebook (codebook_tensor), None: format v1
 
 
-def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq") -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq",
+                     levels: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize rotated float32 values y [..., d] group-wise. Returns (codes uint8, scales fp16)."""
     if bits not in (1, 2, 3, 4):
         raise ValueError(f"bits {bits} is not supported")
@@ -164,7 +173,7 @@ def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq") -> Tup
     d = y.shape[-1]
     lead = y.shape[:-1]
     g = y.reshape(*lead, d // _GROUP, _GROUP)
-    mags, thr = codebook_tensor(bits, y.device)
+    mags, thr = codebook_tensor(bits, y.device, levels)
     rms = torch.sqrt(_tree_sum32(g * g) / torch.tensor(32.0))
     s0 = _to_f16_saturating(rms)
     s0f = s0.to(torch.float32)
@@ -189,40 +198,42 @@ def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq") -> Tup
 
 
 def quantize(x: torch.Tensor, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq",
-             rotate_input: bool = True) -> QuantizedTensor:
+             rotate_input: bool = True, levels: Optional[torch.Tensor] = None) -> QuantizedTensor:
     """Quantize head vectors x [..., d] (any float dtype; rounded to fp16 first)."""
     d = x.shape[-1]
     if d % _GROUP:
         raise ValueError(f"head_dim {d} is not a multiple of {_GROUP}")
     xf = canonical(x)
     y = rotate(xf, seed, layer) if rotate_input else xf
-    codes, scales = quantize_rotated(y, bits, scale_rule)
-    return QuantizedTensor(codes, scales, bits, seed, layer, rotate_input)
+    codes, scales = quantize_rotated(y, bits, scale_rule, levels)
+    return QuantizedTensor(codes, scales, bits, seed, layer, rotate_input, levels)
 
 
-def decode_levels(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    mags, _ = codebook_tensor(bits, codes.device)
+def decode_levels(codes: torch.Tensor, bits: int, levels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    mags, _ = codebook_tensor(bits, codes.device, levels)
     c = codes.to(torch.int64)
     lv = mags[c & ((1 << (bits - 1)) - 1)]
     return torch.where(((c >> (bits - 1)) & 1).bool(), -lv, lv)
 
 
-def dequantize_rotated(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+def dequantize_rotated(codes: torch.Tensor, scales: torch.Tensor, bits: int,
+                       levels: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rotated-domain values level x scale (exact in float32), shape [..., d]."""
     d = codes.shape[-1]
     lead = codes.shape[:-1]
-    lv = decode_levels(codes, bits).reshape(*lead, d // _GROUP, _GROUP)
+    lv = decode_levels(codes, bits, levels).reshape(*lead, d // _GROUP, _GROUP)
     return (lv * scales.to(torch.float32).unsqueeze(-1)).reshape(*lead, d)
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
     """float32 [..., d] in the original basis."""
-    y = dequantize_rotated(q.codes, q.scales, q.bits)
+    y = dequantize_rotated(q.codes, q.scales, q.bits, q.levels)
     return unrotate(y, q.seed, q.layer) if q.rotated else y
 
 
 def fake_quantize(x: torch.Tensor, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq",
-                  rotate_input: bool = True, chunk: Optional[int] = 65536) -> torch.Tensor:
+                  rotate_input: bool = True, chunk: Optional[int] = 65536,
+                  levels: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dequantize(quantize(x)) in x's dtype and shape; bits 16 returns the fp16 rounding of x.
 
     Processes at most ``chunk`` vectors at a time to bound temporary memory.
@@ -235,6 +246,6 @@ def fake_quantize(x: torch.Tensor, bits: int, seed: int = 0, layer: int = 0, sca
     n = flat.shape[0]
     step = n if not chunk else chunk
     for i in range(0, n, max(step, 1)):
-        outs.append(dequantize(quantize(flat[i:i + step], bits, seed, layer, scale_rule, rotate_input)))
+        outs.append(dequantize(quantize(flat[i:i + step], bits, seed, layer, scale_rule, rotate_input, levels)))
     out = torch.cat(outs, 0) if outs else flat.to(torch.float32)
     return out.reshape(x.shape).to(x.dtype)

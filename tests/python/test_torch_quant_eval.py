@@ -58,3 +58,32 @@ def test_plot_command(tmp_path):
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["plot", str(src), "--out", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_e5m2_research_codebook(bits):
+    """The -e5m2 levels are a common factor times e5m2 values (fp16 with a zero low byte), ascending,
+    cost little Gaussian MSE over the format's Lloyd-Max levels (whose MSE matches the textbook value),
+    and quantizing with them differs from format v1 only through the levels."""
+    from fmkv.eval.e5m2_levels import e5m2_report, gaussian_mse
+    r = e5m2_report(bits)
+    for v in r["e5m2_values"]:
+        h = torch.tensor(v, dtype=torch.float16)
+        assert float(h) == v and (int(h.view(torch.int16)) & 0xFF) == 0, v
+    assert r["levels"] == sorted(r["levels"])
+    assert 1.0 <= r["mse_ratio"] < {2: 1.001, 3: 1.02, 4: 1.06}[bits]
+    textbook = {2: 0.1175, 3: 0.03454, 4: 0.009497}[bits]  # Lloyd-Max on N(0, 1), fp16-rounded levels
+    assert r["format_mse"] == pytest.approx(textbook, rel=2e-3)
+    # the closed form against a fine numerical integral of the same quantizer
+    lv = torch.tensor(r["levels"], dtype=torch.float64)
+    xs = torch.linspace(0.0, 12.0, 1_200_001, dtype=torch.float64)
+    q = lv[(xs.unsqueeze(-1) > (lv[:-1] + lv[1:]) / 2).sum(-1)]
+    f = (xs - q) ** 2 * torch.exp(-xs * xs / 2) / (2 * torch.pi) ** 0.5
+    assert 2 * float(torch.trapezoid(f, xs)) == pytest.approx(float(gaussian_mse(lv[None])[0]), rel=1e-5)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 2, 64, 64, generator=g)
+    q1, q2 = parse_config(f"k{bits}v{bits}"), parse_config(f"k{bits}v{bits}-e5m2")
+    e1 = ((q1.quant_k(x, 0) - x).norm() / x.norm()).item()
+    e2 = ((q2.quant_k(x, 0) - x).norm() / x.norm()).item()
+    assert e1 != e2 and abs(e2 / e1 - 1) < 0.1
+    assert q2.bytes_per_token_per_head(64) == q1.bytes_per_token_per_head(64)

@@ -15,7 +15,9 @@ Config names (``parse_config``):
                    per-channel key mean of the first 128 tokens before quantizing; softmax-invariant)
                    ``-vm`` (same for V, added back to the output: exact since softmax weights sum
                    to 1), ``-b<N>`` (first and last N layers fp16), ``-f<i.j..>`` (those layers
-                   fp16), ``-only<i>`` (diagnostic: only layer i quantized)
+                   fp16), ``-only<i>`` (diagnostic: only layer i quantized), ``-e5m2`` (research,
+                   not format v1: levels restricted to a common factor x fp8-e5m2 values,
+                   fmkv.eval.e5m2_levels)
 ``quanto-int4``    per-token asymmetric int4 / int2 with one fp16 scale + fp16 zero per group
 ``quanto-int2``    of ``-g<G>`` channels (default 64), as optimum-quanto's KV cache does
 ``kivi-4/kivi-2``  KIVI: K per-channel (groups of 32 tokens), V per-token (groups of 32 channels),
@@ -36,6 +38,7 @@ from typing import Dict, Optional
 import torch
 
 from .. import torch_quant as tq
+from .e5m2_levels import e5m2_codebook
 
 DEFAULT_CONFIGS = [
     "fp16", "k4v4", "k3v3", "k2v2", "k4v2", "k16v3",
@@ -60,6 +63,7 @@ class KVQuantizer:
     boundary: int = 0  # first and last `boundary` layers kept fp16
     fp16_layers: tuple = ()  # explicit layers kept fp16
     only_layer: int = -1  # diagnostic: quantize this layer only (others fp16)
+    e5m2: bool = False  # research: e5m2-restricted levels (fmkv.eval.e5m2_levels), not format v1
     num_layers: int = 0  # set by the evaluation (needed for boundary layers and bytes)
     seed: int = 0
     options: Dict[str, object] = field(default_factory=dict)
@@ -120,7 +124,8 @@ class KVQuantizer:
             if (side == "k" and self.key_mean) or (side == "v" and self.value_mean):
                 mu = x[:, :, :128].to(torch.float16).float().mean(dim=2, keepdim=True)
                 x = x - mu
-            out = tq.fake_quantize(x, bits, self.seed, layer, self.scale_rule, self.rotate)
+            levels = e5m2_codebook(bits) if self.e5m2 else None
+            out = tq.fake_quantize(x, bits, self.seed, layer, self.scale_rule, self.rotate, levels=levels)
             return (out if mu is None else out + mu).to(dt)
         if self.kind == "quanto":
             return _asym_groups(x, bits, self.group, axis=-1).to(dt)
@@ -195,6 +200,8 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
                 q.scale_rule = "lsq"
             elif mod == "norot":
                 q.rotate = False
+            elif mod == "e5m2":
+                q.e5m2 = True
             elif mod == "km":
                 q.key_mean = True
             elif mod == "vm":
@@ -215,6 +222,8 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
                      "window_tokens": q.residual, "key_mean": q.key_mean, "value_mean": q.value_mean,
                      "fp16_boundary_layers": q.boundary, "fp16_layers": list(q.fp16_layers),
                      "only_layer": q.only_layer, "group": 32}
+        if q.e5m2:
+            q.options["levels"] = "e5m2-restricted (research, not format v1)"
         return q
     if base == "quanto":
         bits = int(mods[0].replace("int", "")) if mods else 4
