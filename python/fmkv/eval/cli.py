@@ -174,6 +174,8 @@ def cmd_ppl(a: argparse.Namespace) -> int:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
         print(f"wrote {a.out}", file=sys.stderr)
+    if a.plot is None:
+        a.plot = os.path.splitext(a.out)[0] + ".png"
     if a.plot:
         keep = set(a.plot_configs.split(",")) if a.plot_configs else None
         plot_ppl([r for r in rows if keep is None or r["config"] in keep or r["config"] == "fp16"], a.plot, f"{model_name}, {os.path.basename(a.text)}, ctx {a.ctx}, "
@@ -244,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0, help="rotation seed")
     q.add_argument("--out", default="docs/results/ppl.jsonl")
     q.add_argument("--append", action="store_true")
-    q.add_argument("--plot", default="docs/results/ppl.png")
+    q.add_argument("--plot", default=None,
+                   help="PNG to draw (default: --out with .png, so a run never overwrites another run's plot; "
+                        "'' for none)")
     q.add_argument("--commit", default="", help="commit to record (default: git rev-parse HEAD)")
     q.add_argument("--plot-configs", default="", help="configs to plot (default: all)")
     q.add_argument("--max-minutes", type=float, default=0.0, help="stop after the window exceeding this")
