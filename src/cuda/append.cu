@@ -119,7 +119,7 @@ __device__ __forceinline__ VecTask locate(const AppendParams& p, int64_t r, int3
     const int64_t off = rr * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
     const int32_t dt = isv ? p.v_dtype : p.k_dtype;
     v.src = (uint64_t)(uintptr_t)((const uint8_t*)(isv ? p.v : p.k) + off * (dt == FMKV_F32 ? 4 : 2));
-  } else {  // aged out of the ring window: read the ring before write_fp16 overwrites it
+  } else {  // aged out of the ring window: read the ring before fp16_rows<write> overwrites it
     const int32_t slot = p.slots ? p.slots[s] : 0;
     const int32_t fs = p.S + (int32_t)((q - p.S) % p.W);
     const uint16_t* ring = (isv ? p.fp16_v : p.fp16_k) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
