@@ -53,6 +53,6 @@ FMKV_HD uint16_t f32_to_bf16(float f) {
   return (uint16_t)(x >> 16);
 }
 
-inline bool f16_is_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
+FMKV_HD bool f16_is_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
 
 }  // namespace fmkv

@@ -381,10 +381,10 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
 // Element bits -> "not finite": fp16_range also rejects values beyond fp16 (the quantizer's canonical
 // input is fp16, FORMAT.md), as the append's validation does.
 __device__ __forceinline__ bool elem_bad(uint32_t bits, int32_t dtype, bool fp16_range) {
-  if (dtype == FMKV_F16) return (bits & 0x7c00u) == 0x7c00u;
+  if (dtype == FMKV_F16) return !f16_is_finite((uint16_t)bits);
   const float f = dtype == FMKV_F32 ? __uint_as_float(bits) : bf16_to_f32((uint16_t)bits);
   if (!fp16_range) return !isfinite(f);
-  return (f32_to_f16(f) & 0x7c00u) == 0x7c00u;
+  return !f16_is_finite(f32_to_f16(f));
 }
 
 // The fused step's k, v and q rows [r0, r0 + n) x heads x D ([rows][heads][D] tensors) checked for
