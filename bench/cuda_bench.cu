@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/trace.h"
 #include "fmkv/fmkv.h"
 
 #define CK(x)                                                                              \
@@ -116,14 +117,9 @@ struct Fmt {
 // Latency trace of the last decode call (a -DFMKV_CUDA_TRACE=ON build, --trace): per CTA role, when
 // the CTAs entered and left (globaltimer, from the first attention CTA's entry) and the time between
 // consecutive recorded phases (clock64, converted with the clock rate measured from the same CTAs).
-namespace fmkv {
-namespace cuda {
-void trace_read(unsigned long long* host, size_t n);
-void trace_clear();
-}  // namespace cuda
-}  // namespace fmkv
 static void print_trace(const char* label, int64_t ctx, int B) {
-  const int C = 8192, S = 12;  // kTraceCtas, kTraceSlots (src/cuda/common.cuh)
+  using namespace fmkv::cuda;
+  constexpr int C = kTraceCtas, S = kTraceSlots;
   std::vector<unsigned long long> t((size_t)2 * C * S);
   fmkv::cuda::trace_read(t.data(), t.size());
   auto row = [&](int k, int c) { return &t[((size_t)k * C + c) * S]; };
@@ -132,9 +128,10 @@ static void print_trace(const char* label, int64_t ctx, int B) {
   for (int k = 0; k < 2; ++k)
     for (int c = 0; c < C; ++c) {
       const unsigned long long* r = row(k, c);
-      if (!r[10]) continue;
-      if (k == 0) g0 = std::min(g0, r[8]);
-      if (r[9] > r[8] + 2000 && r[7] > r[0]) ghz.push_back((double)(r[7] - r[0]) / (double)(r[9] - r[8]));
+      if (!r[kTraceRole]) continue;
+      if (k == 0) g0 = std::min(g0, r[kTraceEntryTime]);
+      const unsigned long long t0 = r[kTraceEntryTime], t1 = r[kTraceExitTime], last = r[kTracePhases - 1];
+      if (t1 > t0 + 2000 && last > r[0]) ghz.push_back((double)(last - r[0]) / (double)(t1 - t0));
     }
   if (g0 == ~0ull || ghz.empty()) {
     std::printf("{\"kind\":\"trace\",\"label\":\"%s\",\"error\":\"no trace recorded\"}\n", label);
@@ -142,24 +139,32 @@ static void print_trace(const char* label, int64_t ctx, int B) {
   }
   std::sort(ghz.begin(), ghz.end());
   const double f = ghz[ghz.size() / 2];  // cycles per ns
-  const char* names[] = {"", "split", "fp16_part", "fused", "empty_split", "merge"};
+  auto role_name = [](int role) {
+    switch (role) {
+      case kTraceSplit: return "split";
+      case kTraceFp16Part: return "fp16_part";
+      case kTraceFused: return "fused";
+      case kTraceEmptySplit: return "empty_split";
+      default: return "merge";
+    }
+  };
   auto stats = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     char b[96];
     std::snprintf(b, sizeof b, "[%.2f,%.2f,%.2f]", v.front(), v[v.size() / 2], v.back());
     return std::string(b);
   };
-  for (int role = 1; role <= 5; ++role) {
-    const int k = role == 5 ? 1 : 0;
+  for (int role = kTraceSplit; role <= kTraceMerge; ++role) {
+    const int k = role == kTraceMerge ? 1 : 0;
     std::vector<double> entry, exit_;
-    std::vector<std::vector<double>> ph(8);  // ph[i]: time from the previous recorded phase to phase i
+    std::vector<std::vector<double>> ph(kTracePhases);  // ph[i]: time from the previous recorded phase to phase i
     for (int c = 0; c < C; ++c) {
       const unsigned long long* r = row(k, c);
-      if ((int)r[10] != role) continue;
-      entry.push_back((double)(r[8] - g0) * 1e-3);
-      exit_.push_back((double)(r[9] - g0) * 1e-3);
+      if ((int)r[kTraceRole] != role) continue;
+      entry.push_back((double)(r[kTraceEntryTime] - g0) * 1e-3);
+      exit_.push_back((double)(r[kTraceExitTime] - g0) * 1e-3);
       int prev = 0;
-      for (int i = 1; i < 8; ++i)
+      for (int i = 1; i < kTracePhases; ++i)
         if (r[i]) {
           ph[i].push_back((double)(r[i] - r[prev]) / f * 1e-3);
           prev = i;
@@ -167,11 +172,11 @@ static void print_trace(const char* label, int64_t ctx, int B) {
     }
     if (entry.empty()) continue;
     std::string phases;
-    for (int i = 1; i < 8; ++i)
+    for (int i = 1; i < kTracePhases; ++i)
       if (!ph[i].empty()) phases += std::string(phases.empty() ? "" : ",") + "\"" + std::to_string(i) + "\":" + stats(ph[i]);
     std::printf("{\"kind\":\"trace\",\"label\":\"%s\",\"batch\":%d,\"context\":%lld,\"role\":\"%s\",\"ctas\":%zu,"
                 "\"sm_ghz\":%.3f,\"entry_us\":%s,\"exit_us\":%s,\"phase_us\":{%s}}\n",
-                label, B, (long long)ctx, names[role], entry.size(), f, stats(entry).c_str(), stats(exit_).c_str(),
+                label, B, (long long)ctx, role_name(role), entry.size(), f, stats(entry).c_str(), stats(exit_).c_str(),
                 phases.c_str());
   }
   std::fflush(stdout);

@@ -9,6 +9,7 @@
 
 #include "../core/backends.h"
 #include "../core/half.h"
+#include "trace.h"
 #include "../core/ops.h"
 #include "../core/rotation.h"
 #include "fmkv/format.h"
@@ -78,12 +79,7 @@ __device__ __forceinline__ void grid_dependents_launch() {
 }
 bool programmatic_launch_supported();  // compute capability >= 9.0 (runtime.cu)
 
-// ---- latency trace (diagnostic builds with -DFMKV_CUDA_TRACE=ON only) ----------------------------
-// Thread 0 of every CTA of the decode launches records clock64() at numbered phases (slots 0..7),
-// %globaltimer at phases 0 and 7 (slots 8, 9) and the CTA's role (slot 10) into
-// trace[kernel][cta][slot]; fmkv_cuda_bench --trace prints the per-phase statistics of the last call.
-constexpr int kTraceCtas = 8192, kTraceSlots = 12;
-enum TraceRole { kTraceSplit = 1, kTraceFp16Part = 2, kTraceFused = 3, kTraceEmptySplit = 4, kTraceMerge = 5 };
+// ---- latency trace (diagnostic builds with -DFMKV_CUDA_TRACE=ON only; layout in trace.h) ----------
 #ifdef FMKV_CUDA_TRACE
 __device__ __forceinline__ void trace_mark(unsigned long long* tr, int kernel, int phase, int role = 0) {
   if (threadIdx.x != 0 || tr == nullptr) return;
@@ -91,15 +87,14 @@ __device__ __forceinline__ void trace_mark(unsigned long long* tr, int kernel, i
   if (cta >= (unsigned)kTraceCtas) return;
   unsigned long long* row = tr + ((size_t)kernel * kTraceCtas + cta) * kTraceSlots;
   row[phase] = clock64();
-  if (phase == 0 || phase == 7) {
+  if (phase == 0 || phase == kTracePhases - 1) {
     unsigned long long g;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-    row[phase == 0 ? 8 : 9] = g;
+    row[phase == 0 ? kTraceEntryTime : kTraceExitTime] = g;
   }
-  if (role) row[10] = (unsigned long long)role;
+  if (role) row[kTraceRole] = (unsigned long long)role;
 }
 #define FMKV_TRACE(P, KERNEL, PHASE, ...) ::fmkv::cuda::trace_mark((P).trace, KERNEL, PHASE, ##__VA_ARGS__)
-unsigned long long* trace_buffer();  // device buffer [2][kTraceCtas][kTraceSlots], zeroed once
 #else
 #define FMKV_TRACE(P, KERNEL, PHASE, ...) ((void)0)
 #endif

@@ -82,7 +82,6 @@ unsigned long long* trace_buffer() {  // one buffer (current device at first use
   }();
   return buf;
 }
-// Host copy of the trace (fmkv_cuda_bench --trace): n = 2 * kTraceCtas * kTraceSlots values.
 void trace_read(unsigned long long* host, size_t n) {
   check_cuda(cudaMemcpy(host, trace_buffer(), n * sizeof(unsigned long long), cudaMemcpyDeviceToHost), "trace read");
 }
