@@ -44,7 +44,7 @@ struct AppendParams {
   // 16-byte paths: in16[isv] = fp16 input whose vectors all start 16-byte aligned; ring16 = the fp16
   // regions are 16-byte aligned; pages16 = the page pool is 16-byte aligned.
   int32_t in16[2], ring16, pages16;
-  uint32_t row_blocks, items;  // compress: ceil(rows / vectors per warp), 2 H row_blocks warp tasks
+  uint32_t items;  // compress: warp tasks, 2 H ceil(rows / vectors per warp)
   SignWords sw;
   QuantTables qt[3];  // code widths 2, 3, 4
   long long* err;
@@ -99,24 +99,44 @@ struct VecTask {
   int32_t tok;   // token slot in the page
 };
 
+// Element offset of kv head h's vector of input row rr in k (isv = 0) or v.
+__device__ __forceinline__ int64_t input_offset(const AppendParams& p, int64_t rr, int32_t h, int isv) {
+  return rr * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+}
+
+// The token that global row r of the call compresses: the (r - row0)-th newly compressed token of
+// sequence s, at position q; q >= len0 is the new input row row0 + q - len0, q < len0 a token
+// leaving the fp16 ring window.
+struct CompressedToken {
+  int s;
+  int64_t row0, n, len0, q;
+};
+__device__ __forceinline__ CompressedToken compressed_token(const AppendParams& p, int64_t r) {
+  CompressedToken c;
+  c.s = find_seq(p.ro, p.num_seqs, r);
+  c.row0 = p.ro[c.s];
+  c.n = p.ro[c.s + 1] - c.row0;
+  c.len0 = p.seq_lens[c.s];
+  c.q = dev_compressed_end(p.S, p.W, c.len0) + (r - c.row0);
+  return c;
+}
+
 template <int D>
 __device__ __forceinline__ VecTask locate(const AppendParams& p, int64_t r, int32_t h, int isv) {
   VecTask v{0, nullptr, 0};
   if (r >= p.rows) return v;
-  const int s = find_seq(p.ro, p.num_seqs, r);
-  const int64_t row0 = p.ro[s], n = p.ro[s + 1] - row0, len0 = p.seq_lens[s], j = r - row0;
-  if (j < 0 || j >= n) return v;
-  const int64_t cs = dev_compressed_end(p.S, p.W, len0), ce = dev_compressed_end(p.S, p.W, len0 + n);
-  const int64_t q = cs + j;
-  if (q >= ce) return v;
+  const CompressedToken c = compressed_token(p, r);
+  const int s = c.s;
+  const int64_t j = r - c.row0, q = c.q;
+  if (j < 0 || j >= c.n) return v;
+  if (q >= dev_compressed_end(p.S, p.W, c.len0 + c.n)) return v;
   const int64_t ci = q - p.S;
   const int32_t pg = p.bt[(int64_t)s * p.bt_stride + (ci >> p.lgP)];
   if (pg < 0 || pg >= p.num_pages) return v;
   v.tok = (int32_t)(ci & (p.P - 1));
   v.sec = p.pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, p.P, h, isv);
-  if (q >= len0) {
-    const int64_t rr = row0 + (q - len0);
-    const int64_t off = rr * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+  if (q >= c.len0) {
+    const int64_t off = input_offset(p, c.row0 + (q - c.len0), h, isv);
     const int32_t dt = isv ? p.v_dtype : p.k_dtype;
     v.src = (uint64_t)(uintptr_t)((const uint8_t*)(isv ? p.v : p.k) + off * (dt == FMKV_F32 ? 4 : 2));
   } else {  // aged out of the ring window: read the ring before fp16_rows<write> overwrites it
@@ -212,14 +232,13 @@ __device__ __forceinline__ uint32_t nonfinite2(uint32_t x) { return ((x & 0x7c00
 // element and report it as the host backends name it (rare path; inlined: a call would make the
 // compiler save live registers around it).
 __device__ __forceinline__ void report_nonfinite_row(const AppendParams& p, int64_t r, int32_t h, int isv) {
-  const int s = find_seq(p.ro, p.num_seqs, r);
-  const int64_t row0 = p.ro[s], len0 = p.seq_lens[s];
-  const int64_t q = dev_compressed_end(p.S, p.W, len0) + (r - row0), rr = row0 + (q - len0);
+  const CompressedToken c = compressed_token(p, r);
+  const int64_t rr = c.row0 + (c.q - c.len0);
   const void* src = isv ? p.v : p.k;
   const int32_t dt = isv ? p.v_dtype : p.k_dtype;
-  const int64_t base = rr * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+  const int64_t base = input_offset(p, rr, h, isv);
   for (int i = 0; i < p.d; ++i)
-    if ((load_f16_bits(src, dt, base + i) & 0x7c00u) == 0x7c00u) {
+    if (!f16_is_finite(load_f16_bits(src, dt, base + i))) {
       report_error(p.err, kNonFinite, kErrNonFiniteKV, isv, rr, h, i);
       return;
     }
@@ -368,14 +387,14 @@ __global__ void __launch_bounds__(256) fp16_rows(AppendParams p) {
     else continue;
     const void* src = isv ? p.v : p.k;
     const int32_t dt = isv ? p.v_dtype : p.k_dtype;
-    const int64_t base = r * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+    const int64_t base = input_offset(p, r, h, isv);
     uint16_t x[NR];
 #pragma unroll
     for (int i = 0; i < NR; ++i) x[i] = load_f16_bits(src, dt, base + lane + 32 * i);
     if (kCheck) {
 #pragma unroll
       for (int i = 0; i < NR; ++i)
-        if ((x[i] & 0x7c00u) == 0x7c00u) report_error(p.err, kNonFinite, kErrNonFiniteKV, isv, r, h, lane + 32 * i);
+        if (!f16_is_finite(x[i])) report_error(p.err, kNonFinite, kErrNonFiniteKV, isv, r, h, lane + 32 * i);
     } else {
       const int32_t slot = p.slots ? p.slots[s] : 0;
       uint16_t* dst = (isv ? p.fp16_v : p.fp16_k) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
@@ -401,8 +420,7 @@ int compress_blocks_per_sm() {  // same for every device of the one compiled arc
 template <int D>
 void launch_append(AppendParams& p, cudaStream_t st) {
   constexpr int VPW = 32 / (D / 64);
-  p.row_blocks = (uint32_t)((p.rows + VPW - 1) / VPW);
-  p.items = p.row_blocks * 2u * (uint32_t)p.H;
+  p.items = (uint32_t)((p.rows + VPW - 1) / VPW) * 2u * (uint32_t)p.H;
   const int64_t blocks = std::min<int64_t>(((int64_t)p.items + kCompressWarps - 1) / kCompressWarps,
                                            (int64_t)compress_blocks_per_sm<D>() * sm_count());
   compress<D><<<(unsigned)blocks, 32 * kCompressWarps, kCompressSmem, st>>>(p);
@@ -451,7 +469,6 @@ void append(const AppendArgs& a) {
   }
   p.ring16 = aligned16(a.layer.fp16_k) && aligned16(a.layer.fp16_v);
   p.pages16 = aligned16(a.layer.pages);
-  p.row_blocks = 0;
   p.items = 0;
   for (int i = 0; i < 3; ++i) p.qt[i] = tables[i];
   p.err = error_word();
