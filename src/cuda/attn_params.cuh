@@ -1,0 +1,88 @@
+// Decode attention: the launch parameters shared by the kernel (decode_attention.cuh), its fp16 part
+// (fp16_part.cuh) and the fused step (fused_step.cuh), and small float helpers.
+#pragma once
+#include "quantize.cuh"
+
+namespace fmkv {
+namespace cuda {
+
+struct AttnParams {
+  const uint8_t* pages;
+  int64_t num_pages, page_bytes, head_stride, ksec_bytes;
+  const uint16_t *fp16_k, *fp16_v;
+  int32_t num_slots, num_seqs;
+  const int32_t* slots;
+  const int64_t* seq_lens;
+  const int64_t* ro;
+  const int32_t* bt;
+  int64_t bt_stride;
+  const void* q;
+  int32_t q_dtype;
+  int64_t q_rs, q_hs, q_rows;
+  void* out;
+  int32_t o_dtype;
+  int64_t o_rs, o_hs;
+  int32_t H, HQ, gq, P, S, W, R;
+  float sm_scale, softcap;
+  SignWords sw;
+  float2* part_ml;
+  float* part_acc;
+  int32_t nsplit;
+  long long* err;
+  // Fused decode step (fmkv_append_attention): the sink/window CTA of each (sequence, kv head) first
+  // appends that head's rows of k / v; seq_lens are then the lengths before the append.
+  int32_t fused;
+  const void *k, *v;
+  int32_t k_dtype, v_dtype;
+  int64_t k_rs, k_hs, v_rs, v_hs;
+  int32_t kb, vb, rule;
+  unsigned long long* trace;  // FMKV_CUDA_TRACE builds: per-CTA phase timestamps (common.cuh)
+};
+using AttnFnPtr = void (*)(AttnParams);
+struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared memory bytes
+  AttnFnPtr fn = nullptr;
+  int smem = 0;
+  explicit operator bool() const { return fn != nullptr; }
+};
+
+// CTAs per SM the register allocation must allow for head_dim <= 128 (4: 128 registers, no spill in
+// the tile loop; 5: 96 registers with spills) -- a tuning knob, see docs/CUDA-NOTES.md.
+#ifndef FMKV_ATTN_MIN_BLOCKS
+#define FMKV_ATTN_MIN_BLOCKS 4
+#endif
+constexpr int kAttnWarps = 4, kQV = 8, kMinTilesPerSplit = 4, kMaxSplits = 64;
+constexpr int kFusedMaxRows = 16;  // rows per sequence of a fused append + attention call
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr uint32_t kSignMask = 0x80008000u;
+
+__device__ __forceinline__ float h_lo(uint32_t x) { return __half2float(__ushort_as_half((unsigned short)(x & 0xffffu))); }
+__device__ __forceinline__ float h_hi(uint32_t x) { return __half2float(__ushort_as_half((unsigned short)(x >> 16))); }
+
+__device__ __forceinline__ float apply_softcap(float x, float cap) { return cap > 0.0f ? cap * tanhf(x / cap) : x; }
+
+// 2^x by the SFU (ex2.approx.ftz: relative error ~2^-22, 2^-inf = 0; results below 2^-126 flush to 0,
+// which is below what an fp32 softmax weight can contribute next to the running maximum's 1).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Query vector v (>= 0) of a sequence -> its row v / gq and GQA member v % gq (32-bit division when v
+// fits, which is every practical case; a 64-bit division is a long subroutine).
+__device__ __forceinline__ void split_vector(int64_t v, int gq, int64_t& row, int& member) {
+  if ((uint64_t)v <= 0xffffffffull) {
+    const uint32_t a = (uint32_t)v, g = (uint32_t)gq;
+    row = a / g;
+    member = (int)(a % g);
+  } else {
+    row = v / gq;
+    member = (int)(v % gq);
+  }
+}
+
+// fp16x2 -> two floats
+__device__ __forceinline__ float2 h2_to_f2(uint32_t x) { return make_float2(h_lo(x), h_hi(x)); }
+
+}  // namespace cuda
+}  // namespace fmkv

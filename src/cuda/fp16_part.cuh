@@ -1,0 +1,245 @@
+#pragma once
+#include "attn_params.cuh"
+
+namespace fmkv {
+namespace cuda {
+
+// ---- fp16 part: sink + window tokens (fp16, unrotated) and, for a fused step, the tokens compressed
+// by this step (positions [e0, e1), dequantized to the raw domain in shared memory), attended in fp32
+// by the sink/window CTA of (sequence, kv head). Token list: sink [0, min(S, len)) at region slots
+// 0.., fresh [e0, e1) (rows of dk/dv), ring [E, len) at slots S + (p - S) mod W.
+// Per batch of kQV query vectors (q in shared memory) and chunk of kFp16Chunk tokens:
+//   0. the chunk's V rows are copied to shared memory (cp.async, 2 threads per token) while
+//   1. scores: threads 2t, 2t+1 take the two halves of token t's K row (16-byte loads) against all kQV
+//      vectors, the halves summed by one shuffle;
+//   2. online softmax: warp w keeps the running max / sum of vectors 2w, 2w+1;
+//   3. O = O x corr + P V: warp w owns coordinates [w D/4, (w+1) D/4) (lane: 1 (D=128), 2 (D=256) or,
+//      for D=64, 1 coordinate of every other token), over every token of the chunk (V from shared memory).
+// Shared memory (dynamic, Fp16Geom): dk, dv [16][D] floats each (fused step), q [kQV][D] floats,
+// P [chunk][kQV] floats, V [chunk][D] fp16.
+constexpr int kFp16Chunk = 64;
+template <int D>
+struct Fp16Geom {
+  static constexpr int fresh_bytes = 2 * kFusedMaxRows * D * 4;
+  static constexpr int q_off = fresh_bytes, p_off = q_off + kQV * D * 4, v_off = p_off + kFp16Chunk * kQV * 4;
+  static constexpr int bytes = v_off + kFp16Chunk * D * 2;
+};
+static_assert(2 * kFp16Chunk == 128, "two threads per token of a chunk");
+
+template <int D>
+__device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_t r0, int64_t n, int64_t E,
+                          uint8_t* smem, int64_t e0 = 0, int64_t e1 = 0) {
+  using FG = Fp16Geom<D>;
+  constexpr int CW = D / kAttnWarps;                    // coordinates per warp in P V
+  constexpr int CPL = CW >= 32 ? CW / 32 : 1;           // ... per lane
+  constexpr int TPH = CW >= 32 ? 1 : 32 / CW;           // token phases per warp (D = 64: 2)
+  constexpr int HALF = D / 2;
+  const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31;
+  const float* dk = reinterpret_cast<const float*>(smem);
+  const float* dv = dk + kFusedMaxRows * D;
+  float(*qs)[D] = reinterpret_cast<float(*)[D]>(smem + FG::q_off);
+  float(*ps)[kQV] = reinterpret_cast<float(*)[kQV]>(smem + FG::p_off);
+  uint16_t(*vs)[D] = reinterpret_cast<uint16_t(*)[D]>(smem + FG::v_off);
+  __shared__ float s_corr[kQV], s_m[kQV], s_l[kQV];
+  __shared__ int64_t s_pos[kQV], s_qoff[kQV], s_part[kQV];
+  const int64_t nqv = n * p.gq;
+  const int32_t slot = p.slots ? p.slots[s] : 0;
+  const int64_t Ts = p.R > 0 ? (len < p.S ? len : p.S) : 0, Tn = e1 - e0, Tr = p.R > 0 ? len - E : 0;
+  const int64_t T = Ts + Tn + Tr;
+  const int32_t ring0 = p.W > 0 ? (int32_t)((E - p.S) % p.W) : 0;  // ring slot offset of position E
+  const int64_t reg = (((int64_t)slot * p.H + h) * p.R) * D;
+  const uint16_t* kreg = p.fp16_k + (p.R > 0 ? reg : 0);
+  const uint16_t* vreg = p.fp16_v + (p.R > 0 ? reg : 0);
+  // token ti of the list -> its position and its row (region row index, or -1 - fresh row)
+  auto token = [&](int64_t ti, int64_t& pos) -> int64_t {
+    if (ti < Ts) {
+      pos = ti;
+      return ti;
+    }
+    if (ti < Ts + Tn) {
+      pos = e0 + (ti - Ts);
+      return -1 - (ti - Ts);
+    }
+    const int32_t k = (int32_t)(ti - Ts - Tn);
+    int32_t fs = ring0 + k;
+    if (fs >= p.W) fs -= p.W;
+    pos = E + k;
+    return p.S + fs;
+  };
+  const int cbase = warp * CW + (CW >= 32 ? CPL * lane : (lane % CW)), tphase = CW >= 32 ? 0 : lane / CW;
+  const int tt = tidx >> 1, hf = tidx & 1;  // phases 0/1: token tt of the chunk, half hf of its row
+
+  for (int64_t vb = 0; vb < nqv; vb += kQV) {
+    if (tidx < kQV) {
+      const int64_t v = vb + tidx;
+      int64_t vr;
+      int vh;
+      split_vector(v, p.gq, vr, vh);
+      const int64_t row = r0 + vr;
+      const int hq = h * p.gq + vh;
+      s_pos[tidx] = v < nqv ? len - n + vr : -1;
+      s_qoff[tidx] = v < nqv ? row * p.q_rs + hq * p.q_hs : -1;
+      s_part[tidx] = v < nqv ? (row * p.HQ + hq) * (p.nsplit + 1) + p.nsplit : -1;
+    }
+    __syncthreads();
+    for (int e = tidx; e < kQV * D; e += blockDim.x) {
+      const int i = e / D, c = e % D;
+      const int64_t qo = s_qoff[i];
+      qs[i][c] = qo >= 0 ? load_elem(p.q, p.q_dtype, qo + c) : 0.0f;
+    }
+    __syncthreads();
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+    float acc[kQV][CPL];
+#pragma unroll
+    for (int i = 0; i < kQV; ++i)
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) acc[i][c] = 0.0f;
+
+    for (int64_t c0 = 0; c0 < T; c0 += kFp16Chunk) {
+      const int cnt = T - c0 < kFp16Chunk ? (int)(T - c0) : kFp16Chunk;
+      // 0 + 1. V half-row to shared memory (in flight during the scores), scores (log2 units; -inf masked)
+      {
+        float sc[kQV];
+#pragma unroll
+        for (int i = 0; i < kQV; ++i) sc[i] = -INFINITY;
+        int64_t pos = 0;
+        const int64_t rr = tt < cnt ? token(c0 + tt, pos) : -1;
+        if (tt < cnt && rr >= 0) {
+#pragma unroll
+          for (int c = 0; c < HALF; c += 8) cp_async16(&vs[tt][hf * HALF + c], vreg + rr * D + hf * HALF + c);
+        }
+        cp_async_commit();
+        float dot[kQV];
+#pragma unroll
+        for (int i = 0; i < kQV; ++i) dot[i] = 0.0f;
+        if (tt < cnt) {
+#pragma unroll 2
+          for (int c = hf * HALF; c < (hf + 1) * HALF; c += 8) {
+            float kx[8];
+            if (rr >= 0) {
+              const uint4 w = *reinterpret_cast<const uint4*>(kreg + rr * D + c);
+              const float2 a = h2_to_f2(w.x), b = h2_to_f2(w.y), cc = h2_to_f2(w.z), d = h2_to_f2(w.w);
+              kx[0] = a.x; kx[1] = a.y; kx[2] = b.x; kx[3] = b.y; kx[4] = cc.x; kx[5] = cc.y; kx[6] = d.x; kx[7] = d.y;
+            } else {
+              const float4 a = *reinterpret_cast<const float4*>(dk + (-1 - rr) * D + c);
+              const float4 b = *reinterpret_cast<const float4*>(dk + (-1 - rr) * D + c + 4);
+              kx[0] = a.x; kx[1] = a.y; kx[2] = a.z; kx[3] = a.w; kx[4] = b.x; kx[5] = b.y; kx[6] = b.z; kx[7] = b.w;
+            }
+#pragma unroll
+            for (int i = 0; i < kQV; ++i) {
+              const float4 qa = *reinterpret_cast<const float4*>(&qs[i][c]);
+              const float4 qb = *reinterpret_cast<const float4*>(&qs[i][c + 4]);
+              dot[i] += qa.x * kx[0] + qa.y * kx[1] + qa.z * kx[2] + qa.w * kx[3] + qb.x * kx[4] + qb.y * kx[5] +
+                        qb.z * kx[6] + qb.w * kx[7];
+            }
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kQV; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], 1);
+        if (tt < cnt) {
+#pragma unroll
+          for (int i = 0; i < kQV; ++i)
+            if (pos <= s_pos[i]) sc[i] = apply_softcap(dot[i] * p.sm_scale, p.softcap) * kLog2e;
+        }
+        if (hf == 0) {
+          *reinterpret_cast<float4*>(&ps[tt][0]) = make_float4(sc[0], sc[1], sc[2], sc[3]);
+          *reinterpret_cast<float4*>(&ps[tt][4]) = make_float4(sc[4], sc[5], sc[6], sc[7]);
+        }
+      }
+      __syncthreads();
+      // 2. online softmax of vectors 2 warp + j over the chunk
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int i = 2 * warp + j;
+        float x[kFp16Chunk / 32], cm = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < kFp16Chunk / 32; ++k) {
+          x[k] = ps[lane + 32 * k][i];
+          cm = fmaxf(cm, x[k]);
+        }
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
+        const float m_new = fmaxf(m_run[j], cm);
+        const float corr = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[j] - m_new);
+        const float ms = m_new == -INFINITY ? 0.0f : m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kFp16Chunk / 32; ++k) {
+          x[k] = fast_exp2(x[k] - ms);
+          ps[lane + 32 * k][i] = x[k];
+          sum += x[k];
+        }
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        l_run[j] = l_run[j] * corr + sum;
+        m_run[j] = m_new;
+        if (lane == 0) s_corr[i] = corr;
+      }
+      cp_async_wait<0>();  // this thread's V copies ...
+      __syncthreads();     // ... and everyone's, and P, corr
+      // 3. O = O x corr + P V over the chunk (this lane's coordinates)
+#pragma unroll
+      for (int i = 0; i < kQV; ++i) {
+        const float cr = s_corr[i];
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) acc[i][c] *= cr;
+      }
+      const int64_t fresh_end = Ts + Tn;  // tokens [Ts, Ts + Tn) of the list are fresh rows (dv)
+#pragma unroll 4
+      for (int t = tphase; t < cnt; t += TPH) {
+        const int64_t ti = c0 + t;
+        float vx[CPL];
+        if (ti >= Ts && ti < fresh_end) {
+#pragma unroll
+          for (int c = 0; c < CPL; ++c) vx[c] = dv[(ti - Ts) * D + cbase + c];
+        } else if (CPL == 1) {
+          vx[0] = f16_to_f32(vs[t][cbase]);
+        } else {
+#pragma unroll
+          for (int c = 0; c < CPL; c += 2) {
+            const float2 f = h2_to_f2(*reinterpret_cast<const uint32_t*>(&vs[t][cbase + c]));
+            vx[c] = f.x;
+            vx[c + 1] = f.y;
+          }
+        }
+        const float4 pa = *reinterpret_cast<const float4*>(&ps[t][0]);
+        const float4 pb = *reinterpret_cast<const float4*>(&ps[t][4]);
+        const float pw[kQV] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+#pragma unroll
+        for (int i = 0; i < kQV; ++i)
+#pragma unroll
+          for (int c = 0; c < CPL; ++c) acc[i][c] += pw[i] * vx[c];
+      }
+      __syncthreads();  // ps and vs are rewritten by the next chunk
+    }
+    if (TPH > 1) {
+#pragma unroll
+      for (int i = 0; i < kQV; ++i)
+#pragma unroll
+        for (int c = 0; c < CPL; ++c)
+#pragma unroll
+          for (int o = 16; o >= 32 / TPH; o >>= 1) acc[i][c] += __shfl_xor_sync(0xffffffffu, acc[i][c], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s_m[2 * warp + j] = m_run[j] * 0.69314718055994531f;  // back to natural-log units
+        s_l[2 * warp + j] = l_run[j];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kQV; ++i) {
+      const int64_t idx = s_part[i];
+      if (idx < 0) continue;
+      if (tphase == 0)
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) p.part_acc[idx * D + cbase + c] = acc[i][c];
+      if (tidx == 0) p.part_ml[idx] = make_float2(s_m[i], s_l[i]);
+    }
+    __syncthreads();  // s_* and qs are rewritten by the next batch
+  }
+}
+
+}  // namespace cuda
+}  // namespace fmkv
