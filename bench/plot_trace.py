@@ -8,12 +8,14 @@ median entry, for the attention call and the fused decode step of one (batch, co
 import argparse
 import json
 
-# phase names per role (src/cuda/decode_attention.cuh FMKV_TRACE numbering; phase i = time since the
-# previous recorded phase)
+# phase names per role (FMKV_TRACE numbering in src/cuda/decode_attention.cuh and fused_step.cuh; phase
+# i = time since the previous recorded phase). The fused role's numbering is that of the validation
+# overlapped with the compression (cuda_trace.jsonl); the traces of 77254d1 and 6206e0c had
+# 3 = validation, 4 = compression.
 PHASES = {
     "split": {1: "wait + error word", 2: "sequence arrays", 3: "code tables", 4: "tile prologue + Q",
               5: "first tile lands", 6: "tiles", 7: "combine + partials"},
-    "fused": {1: "wait + error word", 2: "sequence arrays", 3: "validation", 4: "compression",
+    "fused": {1: "wait + error word", 2: "sequence arrays", 3: "loads issued + compression", 4: "validation",
               5: "ring writes", 6: "fp16 part", 7: "exit"},
     "fp16_part": {1: "wait + error word", 2: "sequence arrays", 7: "fp16 part"},
     "merge": {1: "wait for attention", 2: "(m, l) loads", 3: "partial loads", 7: "un-rotate + store"},

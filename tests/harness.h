@@ -221,6 +221,27 @@ inline LayerState run_append(fmkv_backend b, const Scenario& s, const fmkv_tenso
   return L.state(s);
 }
 
+// A scenario whose cache already holds s.lens tokens per sequence (random K/V appended by the
+// reference), ready for an op that adds s.rows more; *added = rows in total.
+inline Scenario filled_scenario(const fmkv_config& c, const std::vector<int64_t>& lens, const std::vector<int64_t>& rows,
+                         fmkv_dtype in, int64_t* added) {
+  Scenario s = make_scenario(c, lens, rows);
+  Scenario fill = s;
+  fill.lens.assign(s.lens.size(), 0);
+  fill.rows = s.lens;
+  int64_t n0 = 0;
+  for (auto x : s.lens) n0 += x;
+  *added = 0;
+  for (auto x : s.rows) *added += x;
+  auto k0 = random_tensor(in, n0, c.num_kv_heads, c.head_dim, 3.0), v0 = random_tensor(in, n0, c.num_kv_heads, c.head_dim);
+  LayerState st = run_append(FMKV_BACKEND_REF, fill, make_tensor(k0.data(), in, n0, c.num_kv_heads, c.head_dim),
+                             make_tensor(v0.data(), in, n0, c.num_kv_heads, c.head_dim));
+  s.pages = st.pages;
+  s.fp16_k = st.fp16_k;
+  s.fp16_v = st.fp16_v;
+  return s;
+}
+
 // Runs attention on backend b over the given layer state; output is fp32 [rows][q_heads][d],
 // poisoned with NaN before the call.
 inline std::vector<float> run_attention(fmkv_backend b, const Scenario& s, const LayerState& st,

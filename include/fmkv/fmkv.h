@@ -63,7 +63,9 @@ fmkv_status fmkv_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_la
  * At most FMKV_FUSED_MAX_ROWS rows per sequence (decode, speculative verification); use the two
  * calls for prefill. On CUDA this is one attention launch (plus the merge) instead of an append
  * and an attention; device-detected errors (bad block-table entry, NaN/Inf) leave the failing
- * sequence untouched and are returned by fmkv_device_synchronize. Workspace as fmkv_attention. */
+ * sequence's visible cache unchanged (the token slots the step was compressing into, at or past its
+ * compressed length, may have been written: docs/FORMAT.md section 2) and are returned by
+ * fmkv_device_synchronize. Workspace as fmkv_attention. */
 #define FMKV_FUSED_MAX_ROWS 16
 fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer_cache* layer,
                                   const fmkv_batch* batch, const fmkv_tensor* k, const fmkv_tensor* v,

@@ -389,8 +389,10 @@ __global__ void __launch_bounds__(256) fp16_rows(AppendParams p) {
     const int32_t dt = isv ? p.v_dtype : p.k_dtype;
     const int64_t base = input_offset(p, r, h, isv);
     uint16_t x[NR];
+    int64_t off[NR];
 #pragma unroll
-    for (int i = 0; i < NR; ++i) x[i] = load_f16_bits(src, dt, base + lane + 32 * i);
+    for (int i = 0; i < NR; ++i) off[i] = base + lane + 32 * i;
+    load_f16_bits_n<NR>(src, dt, off, x);
     if (kCheck) {
 #pragma unroll
       for (int i = 0; i < NR; ++i)

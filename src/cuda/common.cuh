@@ -129,6 +129,10 @@ __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gsrc) {
   const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem_dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gsrc) : "memory");
 }
+__device__ __forceinline__ void cp_async4(void* smem_dst, const void* gsrc) {  // 4 bytes (through L1)
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem_dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gsrc) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -150,6 +154,37 @@ __device__ __forceinline__ float load_elem(const void* base, int32_t dtype, int6
 __device__ __forceinline__ uint16_t load_f16_bits(const void* base, int32_t dtype, int64_t off) {
   if (dtype == FMKV_F16) return ((const uint16_t*)base)[off];
   return f32_to_f16(load_elem(base, dtype, off));
+}
+
+// Elements off[i] of a [rows][heads][dim] tensor (a negative offset gives 0), as float, or as the
+// quantizer's fp16 bits. All N loads are issued before the first is converted, so they cost one round
+// trip rather than N (a conversion inside a dtype branch would wait for each load in turn).
+template <int N>
+__device__ __forceinline__ void load_elems(const void* base, int32_t dtype, const int64_t (&off)[N], float (&out)[N]) {
+  if (dtype == FMKV_F32) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = off[i] >= 0 ? static_cast<const float*>(base)[off[i]] : 0.0f;
+  } else {
+    uint16_t raw[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) raw[i] = off[i] >= 0 ? static_cast<const uint16_t*>(base)[off[i]] : (uint16_t)0;
+    const bool f16 = dtype == FMKV_F16;
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = f16 ? f16_to_f32(raw[i]) : bf16_to_f32(raw[i]);
+  }
+}
+template <int N>
+__device__ __forceinline__ void load_f16_bits_n(const void* base, int32_t dtype, const int64_t (&off)[N],
+                                                uint16_t (&out)[N]) {
+  if (dtype == FMKV_F16) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = static_cast<const uint16_t*>(base)[off[i]];
+  } else {
+    float f[N];
+    load_elems<N>(base, dtype, off, f);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = f32_to_f16(f[i]);
+  }
 }
 
 // Largest compressed end: tokens [S, E) are compressed, E = max(S, len - W).

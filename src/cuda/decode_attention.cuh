@@ -266,21 +266,14 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     cp_async_commit();  // one group per tile slot, empty or not, so wait_group counts tiles
   };
   for (int64_t vb = 0; vb < nqv; vb += kQV) {
-    // Start streaming this warp's first tiles before the Q work, so their latency overlaps it.
-    int32_t pg_ahead = page_k(0);
-#pragma unroll 1
-    for (int k = 0; k < NST - 1; ++k) {
-      const int32_t pn = page_k(k + 1);
-      issue(k, k, pg_ahead);
-      pg_ahead = pn;
-    }
     // ---- Q: 8 query vectors (finite-checked), rotated in registers by warp w (vectors w, w + 4;
     // lane holds coordinates lane + 32 r), max |q| of each, stored to sq for the fragment loads.
-    // the warp's vectors are loaded together (one round trip), then checked and rotated one by one
+    // The warp's vectors are requested first (one round trip, in flight while the first tiles' page
+    // entries are read and their copies issued), then checked and rotated one by one.
     constexpr int NR = D / 32, QPW = kQV / kAttnWarps;
     static_assert(kQV % kAttnWarps == 0, "whole query vectors per warp");
     float xq[QPW][NR];
-    int64_t qrow[QPW];
+    int64_t qrow[QPW], qoff[QPW * NR];
     int qhead[QPW];
 #pragma unroll
     for (int u = 0; u < QPW; ++u) {
@@ -296,8 +289,16 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         s_vpart[i] = v < nqv ? (qrow[u] * p.HQ + qhead[u]) * (p.nsplit + 1) : -1;
       }
 #pragma unroll
-      for (int r = 0; r < NR; ++r)
-        xq[u][r] = v < nqv ? load_elem(p.q, p.q_dtype, qrow[u] * p.q_rs + qhead[u] * p.q_hs + lane + 32 * r) : 0.0f;
+      for (int r = 0; r < NR; ++r) qoff[u * NR + r] = v < nqv ? qrow[u] * p.q_rs + qhead[u] * p.q_hs + lane + 32 * r : -1;
+    }
+    load_elems<QPW * NR>(p.q, p.q_dtype, qoff, reinterpret_cast<float(&)[QPW * NR]>(xq));
+    // Start streaming this warp's first tiles before the Q work, so their latency overlaps it.
+    int32_t pg_ahead = page_k(0);
+#pragma unroll 1
+    for (int k = 0; k < NST - 1; ++k) {
+      const int32_t pn = page_k(k + 1);
+      issue(k, k, pg_ahead);
+      pg_ahead = pn;
     }
 #pragma unroll
     for (int u = 0; u < QPW; ++u) {

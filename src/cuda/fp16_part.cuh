@@ -82,10 +82,21 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
       s_part[tidx] = v < nqv ? (row * p.HQ + hq) * (p.nsplit + 1) + p.nsplit : -1;
     }
     __syncthreads();
-    for (int e = tidx; e < kQV * D; e += blockDim.x) {
-      const int i = e / D, c = e % D;
-      const int64_t qo = s_qoff[i];
-      qs[i][c] = qo >= 0 ? load_elem(p.q, p.q_dtype, qo + c) : 0.0f;
+    {  // all kQV x D / 128 loads of a thread in flight together (blockDim.x == 128)
+      constexpr int QE = kQV * D / 128;
+      int64_t off[QE];
+      float x[QE];
+#pragma unroll
+      for (int k = 0; k < QE; ++k) {
+        const int e = tidx + 128 * k, i = e / D, c = e % D;
+        off[k] = s_qoff[i] >= 0 ? s_qoff[i] + c : -1;
+      }
+      load_elems<QE>(p.q, p.q_dtype, off, x);
+#pragma unroll
+      for (int k = 0; k < QE; ++k) {
+        const int e = tidx + 128 * k;
+        qs[e / D][e % D] = x[k];
+      }
     }
     __syncthreads();
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};

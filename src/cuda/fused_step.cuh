@@ -13,12 +13,35 @@ __device__ __forceinline__ bool elem_bad(uint32_t bits, int32_t dtype, bool fp16
   return !f16_is_finite(f32_to_f16(f));
 }
 
-// The fused step's k, v and q rows [r0, r0 + n) x heads x D ([rows][heads][D] tensors) checked for
-// bad elements (kind kNonFinite, reported with the row, head and element). A 16-byte-aligned tensor is
-// read in 16-byte chunks, and the three tensors together: every thread has up to 2 chunks of each in
-// flight per round (a decode step with 32 q heads, d = 128: 512 q chunks, 2 rounds; more chunks in
-// flight spill registers of the tile loop, which shares this kernel); a tensor that is not aligned is
-// read element by element. n <= 16 rows (fused step), so chunk indices fit 32 bits.
+// Conservative test of a 16-byte chunk of elements of type dtype: false only if no element is bad
+// (elem_bad); a true answer is settled element by element. fp16 and bf16 / f32 without fp16_range:
+// exponent all ones. With fp16_range, bf16: |x| >= 0x477f (65280; the next bf16 value, 65536,
+// overflows fp16); f32: |x| >= 65504 (values from 65520 up round to Inf).
+__device__ __forceinline__ bool chunk_maybe_bad(const uint4& x, int32_t dtype, bool fp16_range) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  bool any = false;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (dtype == FMKV_F32)
+      any |= fp16_range ? (w[k] & 0x7fffffffu) >= 0x477fe000u : (w[k] & 0x7f800000u) == 0x7f800000u;
+    else if (dtype == FMKV_BF16 && fp16_range)
+      any |= __vcmpgeu2(w[k] & 0x7fff7fffu, 0x477f477fu) != 0u;
+    else {
+      const uint32_t m = dtype == FMKV_F16 ? 0x7c007c00u : 0x7f807f80u;
+      any |= __vcmpeq2(w[k] & m, m) != 0u;
+    }
+  }
+  return any;
+}
+
+// The fused step's k, v and q rows [r0, r0 + n) x heads x D ([rows][heads][D] tensors), checked for
+// bad elements (kind kNonFinite, reported with the row, head and element) through shared memory.
+// Chunk c (16 bytes) of the 16-byte-aligned tensors taken together (k's chunks, then v's, then q's) is
+// copied by cp.async to stage + 16 (c mod cap) in rounds of cap chunks; thread t copies, then checks,
+// chunks t, t + blockDim, ... of a round, so a round is one round trip with all its copies in flight,
+// no registers held while they are, and no barrier (a thread reads back only its own copies). A decode
+// step (1 row, 8 kv / 32 q heads, d = 128, fp16: 768 chunks) is one round. A tensor that is not 16-byte
+// aligned (a strided view) is read element by element. n <= 16 rows, so chunk indices fit 32 bits.
 struct RowsToCheck {
   const void* base;
   int32_t dtype;
@@ -27,82 +50,117 @@ struct RowsToCheck {
   bool fp16_range;
   int kind, which;
 };
-__device__ inline bool rows_any_bad3(const RowsToCheck (&t)[3], int64_t r0, int64_t n, int D, long long* err) {
-  constexpr int U = 2;  // chunks of each tensor per thread and round (4: tile-loop spills)
+struct StagedRowCheck {
+  RowsToCheck t[3];  // indexed by compile-time j only (unrolled loops), so it stays in registers
+  int64_t r0, n;
+  int D;
+  uint8_t* stage;
+  uint32_t cap, per[3], hp[3], first[3], total[3], all;  // chunks: per head row, per row; tensor j's range
   bool aligned[3];
-  uint32_t per[3], hp[3], total[3], maxtotal = 0;  // chunks per head row, per row, in all (aligned only)
+
+  __device__ StagedRowCheck(const RowsToCheck (&rows)[3], int64_t r0_, int64_t n_, int D_, uint8_t* stage_,
+                            int stage_bytes)
+      : r0(r0_), n(n_), D(D_), stage(stage_), cap((uint32_t)stage_bytes / 16u), all(0) {
 #pragma unroll
-  for (int j = 0; j < 3; ++j) {
-    const int es = t[j].dtype == FMKV_F32 ? 4 : 2;
-    aligned[j] = reinterpret_cast<uintptr_t>(t[j].base) % 16 == 0 && (t[j].rs * es) % 16 == 0 &&
-                 (t[j].hs * es) % 16 == 0;
-    per[j] = (uint32_t)(D * es / 16);
-    hp[j] = (uint32_t)t[j].heads * per[j];
-    total[j] = aligned[j] ? (uint32_t)n * hp[j] : 0u;
-    maxtotal = total[j] > maxtotal ? total[j] : maxtotal;
-  }
-  bool bad = false;
-  for (uint32_t c0 = threadIdx.x; c0 < maxtotal; c0 += U * blockDim.x) {
-    uint4 x[3][U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const uint32_t c = c0 + u * blockDim.x;
-#pragma unroll
-      for (int j = 0; j < 3; ++j)
-        if (c < total[j]) {
-          const int es = t[j].dtype == FMKV_F32 ? 4 : 2;
-          const uint32_t r = c / hp[j], hh = (c % hp[j]) / per[j], part = c % per[j];
-          x[j][u] = *reinterpret_cast<const uint4*>(static_cast<const char*>(t[j].base) +
-                                                    ((r0 + r) * t[j].rs + hh * t[j].hs) * es + part * 16);
-        }
+    for (int j = 0; j < 3; ++j) {
+      t[j] = rows[j];
+      const int es = t[j].dtype == FMKV_F32 ? 4 : 2;
+      aligned[j] = reinterpret_cast<uintptr_t>(t[j].base) % 16 == 0 && (t[j].rs * es) % 16 == 0 &&
+                   (t[j].hs * es) % 16 == 0;
+      per[j] = (uint32_t)(D * es / 16);
+      hp[j] = (uint32_t)t[j].heads * per[j];
+      total[j] = aligned[j] ? (uint32_t)n * hp[j] : 0u;
+      first[j] = all;
+      all += total[j];
     }
+  }
+  __device__ uint32_t rounds() const { return (all + cap - 1) / cap; }
+  // Calls f(j, c - first[j], c - c0) for this thread's chunks c of round `round` that belong to tensor j
+  // (c = c0 + threadIdx.x + k blockDim.x), tensor by tensor.
+  template <class F>
+  __device__ void for_own_chunks(uint32_t round, F&& f) const {
+    const uint32_t c0 = round * cap, c1 = c0 + cap < all ? c0 + cap : all;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const uint32_t c = c0 + u * blockDim.x;
+    for (int j = 0; j < 3; ++j) {
+      const uint32_t lo = first[j] > c0 ? first[j] : c0, e = first[j] + total[j], hi = e < c1 ? e : c1;
+      uint32_t c = c0 + threadIdx.x;
+      if (c < lo) c += (lo - c + blockDim.x - 1) / blockDim.x * blockDim.x;
+      for (; c < hi; c += blockDim.x) f(j, c - first[j], c - c0);
+    }
+  }
+  // cp.async of this thread's chunks of a round, one commit group
+  __device__ void issue(uint32_t round) const {
+    for_own_chunks(round, [&](int j, uint32_t lc, uint32_t si) {
+      const int es = t[j].dtype == FMKV_F32 ? 4 : 2;
+      const uint32_t r = lc / hp[j], hh = (lc % hp[j]) / per[j], part = lc % per[j];
+      cp_async16(stage + 16 * si, static_cast<const char*>(t[j].base) + ((r0 + r) * t[j].rs + hh * t[j].hs) * es + part * 16);
+    });
+    cp_async_commit();
+  }
+  // this thread's chunks of a round (after cp_async_wait): true if any element is bad (reported)
+  __device__ bool check(uint32_t round, long long* err) const {
+    bool bad = false;
+    for_own_chunks(round, [&](int j, uint32_t lc, uint32_t si) {
+      const uint4 x = *reinterpret_cast<const uint4*>(stage + 16 * si);
+      if (!chunk_maybe_bad(x, t[j].dtype, t[j].fp16_range)) return;
+      const uint32_t r = lc / hp[j], hh = (lc % hp[j]) / per[j], part = lc % per[j];
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+      if (t[j].dtype == FMKV_F32) {
 #pragma unroll
-      for (int j = 0; j < 3; ++j) {
-        if (c >= total[j]) continue;
-        const int es = t[j].dtype == FMKV_F32 ? 4 : 2, vec = 16 / es;
-        const uint32_t w[4] = {x[j][u].x, x[j][u].y, x[j][u].z, x[j][u].w};
-        for (int k = 0; k < vec; ++k) {
-          const uint32_t b = es == 4 ? w[k] : (w[k >> 1] >> (16 * (k & 1))) & 0xffffu;
-          if (elem_bad(b, t[j].dtype, t[j].fp16_range)) {
-            const uint32_t r = c / hp[j], hh = (c % hp[j]) / per[j], part = c % per[j];
-            report_error(err, kNonFinite, t[j].kind, t[j].which, r0 + r, hh, part * vec + k);
+        for (int k = 0; k < 4; ++k)
+          if (elem_bad(w[k], FMKV_F32, t[j].fp16_range)) {
+            report_error(err, kNonFinite, t[j].kind, t[j].which, r0 + r, hh, part * 4 + k);
             bad = true;
           }
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+          if (elem_bad((w[k >> 1] >> (16 * (k & 1))) & 0xffffu, t[j].dtype, t[j].fp16_range)) {
+            report_error(err, kNonFinite, t[j].kind, t[j].which, r0 + r, hh, part * 8 + k);
+            bad = true;
+          }
+      }
+    });
+    return bad;
+  }
+  // the tensors that are not 16-byte aligned, element by element
+  __device__ bool check_unaligned(long long* err) const {
+    bool bad = false;
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+      if (aligned[j]) continue;
+      const uint32_t els = (uint32_t)n * (uint32_t)t[j].heads * (uint32_t)D;
+      for (uint32_t e = threadIdx.x; e < els; e += blockDim.x) {
+        const uint32_t r = e / ((uint32_t)t[j].heads * D), hh = (e / D) % t[j].heads, i = e % D;
+        const int64_t off = (r0 + r) * t[j].rs + hh * t[j].hs + i;
+        const uint32_t b = t[j].dtype == FMKV_F32 ? __float_as_uint(static_cast<const float*>(t[j].base)[off])
+                                                  : static_cast<const uint16_t*>(t[j].base)[off];
+        if (elem_bad(b, t[j].dtype, t[j].fp16_range)) {
+          report_error(err, kNonFinite, t[j].kind, t[j].which, r0 + r, hh, i);
+          bad = true;
         }
       }
     }
+    return bad;
   }
-#pragma unroll
-  for (int j = 0; j < 3; ++j) {
-    if (aligned[j]) continue;
-    const uint32_t all = (uint32_t)n * (uint32_t)t[j].heads * (uint32_t)D;
-    for (uint32_t e = threadIdx.x; e < all; e += blockDim.x) {
-      const uint32_t r = e / ((uint32_t)t[j].heads * D), hh = (e / D) % t[j].heads, i = e % D;
-      const int64_t off = (r0 + r) * t[j].rs + hh * t[j].hs + i;
-      const uint32_t b = t[j].dtype == FMKV_F32 ? __float_as_uint(static_cast<const float*>(t[j].base)[off])
-                                                : static_cast<const uint16_t*>(t[j].base)[off];
-      if (elem_bad(b, t[j].dtype, t[j].fp16_range)) {
-        report_error(err, kNonFinite, t[j].kind, t[j].which, r0 + r, hh, i);
-        bad = true;
-      }
-    }
-  }
-  return bad;
-}
+};
 
 // One head vector (x[r] = fp16 bits of coordinate lane + 32 r) written to token slot t of a page section
 // (bit-exact with the append), and its dequantized value in the raw domain to dst[0, D) (one warp).
+// A vector with a NaN / Inf element writes nothing and returns false (every rotated value is then
+// non-finite: each is a signed sum of all inputs; k16 rows are tested element by element).
 template <int D, int B, int P>
-__device__ __forceinline__ void compress_vector(const uint16_t (&x)[D / 32], uint8_t* sec, int32_t t, const SignWords& sw,
+__device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uint8_t* sec, int32_t t, const SignWords& sw,
                                                 int rule, int lane, float* dst) {
   constexpr int NR = D / 32;
   float v[NR];
 #pragma unroll
   for (int i = 0; i < NR; ++i) v[i] = f16_to_f32(x[i]);
   if constexpr (B == FMKV_FP16_BITS) {
+    bool finite = true;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) finite &= f16_is_finite(x[i]);
+    if (!__all_sync(kFull, finite)) return false;
     uint16_t* raw = (uint16_t*)sec + (int64_t)t * D;
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
@@ -111,6 +169,7 @@ __device__ __forceinline__ void compress_vector(const uint16_t (&x)[D / 32], uin
     }
   } else {
     warp_rotate<D>(v, sw, lane);
+    if (!__all_sync(kFull, isfinite(v[0]))) return false;
     uint32_t* words = (uint32_t*)sec;
     uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, B, P));
     // group g = register g: coordinate lane of the group
@@ -119,71 +178,68 @@ __device__ __forceinline__ void compress_vector(const uint16_t (&x)[D / 32], uin
 #pragma unroll
     for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = v[i];
   }
+  return true;
 }
 
-// Fused decode step, sink/window CTA of (sequence s, kv head h), 4 warps:
-//   1. validate every input of the sequence (rows, block table up to the new end, k/v/q finite):
-//      all CTAs of the sequence take the same decision, so a bad sequence is left untouched;
-//   2. compress the tokens [E0, E1) that leave the window (read from the ring) or arrive compressed
-//      (new rows): one warp per head vector, the quantizer of append.cu (bit-exact); the warp keeps
-//      the dequantized values and un-rotates them (shuffles) into shared memory;
-//   3. write the new rows that land in the sink or the ring (after 2 read the ring);
-//   4. attention of the sequence's query vectors of head h over sink + [E0, E1) + ring (fp16_part).
+// Fused decode step, sink/window CTA of (sequence s, kv head h), 4 warps. Every load this CTA needs
+// before it can decide is issued at once, so the decision costs about one round trip (each dependent
+// round trip is long while the split CTAs stream pages):
+//   1. validation, started: the block-table entries up to the new end (8 per thread in registers)
+//      and every 16-byte chunk of the sequence's k, v and q rows (cp.async into shared memory,
+//      StagedRowCheck) are requested;
+//   2. meanwhile, compress the tokens [E0, E1) that leave the window (read from the ring) or arrive
+//      compressed (new rows): one warp per head vector, the quantizer of append.cu (bit-exact); the
+//      warp keeps the dequantized values and un-rotates them (shuffles) into shared memory. These
+//      token slots lie at or past the compressed length before the step, which nothing reads, so
+//      they are written before the decision (a vector whose page entry is out of range or whose
+//      values are not finite is skipped: the validation reports it);
+//   3. validation, completed: all CTAs of the sequence take the same decision; a bad sequence
+//      returns here, its visible cache unchanged (FORMAT.md section 2);
+//   4. write the new rows that land in the sink or the ring (after 2 read the ring);
+//   5. attention of the sequence's query vectors of head h over sink + [E0, E1) + ring (fp16_part).
 // The split CTAs meanwhile attend [S, E0), which this step does not write.
 template <int D, int P, int KB, int VB>
 __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int64_t r0, int64_t n, uint8_t* smem) {
   constexpr int NR = D / 32;
+  using FG = Fp16Geom<D>;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31;
   const int64_t len = len0 + n;
   const int64_t E0 = dev_compressed_end(p.S, p.W, len0), E1 = dev_compressed_end(p.S, p.W, len);
-  const int32_t slot = p.slots ? p.slots[s] : 0;
   const int32_t* btrow = p.bt + (int64_t)s * p.bt_stride;
   uint8_t* pages = const_cast<uint8_t*>(p.pages);  // the layer's pages are writable (fmkv_layer_cache)
   uint16_t* fk = const_cast<uint16_t*>(p.fp16_k);
   uint16_t* fv = const_cast<uint16_t*>(p.fp16_v);
-
-  // 1. validation
-  int bad = 0;
-  {
-  if (n > kFusedMaxRows) {
-    bad = 1;
+  if (n > kFusedMaxRows) {  // the same for every CTA of the sequence
     if (tidx == 0) report_error(p.err, kInvalidArgument, kErrFusedRows, s, n, kFusedMaxRows, 0);
+    return;
   }
-  if (!bad) {
-    // every block-table entry up to the new end, 8 loads in flight per thread and round; the first
-    // round's loads are issued before the k/v/q checks, so the two overlap
-    constexpr int UB = 8;
-    const int64_t np = E1 > p.S ? (int64_t)((uint64_t)(E1 - 1 - p.S) / P) + 1 : 0;
-    auto table_round = [&](int64_t q0, int32_t(&pg)[UB]) {
-#pragma unroll
-      for (int u = 0; u < UB; ++u) pg[u] = q0 + u * blockDim.x < np ? btrow[q0 + u * blockDim.x] : 0;
-    };
-    auto table_check = [&](int64_t q0, const int32_t(&pg)[UB]) {
-#pragma unroll
-      for (int u = 0; u < UB; ++u)
-        if (pg[u] < 0 || pg[u] >= p.num_pages) {
-          bad = 1;
-          report_error(p.err, kOutOfRange, kErrBlockTable, s, q0 + u * blockDim.x, pg[u], p.num_pages);
-        }
-    };
-    int32_t pg[UB];
-    table_round(tidx, pg);
+  const int32_t slot = p.slots ? p.slots[s] : 0;
+
+  // 1. start the validation: the first kTableStaged block-table entries and round 0 of the rows'
+  //    chunks are copied into shared memory (after the dk / dv rows that step 2 fills), so nothing
+  //    is held in registers across step 2
+  constexpr int kTableStaged = 1024;
+  int32_t* tab = reinterpret_cast<int32_t*>(smem + FG::fresh_bytes);
+  uint8_t* stage = smem + FG::fresh_bytes + 4 * kTableStaged;
+  constexpr int kStageBytes = FG::bytes - FG::fresh_bytes - 4 * kTableStaged;
+  static_assert(kStageBytes >= 128 * 16, "a round of at least one chunk per thread");
+  const int64_t np = E1 > p.S ? (int64_t)((uint64_t)(E1 - 1 - p.S) / P) + 1 : 0;
+  const int npst = np < kTableStaged ? (int)np : kTableStaged;
+  for (int e = tidx; e < npst; e += blockDim.x) cp_async4(tab + e, btrow + e);
+  auto row_check = [&]() {  // built where used, twice: nothing of it stays live across step 2
     const RowsToCheck rows[3] = {{p.k, p.k_dtype, p.k_rs, p.k_hs, p.H, true, kErrNonFiniteKV, 0},
                                  {p.v, p.v_dtype, p.v_rs, p.v_hs, p.H, true, kErrNonFiniteKV, 1},
                                  {p.q, p.q_dtype, p.q_rs, p.q_hs, p.HQ, false, kErrNonFiniteQ, 0}};
-    bad |= rows_any_bad3(rows, r0, n, D, p.err);
-    table_check(tidx, pg);
-    for (int64_t q0 = tidx + UB * (int64_t)blockDim.x; q0 < np; q0 += UB * (int64_t)blockDim.x) {
-      table_round(q0, pg);
-      table_check(q0, pg);
-    }
+    return StagedRowCheck(rows, r0, n, D, stage, kStageBytes);
+  };
+  {
+    const StagedRowCheck chk = row_check();
+    if (chk.all > 0) chk.issue(0);
+    else cp_async_commit();
   }
-  }
-  if (__syncthreads_or(bad)) return;
-  FMKV_TRACE(p, 0, 3);
 
-  // 2. compress [E0, E1) of head h; the warp keeps the dequantized values, un-rotates them and leaves
-  //    them in shared memory (dk / dv rows) for step 4
+  // 2. compress [E0, E1) of head h into its (not yet visible) token slots; the warp keeps the
+  //    dequantized values, un-rotates them and leaves them in shared memory (dk / dv rows) for step 5
   float* dk = reinterpret_cast<float*>(smem);
   float* dv = dk + kFusedMaxRows * D;
   const int64_t ncomp = E1 - E0;
@@ -199,23 +255,56 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
       const void* src = isv ? p.v : p.k;
       const int32_t dt = isv ? p.v_dtype : p.k_dtype;
       const int64_t base = rr * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+      int64_t off[NR];
 #pragma unroll
-      for (int i = 0; i < NR; ++i) x[i] = load_f16_bits(src, dt, base + lane + 32 * i);
-    } else {  // aged out of the ring window (read before step 3 rewrites the ring)
+      for (int i = 0; i < NR; ++i) off[i] = base + lane + 32 * i;
+      load_f16_bits_n<NR>(src, dt, off, x);
+    } else {  // aged out of the ring window (read before step 4 rewrites the ring)
       const int32_t fs = p.S + (int32_t)((q - p.S) % p.W);
       const uint16_t* ring = (isv ? fv : fk) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
 #pragma unroll
       for (int i = 0; i < NR; ++i) x[i] = ring[lane + 32 * i];
     }
+    if (pg < 0 || pg >= p.num_pages) continue;  // reported by the table check
     uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, KB, VB, P, h, isv);
     float* dst = (isv ? dv : dk) + j * D;
     if (isv) compress_vector<D, VB, P>(x, sec, t, p.sw, p.rule, lane, dst);
     else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);
   }
-  __syncthreads();
+  FMKV_TRACE(p, 0, 3);
+
+  // 3. complete the validation (a row with a bad element was skipped by step 2 and is reported here)
+  int bad = 0;
+  const StagedRowCheck chk = row_check();
+  const uint32_t nrounds = chk.rounds();
+  cp_async_wait<0>();
+  for (uint32_t r = 0; r < nrounds; ++r) {
+    if (r > 0) {
+      chk.issue(r);
+      cp_async_wait<0>();
+    }
+    bad |= chk.check(r, p.err);
+  }
+  bad |= chk.check_unaligned(p.err);
+  auto entry_ok = [&](int64_t e, int32_t pg) {
+    if (pg >= 0 && pg < p.num_pages) return true;
+    report_error(p.err, kOutOfRange, kErrBlockTable, s, e, pg, p.num_pages);
+    return false;
+  };
+  for (int e = tidx; e < npst; e += blockDim.x) bad |= !entry_ok(e, tab[e]);
+  constexpr int UB = 8;  // entries past the staged ones (> 1024 pages): 8 loads in flight per thread
+  for (int64_t e0 = kTableStaged + tidx; e0 < np; e0 += UB * (int64_t)blockDim.x) {
+    int32_t pg[UB];
+#pragma unroll
+    for (int u = 0; u < UB; ++u) pg[u] = e0 + u * blockDim.x < np ? btrow[e0 + u * blockDim.x] : 0;
+#pragma unroll
+    for (int u = 0; u < UB; ++u)
+      if (e0 + u * blockDim.x < np) bad |= !entry_ok(e0 + u * blockDim.x, pg[u]);
+  }
+  if (__syncthreads_or(bad)) return;  // also: dk / dv complete
   FMKV_TRACE(p, 0, 4);
 
-  // 3. new rows that land in the sink or in the ring
+  // 4. new rows that land in the sink or in the ring
   if (p.R > 0)
     for (int64_t vj = warp; vj < 2 * n; vj += kAttnWarps) {
       const int isv = (int)(vj & 1);
@@ -228,13 +317,18 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
       const void* src = isv ? p.v : p.k;
       const int32_t dt = isv ? p.v_dtype : p.k_dtype;
       const int64_t base = (r0 + j) * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+      int64_t off[NR];
+      uint16_t x[NR];
 #pragma unroll
-      for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = load_f16_bits(src, dt, base + lane + 32 * i);
+      for (int i = 0; i < NR; ++i) off[i] = base + lane + 32 * i;
+      load_f16_bits_n<NR>(src, dt, off, x);
+#pragma unroll
+      for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = x[i];
     }
-  __syncthreads();  // ring rows and dk / dv complete
+  __syncthreads();  // ring rows complete
   FMKV_TRACE(p, 0, 5);
 
-  // 4. attention over sink + [E0, E1) + ring
+  // 5. attention over sink + [E0, E1) + ring
   fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);
   FMKV_TRACE(p, 0, 6);
 }

@@ -161,6 +161,80 @@ TEST_F(CudaErrors, NonFiniteInput) {
   EXPECT_EQ(k16ok.append().first, FMKV_OK);
 }
 
+// The fused decode step (fmkv_append_attention) on the device: k, v (2 kv heads) and q (8 q heads) of
+// 1..n rows appended after `cached` tokens and attended. A bad input of the sequence (any row, any
+// head, any tensor, or any block-table entry up to the new end) fails the step with the element named,
+// and every CTA of the sequence takes the same decision: the visible cache is unchanged, including
+// the fp16 sink / window rows a good step would have rewritten (the step's compressed token slots, at
+// or past the compressed length, may have been written: FORMAT.md section 2).
+struct FusedCase {
+  fmkv_config c;
+  Scenario s;
+  std::vector<uint8_t> k, v, q;
+  fmkv_dtype dt;
+  FusedCase(int sink, int window, int64_t rows, fmkv_dtype dtype = FMKV_F16, int64_t cached = 20) : dt(dtype) {
+    c = config(128, 3, 3, 2, 16, sink, window);
+    int64_t added = 0;
+    s = filled_scenario(c, {cached}, {rows}, FMKV_F16, &added);
+    k = random_tensor(dt, rows, 2, 128);
+    v = random_tensor(dt, rows, 2, 128);
+    q = random_tensor(dt, rows, 8, 128);
+  }
+  void set(std::vector<uint8_t>& t, size_t i, uint32_t bits) {
+    if (dt == FMKV_F32) std::memcpy(t.data() + 4 * i, &bits, 4);
+    else reinterpret_cast<uint16_t*>(t.data())[i] = (uint16_t)bits;
+  }
+  std::pair<fmkv_status, std::string> step() {
+    const int64_t rows = s.rows[0];
+    fmkv_tensor kt = make_tensor(k.data(), dt, rows, 2, 128), vt = make_tensor(v.data(), dt, rows, 2, 128),
+                qt = make_tensor(q.data(), dt, rows, 8, 128);
+    DeviceLayer L(kCuda, s, s.pages, s.fp16_k, s.fp16_v, s.lens);
+    DeviceTensor kd(kCuda, kt), vd(kCuda, vt), qd(kCuda, qt);
+    DeviceOutput o(kCuda, qt, FMKV_F32);
+    const int64_t ws = fmkv_attention_workspace_bytes(kCuda, &c, 8, rows, 1, s.lens[0] + rows);
+    DeviceBuf work(kCuda, (size_t)ws + 16);
+    fmkv_attention_opts opts{0.0f, 0.0f};
+    fmkv_status st = fmkv_append_attention(kCuda, &c, &L.lc, &L.bt, &kd.t, &vd.t, &qd.t, &opts, &o.t, work.p, (size_t)ws, nullptr);
+    EXPECT_EQ(st, FMKV_OK) << fmkv_last_error();
+    st = fmkv_device_synchronize(kCuda);
+    std::string msg = fmkv_last_error();
+    LayerState after = L.state(s);
+    if (st != FMKV_OK) {
+      EXPECT_TRUE(visible_pages_equal(s, after.pages, s.pages)) << "a failed fused step";
+      EXPECT_TRUE(after.fp16_k == s.fp16_k) << "fp16 K region modified by a failed fused step";
+      EXPECT_TRUE(after.fp16_v == s.fp16_v) << "fp16 V region modified by a failed fused step";
+    } else {
+      auto out = o.as_f32();
+      for (float x : out) EXPECT_TRUE(std::isfinite(x)) << "output not written";
+    }
+    return {st, msg};
+  }
+};
+
+TEST_F(CudaErrors, FusedStepErrors) {
+  { FusedCase f(0, 0, 1); EXPECT_EQ(f.step().first, FMKV_OK); }
+  { FusedCase f(2, 8, 3); EXPECT_EQ(f.step().first, FMKV_OK); }
+  // decode row compressed directly (no window): NaN in k of kv head 1
+  { FusedCase f(0, 0, 1); f.set(f.k, 128 + 5, 0x7E00); EXPECT_CUDA_ERR(f.step(), FMKV_ERR_NON_FINITE, "k[0][1][5]"); }
+  // Inf in v; a row bound for the window: the ring rows of both kv heads stay as they were
+  { FusedCase f(2, 8, 3); f.set(f.v, 2 * 256 + 77, 0xFC00); EXPECT_CUDA_ERR(f.step(), FMKV_ERR_NON_FINITE, "v[2][0][77]"); }
+  // NaN in q of the second kv head's group: kv head 0's CTA must not write its ring either
+  { FusedCase f(2, 8, 3); f.set(f.q, 1 * 1024 + 6 * 128 + 100, 0x7E00); EXPECT_CUDA_ERR(f.step(), FMKV_ERR_NON_FINITE, "q[1][6][100]"); }
+  // bf16 beyond the fp16 range (65536) in k; f32 NaN in q (q is not limited to the fp16 range)
+  { FusedCase f(0, 4, 2, FMKV_BF16); f.set(f.k, 256 + 3, 0x4780); EXPECT_CUDA_ERR(f.step(), FMKV_ERR_NON_FINITE, "k[1][0][3]"); }
+  { FusedCase f(0, 4, 2, FMKV_BF16); f.set(f.q, 1000, 0x4780); EXPECT_EQ(f.step().first, FMKV_OK); }
+  { FusedCase f(0, 4, 2, FMKV_F32); f.set(f.q, 1024 + 9, 0x7FC00000u); EXPECT_CUDA_ERR(f.step(), FMKV_ERR_NON_FINITE, "q[1][0][9]"); }
+  { FusedCase f(0, 4, 2, FMKV_F32); f.set(f.k, 17, 0x477FE000u); EXPECT_EQ(f.step().first, FMKV_OK); }  // 65504
+  { FusedCase f(0, 4, 2, FMKV_F32); f.set(f.k, 17, 0x477FF000u); EXPECT_CUDA_ERR(f.step(), FMKV_ERR_NON_FINITE, "k[0][0][17]"); }  // 65520
+  // a block-table entry of an earlier page (the step writes page 2), with and without a window; the
+  // page the step writes
+  { FusedCase f(0, 0, 1, FMKV_F16, 40); f.s.table[0] = (int32_t)f.s.num_pages; EXPECT_CUDA_ERR(f.step(), FMKV_ERR_OUT_OF_RANGE, "block_table[0]"); }
+  { FusedCase f(2, 4, 1, FMKV_F16, 44); f.s.table[1] = -2; EXPECT_CUDA_ERR(f.step(), FMKV_ERR_OUT_OF_RANGE, "block_table[1] = -2"); }
+  { FusedCase f(0, 0, 1, FMKV_F16, 40); f.s.table[2] = -1; EXPECT_CUDA_ERR(f.step(), FMKV_ERR_OUT_OF_RANGE, "block_table[2] = -1"); }
+  // the error was consumed: a valid step succeeds again
+  { FusedCase f(0, 0, 1); EXPECT_EQ(f.step().first, FMKV_OK); }
+}
+
 TEST_F(CudaErrors, AttentionErrors) {
   fmkv_config c = config(128, 3, 3, 2, 16);
   Scenario s = make_scenario(c, {20}, {2});
