@@ -127,12 +127,7 @@ __device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], int rule, i
       mm += a > thr ? 1u : 0u;
     }
     m[g] = nz ? mm : 0u;
-    // level m: a select over the M levels, each a compile-time constant index (a lane-dependent
-    // index into __constant__ memory would serialise the warp over the distinct addresses)
-    float lm = dev_mag(BITS, 0);
-#pragma unroll
-    for (int i = 1; i < M; ++i) lm = mm == (uint32_t)i ? dev_mag(BITS, i) : lm;
-    l[g] = nz ? lm : 0.0f;
+    l[g] = nz ? dev_mag(BITS, (int)m[g]) : 0.0f;
     if (sign[g]) l[g] = -l[g];
     scale[g] = s0;
     num[g] = __fmul_rn(y[g], l[g]);
