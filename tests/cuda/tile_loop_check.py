@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Static check of the decode-attention tile loops in compiled CUDA objects (no GPU needed).
+
+For every attn_kernel instantiation in the given objects (cuobjdump -sass), finds the tile loop (the
+innermost backward-branch loop that contains mma instructions) and prints its instruction count, HMMA
+count and local-memory operations (LDL/STL: register spills). Exits 1 if any tile loop touches local
+memory: every kernel shares its 128-register budget with the cold paths (fp16 part, fused step), and a
+change there can make ptxas spill inside the hot loop (seen while developing the fused-step
+validation: 3-6 spill loads/stores per tile from unrelated code).
+
+    python3 tests/cuda/tile_loop_check.py build/CMakeFiles/fmkv.dir/src/cuda/decode_k*.cu.o
+"""
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+
+
+def kernels(sass):
+    for f in re.split(r"\n\s*Function : ", sass)[1:]:
+        name = f.split("\n")[0].strip()
+        ins = []
+        for line in f.split("\n"):
+            m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+            if m:
+                ins.append((int(m.group(1), 16), m.group(2).strip()))
+        yield name, ins
+
+
+def tile_loop(ins):
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    best = None
+    for i, (a, t) in enumerate(ins):
+        m = re.search(r"BRA (0x[0-9a-f]+)", t)
+        if not m or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
+            continue
+        seg = ins[at[int(m.group(1), 16)]:i + 1]
+        hmma = sum("HMMA" in x for _, x in seg)
+        if hmma >= 4 and (best is None or len(seg) < best[0]):
+            best = (len(seg), hmma, sum(bool(re.match(r"(@\S+\s+)?(LDL|STL)", x)) for _, x in seg))
+    return best
+
+
+def short(name):
+    m = re.search(r"attn_kernelILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)E", name)
+    return "d%s k%sv%s page %s" % m.groups() if m else name
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("objects", nargs="+")
+    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump")
+    a = ap.parse_args()
+    bad = n = 0
+    for obj in a.objects:
+        sass = subprocess.run([a.cuobjdump, "-sass", obj], capture_output=True, text=True, check=True).stdout
+        for name, ins in kernels(sass):
+            if "attn_kernel" not in name:
+                continue
+            loop = tile_loop(ins)
+            if loop is None:
+                print("%-28s no tile loop found" % short(name))
+                bad += 1
+                continue
+            n += 1
+            size, hmma, local = loop
+            flag = "  <-- local memory in the tile loop" if local else ""
+            print("%-28s tile loop %5d instructions, %3d HMMA, %d LDL/STL%s" % (short(name), size, hmma, local, flag))
+            bad += local > 0
+    print("%d tile loops checked, %d with local memory or not found" % (n, bad))
+    return 1 if bad or n == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
