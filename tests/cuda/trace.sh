@@ -2,7 +2,7 @@
 # Latency trace of the CUDA decode launches (one device call): builds fmkv_cuda_bench with
 # -DFMKV_CUDA_TRACE=ON (default grid) in /tmp/bt and prints, per case, the per-CTA phase statistics
 # of the last attention call and of the last fused decode step (JSON lines, kind "trace"; phases in
-# src/cuda/decode_attention.cuh, FMKV_TRACE). Run from the repository root:
+# src/cuda/decode_attention.cuh and fused_step.cuh, FMKV_TRACE). Run from the repository root:
 #   tests/cuda/trace.sh ["B ctx kb vb" ...]      (default: "1 4096 3 3" "1 131072 3 3")
 set -u
 cmake -S . -B /tmp/bt -G Ninja -DFMKV_CUDA=ON -DFMKV_CUDA_TRACE=ON -DFMKV_BUILD_TESTS=OFF -DFMKV_BUILD_CLI=OFF \
