@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Diagnostic variants of the latency-trace build (-DFMKV_CUDA_TRACE=ON) for the fused step's
+sink/window CTA. Patches the FMKV_TRACE marks of a COPY of the source tree (never the checkout):
+
+    A  compression detail: 3 = copies issued, 4 = the vector's own loads landed, 5 = compress
+       computation done, 6 = validation completed (exit - 6 = ring writes + fp16 part)
+    B  fp16-part detail: 3 = compression, 4 = validation completed, 5 = q in shared memory,
+       6 = chunk loop done (exit - 6 = partial writes)
+    C  cold vs warm: compress_vector and fp16_part each run twice (both idempotent): 4 - 3 = first
+       compression, 5 - 4 = second; 6 - 5 = validation + ring + first fp16 part, exit - 6 = second
+
+On the device (stop 12 used these; results in docs/CUDA-NOTES.md "Latency trace"):
+    mkdir /tmp/dA && cp -r CMakeLists.txt cmake include src bench tests python cli tools /tmp/dA/
+    python3 tests/cuda/trace_diag.py A /tmp/dA
+    cmake -S /tmp/dA -B /tmp/btA -G Ninja -DFMKV_CUDA=ON -DFMKV_CUDA_TRACE=ON -DFMKV_BUILD_TESTS=OFF \
+        -DFMKV_BUILD_CLI=OFF && ninja -C /tmp/btA fmkv_cuda_bench
+    /tmp/btA/fmkv_cuda_bench --trace 1 4096 3 3 | grep '"role":"fused"'
+The patterns are exact source lines; an assertion names the one that no longer matches.
+"""
+import sys
+
+if len(sys.argv) != 3 or sys.argv[1] not in ('A', 'B', 'C'):
+    sys.exit(__doc__)
+v, root = sys.argv[1], sys.argv[2]
+fs = root + '/src/cuda/fused_step.cuh'; fp = root + '/src/cuda/fp16_part.cuh'
+s = open(fs).read(); t = open(fp).read()
+def rep(x, a, b):
+    assert a in x, a
+    return x.replace(a, b, 1)
+if v == 'A':
+    s = rep(s, "    else cp_async_commit();\n  }\n", "    else cp_async_commit();\n  }\n  FMKV_TRACE(p, 0, 3);\n")
+    s = rep(s, "      load_f16_bits_n<NR>(src, dt, off, x);\n    } else {",
+            "      load_f16_bits_n<NR>(src, dt, off, x);\n      asm volatile(\"\" ::\"h\"(x[0]), \"h\"(x[NR - 1]));\n      if (vj == warp) FMKV_TRACE(p, 0, 4);\n    } else {")
+    s = rep(s, "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);\n  }\n  FMKV_TRACE(p, 0, 3);",
+            "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);\n    __syncwarp();\n    if (vj == warp) FMKV_TRACE(p, 0, 5);\n  }")
+    s = rep(s, "  if (__syncthreads_or(bad)) return;  // also: dk / dv complete\n  FMKV_TRACE(p, 0, 4);",
+            "  if (__syncthreads_or(bad)) return;  // also: dk / dv complete\n  FMKV_TRACE(p, 0, 6);")
+    s = rep(s, "  FMKV_TRACE(p, 0, 5);\n", "")
+    s = rep(s, "  FMKV_TRACE(p, 0, 6);\n}", "}")
+elif v == 'C':  # cold vs warm: compress_vector and fp16_part each run twice (idempotent)
+    s = rep(s, "    else cp_async_commit();\n  }\n", "    else cp_async_commit();\n  }\n  FMKV_TRACE(p, 0, 3);\n")
+    s = rep(s, "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);\n  }\n  FMKV_TRACE(p, 0, 3);",
+            "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);\n    __syncwarp();\n    if (vj == warp) FMKV_TRACE(p, 0, 4);\n"
+            "    if (isv) compress_vector<D, VB, P>(x, sec, t, p.sw, p.rule, lane, dst);\n    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);\n"
+            "    __syncwarp();\n    if (vj == warp) FMKV_TRACE(p, 0, 5);\n  }")
+    s = rep(s, "  FMKV_TRACE(p, 0, 4);\n", "")
+    s = rep(s, "  FMKV_TRACE(p, 0, 5);\n", "")
+    s = rep(s, "  fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);\n  FMKV_TRACE(p, 0, 6);",
+            "  fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);\n  FMKV_TRACE(p, 0, 6);\n  fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);")
+else:
+    s = rep(s, "  FMKV_TRACE(p, 0, 5);\n", "")
+    s = rep(s, "  FMKV_TRACE(p, 0, 6);\n}", "}")
+    lines = t.split('\n')
+    # second __syncthreads of the batch loop (q loaded into qs) -> phase 5; before "if (TPH > 1) {" -> phase 6
+    idx = [i for i, l in enumerate(lines) if l == '    __syncthreads();'][1]
+    lines.insert(idx + 1, '    FMKV_TRACE(p, 0, 5);')
+    j = [i for i, l in enumerate(lines) if l == '    if (TPH > 1) {'][0]
+    lines.insert(j, '    FMKV_TRACE(p, 0, 6);')
+    t = '\n'.join(lines)
+open(fs, 'w').write(s); open(fp, 'w').write(t)
