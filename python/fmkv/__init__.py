@@ -60,7 +60,7 @@ def synchronize(backend: str = "cuda") -> None:
 
     The CUDA backend checks the batch arrays it cannot read from the host -- block-table entries,
     slots, lengths, row offsets -- and NaN/Inf in K/V/Q on the device: a failed op leaves the visible
-    cache unchanged (an append may have written the token slots it was filling, past the sequence's
+    cache unchanged (an append or a fused step may have written the token slots it was filling, past the sequence's
     length), records the error in a device error word, and later fmkv CUDA ops are skipped until this call
     reads and clears it. The ops themselves never synchronise (they can be captured in a CUDA
     graph), so such errors surface here, not at the op. Reads the calling thread's current CUDA

@@ -27,7 +27,7 @@ output and a workspace from torch's caching allocator, so ``attention`` (and ``a
 captured in a ``torch.cuda.CUDAGraph`` (run each op once before capturing: the first CUDA call of a
 process allocates fmkv's device error word). Errors that only the device can see -- a block-table
 entry outside the page pool, a slot or length out of range, NaN/Inf in K/V/Q -- are recorded by the
-kernels in a device error word (the failed op leaves the visible cache unchanged -- an append may have
+kernels in a device error word (the failed op leaves the visible cache unchanged -- an append or a fused step may have
 written the token slots it was filling, past the sequence's length -- and later fmkv CUDA ops are skipped)
 and raised by :func:`cuda_check` (``fmkv.synchronize('cuda')``), which waits for the device.
 Shape, dtype and device errors are raised by the op itself.
