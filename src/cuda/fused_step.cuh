@@ -184,9 +184,9 @@ __device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uin
 // Fused decode step, sink/window CTA of (sequence s, kv head h), 4 warps. Every load this CTA needs
 // before it can decide is issued at once, so the decision costs about one round trip (each dependent
 // round trip is long while the split CTAs stream pages):
-//   1. validation, started: the block-table entries up to the new end (8 per thread in registers)
-//      and every 16-byte chunk of the sequence's k, v and q rows (cp.async into shared memory,
-//      StagedRowCheck) are requested;
+//   1. validation, started: the block-table entries up to the new end (the first 1024 by cp.async
+//      into shared memory; any beyond, in step 3 from registers) and every 16-byte chunk of the
+//      sequence's k, v and q rows (cp.async into shared memory, StagedRowCheck) are requested;
 //   2. meanwhile, compress the tokens [E0, E1) that leave the window (read from the ring) or arrive
 //      compressed (new rows): one warp per head vector, the quantizer of append.cu (bit-exact); the
 //      warp keeps the dequantized values and un-rotates them (shuffles) into shared memory. These
