@@ -86,16 +86,23 @@ def test_codebook_values():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("rule", ["lsq", "rms"])
 def test_quantize_roundtrip(rng, bits, head_dim, rule):
-    x = rng.standard_normal(head_dim).astype(np.float32)
-    seed = int(rng.integers(0, 2**63))
-    codes, scales = fmkv.quantize_vector(x, bits, seed=seed, layer=3, scale_rule=rule)
-    assert codes.dtype == np.uint8 and codes.shape == (head_dim,)
-    assert scales.dtype == np.float16 and scales.shape == (head_dim // 32,)
-    assert int(codes.max()) < 2**bits
-    y = fmkv.dequantize_vector(codes, scales, bits, seed=seed, layer=3)
-    assert y.dtype == np.float32 and y.shape == (head_dim,)
-    rel = np.linalg.norm(y - x) / np.linalg.norm(x)
-    assert rel < {2: 0.45, 3: 0.25, 4: 0.14}[bits]
+    # The error is pooled over 32 fresh N(0, 1) vectors: one vector's relative error has a long tail
+    # (3 bits, head_dim 64: mean 0.175, 0.1% of vectors above 0.27), the pooled one does not (mean
+    # 0.175-0.180, sd <= 0.0034 over 300 trials). Bounds: mean + ~8 sd for every (bits, head_dim,
+    # rule) -- a wrong level or scale moves the error far more.
+    num = den = 0.0
+    for _ in range(32):
+        x = rng.standard_normal(head_dim).astype(np.float32)
+        seed = int(rng.integers(0, 2**63))
+        codes, scales = fmkv.quantize_vector(x, bits, seed=seed, layer=3, scale_rule=rule)
+        assert codes.dtype == np.uint8 and codes.shape == (head_dim,)
+        assert scales.dtype == np.float16 and scales.shape == (head_dim // 32,)
+        assert int(codes.max()) < 2**bits
+        y = fmkv.dequantize_vector(codes, scales, bits, seed=seed, layer=3)
+        assert y.dtype == np.float32 and y.shape == (head_dim,)
+        num += float(np.sum((y - x) ** 2))
+        den += float(np.sum(x**2))
+    assert np.sqrt(num / den) < {2: 0.38, 3: 0.21, 4: 0.11}[bits]
     # Deterministic, and the rotation depends on the seed and the layer.
     c2, s2 = fmkv.quantize_vector(x, bits, seed=seed, layer=3, scale_rule=rule)
     assert np.array_equal(codes, c2) and np.array_equal(scales, s2)
