@@ -49,6 +49,14 @@ inline ::testing::AssertionResult visible_pages_equal(const Scenario& s, const s
   return ::testing::AssertionSuccess();
 }
 
+// After a failed op: every visible compressed token (visible_pages_equal) and both fp16 regions
+// hold the bytes of s, the state before the op.
+inline void expect_visible_unchanged(const Scenario& s, const LayerState& after, const char* what) {
+  EXPECT_TRUE(visible_pages_equal(s, after.pages, s.pages)) << what;
+  EXPECT_TRUE(after.fp16_k == s.fp16_k) << "fp16 K region modified by " << what;
+  EXPECT_TRUE(after.fp16_v == s.fp16_v) << "fp16 V region modified by " << what;
+}
+
 struct CudaCase {
   fmkv_config c;
   Scenario s;
@@ -65,39 +73,13 @@ struct CudaCase {
   // Append on the device; returns (status of synchronize, message); checks the cache is unchanged
   // on failure.
   std::pair<fmkv_status, std::string> append() {
-    fmkv_status st = FMKV_OK;
-    LayerState before{s.pages, s.fp16_k, s.fp16_v};
-    auto off = s.offsets();
-    size_t kv_bytes = (size_t)kt.rows * kt.heads * kt.dim * 2;
-    DeviceBuf pages(kCuda, s.pages.size()), fk(kCuda, s.fp16_k.size() * 2 + 2), fv(kCuda, s.fp16_v.size() * 2 + 2),
-        kd(kCuda, kv_bytes), vd(kCuda, kv_bytes), lens(kCuda, 8 * s.lens.size()), offs(kCuda, 8 * off.size()),
-        table(kCuda, 4 * s.table.size()), slots(kCuda, 4 * s.slots.size());
-    pages.upload(s.pages);
-    fk.upload(s.fp16_k);
-    fv.upload(s.fp16_v);
-    check(fmkv_device_copy(kCuda, kd.p, k.data(), kv_bytes, 1));
-    check(fmkv_device_copy(kCuda, vd.p, v.data(), kv_bytes, 1));
-    lens.upload(s.lens);
-    offs.upload(off);
-    table.upload(s.table);
-    slots.upload(s.slots);
-    fmkv_layer_cache lc{(uint8_t*)pages.p, s.num_pages, (uint16_t*)fk.p, (uint16_t*)fv.p, 1, s.layer};
-    fmkv_batch bt{s.seqs(), (int32_t*)slots.p, (int64_t*)lens.p, (int64_t*)offs.p, (int32_t*)table.p, s.table_stride};
-    fmkv_tensor k2 = kt, v2 = vt;
-    k2.data = kd.p;
-    v2.data = vd.p;
-    st = fmkv_append(kCuda, &c, &lc, &bt, &k2, &v2, nullptr);
+    DeviceLayer L(kCuda, s, s.pages, s.fp16_k, s.fp16_v, s.lens);
+    DeviceTensor kd(kCuda, kt), vd(kCuda, vt);
+    fmkv_status st = fmkv_append(kCuda, &c, &L.lc, &L.bt, &kd.t, &vd.t, nullptr);
     EXPECT_EQ(st, FMKV_OK) << fmkv_last_error();
     st = fmkv_device_synchronize(kCuda);
     std::string msg = fmkv_last_error();
-    if (st != FMKV_OK) {
-      EXPECT_TRUE(visible_pages_equal(s, pages.download<uint8_t>(), before.pages)) << "a failed call";
-      auto k16 = fk.download<uint16_t>(), v16 = fv.download<uint16_t>();
-      k16.resize(before.fp16_k.size());
-      v16.resize(before.fp16_v.size());
-      EXPECT_TRUE(k16 == before.fp16_k) << "fp16 K region modified by a failed call";
-      EXPECT_TRUE(v16 == before.fp16_v) << "fp16 V region modified by a failed call";
-    }
+    if (st != FMKV_OK) expect_visible_unchanged(s, L.state(s), "a failed append");
     return {st, msg};
   }
 };
@@ -200,9 +182,7 @@ struct FusedCase {
     std::string msg = fmkv_last_error();
     LayerState after = L.state(s);
     if (st != FMKV_OK) {
-      EXPECT_TRUE(visible_pages_equal(s, after.pages, s.pages)) << "a failed fused step";
-      EXPECT_TRUE(after.fp16_k == s.fp16_k) << "fp16 K region modified by a failed fused step";
-      EXPECT_TRUE(after.fp16_v == s.fp16_v) << "fp16 V region modified by a failed fused step";
+      expect_visible_unchanged(s, after, "a failed fused step");
     } else {
       auto out = o.as_f32();
       for (float x : out) EXPECT_TRUE(std::isfinite(x)) << "output not written";
