@@ -187,6 +187,35 @@ __device__ __forceinline__ void load_f16_bits_n(const void* base, int32_t dtype,
   }
 }
 
+// Loads the compiler keeps where they are written (ld.volatile): independent loads placed before an
+// early return then share one round trip with the branch's own load, where ptxas would otherwise
+// move them past the branch to their first use (a second round trip).
+__device__ __forceinline__ int64_t load_now(const int64_t* a) {
+  int64_t v;
+  asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(v) : "l"(a));
+  return v;
+}
+__device__ __forceinline__ int32_t load_now(const int32_t* a) {
+  int32_t v;
+  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(a));
+  return v;
+}
+__device__ __forceinline__ float load_now(const float* a) {
+  float v;
+  asm volatile("ld.volatile.global.f32 %0, [%1];" : "=f"(v) : "l"(a));
+  return v;
+}
+__device__ __forceinline__ float2 load_now(const float2* a) {
+  float2 v;
+  asm volatile("ld.volatile.global.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(a));
+  return v;
+}
+__device__ __forceinline__ float4 load_now(const float4* a) {
+  float4 v;
+  asm volatile("ld.volatile.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(a));
+  return v;
+}
+
 // Largest compressed end: tokens [S, E) are compressed, E = max(S, len - W).
 __device__ __forceinline__ int64_t dev_compressed_end(int32_t S, int32_t W, int64_t len) {
   int64_t e = len - W;

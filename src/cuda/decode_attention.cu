@@ -15,15 +15,17 @@ namespace {
 
 // One CTA (256 threads) per (query row, q head): combine the split partials, un-rotate the
 // compressed part once, add the fp16 (sink/window) part, normalise, store.
-// Thread -> data: thread t < nsplit + 1 loads partial t's (m, l); then thread t takes the float4 of
-// coordinates 4 (t % (D/4)) .. +3 of the partials i = t / (D/4) + k * (1024/D) (every load of a thread
-// in flight at once: the kernel is a chain of L2 round trips, not bandwidth); the slices are summed
-// in shared memory and warp 0 applies the inverse rotation with shuffles and stores.
+// Thread -> data: thread t < nsplit + 1 loads partial t's (m, l); thread t also takes the float4 of
+// coordinates 4 (t % (D/4)) .. +3 of the partials i = t / (D/4) + k * (1024/D), and lane c of warp 0
+// the fp16 part's coordinates c + 32 r. Every load of the kernel (error word included) is issued
+// before the first is used -- one L2 round trip, then arithmetic: the weights, the weighted slices
+// summed in shared memory, and warp 0 applies the inverse rotation with shuffles and stores.
 constexpr int kMergeThreads = 256;
 template <int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   constexpr int LPS = D / 4, SL = kMergeThreads / LPS, NR = D / 32;
   static_assert(kMaxSplits + 1 <= kMergeThreads, "one thread per partial");
+  constexpr int KMAX = (kMaxSplits + SL - 1) / SL;  // partial slices per thread, at most
   // 16-byte aligned: the compiler reads s_wm / s_wl with vector loads, which must not straddle s_w
   __shared__ __align__(16) float s_w[kMaxSplits + 1];
   __shared__ __align__(16) float s_wm[kMergeThreads / 32];
@@ -32,14 +34,26 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   // Launched as a programmatic dependent of attn_kernel (sm_90): wait until its partials are written.
   FMKV_TRACE(p, 1, 0);
   grid_dependency_wait();
-  if (error_set(p.err)) return;
-  FMKV_TRACE(p, 1, 1);
   const int64_t row = blockIdx.x;
   const int hq = blockIdx.y, t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const int nparts = p.nsplit + 1;
   const int64_t base = (row * p.HQ + hq) * nparts;
+  const int sl = t / LPS, j = t % LPS;  // slice sl of the splits, coordinates 4 j .. 4 j + 3
+  // All loads first. A partial's acc is used only when its weight is non-zero (an empty split
+  // writes only (m, l) = (-inf, 0), so its acc slot holds stale bytes, loaded but never used).
+  const bool upstream_error = error_set(p.err);
+  const float2 ml = t < nparts ? load_now(p.part_ml + base + t) : make_float2(-INFINITY, 0.0f);
+  float4 xs[KMAX];
+  const float4* pa = reinterpret_cast<const float4*>(p.part_acc + base * D) + j;
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k)
+    xs[k] = sl + k * SL < p.nsplit ? load_now(pa + (int64_t)(sl + k * SL) * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  float raw[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) raw[r] = warp == 0 ? load_now(p.part_acc + (base + p.nsplit) * D + lane + 32 * r) : 0.0f;
+  if (upstream_error) return;
+  FMKV_TRACE(p, 1, 1);
   // weights exp(m_i - M) and L = sum l_i exp(m_i - M)
-  const float2 ml = t < nparts ? p.part_ml[base + t] : make_float2(-INFINITY, 0.0f);
   float m = ml.x;
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -57,19 +71,17 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   __syncthreads();
   FMKV_TRACE(p, 1, 2);
   // compressed partials: slice sl of the splits, coordinates 4 j .. 4 j + 3
-  const int sl = t / LPS, j = t % LPS;
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (M != -INFINITY) {
-    const float4* pa = reinterpret_cast<const float4*>(p.part_acc + base * D) + j;
-#pragma unroll 8
-    for (int i = sl; i < p.nsplit; i += SL) {
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    const int i = sl + k * SL;
+    if (i < p.nsplit) {
       const float w = s_w[i];
-      const float4 x = pa[(int64_t)i * LPS];
-      if (w != 0.0f) {  // an empty split writes only (m, l) = (-inf, 0): its acc is not read
-        acc.x += w * x.x;
-        acc.y += w * x.y;
-        acc.z += w * x.z;
-        acc.w += w * x.w;
+      if (w != 0.0f) {  // (w == 0 when M = -inf too)
+        acc.x += w * xs[k].x;
+        acc.y += w * xs[k].y;
+        acc.z += w * xs[k].z;
+        acc.w += w * xs[k].w;
       }
     }
   }
@@ -93,8 +105,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
     const int c = lane + 32 * r;
-    const float raw = wraw != 0.0f ? p.part_acc[(base + p.nsplit) * D + c] * wraw : 0.0f;
-    const float o = (y[r] + raw) / L;
+    const float o = (y[r] + (wraw != 0.0f ? raw[r] * wraw : 0.0f)) / L;
     const int64_t off = row * p.o_rs + hq * p.o_hs + c;
     if (p.o_dtype == FMKV_F32) ((float*)p.out)[off] = o;
     else if (p.o_dtype == FMKV_F16) ((uint16_t*)p.out)[off] = f32_to_f16(o);

@@ -68,7 +68,7 @@ __device__ __forceinline__ uint32_t make_x(uint32_t f, int i0) {
 // Sequence-level checks of a CTA (row offsets, length, slot, block-table stride). Reported once per
 // sequence (by split 0 of kv head 0); every CTA of a bad sequence returns without writing.
 __device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int h, int sp, int64_t r0, int64_t n,
-                                                 int64_t len) {
+                                                 int64_t len, int32_t slot) {
   const bool rep = sp == 0 && h == 0 && threadIdx.x == 0;
   const int64_t r1 = r0 + n;
   bool ok = true;
@@ -80,7 +80,6 @@ __device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int
   if (n > len && len >= 0) { ok = false; if (rep) report_error(p.err, kInvalidArgument, kErrQRows, s, n, len, 0); }
   if (!ok) return false;
   if (p.R > 0 && n > 0) {
-    const int32_t slot = p.slots ? p.slots[s] : 0;
     if (slot < 0 || slot >= p.num_slots) {
       if (rep) report_error(p.err, kOutOfRange, kErrSlot, s, 0, slot, p.num_slots);
       return false;
@@ -149,19 +148,35 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   __shared__ int64_t s_idx[kQV], s_vpos[kQV], s_vpart[kQV];
   __shared__ int32_t s_pg[kAttnWarps][NST];
   FMKV_TRACE(p, 0, 0);
-  grid_dependency_wait();  // launched as a programmatic dependent: nothing upstream is read before this
-  if (error_set(p.err)) return;
-  FMKV_TRACE(p, 0, 1);
   const int s = blockIdx.z, h = blockIdx.y, sp = blockIdx.x;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31, gID = lane >> 2, tid = lane & 3;
-  const int64_t len0 = p.seq_lens[s], r0 = p.ro[s], n = p.ro[s + 1] - r0;
+  // Codebook tables in ordinary registers: a table in a uniform register costs a move per lookup,
+  // so every lane reads its own copy (a lane-dependent shared-memory address is never uniform).
+  // fp16x2 level tables: T[k] = level 2k | level 2k+1 << 16 (levels 0..3 in T[0..1], 4..7 in T[2..3]).
+  // The tables are constant memory no kernel writes, so they are read before the dependency wait
+  // (their latency hides in it); lanes read them after the Q phase's barrier.
+  if (sp < p.nsplit && tidx < 8) {  // entry tidx & 3 of the K (tidx < 4) or V table
+    const int bits = tidx < 4 ? (K16 ? VB : KB) : VB, k = tidx & 3;
+    const int M = 1 << (bits - 1), off = FMKV_CODEBOOK_OFFSET(bits);
+    const uint32_t lo = 2 * k < M ? tab::fmkv_codebook_mag_f16[off + 2 * k] : 0u;
+    const uint32_t hi = 2 * k + 1 < M ? tab::fmkv_codebook_mag_f16[off + 2 * k + 1] : 0u;
+    for (int l = 0; l < 32; ++l) s_tab[tidx][l] = lo | (hi << 16);
+  }
+  grid_dependency_wait();  // launched as a programmatic dependent: nothing upstream is read before this
+  // One round trip: the error word and the sequence's batch arrays (written upstream) are requested
+  // together; the error word decides first.
+  const bool upstream_error = error_set(p.err);
+  const int64_t len0 = load_now(p.seq_lens + s), r0 = load_now(p.ro + s), n = load_now(p.ro + s + 1) - r0;
+  const int32_t slot = p.R > 0 && p.slots ? load_now(p.slots + s) : 0;
+  if (upstream_error) return;
+  FMKV_TRACE(p, 0, 1);
   // fused step: attention over len0 + n tokens, of which [S, ce(len0)) were compressed before it
   if (p.fused && n > 0 && len0 > INT64_MAX - n) {
     if (sp == 0 && h == 0 && tidx == 0) report_error(p.err, kOverflow, kErrLenOverflow, s, 0, len0, 0);
     return;
   }
   const int64_t len = p.fused && n > 0 && len0 >= 0 ? len0 + n : len0;
-  if (!attn_sequence_ok(p, s, h, sp, r0, n, len) || n <= 0) return;
+  if (!attn_sequence_ok(p, s, h, sp, r0, n, len, slot) || n <= 0) return;
   const int64_t E = dev_compressed_end(p.S, p.W, p.fused ? len0 : len), C = E - p.S;
   FMKV_TRACE(p, 0, 2);
   if (sp == p.nsplit) {
@@ -186,23 +201,6 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     return;
   }
 
-  // Codebook tables in ordinary registers: a table in a uniform register costs a move per lookup,
-  // so every lane reads its own copy (a lane-dependent shared-memory address is never uniform).
-  // fp16x2 level tables: T[k] = level 2k | level 2k+1 << 16 (levels 0..3 in T[0..1], 4..7 in T[2..3])
-  if (tidx < 8) {  // entry tidx & 3 of the K (tidx < 4) or V table
-    const int bits = tidx < 4 ? (K16 ? VB : KB) : VB, k = tidx & 3;
-    const int M = 1 << (bits - 1), off = FMKV_CODEBOOK_OFFSET(bits);
-    const uint32_t lo = 2 * k < M ? tab::fmkv_codebook_mag_f16[off + 2 * k] : 0u;
-    const uint32_t hi = 2 * k + 1 < M ? tab::fmkv_codebook_mag_f16[off + 2 * k + 1] : 0u;
-    for (int l = 0; l < 32; ++l) s_tab[tidx][l] = lo | (hi << 16);
-  }
-  __syncthreads();
-  uint32_t TK[4], TV[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    TK[k] = s_tab[k][lane];
-    TV[k] = s_tab[4 + k][lane];
-  }
   FMKV_TRACE(p, 0, 3);
 
   // cp.async chunks (16 B) of a tile copied by this lane: chunk c = lane + 32 i lands at byte 16 c of
@@ -321,8 +319,14 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       if (lane == 0) s_qmax[i] = m;
     }
-    __syncthreads();
+    __syncthreads();  // also: s_tab filled
     FMKV_TRACE(p, 0, 4);
+    uint32_t TK[4], TV[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      TK[k] = s_tab[k][lane];
+      TV[k] = s_tab[4 + k][lane];
+    }
     uint32_t qb[G][2][2];  // B operand: query vector gID, normalised to max |q| = 1
     {
       const float qmax = s_qmax[gID], qinv = qmax > 0.0f ? 1.0f / qmax : 0.0f;

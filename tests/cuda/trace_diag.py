@@ -8,6 +8,9 @@ sink/window CTA. Patches the FMKV_TRACE marks of a COPY of the source tree (neve
        6 = chunk loop done (exit - 6 = partial writes)
     C  cold vs warm: compress_vector and fp16_part each run twice (both idempotent): 4 - 3 = first
        compression, 5 - 4 = second; 6 - 5 = validation + ring + first fp16 part, exit - 6 = second
+    D  split-CTA prologue detail (attention, role "split"): 3 = first tiles' page entries read and
+       copies issued (the query loads were issued just before), 4 = query values landed, 5 = queries
+       checked, rotated and stored, 6 = after the barrier (exit - 6 = first tile + tile loop + combine)
 
 On the device (stop 12 used these; results in docs/CUDA-NOTES.md "Latency trace"):
     mkdir /tmp/dA && cp -r CMakeLists.txt cmake include src bench tests python cli tools /tmp/dA/
@@ -19,7 +22,7 @@ The patterns are exact source lines; an assertion names the one that no longer m
 """
 import sys
 
-if len(sys.argv) != 3 or sys.argv[1] not in ('A', 'B', 'C'):
+if len(sys.argv) != 3 or sys.argv[1] not in ('A', 'B', 'C', 'D'):
     sys.exit(__doc__)
 v, root = sys.argv[1], sys.argv[2]
 fs = root + '/src/cuda/fused_step.cuh'; fp = root + '/src/cuda/fp16_part.cuh'
@@ -27,7 +30,19 @@ s = open(fs).read(); t = open(fp).read()
 def rep(x, a, b):
     assert a in x, a
     return x.replace(a, b, 1)
-if v == 'A':
+if v == 'D':
+    fa = root + '/src/cuda/decode_attention.cuh'
+    a = open(fa).read()
+    a = rep(a, "  FMKV_TRACE(p, 0, 3);\n", "")
+    a = rep(a, "      if (k == 0) FMKV_TRACE(p, 0, 5);\n", "")
+    a = rep(a, "    FMKV_TRACE(p, 0, 6);\n", "")
+    a = rep(a, "      issue(k, k, pg_ahead);\n      pg_ahead = pn;\n    }\n",
+            "      issue(k, k, pg_ahead);\n      pg_ahead = pn;\n    }\n    FMKV_TRACE(p, 0, 3);\n"
+            "    asm volatile(\"\" ::\"f\"(xq[0][0]), \"f\"(xq[QPW - 1][NR - 1]));\n    FMKV_TRACE(p, 0, 4);\n")
+    a = rep(a, "      if (lane == 0) s_qmax[i] = m;\n    }\n    __syncthreads();  // also: s_tab filled\n    FMKV_TRACE(p, 0, 4);\n",
+            "      if (lane == 0) s_qmax[i] = m;\n    }\n    FMKV_TRACE(p, 0, 5);\n    __syncthreads();  // also: s_tab filled\n    FMKV_TRACE(p, 0, 6);\n")
+    open(fa, 'w').write(a)
+elif v == 'A':
     s = rep(s, "    else cp_async_commit();\n  }\n", "    else cp_async_commit();\n  }\n  FMKV_TRACE(p, 0, 3);\n")
     s = rep(s, "      load_f16_bits_n<NR>(src, dt, off, x);\n    } else {",
             "      load_f16_bits_n<NR>(src, dt, off, x);\n      asm volatile(\"\" ::\"h\"(x[0]), \"h\"(x[NR - 1]));\n      if (vj == warp) FMKV_TRACE(p, 0, 4);\n    } else {")
