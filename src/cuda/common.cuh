@@ -21,6 +21,15 @@ namespace tab {
 #include "../core/codebooks.inc"
 #undef FMKV_TABLE
 }  // namespace tab
+// The same levels in global memory, for loads that must be issued at a chosen point (load_now:
+// constant-memory loads cannot be volatile, and ptxas moves them to their first use).
+namespace gtab {
+#define FMKV_TABLE static __device__ const
+#define FMKV_CODEBOOK_LEVELS_ONLY
+#include "../core/codebooks.inc"
+#undef FMKV_CODEBOOK_LEVELS_ONLY
+#undef FMKV_TABLE
+}  // namespace gtab
 
 // ---- errors -------------------------------------------------------------------------------------
 // Device-side error word (one per device, 8 x int64, allocated once by runtime.cu):
@@ -168,9 +177,10 @@ __device__ __forceinline__ void load_elems(const void* base, int32_t dtype, cons
     uint16_t raw[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) raw[i] = off[i] >= 0 ? static_cast<const uint16_t*>(base)[off[i]] : (uint16_t)0;
-    const bool f16 = dtype == FMKV_F16;
+    const bool f16 = dtype == FMKV_F16;  // conversions: cvt.f32.f16 (exact) and a shift, branch-free
 #pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = f16 ? f16_to_f32(raw[i]) : bf16_to_f32(raw[i]);
+    for (int i = 0; i < N; ++i)
+      out[i] = f16 ? __half2float(__ushort_as_half(raw[i])) : __uint_as_float((uint32_t)raw[i] << 16);
   }
 }
 template <int N>
@@ -193,6 +203,11 @@ __device__ __forceinline__ void load_f16_bits_n(const void* base, int32_t dtype,
 __device__ __forceinline__ int64_t load_now(const int64_t* a) {
   int64_t v;
   asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(v) : "l"(a));
+  return v;
+}
+__device__ __forceinline__ uint32_t load_now(const uint16_t* a) {
+  uint16_t v;
+  asm volatile("ld.volatile.global.u16 %0, [%1];" : "=h"(v) : "l"(a));
   return v;
 }
 __device__ __forceinline__ int32_t load_now(const int32_t* a) {

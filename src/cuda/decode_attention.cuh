@@ -86,7 +86,10 @@ __device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int
     }
   }
   const int64_t E = dev_compressed_end(p.S, p.W, len);
-  if (E > p.S && (E - 1 - p.S) / p.P >= p.bt_stride) {
+  // (E - 1 - S) / P >= stride, without the 64-bit division when stride * P cannot overflow (P <= 256)
+  const bool short_table = p.bt_stride <= (INT64_MAX >> 8) ? E - 1 - p.S >= p.bt_stride * p.P
+                                                            : (E - 1 - p.S) / p.P >= p.bt_stride;
+  if (E > p.S && short_table) {
     if (rep) report_error(p.err, kOutOfRange, kErrTableStride, s, (E - 1 - p.S) / p.P + 1, 0, p.bt_stride);
     return false;
   }
@@ -153,14 +156,14 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   // Codebook tables in ordinary registers: a table in a uniform register costs a move per lookup,
   // so every lane reads its own copy (a lane-dependent shared-memory address is never uniform).
   // fp16x2 level tables: T[k] = level 2k | level 2k+1 << 16 (levels 0..3 in T[0..1], 4..7 in T[2..3]).
-  // The tables are constant memory no kernel writes, so they are read before the dependency wait
-  // (their latency hides in it); lanes read them after the Q phase's barrier.
-  if (sp < p.nsplit && tidx < 8) {  // entry tidx & 3 of the K (tidx < 4) or V table
+  // No kernel writes the levels, so threads 0..7 request theirs before the dependency wait (the
+  // round trip hides in it and in the batch-array loads) and store them to s_tab after those.
+  uint32_t tab_lo = 0u, tab_hi = 0u;  // entry tidx & 3 of the K (tidx < 4) or V table
+  if (sp < p.nsplit && tidx < 8) {
     const int bits = tidx < 4 ? (K16 ? VB : KB) : VB, k = tidx & 3;
     const int M = 1 << (bits - 1), off = FMKV_CODEBOOK_OFFSET(bits);
-    const uint32_t lo = 2 * k < M ? tab::fmkv_codebook_mag_f16[off + 2 * k] : 0u;
-    const uint32_t hi = 2 * k + 1 < M ? tab::fmkv_codebook_mag_f16[off + 2 * k + 1] : 0u;
-    for (int l = 0; l < 32; ++l) s_tab[tidx][l] = lo | (hi << 16);
+    if (2 * k < M) tab_lo = load_now(gtab::fmkv_codebook_mag_f16 + off + 2 * k);
+    if (2 * k + 1 < M) tab_hi = load_now(gtab::fmkv_codebook_mag_f16 + off + 2 * k + 1);
   }
   grid_dependency_wait();  // launched as a programmatic dependent: nothing upstream is read before this
   // One round trip: the error word and the sequence's batch arrays (written upstream) are requested
@@ -178,6 +181,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   const int64_t len = p.fused && n > 0 && len0 >= 0 ? len0 + n : len0;
   if (!attn_sequence_ok(p, s, h, sp, r0, n, len, slot) || n <= 0) return;
   const int64_t E = dev_compressed_end(p.S, p.W, p.fused ? len0 : len), C = E - p.S;
+  if (sp < p.nsplit && tidx < 8)
+    for (int l = 0; l < 32; ++l) s_tab[tidx][l] = tab_lo | (tab_hi << 16);
   FMKV_TRACE(p, 0, 2);
   if (sp == p.nsplit) {
     if (p.fused) fused_step<D, P, KB, VB>(p, s, h, len0, r0, n, smem);
@@ -187,7 +192,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   }
   const int64_t nqv = n * p.gq;
   const int64_t ntiles = (C + 15) / 16;
-  int64_t tps = (ntiles + p.nsplit - 1) / p.nsplit;
+  int64_t tps = div_small(ntiles + p.nsplit - 1, p.nsplit);
   if (tps < kMinTilesPerSplit) tps = kMinTilesPerSplit;
   const int64_t tb = (int64_t)sp * tps, te = ntiles < tb + tps ? ntiles : tb + tps;
   if (tb >= ntiles) {  // an empty split (short sequence): partial (m, l) = (-inf, 0), no Q work
@@ -240,15 +245,16 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   const uint8_t* head_base = p.pages + (int64_t)h * p.head_stride;
   const uint64_t ci_first = (uint64_t)first * 16u;
   constexpr uint32_t kTokensPerStep = 16 * kAttnWarps;
-  // Page of tile k (-1: no such tile, or an out-of-range entry, reported).
-  auto page_k = [&](int k) -> int32_t {
+  // Block-table entry of tile k (k < nmy) and its check: the page, or -1 for no such tile or an
+  // out-of-range entry (reported).
+  auto entry_index = [&](int k) -> uint64_t { return (ci_first + (uint64_t)kTokensPerStep * (uint32_t)k) / P; };
+  auto checked_page = [&](int k, int32_t pg) -> int32_t {
     if (k >= nmy) return -1;
-    const uint64_t q = (ci_first + (uint64_t)kTokensPerStep * (uint32_t)k) / P;
-    const int32_t pg = btrow[q];
     if (pg >= 0 && pg < p.num_pages) return pg;
-    if (lane == 0) report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)q, pg, p.num_pages);
+    if (lane == 0) report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)entry_index(k), pg, p.num_pages);
     return -1;
   };
+  auto page_k = [&](int k) -> int32_t { return checked_page(k, k < nmy ? btrow[entry_index(k)] : -1); };
   auto issue = [&](int k, int stage, int32_t pg) {
     if (k < nmy) {
       if (lane == 0) s_pg[warp][stage] = pg;
@@ -266,8 +272,9 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   for (int64_t vb = 0; vb < nqv; vb += kQV) {
     // ---- Q: 8 query vectors (finite-checked), rotated in registers by warp w (vectors w, w + 4;
     // lane holds coordinates lane + 32 r), max |q| of each, stored to sq for the fragment loads.
-    // The warp's vectors are requested first (one round trip, in flight while the first tiles' page
-    // entries are read and their copies issued), then checked and rotated one by one.
+    // The warp's vectors and the block-table entries of its first NST tiles are requested together;
+    // the vectors are checked and rotated while the entries are in flight (a cold page-table read
+    // is the longer round trip), then the first tiles' copies are issued.
     constexpr int NR = D / 32, QPW = kQV / kAttnWarps;
     static_assert(kQV % kAttnWarps == 0, "whole query vectors per warp");
     float xq[QPW][NR];
@@ -289,15 +296,11 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
       for (int r = 0; r < NR; ++r) qoff[u * NR + r] = v < nqv ? qrow[u] * p.q_rs + qhead[u] * p.q_hs + lane + 32 * r : -1;
     }
+    static_assert(NST == 2 || NST == 3, "first_entries is read with k == 0 ? [1] : [NST - 1] below");
+    int32_t first_entries[NST];  // load_now: requested here, not at their first use
+#pragma unroll
+    for (int k = 0; k < NST; ++k) first_entries[k] = k < nmy ? load_now(btrow + entry_index(k)) : -1;
     load_elems<QPW * NR>(p.q, p.q_dtype, qoff, reinterpret_cast<float(&)[QPW * NR]>(xq));
-    // Start streaming this warp's first tiles before the Q work, so their latency overlaps it.
-    int32_t pg_ahead = page_k(0);
-#pragma unroll 1
-    for (int k = 0; k < NST - 1; ++k) {
-      const int32_t pn = page_k(k + 1);
-      issue(k, k, pg_ahead);
-      pg_ahead = pn;
-    }
 #pragma unroll
     for (int u = 0; u < QPW; ++u) {
       const int i = warp + u * kAttnWarps;
@@ -318,6 +321,14 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
       for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       if (lane == 0) s_qmax[i] = m;
+    }
+    // start streaming this warp's first tiles (their latency overlaps the barrier and the Q fragments)
+    int32_t pg_ahead = checked_page(0, first_entries[0]);
+#pragma unroll 1
+    for (int k = 0; k < NST - 1; ++k) {
+      const int32_t pn = checked_page(k + 1, k == 0 ? first_entries[1] : first_entries[NST - 1]);  // NST <= 3
+      issue(k, k, pg_ahead);
+      pg_ahead = pn;
     }
     __syncthreads();  // also: s_tab filled
     FMKV_TRACE(p, 0, 4);
