@@ -50,7 +50,7 @@ struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared me
 #ifndef FMKV_ATTN_MIN_BLOCKS
 #define FMKV_ATTN_MIN_BLOCKS 4
 #endif
-constexpr int kAttnWarps = 4, kQV = 8, kMinTilesPerSplit = 4, kMaxSplits = 128;
+constexpr int kAttnWarps = 4, kQV = 8, kMinTilesPerSplit = 4, kMaxSplits = 64;
 constexpr int kFusedMaxRows = 16;  // rows per sequence of a fused append + attention call
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kSignMask = 0x80008000u;

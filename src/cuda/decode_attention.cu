@@ -215,7 +215,7 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   const unsigned nattr = programmatic_launch_supported() ? 1 : 0;
   {
     cudaLaunchConfig_t lc = {};
-    lc.gridDim = dim3((unsigned)c.num_kv_heads, (unsigned)(ns + 1), (unsigned)p.num_seqs);
+    lc.gridDim = dim3((unsigned)(ns + 1), (unsigned)c.num_kv_heads, (unsigned)p.num_seqs);
     lc.blockDim = dim3(128);
     lc.dynamicSmemBytes = (size_t)fn.smem;
     lc.stream = st;

@@ -1,5 +1,5 @@
 // CUDA decode attention on the compressed cache (issue 4, kernel 2): flash-decoding with tensor
-// cores. Grid (kv heads, nsplit + 1, sequences). CTA (split sp < nsplit, sequence s, kv head h) takes
+// cores. Grid (nsplit + 1, kv heads, sequences). CTA (split sp < nsplit, sequence s, kv head h) takes
 // a contiguous range of 16-token tiles of the compressed tokens, for up to 8 query vectors at a time
 // (all q heads of the GQA group x query rows), so every K/V byte is read once per 8 query vectors.
 // The last split (sp == nsplit) does the fp16 sink + window tokens in the raw domain (fp16_part) and,
@@ -151,9 +151,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   __shared__ int64_t s_idx[kQV], s_vpos[kQV], s_vpart[kQV];
   __shared__ int32_t s_pg[kAttnWarps][NST];
   FMKV_TRACE(p, 0, 0);
-  // grid (kv heads, nsplit + 1, sequences): y = 0 is the sink/window CTA (sp = nsplit), launched
-  // first; splits follow in order, so the empty splits of a short sequence are launched last.
-  const int s = blockIdx.z, h = blockIdx.x, sp = blockIdx.y == 0 ? p.nsplit : (int)blockIdx.y - 1;
+  const int s = blockIdx.z, h = blockIdx.y, sp = blockIdx.x;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31, gID = lane >> 2, tid = lane & 3;
   // Codebook tables in ordinary registers: a table in a uniform register costs a move per lookup,
   // so every lane reads its own copy (a lane-dependent shared-memory address is never uniform).
