@@ -272,9 +272,10 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   for (int64_t vb = 0; vb < nqv; vb += kQV) {
     // ---- Q: 8 query vectors (finite-checked), rotated in registers by warp w (vectors w, w + 4;
     // lane holds coordinates lane + 32 r), max |q| of each, stored to sq for the fragment loads.
-    // The warp's vectors and the block-table entries of its first NST tiles are requested together;
-    // the vectors are checked and rotated while the entries are in flight (a cold page-table read
-    // is the longer round trip), then the first tiles' copies are issued.
+    // The warp's vectors are requested first (one round trip, in flight while the first tiles' page
+    // entries are read and their copies issued), then checked and rotated one by one. (Requesting
+    // the entries first and issuing the copies after the rotation made ptxas spill in the k4v3 tile
+    // loop; its gain was not separable from run-to-run spread.)
     constexpr int NR = D / 32, QPW = kQV / kAttnWarps;
     static_assert(kQV % kAttnWarps == 0, "whole query vectors per warp");
     float xq[QPW][NR];
@@ -296,11 +297,15 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
       for (int r = 0; r < NR; ++r) qoff[u * NR + r] = v < nqv ? qrow[u] * p.q_rs + qhead[u] * p.q_hs + lane + 32 * r : -1;
     }
-    static_assert(NST == 2 || NST == 3, "first_entries is read with k == 0 ? [1] : [NST - 1] below");
-    int32_t first_entries[NST];  // load_now: requested here, not at their first use
-#pragma unroll
-    for (int k = 0; k < NST; ++k) first_entries[k] = k < nmy ? load_now(btrow + entry_index(k)) : -1;
     load_elems<QPW * NR>(p.q, p.q_dtype, qoff, reinterpret_cast<float(&)[QPW * NR]>(xq));
+    // Start streaming this warp's first tiles before the Q work, so their latency overlaps it.
+    int32_t pg_ahead = page_k(0);
+#pragma unroll 1
+    for (int k = 0; k < NST - 1; ++k) {
+      const int32_t pn = page_k(k + 1);
+      issue(k, k, pg_ahead);
+      pg_ahead = pn;
+    }
 #pragma unroll
     for (int u = 0; u < QPW; ++u) {
       const int i = warp + u * kAttnWarps;
@@ -321,14 +326,6 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
       for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       if (lane == 0) s_qmax[i] = m;
-    }
-    // start streaming this warp's first tiles (their latency overlaps the barrier and the Q fragments)
-    int32_t pg_ahead = checked_page(0, first_entries[0]);
-#pragma unroll 1
-    for (int k = 0; k < NST - 1; ++k) {
-      const int32_t pn = checked_page(k + 1, k == 0 ? first_entries[1] : first_entries[NST - 1]);  // NST <= 3
-      issue(k, k, pg_ahead);
-      pg_ahead = pn;
     }
     __syncthreads();  // also: s_tab filled
     FMKV_TRACE(p, 0, 4);

@@ -8,10 +8,9 @@ sink/window CTA. Patches the FMKV_TRACE marks of a COPY of the source tree (neve
        6 = chunk loop done (exit - 6 = partial writes)
     C  cold vs warm: compress_vector and fp16_part each run twice (both idempotent): 4 - 3 = first
        compression, 5 - 4 = second; 6 - 5 = validation + ring + first fp16 part, exit - 6 = second
-    D  split-CTA prologue detail (attention, role "split"): 3 = query values landed (their loads and
-       the first page entries' were issued just before), 4 = queries checked, rotated and stored,
-       5 = page entries landed and the first copies issued, 6 = after the barrier (exit - 6 = first
-       tile + tile loop + combine)
+    D  split-CTA prologue detail (attention, role "split"): 3 = first tiles' page entries read and
+       copies issued (the query loads were issued just before), 4 = query values landed, 5 = queries
+       checked, rotated and stored, 6 = after the barrier (exit - 6 = first tile + tile loop + combine)
 
 On the device (stop 12 used these; results in docs/CUDA-NOTES.md "Latency trace"):
     mkdir /tmp/dA && cp -r CMakeLists.txt cmake include src bench tests python cli tools /tmp/dA/
@@ -37,12 +36,11 @@ if v == 'D':
     a = rep(a, "  FMKV_TRACE(p, 0, 3);\n", "")
     a = rep(a, "      if (k == 0) FMKV_TRACE(p, 0, 5);\n", "")
     a = rep(a, "    FMKV_TRACE(p, 0, 6);\n", "")
-    a = rep(a, "load_now(btrow + entry_index(k)) : -1;\n",
-            "load_now(btrow + entry_index(k)) : -1;\n"
-            "    asm volatile(\"\" ::\"f\"(xq[0][0]), \"f\"(xq[QPW - 1][NR - 1]));\n    FMKV_TRACE(p, 0, 3);\n")
-    a = rep(a, "      pg_ahead = pn;\n    }\n    __syncthreads();  // also: s_tab filled\n    FMKV_TRACE(p, 0, 4);\n",
-            "      pg_ahead = pn;\n    }\n    FMKV_TRACE(p, 0, 5);\n    __syncthreads();  // also: s_tab filled\n    FMKV_TRACE(p, 0, 6);\n")
-    a = rep(a, "      if (lane == 0) s_qmax[i] = m;\n    }\n", "      if (lane == 0) s_qmax[i] = m;\n    }\n    FMKV_TRACE(p, 0, 4);\n")
+    a = rep(a, "      issue(k, k, pg_ahead);\n      pg_ahead = pn;\n    }\n",
+            "      issue(k, k, pg_ahead);\n      pg_ahead = pn;\n    }\n    FMKV_TRACE(p, 0, 3);\n"
+            "    asm volatile(\"\" ::\"f\"(xq[0][0]), \"f\"(xq[QPW - 1][NR - 1]));\n    FMKV_TRACE(p, 0, 4);\n")
+    a = rep(a, "      if (lane == 0) s_qmax[i] = m;\n    }\n    __syncthreads();  // also: s_tab filled\n    FMKV_TRACE(p, 0, 4);\n",
+            "      if (lane == 0) s_qmax[i] = m;\n    }\n    FMKV_TRACE(p, 0, 5);\n    __syncthreads();  // also: s_tab filled\n    FMKV_TRACE(p, 0, 6);\n")
     open(fa, 'w').write(a)
 elif v == 'A':
     s = rep(s, "    else cp_async_commit();\n  }\n", "    else cp_async_commit();\n  }\n  FMKV_TRACE(p, 0, 3);\n")
