@@ -200,26 +200,17 @@ __device__ __forceinline__ void load_f16_bits_n(const void* base, int32_t dtype,
 // Loads the compiler keeps where they are written (ld.volatile): independent loads placed before an
 // early return then share one round trip with the branch's own load, where ptxas would otherwise
 // move them past the branch to their first use (a second round trip).
-__device__ __forceinline__ int64_t load_now(const int64_t* a) {
-  int64_t v;
-  asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(v) : "l"(a));
-  return v;
-}
-__device__ __forceinline__ uint32_t load_now(const uint16_t* a) {
-  uint16_t v;
-  asm volatile("ld.volatile.global.u16 %0, [%1];" : "=h"(v) : "l"(a));
-  return v;
-}
-__device__ __forceinline__ int32_t load_now(const int32_t* a) {
-  int32_t v;
-  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(a));
-  return v;
-}
-__device__ __forceinline__ float load_now(const float* a) {
-  float v;
-  asm volatile("ld.volatile.global.f32 %0, [%1];" : "=f"(v) : "l"(a));
-  return v;
-}
+#define FMKV_LOAD_NOW(T, R, PTX, C)                                         \
+  __device__ __forceinline__ R load_now(const T* a) {                       \
+    T v;                                                                    \
+    asm volatile("ld.volatile.global." PTX " %0, [%1];" : "=" C(v) : "l"(a)); \
+    return v;                                                               \
+  }
+FMKV_LOAD_NOW(int64_t, int64_t, "s64", "l")
+FMKV_LOAD_NOW(uint16_t, uint32_t, "u16", "h")
+FMKV_LOAD_NOW(int32_t, int32_t, "s32", "r")
+FMKV_LOAD_NOW(float, float, "f32", "f")
+#undef FMKV_LOAD_NOW
 __device__ __forceinline__ float2 load_now(const float2* a) {
   float2 v;
   asm volatile("ld.volatile.global.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(a));
