@@ -68,21 +68,15 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Query vector v (>= 0) of a sequence -> its row v / gq and GQA member v % gq (32-bit division when v
-// fits, which is every practical case; a 64-bit division is a long subroutine).
-// a / b for a >= 0, b > 0: a 32-bit division when a fits (the 64-bit one is a subroutine call).
+// a / b for a >= 0, b > 0: a 32-bit division when a fits, which is every practical case (the 64-bit
+// division is a long subroutine).
 __device__ __forceinline__ int64_t div_small(int64_t a, int32_t b) {
   return (uint64_t)a <= 0xffffffffull ? (int64_t)((uint32_t)a / (uint32_t)b) : a / b;
 }
+// Query vector v (>= 0) of a sequence -> its row v / gq and GQA member v % gq.
 __device__ __forceinline__ void split_vector(int64_t v, int gq, int64_t& row, int& member) {
-  if ((uint64_t)v <= 0xffffffffull) {
-    const uint32_t a = (uint32_t)v, g = (uint32_t)gq;
-    row = a / g;
-    member = (int)(a % g);
-  } else {
-    row = v / gq;
-    member = (int)(v % gq);
-  }
+  row = div_small(v, gq);
+  member = (int)(v - row * gq);
 }
 
 // fp16x2 -> two floats

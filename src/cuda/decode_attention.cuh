@@ -245,16 +245,15 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   const uint8_t* head_base = p.pages + (int64_t)h * p.head_stride;
   const uint64_t ci_first = (uint64_t)first * 16u;
   constexpr uint32_t kTokensPerStep = 16 * kAttnWarps;
-  // Block-table entry of tile k (k < nmy) and its check: the page, or -1 for no such tile or an
-  // out-of-range entry (reported).
-  auto entry_index = [&](int k) -> uint64_t { return (ci_first + (uint64_t)kTokensPerStep * (uint32_t)k) / P; };
-  auto checked_page = [&](int k, int32_t pg) -> int32_t {
+  // Page of tile k (-1: no such tile, or an out-of-range entry, reported).
+  auto page_k = [&](int k) -> int32_t {
     if (k >= nmy) return -1;
+    const uint64_t q = (ci_first + (uint64_t)kTokensPerStep * (uint32_t)k) / P;
+    const int32_t pg = btrow[q];
     if (pg >= 0 && pg < p.num_pages) return pg;
-    if (lane == 0) report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)entry_index(k), pg, p.num_pages);
+    if (lane == 0) report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)q, pg, p.num_pages);
     return -1;
   };
-  auto page_k = [&](int k) -> int32_t { return checked_page(k, k < nmy ? btrow[entry_index(k)] : -1); };
   auto issue = [&](int k, int stage, int32_t pg) {
     if (k < nmy) {
       if (lane == 0) s_pg[warp][stage] = pg;
