@@ -46,6 +46,13 @@ __device__ __forceinline__ uint2 pair_selectors(uint32_t x) {
 // 0xffff in each half of u whose top bit (bit 15 / bit 31) is set (byte permute, sign-replicate mode).
 __device__ __forceinline__ uint32_t half_mask(uint32_t u) { return prmt(u, 0u, 0xBB99u); }
 
+// 8-byte shared-memory load the compiler keeps where it is written (inside the tile loop)
+__device__ __forceinline__ uint2 load_shared_u2(const uint2* a) {
+  uint2 v;
+  asm volatile("ld.volatile.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"((uint32_t)__cvta_generic_to_shared(a)));
+  return v;
+}
+
 template <int B>
 __device__ __forceinline__ uint32_t lookup(uint32_t sel, uint32_t bit2_mask, const uint32_t (&T)[4]) {
   if (B == 2) return prmt(T[0], T[0], sel);
@@ -86,6 +93,11 @@ __device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int
     }
   }
   const int64_t E = dev_compressed_end(p.S, p.W, len);
+  // the tile loop counts token offsets within a split in 32 bits (vis, cnt): at most 2^30 per split
+  if (E - p.S > ((int64_t)p.nsplit << 30)) {
+    if (rep) report_error(p.err, kOverflow, kErrSplitSpan, s, E - p.S, p.nsplit, 0);
+    return false;
+  }
   // (E - 1 - S) / P >= stride, without the 64-bit division when stride * P cannot overflow (P <= 256)
   const bool short_table = p.bt_stride <= (INT64_MAX >> 8) ? E - 1 - p.S >= p.bt_stride * p.P
                                                             : (E - 1 - p.S) / p.P >= p.bt_stride;
@@ -147,6 +159,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   float(*sm_acc)[kQV][D] = reinterpret_cast<float(*)[kQV][D]>(smem);
   __shared__ float s_qmax[kQV];
   __shared__ uint32_t s_tab[8][32];
+  __shared__ uint32_t s_pow2[16];  // 1 << i (see kmul)
+  __shared__ uint2 s_qb[kAttnWarps][G][2][32];  // each warp's copy of its lanes' Q fragments (B operand)
   __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV], s_f[kAttnWarps][kQV];
   __shared__ int64_t s_idx[kQV], s_vpos[kQV], s_vpart[kQV];
   __shared__ int32_t s_pg[kAttnWarps][NST];
@@ -183,6 +197,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   const int64_t E = dev_compressed_end(p.S, p.W, p.fused ? len0 : len), C = E - p.S;
   if (sp < p.nsplit && tidx < 8)
     for (int l = 0; l < 32; ++l) s_tab[tidx][l] = tab_lo | (tab_hi << 16);
+  if (sp < p.nsplit && tidx < 16) s_pow2[tidx] = 1u << tidx;
   FMKV_TRACE(p, 0, 2);
   if (sp == p.nsplit) {
     if (p.fused) fused_step<D, P, KB, VB>(p, s, h, len0, r0, n, smem);
@@ -245,6 +260,14 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   const uint8_t* head_base = p.pages + (int64_t)h * p.head_stride;
   const uint64_t ci_first = (uint64_t)first * 16u;
   constexpr uint32_t kTokensPerStep = 16 * kAttnWarps;
+  // P <= 64: every tile of this warp starts at the same slot of its page (the warp steps 64 tokens),
+  // so the chunks' in-page source offsets are loop-invariant (4 registers instead of 8, no multiply)
+  if constexpr (P <= (int)kTokensPerStep) {
+    const int t0 = (int)(ci_first % P);
+#pragma unroll
+    for (int i = 0; i < NCH; ++i)
+      if (ch_off[i] >= 0) ch_off[i] += t0 * ch_mul[i];
+  }
   // Page of tile k (-1: no such tile, or an out-of-range entry, reported).
   auto page_k = [&](int k) -> int32_t {
     if (k >= nmy) return -1;
@@ -263,7 +286,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         uint8_t* dst = wst + stage * TB + 16 * lane;
 #pragma unroll
         for (int i = 0; i < NCH; ++i)
-          if (ch_off[i] >= 0) cp_async16(dst + 512 * i, hb + (uint32_t)(ch_off[i] + (int)t0 * ch_mul[i]));
+          if (ch_off[i] >= 0)
+            cp_async16(dst + 512 * i, hb + (uint32_t)(P <= (int)kTokensPerStep ? ch_off[i] : ch_off[i] + (int)t0 * ch_mul[i]));
       }
     }
     cp_async_commit();  // one group per tile slot, empty or not, so wait_group counts tiles
@@ -334,7 +358,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       TK[k] = s_tab[k][lane];
       TV[k] = s_tab[4 + k][lane];
     }
-    uint32_t qb[G][2][2];  // B operand: query vector gID, normalised to max |q| = 1
+    // B operand: query vector gID, normalised to max |q| = 1; kept in shared memory and read per tile
+    // (ld.volatile: not hoisted into 16 registers, which would cost occupancy)
     {
       const float qmax = s_qmax[gID], qinv = qmax > 0.0f ? 1.0f / qmax : 0.0f;
 #pragma unroll
@@ -342,18 +367,23 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int b = 32 * g + 8 * c + 2 * tid;
-          qb[g][c][0] = pack_half2(sq[gID][b] * qinv, sq[gID][b + 16] * qinv);
-          qb[g][c][1] = pack_half2(sq[gID][b + 1] * qinv, sq[gID][b + 17] * qinv);
+          s_qb[warp][g][c][lane] = make_uint2(pack_half2(sq[gID][b] * qinv, sq[gID][b + 16] * qinv),
+                                              pack_half2(sq[gID][b + 1] * qinv, sq[gID][b + 17] * qinv));
         }
     }
     // this lane's softmax rows: query vectors 2 tid + j
     const bool softcapped = p.softcap > 0.0f;
     const float inv_cap = softcapped ? 1.0f / p.softcap : 0.0f;
     float fac2[2];
-    int64_t pos[2];
+    // Causal limit of query 2 tid + j relative to this warp's first token, in 32 bits: tile k's token
+    // offset o is visible iff o <= vis[j] - 64 k (-1: none; clamped to 2^30: every token of the warp's
+    // tiles, which span less than 2^30 tokens: attn_sequence_ok rejects more than 2^30 per split).
+    int vis[2];
+    const int64_t rel0 = (int64_t)p.S + (int64_t)ci_first;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      pos[j] = s_vpos[2 * tid + j];
+      const int64_t pj = s_vpos[2 * tid + j], r = pj < 0 ? -1 : pj - rel0;
+      vis[j] = r < 0 ? -1 : r > (1 << 30) ? (1 << 30) : (int)r;
       const float fac = s_qmax[2 * tid + j] * p.sm_scale;
       // scores are kept in log2 units (x log2 e) inside the tile loop; m is converted back at the end
       fac2[j] = p.softcap > 0.0f ? fac : fac * kLog2e;
@@ -368,6 +398,15 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
         for (int k = 0; k < 4; ++k) acc[g][mt][k] = 0.0f;
 
+    // Sign (and 4-bit magnitude bit 2) planes are moved into bits 15 / 31 by multiplying with per-lane
+    // powers of two: IMAD issues to the FMA pipe, a shift (SHF) to the integer ALU pipe, the tile
+    // loop's busiest (CUDA-NOTES "Floors"). K: coordinate 8c + 2 tid -> bit 15; V: coordinate 2 gID.
+    // Read from shared memory: a multiplier ptxas knows to be a power of two becomes a shift again.
+    const uint32_t kmul[2] = {s_pow2[15 - 2 * tid], s_pow2[7 - 2 * tid]};
+    const uint32_t vmul = s_pow2[15 - 2 * gID];
+    // tokens that exist from the warp's first one (clamped like vis)
+    const int64_t crem = (int64_t)C - (int64_t)ci_first;
+    const int cnt = crem > (1 << 30) ? (1 << 30) : (int)crem;
     int stage = 0, stage_fill = NST - 1;  // k % NST and (k + NST - 1) % NST
 #pragma unroll 1
     for (int k = 0; k < nmy; ++k) {
@@ -379,12 +418,12 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       __syncwarp();              // ... and every lane's
       if (k == 0) FMKV_TRACE(p, 0, 5);
       const int32_t pg = s_pg[warp][stage];
-      const int64_t ci0 = (int64_t)(ci_first + (uint64_t)kTokensPerStep * (uint32_t)k);
+      const int koff = (int)kTokensPerStep * k;  // first token of tile k, from the warp's first
       const uint8_t* st = wst + stage * TB;  // the staged tile
       stage = stage + 1 == NST ? 0 : stage + 1;
       if (pg >= 0) {
-      const int64_t rem = C - ci0;
-      const int nvalid = rem < 16 ? (int)rem : 16;  // token offsets o < nvalid exist
+      const int rem = cnt - koff;
+      const int nvalid = rem < 16 ? rem : 16;  // token offsets o < nvalid exist
 
       // ---- scores S = K Q^T: sc[k] = (token 2 gID + (k >> 1), query 2 tid + (k & 1))
       float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -400,7 +439,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
             const uint32_t a1 = (uint32_t)kb[b] | ((uint32_t)kb[b + 16] << 16);
             const uint32_t a2 = (uint32_t)ka[b + 1] | ((uint32_t)ka[b + 17] << 16);
             const uint32_t a3 = (uint32_t)kb[b + 1] | ((uint32_t)kb[b + 17] << 16);
-            mma16816(sc, a0, a1, a2, a3, qb[g][c][0], qb[g][c][1]);
+            const uint2 qf = load_shared_u2(&s_qb[warp][g][c][lane]);
+            mma16816(sc, a0, a1, a2, a3, qf.x, qf.y);
           }
       } else {
         const uint32_t* kw = (const uint32_t*)st + 2 * gID;                 // tokens 2 gID, 2 gID + 1, plane 0
@@ -417,21 +457,23 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
           float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const int i0 = 8 * c + 2 * tid, sh0 = 15 - i0, sh1 = 14 - i0;  // coordinate i0 (+1) -> bit 15
+            const int i0 = 8 * c + 2 * tid;
+            const uint32_t m0 = kmul[c], m1 = kmul[c] >> 1;  // x m0 (m1): coordinate i0 (+1) -> bit 15
             const uint2 sa = pair_selectors(make_x<KB>(KB == 2 ? wa[0] : wa[c], i0));
             const uint2 sb = pair_selectors(make_x<KB>(KB == 2 ? wb[0] : wb[c], i0));
             uint32_t ma0 = 0u, mb0 = 0u, ma1 = 0u, mb1 = 0u;  // magnitude bit 2 (B == 4)
             if (KB == 4) {
-              ma0 = half_mask(wa[2] << sh0);
-              mb0 = half_mask(wb[2] << sh0);
-              ma1 = half_mask(wa[2] << sh1);
-              mb1 = half_mask(wb[2] << sh1);
+              ma0 = half_mask(wa[2] * m0);
+              mb0 = half_mask(wb[2] * m0);
+              ma1 = half_mask(wa[2] * m1);
+              mb1 = half_mask(wb[2] * m1);
             }
-            const uint32_t a0 = lookup<KB>(sa.x, ma0, TK) ^ ((wa[KW - 1] << sh0) & kSignMask);
-            const uint32_t a1 = lookup<KB>(sb.x, mb0, TK) ^ ((wb[KW - 1] << sh0) & kSignMask);
-            const uint32_t a2 = lookup<KB>(sa.y, ma1, TK) ^ ((wa[KW - 1] << sh1) & kSignMask);
-            const uint32_t a3 = lookup<KB>(sb.y, mb1, TK) ^ ((wb[KW - 1] << sh1) & kSignMask);
-            mma16816(c4, a0, a1, a2, a3, qb[g][c][0], qb[g][c][1]);
+            const uint32_t a0 = lookup<KB>(sa.x, ma0, TK) ^ ((wa[KW - 1] * m0) & kSignMask);
+            const uint32_t a1 = lookup<KB>(sb.x, mb0, TK) ^ ((wb[KW - 1] * m0) & kSignMask);
+            const uint32_t a2 = lookup<KB>(sa.y, ma1, TK) ^ ((wa[KW - 1] * m1) & kSignMask);
+            const uint32_t a3 = lookup<KB>(sb.y, mb1, TK) ^ ((wb[KW - 1] * m1) & kSignMask);
+            const uint2 qf = load_shared_u2(&s_qb[warp][g][c][lane]);
+            mma16816(c4, a0, a1, a2, a3, qf.x, qf.y);
           }
           const uint32_t s2 = ks[g * 8];
           const float fa = h_lo(s2), fb = h_hi(s2);
@@ -447,8 +489,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       int last[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int64_t dlt = pos[j] - (p.S + ci0);
-        last[j] = dlt < 0 ? -1 : dlt >= nvalid ? nvalid - 1 : (int)dlt;
+        const int dlt = vis[j] - koff;  // vis[j] = -1: negative for every tile
+        last[j] = dlt < 0 ? -1 : dlt >= nvalid ? nvalid - 1 : dlt;
       }
       float pr[4];
 #pragma unroll
@@ -505,7 +547,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         const uint4 f4 = *(const uint4*)(vw + wi), g4 = *(const uint4*)(vw + si);
         const uint2 fab = make_uint2(f4.x, f4.z), fcd = make_uint2(f4.y, f4.w);
         const uint2 gab = make_uint2(g4.x, g4.z), gcd = make_uint2(g4.y, g4.w);
-        const int sh0 = 15 - i0v, sh1 = 14 - i0v;
+        const uint32_t m0 = vmul, m1 = vmul >> 1;  // x m0 (m1): coordinate i0v (+1) -> bit 15
         // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (x1), i0+1 | i0+17 (x2)
         const uint32_t xa = make_x<VB>(fab.x, i0v), xb = make_x<VB>(fab.y, i0v);
         const uint32_t xc = make_x<VB>(fcd.x, i0v), xd = make_x<VB>(fcd.y, i0v);
@@ -520,23 +562,23 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
           const uint2 pab = make_uint2(p4.x, p4.z), pcd = make_uint2(p4.y, p4.w);
           const uint32_t plo_ab = prmt(pab.x, pab.y, 0x5410u), phi_ab = prmt(pab.x, pab.y, 0x7632u);
           const uint32_t plo_cd = prmt(pcd.x, pcd.y, 0x5410u), phi_cd = prmt(pcd.x, pcd.y, 0x7632u);
-          mA0 = half_mask(plo_ab << sh0);
-          mA1 = half_mask(phi_ab << sh0);
-          mA2 = half_mask(plo_cd << sh0);
-          mA3 = half_mask(phi_cd << sh0);
-          mB0 = half_mask(plo_ab << sh1);
-          mB1 = half_mask(phi_ab << sh1);
-          mB2 = half_mask(plo_cd << sh1);
-          mB3 = half_mask(phi_cd << sh1);
+          mA0 = half_mask(plo_ab * m0);
+          mA1 = half_mask(phi_ab * m0);
+          mA2 = half_mask(plo_cd * m0);
+          mA3 = half_mask(phi_cd * m0);
+          mB0 = half_mask(plo_ab * m1);
+          mB1 = half_mask(phi_ab * m1);
+          mB2 = half_mask(plo_cd * m1);
+          mB3 = half_mask(phi_cd * m1);
         }
-        const uint32_t aA0 = lookup<VB>(s1ab.x, mA0, TV) ^ ((wlo_ab << sh0) & kSignMask);
-        const uint32_t aA1 = lookup<VB>(s1ab.y, mA1, TV) ^ ((whi_ab << sh0) & kSignMask);
-        const uint32_t aA2 = lookup<VB>(s1cd.x, mA2, TV) ^ ((wlo_cd << sh0) & kSignMask);
-        const uint32_t aA3 = lookup<VB>(s1cd.y, mA3, TV) ^ ((whi_cd << sh0) & kSignMask);
-        const uint32_t aB0 = lookup<VB>(s2ab.x, mB0, TV) ^ ((wlo_ab << sh1) & kSignMask);
-        const uint32_t aB1 = lookup<VB>(s2ab.y, mB1, TV) ^ ((whi_ab << sh1) & kSignMask);
-        const uint32_t aB2 = lookup<VB>(s2cd.x, mB2, TV) ^ ((wlo_cd << sh1) & kSignMask);
-        const uint32_t aB3 = lookup<VB>(s2cd.y, mB3, TV) ^ ((whi_cd << sh1) & kSignMask);
+        const uint32_t aA0 = lookup<VB>(s1ab.x, mA0, TV) ^ ((wlo_ab * m0) & kSignMask);
+        const uint32_t aA1 = lookup<VB>(s1ab.y, mA1, TV) ^ ((whi_ab * m0) & kSignMask);
+        const uint32_t aA2 = lookup<VB>(s1cd.x, mA2, TV) ^ ((wlo_cd * m0) & kSignMask);
+        const uint32_t aA3 = lookup<VB>(s1cd.y, mA3, TV) ^ ((whi_cd * m0) & kSignMask);
+        const uint32_t aB0 = lookup<VB>(s2ab.x, mB0, TV) ^ ((wlo_ab * m1) & kSignMask);
+        const uint32_t aB1 = lookup<VB>(s2ab.y, mB1, TV) ^ ((whi_ab * m1) & kSignMask);
+        const uint32_t aB2 = lookup<VB>(s2cd.x, mB2, TV) ^ ((wlo_cd * m1) & kSignMask);
+        const uint32_t aB3 = lookup<VB>(s2cd.y, mB3, TV) ^ ((whi_cd * m1) & kSignMask);
         mma16816(acc[g][0], aA0, aA1, aA2, aA3, pb0, pb1);
         mma16816(acc[g][1], aB0, aB1, aB2, aB3, pb0, pb1);
       }

@@ -182,6 +182,10 @@ void synchronize() {
       m = q + S(e[3]) + " rows, but the fused append + attention takes at most " + S(e[4]) +
           " per sequence (use fmkv_append, then fmkv_attention)";
       break;
+    case kErrSplitSpan:
+      m = q + S(e[3]) + " compressed tokens over " + S(e[4]) +
+          " splits: more than 2^30 per split (pass a larger workspace: more splits)";
+      break;
     default: m = "unknown device error kind " + S(e[1]); break;
   }
   throw Error((int)e[0], "cuda: " + m +

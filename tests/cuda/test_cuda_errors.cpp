@@ -249,5 +249,37 @@ TEST_F(CudaErrors, AttentionErrors) {
   EXPECT_TRUE(std::isfinite(again[0]));
 }
 
+// A split of more than 2^30 compressed tokens (the tile loop's 32-bit token offsets): a workspace with
+// room for one split and a sequence of 2^30 + 32 tokens, every block-table entry page 0 (the check comes
+// before any page is read, so one page serves). Fails loudly on the device; the output stays poisoned.
+TEST_F(CudaErrors, AttentionSplitSpan) {
+  fmkv_config c = config(128, 3, 3, 2, 256);
+  const int64_t len = (int64_t(1) << 30) + 32, pages_needed = (len + 255) / 256;
+  std::vector<int32_t> table((size_t)pages_needed, 0);
+  DeviceBuf pages(kCuda, (size_t)fmkv_config_page_bytes(&c)), tab(kCuda, table.size() * 4), lens(kCuda, 8),
+      offs(kCuda, 16);
+  const std::vector<int64_t> lv = {len}, ov = {0, 1};
+  check(fmkv_device_copy(kCuda, tab.p, table.data(), table.size() * 4, 1));
+  check(fmkv_device_copy(kCuda, lens.p, lv.data(), 8, 1));
+  check(fmkv_device_copy(kCuda, offs.p, ov.data(), 16, 1));
+  fmkv_layer_cache lc{(uint8_t*)pages.p, 1, nullptr, nullptr, 1, 0};
+  fmkv_batch bt{1, nullptr, (const int64_t*)lens.p, (const int64_t*)offs.p, (const int32_t*)tab.p, pages_needed};
+  auto qb = random_tensor(FMKV_F16, 1, 8, 128);
+  DeviceTensor qd(kCuda, make_tensor(qb.data(), FMKV_F16, 1, 8, 128));
+  DeviceOutput o(kCuda, qd.t, FMKV_F32);
+  // one split: (m, l) of 2 parts (split + fp16 part) x 8 q heads, 256-aligned, then their 128 floats each
+  const size_t ws = 256 + 2 * 8 * 128 * 4;
+  DeviceBuf work(kCuda, ws);
+  fmkv_attention_opts opts{0.0f, 0.0f};
+  ASSERT_EQ(fmkv_attention(kCuda, &c, &lc, &bt, &qd.t, &opts, &o.t, work.p, ws, nullptr), FMKV_OK) << fmkv_last_error();
+  EXPECT_EQ(fmkv_device_synchronize(kCuda), FMKV_ERR_OVERFLOW);
+  const std::string msg = fmkv_last_error();
+  EXPECT_NE(msg.find("1073741856 compressed tokens over 1 splits"), std::string::npos) << msg;
+  for (float x : o.as_f32()) ASSERT_TRUE(std::isnan(x)) << "output written despite the error";
+  // the same sequence with the workspace the library asks for (64 splits) passes the check
+  const int64_t wsf = fmkv_attention_workspace_bytes(kCuda, &c, 8, 1, 1, len);
+  EXPECT_GT(wsf, (int64_t)ws);
+}
+
 }  // namespace
 }  // namespace fmkv::test
