@@ -72,6 +72,19 @@ __device__ __forceinline__ uint32_t make_x(uint32_t f, int i0) {
   return (f >> (i0 & 7)) & 0x03030303u;
 }
 
+// 2-bit codes with the sign in the table index (idx = m | s << 1; the table holds levels 0, 1 and their
+// negatives, so the lookup yields signed values and no sign work follows): bytes 0..3 = idx of
+// coordinates i0, i0 + 1, i0 + 16, i0 + 17 from the magnitude plane f and the sign plane g (bit j =
+// coordinate j). Masks on the integer ALU pipe, the moves as multiplies (FMA pipe).
+__device__ __forceinline__ uint32_t make_x2s(uint32_t f, uint32_t g, int i0) {
+  const uint32_t yf = f >> i0, yg = g >> i0;
+  uint32_t z = yf & 0x00010001u;    // m(i0) -> bit 0, m(i0 + 16) -> bit 16
+  z += (yg & 0x00010001u) * 2u;     // their signs -> bits 1, 17
+  z += (yf & 0x00020002u) * 128u;   // m(i0 + 1) -> bit 8, m(i0 + 17) -> bit 24
+  z += (yg & 0x00020002u) * 256u;   // their signs -> bits 9, 25
+  return z;
+}
+
 // Sequence-level checks of a CTA (row offsets, length, slot, block-table stride). Reported once per
 // sequence (by split 0 of kv head 0); every CTA of a bad sequence returns without writing.
 __device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int h, int sp, int64_t r0, int64_t n,
@@ -358,6 +371,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       TK[k] = s_tab[k][lane];
       TV[k] = s_tab[4 + k][lane];
     }
+    if (KB == 2) TK[1] = TK[0] ^ kSignMask;  // 2-bit: the signed table of make_x2s
+    if (VB == 2) TV[1] = TV[0] ^ kSignMask;
     // B operand: query vector gID, normalised to max |q| = 1; kept in shared memory and read per tile
     // (ld.volatile: not hoisted into 16 registers, which would cost occupancy)
     {
@@ -367,8 +382,11 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int b = 32 * g + 8 * c + 2 * tid;
-          s_qb[warp][g][c][lane] = make_uint2(pack_half2(sq[gID][b] * qinv, sq[gID][b + 16] * qinv),
-                                              pack_half2(sq[gID][b + 1] * qinv, sq[gID][b + 17] * qinv));
+          // k pairs (2 tid, 2 tid + 1) and (2 tid + 8, 2 tid + 9): coordinates (b, b + 16), (b + 1, b + 17),
+          // as the K decode pairs them; 2-bit K (make_x2s order): (b, b + 1), (b + 16, b + 17)
+          const int o1 = KB == 2 ? 1 : 16, o2 = KB == 2 ? 16 : 1;
+          s_qb[warp][g][c][lane] = make_uint2(pack_half2(sq[gID][b] * qinv, sq[gID][b + o1] * qinv),
+                                              pack_half2(sq[gID][b + o2] * qinv, sq[gID][b + 17] * qinv));
         }
     }
     // this lane's softmax rows: query vectors 2 tid + j
@@ -459,8 +477,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
           for (int c = 0; c < 2; ++c) {
             const int i0 = 8 * c + 2 * tid;
             const uint32_t m0 = kmul[c], m1 = kmul[c] >> 1;  // x m0 (m1): coordinate i0 (+1) -> bit 15
-            const uint2 sa = pair_selectors(make_x<KB>(KB == 2 ? wa[0] : wa[c], i0));
-            const uint2 sb = pair_selectors(make_x<KB>(KB == 2 ? wb[0] : wb[c], i0));
+            const uint2 sa = pair_selectors(KB == 2 ? make_x2s(wa[0], wa[1], i0) : make_x<KB>(wa[c], i0));
+            const uint2 sb = pair_selectors(KB == 2 ? make_x2s(wb[0], wb[1], i0) : make_x<KB>(wb[c], i0));
             uint32_t ma0 = 0u, mb0 = 0u, ma1 = 0u, mb1 = 0u;  // magnitude bit 2 (B == 4)
             if (KB == 4) {
               ma0 = half_mask(wa[2] * m0);
@@ -468,10 +486,18 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
               ma1 = half_mask(wa[2] * m1);
               mb1 = half_mask(wb[2] * m1);
             }
-            const uint32_t a0 = lookup<KB>(sa.x, ma0, TK) ^ ((wa[KW - 1] * m0) & kSignMask);
-            const uint32_t a1 = lookup<KB>(sb.x, mb0, TK) ^ ((wb[KW - 1] * m0) & kSignMask);
-            const uint32_t a2 = lookup<KB>(sa.y, ma1, TK) ^ ((wa[KW - 1] * m1) & kSignMask);
-            const uint32_t a3 = lookup<KB>(sb.y, mb1, TK) ^ ((wb[KW - 1] * m1) & kSignMask);
+            uint32_t a0, a1, a2, a3;
+            if (KB == 2) {  // signed table: (i0, i0 + 1) and (i0 + 16, i0 + 17) of tokens a, b
+              a0 = prmt(TK[0], TK[1], sa.x);
+              a1 = prmt(TK[0], TK[1], sb.x);
+              a2 = prmt(TK[0], TK[1], sa.y);
+              a3 = prmt(TK[0], TK[1], sb.y);
+            } else {
+              a0 = lookup<KB>(sa.x, ma0, TK) ^ ((wa[KW - 1] * m0) & kSignMask);
+              a1 = lookup<KB>(sb.x, mb0, TK) ^ ((wb[KW - 1] * m0) & kSignMask);
+              a2 = lookup<KB>(sa.y, ma1, TK) ^ ((wa[KW - 1] * m1) & kSignMask);
+              a3 = lookup<KB>(sb.y, mb1, TK) ^ ((wb[KW - 1] * m1) & kSignMask);
+            }
             const uint2 qf = load_shared_u2(&s_qb[warp][g][c][lane]);
             mma16816(c4, a0, a1, a2, a3, qf.x, qf.y);
           }
@@ -548,37 +574,54 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         const uint2 fab = make_uint2(f4.x, f4.z), fcd = make_uint2(f4.y, f4.w);
         const uint2 gab = make_uint2(g4.x, g4.z), gcd = make_uint2(g4.y, g4.w);
         const uint32_t m0 = vmul, m1 = vmul >> 1;  // x m0 (m1): coordinate i0v (+1) -> bit 15
-        // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (x1), i0+1 | i0+17 (x2)
-        const uint32_t xa = make_x<VB>(fab.x, i0v), xb = make_x<VB>(fab.y, i0v);
-        const uint32_t xc = make_x<VB>(fcd.x, i0v), xd = make_x<VB>(fcd.y, i0v);
-        const uint2 s1ab = pair_selectors(prmt(xa, xb, 0x5140u)), s2ab = pair_selectors(prmt(xa, xb, 0x7362u));
-        const uint2 s1cd = pair_selectors(prmt(xc, xd, 0x5140u)), s2cd = pair_selectors(prmt(xc, xd, 0x7362u));
-        // sign planes of token pairs: coordinates 0..15 (lo) / 16..31 (hi) of token a | token b
-        const uint32_t wlo_ab = prmt(gab.x, gab.y, 0x5410u), whi_ab = prmt(gab.x, gab.y, 0x7632u);
-        const uint32_t wlo_cd = prmt(gcd.x, gcd.y, 0x5410u), whi_cd = prmt(gcd.x, gcd.y, 0x7632u);
-        uint32_t mA0 = 0u, mA1 = 0u, mA2 = 0u, mA3 = 0u, mB0 = 0u, mB1 = 0u, mB2 = 0u, mB3 = 0u;
-        if (VB == 4) {  // magnitude bit 2 planes, paired the same way
-          const uint4 p4 = *(const uint4*)(vw + (g * VB + 2) * 16);
-          const uint2 pab = make_uint2(p4.x, p4.z), pcd = make_uint2(p4.y, p4.w);
-          const uint32_t plo_ab = prmt(pab.x, pab.y, 0x5410u), phi_ab = prmt(pab.x, pab.y, 0x7632u);
-          const uint32_t plo_cd = prmt(pcd.x, pcd.y, 0x5410u), phi_cd = prmt(pcd.x, pcd.y, 0x7632u);
-          mA0 = half_mask(plo_ab * m0);
-          mA1 = half_mask(phi_ab * m0);
-          mA2 = half_mask(plo_cd * m0);
-          mA3 = half_mask(phi_cd * m0);
-          mB0 = half_mask(plo_ab * m1);
-          mB1 = half_mask(phi_ab * m1);
-          mB2 = half_mask(plo_cd * m1);
-          mB3 = half_mask(phi_cd * m1);
+        uint32_t aA0, aA1, aA2, aA3, aB0, aB1, aB2, aB3;
+        if (VB == 2) {  // signed table (make_x2s): no sign planes to pair or apply
+          const uint32_t xa = make_x2s(fab.x, gab.x, i0v), xb = make_x2s(fab.y, gab.y, i0v);
+          const uint32_t xc = make_x2s(fcd.x, gcd.x, i0v), xd = make_x2s(fcd.y, gcd.y, i0v);
+          // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (s1), i0+1 | i0+17 (s2)
+          const uint2 s1ab = pair_selectors(prmt(xa, xb, 0x6240u)), s2ab = pair_selectors(prmt(xa, xb, 0x7351u));
+          const uint2 s1cd = pair_selectors(prmt(xc, xd, 0x6240u)), s2cd = pair_selectors(prmt(xc, xd, 0x7351u));
+          aA0 = prmt(TV[0], TV[1], s1ab.x);
+          aA1 = prmt(TV[0], TV[1], s1ab.y);
+          aA2 = prmt(TV[0], TV[1], s1cd.x);
+          aA3 = prmt(TV[0], TV[1], s1cd.y);
+          aB0 = prmt(TV[0], TV[1], s2ab.x);
+          aB1 = prmt(TV[0], TV[1], s2ab.y);
+          aB2 = prmt(TV[0], TV[1], s2cd.x);
+          aB3 = prmt(TV[0], TV[1], s2cd.y);
+        } else {
+          // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (x1), i0+1 | i0+17 (x2)
+          const uint32_t xa = make_x<VB>(fab.x, i0v), xb = make_x<VB>(fab.y, i0v);
+          const uint32_t xc = make_x<VB>(fcd.x, i0v), xd = make_x<VB>(fcd.y, i0v);
+          const uint2 s1ab = pair_selectors(prmt(xa, xb, 0x5140u)), s2ab = pair_selectors(prmt(xa, xb, 0x7362u));
+          const uint2 s1cd = pair_selectors(prmt(xc, xd, 0x5140u)), s2cd = pair_selectors(prmt(xc, xd, 0x7362u));
+          // sign planes of token pairs: coordinates 0..15 (lo) / 16..31 (hi) of token a | token b
+          const uint32_t wlo_ab = prmt(gab.x, gab.y, 0x5410u), whi_ab = prmt(gab.x, gab.y, 0x7632u);
+          const uint32_t wlo_cd = prmt(gcd.x, gcd.y, 0x5410u), whi_cd = prmt(gcd.x, gcd.y, 0x7632u);
+          uint32_t mA0 = 0u, mA1 = 0u, mA2 = 0u, mA3 = 0u, mB0 = 0u, mB1 = 0u, mB2 = 0u, mB3 = 0u;
+          if (VB == 4) {  // magnitude bit 2 planes, paired the same way
+            const uint4 p4 = *(const uint4*)(vw + (g * VB + 2) * 16);
+            const uint2 pab = make_uint2(p4.x, p4.z), pcd = make_uint2(p4.y, p4.w);
+            const uint32_t plo_ab = prmt(pab.x, pab.y, 0x5410u), phi_ab = prmt(pab.x, pab.y, 0x7632u);
+            const uint32_t plo_cd = prmt(pcd.x, pcd.y, 0x5410u), phi_cd = prmt(pcd.x, pcd.y, 0x7632u);
+            mA0 = half_mask(plo_ab * m0);
+            mA1 = half_mask(phi_ab * m0);
+            mA2 = half_mask(plo_cd * m0);
+            mA3 = half_mask(phi_cd * m0);
+            mB0 = half_mask(plo_ab * m1);
+            mB1 = half_mask(phi_ab * m1);
+            mB2 = half_mask(plo_cd * m1);
+            mB3 = half_mask(phi_cd * m1);
+          }
+          aA0 = lookup<VB>(s1ab.x, mA0, TV) ^ ((wlo_ab * m0) & kSignMask);
+          aA1 = lookup<VB>(s1ab.y, mA1, TV) ^ ((whi_ab * m0) & kSignMask);
+          aA2 = lookup<VB>(s1cd.x, mA2, TV) ^ ((wlo_cd * m0) & kSignMask);
+          aA3 = lookup<VB>(s1cd.y, mA3, TV) ^ ((whi_cd * m0) & kSignMask);
+          aB0 = lookup<VB>(s2ab.x, mB0, TV) ^ ((wlo_ab * m1) & kSignMask);
+          aB1 = lookup<VB>(s2ab.y, mB1, TV) ^ ((whi_ab * m1) & kSignMask);
+          aB2 = lookup<VB>(s2cd.x, mB2, TV) ^ ((wlo_cd * m1) & kSignMask);
+          aB3 = lookup<VB>(s2cd.y, mB3, TV) ^ ((whi_cd * m1) & kSignMask);
         }
-        const uint32_t aA0 = lookup<VB>(s1ab.x, mA0, TV) ^ ((wlo_ab * m0) & kSignMask);
-        const uint32_t aA1 = lookup<VB>(s1ab.y, mA1, TV) ^ ((whi_ab * m0) & kSignMask);
-        const uint32_t aA2 = lookup<VB>(s1cd.x, mA2, TV) ^ ((wlo_cd * m0) & kSignMask);
-        const uint32_t aA3 = lookup<VB>(s1cd.y, mA3, TV) ^ ((whi_cd * m0) & kSignMask);
-        const uint32_t aB0 = lookup<VB>(s2ab.x, mB0, TV) ^ ((wlo_ab * m1) & kSignMask);
-        const uint32_t aB1 = lookup<VB>(s2ab.y, mB1, TV) ^ ((whi_ab * m1) & kSignMask);
-        const uint32_t aB2 = lookup<VB>(s2cd.x, mB2, TV) ^ ((wlo_cd * m1) & kSignMask);
-        const uint32_t aB3 = lookup<VB>(s2cd.y, mB3, TV) ^ ((whi_cd * m1) & kSignMask);
         mma16816(acc[g][0], aA0, aA1, aA2, aA3, pb0, pb1);
         mma16816(acc[g][1], aB0, aB1, aB2, aB3, pb0, pb1);
       }
