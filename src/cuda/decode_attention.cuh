@@ -9,8 +9,11 @@
 //   S = K Q^T     mma.m16n8k16 (m = 16 tokens, n = 8 q vectors, k = 16 coordinates), two per group;
 //                 the K fragment is decoded in registers: field word -> selector-form bytes -> one
 //                 64-bit multiply-add for two byte-permute selectors -> one prmt per fp16 pair from
-//                 the level table, the sign plane shifted into bits 15/31 (FORMAT.md section 6).
-//                 Coordinates are permuted consistently in Q and K (the dot product does not care).
+//                 the level table, the sign plane moved into bits 15/31 by a multiply (FMA pipe; the
+//                 integer ALU pipe is the loop's limit) and XORed in (FORMAT.md section 6). 2-bit codes
+//                 index a signed 4-entry table instead (make_x2s): no sign work.
+//                 Coordinates are permuted consistently in Q and K (the dot product does not care);
+//                 the Q fragments are read from shared memory per tile (registers for occupancy).
 //                 Per-group fp16 scales are applied in fp32 to each group's mma result.
 //   online softmax in fp32 (ex2.approx, log2 units), P kept in registers.
 //   O^T += V^T P^T  mma.m16n8k16 (m = 16 coordinates, n = 8 q vectors, k = 16 tokens); the V fragment
