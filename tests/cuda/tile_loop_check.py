@@ -2,8 +2,11 @@
 """Static check of the decode-attention tile loops in compiled CUDA objects (no GPU needed).
 
 For every attn_kernel instantiation in the given objects (cuobjdump -sass), finds the tile loop (the
-innermost backward-branch loop that contains mma instructions) and prints its instruction count, HMMA
-count and local-memory operations (LDL/STL: register spills). Exits 1 if any tile loop touches local
+innermost backward-branch loop that contains mma instructions) and prints its instruction count, how
+many of them issue to the integer ALU pipe (logic, shifts, byte permutes, integer adds / compares,
+selects, fp32 compare / min / max: the pipe that limits the loop, one warp instruction per 2 cycles on
+sm_90; IMAD and fp32 arithmetic go to the FMA pipe; docs/CUDA-NOTES.md "Floors"), its HMMA count and
+local-memory operations (LDL/STL: register spills). Exits 1 if any tile loop touches local
 memory: every kernel shares its 128-register budget with the cold paths (fp16 part, fused step), and a
 change there can make ptxas spill inside the hot loop (seen while developing the fused-step
 validation: 3-6 spill loads/stores per tile from unrelated code).
@@ -38,8 +41,16 @@ def tile_loop(ins):
         seg = ins[at[int(m.group(1), 16)]:i + 1]
         hmma = sum("HMMA" in x for _, x in seg)
         if hmma >= 4 and (best is None or len(seg) < best[0]):
-            best = (len(seg), hmma, sum(bool(re.match(r"(@\S+\s+)?(LDL|STL)", x)) for _, x in seg))
+            best = (len(seg), hmma, sum(bool(re.match(r"(@\S+\s+)?(LDL|STL)", x)) for _, x in seg), alu_count(seg))
     return best
+
+
+ALU_OPS = {"LOP3", "LOP", "SHF", "PRMT", "ISETP", "IADD3", "SEL", "LEA", "IMNMX", "VIMNMX", "PLOP3",
+           "FSETP", "FSEL", "FMNMX", "BMSK", "SGXT", "POPC", "FLO", "BREV"}
+
+
+def alu_count(seg):
+    return sum(re.sub(r"^@!?U?P\w+\s+", "", x).split(".")[0].split()[0] in ALU_OPS for _, x in seg)
 
 
 def short(name):
@@ -64,9 +75,10 @@ def main():
                 bad += 1
                 continue
             n += 1
-            size, hmma, local = loop
+            size, hmma, local, alu = loop
             flag = "  <-- local memory in the tile loop" if local else ""
-            print("%-28s tile loop %5d instructions, %3d HMMA, %d LDL/STL%s" % (short(name), size, hmma, local, flag))
+            print("%-28s tile loop %5d instructions (%3d ALU pipe), %3d HMMA, %d LDL/STL%s" %
+                  (short(name), size, alu, hmma, local, flag))
             bad += local > 0
     print("%d tile loops checked, %d with local memory or not found" % (n, bad))
     return 1 if bad or n == 0 else 0
