@@ -35,7 +35,8 @@ namespace cuda {
 // fields (the 2-bit field, or the magnitude bit for 2-bit codes) of four values, each byte < 4.
 // pair_selectors() turns it into two byte-permute selectors (nibbles 2m, 2m+1 fetch the two bytes
 // of fp16 level m from T[0..1]); lookup() fetches an fp16 pair. 4-bit codes fetch levels m and 4 + m
-// and pick per half by the magnitude bit-2 mask; signs are XORed into bits 15/31 by the caller.
+// and pick per half by the magnitude bit-2 mask; signs are XORed into bits 15/31 by the caller. 2-bit
+// codes index a signed table instead (T[0..1] = levels 0, 1, then their negatives; make_x2s).
 //
 // Both selectors of a selector-form word x: .x fetches the pair (byte 0, byte 1), .y the pair
 // (byte 2, byte 3). One 64-bit multiply-add: x * 0x00220022 puts 0x22 m of bytes 0,1 in the low half
@@ -58,22 +59,14 @@ __device__ __forceinline__ uint2 load_shared_u2(const uint2* a) {
 
 template <int B>
 __device__ __forceinline__ uint32_t lookup(uint32_t sel, uint32_t bit2_mask, const uint32_t (&T)[4]) {
-  if (B == 2) return prmt(T[0], T[0], sel);
-  if (B == 3) return prmt(T[0], T[1], sel);
+  if (B <= 3) return prmt(T[0], T[1], sel);
   const uint32_t lo = prmt(T[0], T[1], sel), hi = prmt(T[2], T[3], sel);
   return (lo & ~bit2_mask) | (hi & bit2_mask);
 }
 
-// Selector-form word of coordinates (i0, i0+16, i0+1, i0+17) of a group (i0 even, < 16) of one token:
-// f is the field word (i0 >> 3) for B >= 3, the magnitude plane for B == 2.
-template <int B>
-__device__ __forceinline__ uint32_t make_x(uint32_t f, int i0) {
-  if (B == 2) {
-    const uint32_t y = f >> i0;
-    return (y & 1u) | ((y >> 8) & 0x100u) | ((y << 15) & 0x10000u) | ((y << 7) & 0x1000000u);
-  }
-  return (f >> (i0 & 7)) & 0x03030303u;
-}
+// Selector-form word of coordinates (i0, i0+16, i0+1, i0+17) of a group (i0 even, < 16) of one token,
+// 3- and 4-bit codes: f is the field word (i0 >> 3). (2-bit codes: make_x2s.)
+__device__ __forceinline__ uint32_t make_x(uint32_t f, int i0) { return (f >> (i0 & 7)) & 0x03030303u; }
 
 // 2-bit codes with the sign in the table index (idx = m | s << 1; the table holds levels 0, 1 and their
 // negatives, so the lookup yields signed values and no sign work follows): bytes 0..3 = idx of
@@ -278,7 +271,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   constexpr uint32_t kTokensPerStep = 16 * kAttnWarps;
   // P <= 64: every tile of this warp starts at the same slot of its page (the warp steps 64 tokens),
   // so the chunks' in-page source offsets are loop-invariant (4 registers instead of 8, no multiply)
-  if constexpr (P <= (int)kTokensPerStep) {
+  constexpr bool kFixedSlot = P <= (int)kTokensPerStep;
+  if constexpr (kFixedSlot) {
     const int t0 = (int)(ci_first % P);
 #pragma unroll
     for (int i = 0; i < NCH; ++i)
@@ -303,7 +297,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
         for (int i = 0; i < NCH; ++i)
           if (ch_off[i] >= 0)
-            cp_async16(dst + 512 * i, hb + (uint32_t)(P <= (int)kTokensPerStep ? ch_off[i] : ch_off[i] + (int)t0 * ch_mul[i]));
+            cp_async16(dst + 512 * i, hb + (uint32_t)(kFixedSlot ? ch_off[i] : ch_off[i] + (int)t0 * ch_mul[i]));
       }
     }
     cp_async_commit();  // one group per tile slot, empty or not, so wait_group counts tiles
@@ -480,8 +474,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
           for (int c = 0; c < 2; ++c) {
             const int i0 = 8 * c + 2 * tid;
             const uint32_t m0 = kmul[c], m1 = kmul[c] >> 1;  // x m0 (m1): coordinate i0 (+1) -> bit 15
-            const uint2 sa = pair_selectors(KB == 2 ? make_x2s(wa[0], wa[1], i0) : make_x<KB>(wa[c], i0));
-            const uint2 sb = pair_selectors(KB == 2 ? make_x2s(wb[0], wb[1], i0) : make_x<KB>(wb[c], i0));
+            const uint2 sa = pair_selectors(KB == 2 ? make_x2s(wa[0], wa[1], i0) : make_x(wa[c], i0));
+            const uint2 sb = pair_selectors(KB == 2 ? make_x2s(wb[0], wb[1], i0) : make_x(wb[c], i0));
             uint32_t ma0 = 0u, mb0 = 0u, ma1 = 0u, mb1 = 0u;  // magnitude bit 2 (B == 4)
             if (KB == 4) {
               ma0 = half_mask(wa[2] * m0);
@@ -491,10 +485,10 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
             }
             uint32_t a0, a1, a2, a3;
             if (KB == 2) {  // signed table: (i0, i0 + 1) and (i0 + 16, i0 + 17) of tokens a, b
-              a0 = prmt(TK[0], TK[1], sa.x);
-              a1 = prmt(TK[0], TK[1], sb.x);
-              a2 = prmt(TK[0], TK[1], sa.y);
-              a3 = prmt(TK[0], TK[1], sb.y);
+              a0 = lookup<KB>(sa.x, 0u, TK);
+              a1 = lookup<KB>(sb.x, 0u, TK);
+              a2 = lookup<KB>(sa.y, 0u, TK);
+              a3 = lookup<KB>(sb.y, 0u, TK);
             } else {
               a0 = lookup<KB>(sa.x, ma0, TK) ^ ((wa[KW - 1] * m0) & kSignMask);
               a1 = lookup<KB>(sb.x, mb0, TK) ^ ((wb[KW - 1] * m0) & kSignMask);
@@ -584,18 +578,18 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
           // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (s1), i0+1 | i0+17 (s2)
           const uint2 s1ab = pair_selectors(prmt(xa, xb, 0x6240u)), s2ab = pair_selectors(prmt(xa, xb, 0x7351u));
           const uint2 s1cd = pair_selectors(prmt(xc, xd, 0x6240u)), s2cd = pair_selectors(prmt(xc, xd, 0x7351u));
-          aA0 = prmt(TV[0], TV[1], s1ab.x);
-          aA1 = prmt(TV[0], TV[1], s1ab.y);
-          aA2 = prmt(TV[0], TV[1], s1cd.x);
-          aA3 = prmt(TV[0], TV[1], s1cd.y);
-          aB0 = prmt(TV[0], TV[1], s2ab.x);
-          aB1 = prmt(TV[0], TV[1], s2ab.y);
-          aB2 = prmt(TV[0], TV[1], s2cd.x);
-          aB3 = prmt(TV[0], TV[1], s2cd.y);
+          aA0 = lookup<VB>(s1ab.x, 0u, TV);
+          aA1 = lookup<VB>(s1ab.y, 0u, TV);
+          aA2 = lookup<VB>(s1cd.x, 0u, TV);
+          aA3 = lookup<VB>(s1cd.y, 0u, TV);
+          aB0 = lookup<VB>(s2ab.x, 0u, TV);
+          aB1 = lookup<VB>(s2ab.y, 0u, TV);
+          aB2 = lookup<VB>(s2cd.x, 0u, TV);
+          aB3 = lookup<VB>(s2cd.y, 0u, TV);
         } else {
           // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (x1), i0+1 | i0+17 (x2)
-          const uint32_t xa = make_x<VB>(fab.x, i0v), xb = make_x<VB>(fab.y, i0v);
-          const uint32_t xc = make_x<VB>(fcd.x, i0v), xd = make_x<VB>(fcd.y, i0v);
+          const uint32_t xa = make_x(fab.x, i0v), xb = make_x(fab.y, i0v);
+          const uint32_t xc = make_x(fcd.x, i0v), xd = make_x(fcd.y, i0v);
           const uint2 s1ab = pair_selectors(prmt(xa, xb, 0x5140u)), s2ab = pair_selectors(prmt(xa, xb, 0x7362u));
           const uint2 s1cd = pair_selectors(prmt(xc, xd, 0x5140u)), s2cd = pair_selectors(prmt(xc, xd, 0x7362u));
           // sign planes of token pairs: coordinates 0..15 (lo) / 16..31 (hi) of token a | token b
