@@ -34,6 +34,10 @@ std::vector<Shape> shapes() {
         int page = kb == 3 ? 16 : kb == 4 ? 64 : 32;
         v.push_back({d, kb, vb, 2, 4, page, 0, 0, (kb + vb) % 2, {37, 0, 120}, {1, 2, 1}, FMKV_F16});
       }
+  // equal K / V widths with the LSQ rule at every head_dim (the grid above has RMS for those; the CUDA
+  // append compiles one kernel per width and rule for K = V)
+  for (int d : {64, 128, 256})
+    for (int b : {2, 3, 4}) v.push_back({d, b, b, 2, 4, 32, 0, 0, FMKV_SCALE_LSQ, {21, 50}, {2, 1}, FMKV_F16});
   v.push_back({128, 3, 3, 8, 4, 16, 4, 16, FMKV_SCALE_LSQ, {300, 9, 64}, {1, 16, 3}, FMKV_BF16});
   v.push_back({64, 4, 2, 3, 3, 128, 0, 32, FMKV_SCALE_RMS, {500}, {7}, FMKV_F32});
   v.push_back({128, 2, 2, 1, 8, 256, 2, 0, FMKV_SCALE_LSQ, {700, 1}, {1, 12}, FMKV_F16});

@@ -252,7 +252,11 @@ __device__ __forceinline__ void report_nonfinite_row(const AppendParams& p, int6
 constexpr int kCompressWarps = 8, kCompressStages = 2;
 constexpr int kCompressSmem = kCompressWarps * kCompressStages * 256 * 16;
 
-template <int D>
+// FIX = 0: each task reads its code width and the scale rule from p (K and V may differ, k16 copies);
+// FIX = 2 b + lsq: every task is b-bit with that rule (K and V alike, the common case). The fixed
+// variant holds one quantizer instead of six: a sixth of the code, so the hot loop stays in the
+// instruction cache.
+template <int D, int FIX>
 __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
   constexpr int NT = D / 64, VPW = 32 / NT, CPV = D / 8;
   extern __shared__ __align__(16) uint4 tiles[];  // [warp][stage][256]
@@ -272,13 +276,13 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
   // Task `it` (if it exists): this lane's vector located and, unless it is k16, its tile copies
   // issued into `stage`; one cp.async group per call either way.
   auto begin_task = [&](uint64_t it, int stage, int& isv, int32_t& h, int64_t& r, VecTask& vt) {
-    if (it < p.items) {
-      const uint32_t hv = (uint32_t)(it % hv2);
+    if (it < p.items) {  // items is 32-bit: so is the task index here (no 64-bit division)
+      const uint32_t it32 = (uint32_t)it, hv = it32 % hv2;
       isv = (int)(hv & 1u);
       h = (int32_t)(hv >> 1);
-      r = (int64_t)(it / hv2) * VPW + vec;
+      r = (int64_t)(it32 / hv2) * VPW + vec;
       vt = locate<D>(p, r, h, isv);
-      if ((isv ? p.vb : p.kb) != FMKV_FP16_BITS) stage_task<D>(p, vt, isv, wtiles + stage * 256, lane);
+      if (FIX != 0 || (isv ? p.vb : p.kb) != FMKV_FP16_BITS) stage_task<D>(p, vt, isv, wtiles + stage * 256, lane);
     }
     cp_async_commit();
   };
@@ -298,7 +302,7 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
     VecTask vt_n{0, nullptr, 0};
     begin_task(it + stride, (k + 1) & 1, isv_n, h_n, r_n, vt_n);
     bool bad = false;
-    if (bits == FMKV_FP16_BITS) {  // K kept in fp16, unrotated: copy chunk by chunk (not staged)
+    if (FIX == 0 && bits == FMKV_FP16_BITS) {  // K kept in fp16, unrotated: copy chunk by chunk (not staged)
       const int pos = lane % CPV;
       const uint64_t dst_own = vt.sec ? (uint64_t)(uintptr_t)(vt.sec + (int64_t)vt.tok * D * 2) : 0;
       int bad_vec = -1;  // a vector of the task with a non-finite new-row chunk (reported below)
@@ -344,7 +348,9 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
       // when they were appended. Reported after the quantization (no live values around the call).
       bad = !(fabsf(r8[0]) <= 3.402823466e38f) && t == 0 && vt.src && !(vt.src & 1u);
       const bool lsq = p.rule == FMKV_SCALE_LSQ;
-      switch (bits * 2 + (lsq ? 1 : 0)) {
+      if constexpr (FIX != 0) {
+        quantize_store<FIX / 2, FIX % 2 == 1, NT>(r8, cn, p.qt[FIX / 2 - 2], vt, t, p.P);
+      } else switch (bits * 2 + (lsq ? 1 : 0)) {
         case 4: quantize_store<2, false, NT>(r8, cn, p.qt[0], vt, t, p.P); break;
         case 5: quantize_store<2, true, NT>(r8, cn, p.qt[0], vt, t, p.P); break;
         case 6: quantize_store<3, false, NT>(r8, cn, p.qt[1], vt, t, p.P); break;
@@ -352,6 +358,7 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
         case 8: quantize_store<4, false, NT>(r8, cn, p.qt[2], vt, t, p.P); break;
         default: quantize_store<4, true, NT>(r8, cn, p.qt[2], vt, t, p.P); break;
       }
+      (void)lsq;
     }
     if (bad) report_nonfinite_row(p, r, h, isv);
     __syncwarp();  // every lane is done with this stage before the task after next refills it
@@ -406,26 +413,40 @@ __global__ void __launch_bounds__(256) fp16_rows(AppendParams p) {
   }
 }
 
-template <int D>
+template <int D, int FIX>
 int compress_blocks_per_sm() {  // same for every device of the one compiled architecture
   static const int n = [] {
-    check_cuda(cudaFuncSetAttribute(compress<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kCompressSmem),
+    check_cuda(cudaFuncSetAttribute(compress<D, FIX>, cudaFuncAttributeMaxDynamicSharedMemorySize, kCompressSmem),
                "compress shared memory");
     int b = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, compress<D>, 32 * kCompressWarps, kCompressSmem),
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, compress<D, FIX>, 32 * kCompressWarps, kCompressSmem),
                "occupancy");
     return b > 0 ? b : 1;
   }();
   return n;
 }
 
+template <int D, int FIX>
+void launch_compress(const AppendParams& p, cudaStream_t st) {
+  const int64_t blocks = std::min<int64_t>(((int64_t)p.items + kCompressWarps - 1) / kCompressWarps,
+                                           (int64_t)compress_blocks_per_sm<D, FIX>() * sm_count());
+  compress<D, FIX><<<(unsigned)blocks, 32 * kCompressWarps, kCompressSmem, st>>>(p);
+}
+
 template <int D>
 void launch_append(AppendParams& p, cudaStream_t st) {
   constexpr int VPW = 32 / (D / 64);
   p.items = (uint32_t)((p.rows + VPW - 1) / VPW) * 2u * (uint32_t)p.H;
-  const int64_t blocks = std::min<int64_t>(((int64_t)p.items + kCompressWarps - 1) / kCompressWarps,
-                                           (int64_t)compress_blocks_per_sm<D>() * sm_count());
-  compress<D><<<(unsigned)blocks, 32 * kCompressWarps, kCompressSmem, st>>>(p);
+  const int fix = p.kb == p.vb && p.kb != FMKV_FP16_BITS ? 2 * p.kb + (p.rule == FMKV_SCALE_LSQ ? 1 : 0) : 0;
+  switch (fix) {
+    case 4: launch_compress<D, 4>(p, st); break;
+    case 5: launch_compress<D, 5>(p, st); break;
+    case 6: launch_compress<D, 6>(p, st); break;
+    case 7: launch_compress<D, 7>(p, st); break;
+    case 8: launch_compress<D, 8>(p, st); break;
+    case 9: launch_compress<D, 9>(p, st); break;
+    default: launch_compress<D, 0>(p, st); break;
+  }
   if (p.R > 0) {
     const int64_t wblocks = std::min<int64_t>((p.rows * p.H * 2 + 7) / 8, 1 << 20);
     fp16_rows<D, true><<<(unsigned)wblocks, 256, 0, st>>>(p);

@@ -172,7 +172,6 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   __shared__ uint2 s_qb[kAttnWarps][G][2][32];  // each warp's copy of its lanes' Q fragments (B operand)
   __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV], s_f[kAttnWarps][kQV];
   __shared__ int64_t s_idx[kQV], s_vpos[kQV], s_vpart[kQV];
-  __shared__ int32_t s_pg[kAttnWarps][NST];
   FMKV_TRACE(p, 0, 0);
   const int s = blockIdx.z, h = blockIdx.y, sp = blockIdx.x;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31, gID = lane >> 2, tid = lane & 3;
@@ -278,21 +277,29 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     for (int i = 0; i < NCH; ++i)
       if (ch_off[i] >= 0) ch_off[i] += t0 * ch_mul[i];
   }
-  // Page of tile k (-1: no such tile, or an out-of-range entry, reported).
+  // Page of tile k (-1: no such tile, or an out-of-range entry, reported). Tile k's table entry is
+  // bt_first[(t0 + 64 k) / P] (t0 = the warp's first token's slot in its page): a 32-bit index from
+  // one base pointer, and one unsigned compare for the range (num_pages clamped to 2^31: every
+  // non-negative int32 entry is below a larger pool).
+  const int32_t* bt_first = btrow + ci_first / P;
+  const uint32_t slot0 = (uint32_t)(ci_first % P);
+  const uint32_t np32 = p.num_pages < ((int64_t)1 << 31) ? (uint32_t)p.num_pages : (1u << 31);
   auto page_k = [&](int k) -> int32_t {
     if (k >= nmy) return -1;
-    const uint64_t q = (ci_first + (uint64_t)kTokensPerStep * (uint32_t)k) / P;
-    const int32_t pg = btrow[q];
-    if (pg >= 0 && pg < p.num_pages) return pg;
-    if (lane == 0) report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)q, pg, p.num_pages);
+    const uint32_t rel = (slot0 + kTokensPerStep * (uint32_t)k) / P;
+    const int32_t pg = bt_first[rel];
+    if ((uint32_t)pg < np32) return pg;
+    if (lane == 0) report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)(ci_first / P + rel), pg, p.num_pages);
     return -1;
   };
+  // Copies of tile k into `stage`. A tile whose page entry is out of range is not copied; its stage
+  // keeps older bytes and the tile loop computes on them anyway: the error is set, so the merge
+  // writes nothing and no result of this call is visible (no per-stage validity flag to keep).
   auto issue = [&](int k, int stage, int32_t pg) {
     if (k < nmy) {
-      if (lane == 0) s_pg[warp][stage] = pg;
       if (pg >= 0) {
-        const uint8_t* hb = head_base + (int64_t)pg * p.page_bytes;
-        const uint32_t t0 = (uint32_t)(ci_first + (uint64_t)kTokensPerStep * (uint32_t)k) % P;
+        const uint8_t* hb = head_base + (int64_t)(uint32_t)pg * p.page_bytes;
+        const uint32_t t0 = (slot0 + kTokensPerStep * (uint32_t)k) % P;
         uint8_t* dst = wst + stage * TB + 16 * lane;
 #pragma unroll
         for (int i = 0; i < NCH; ++i)
@@ -422,6 +429,13 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     // tokens that exist from the warp's first one (clamped like vis)
     const int64_t crem = (int64_t)C - (int64_t)ci_first;
     const int cnt = crem > (1 << 30) ? (1 << 30) : (int)crem;
+    // Per-lane thresholds on koff (tile k's first token offset, 64 k): this lane's token 2 gID + e of
+    // the tile is visible to query 2 tid + j iff koff + e <= vlim[j] (causal limit and end of the
+    // tokens, relative to the lane's token 2 gID), and exists iff koff + e < tlim.
+    int vlim[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) vlim[j] = (vis[j] < cnt - 1 ? vis[j] : cnt - 1) - 2 * gID;
+    const int tlim = cnt - 2 * gID;
     int stage = 0, stage_fill = NST - 1;  // k % NST and (k + NST - 1) % NST
 #pragma unroll 1
     for (int k = 0; k < nmy; ++k) {
@@ -432,13 +446,9 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       cp_async_wait<NST - 1>();  // this lane's copies of tile k have landed
       __syncwarp();              // ... and every lane's
       if (k == 0) FMKV_TRACE(p, 0, 5);
-      const int32_t pg = s_pg[warp][stage];
       const int koff = (int)kTokensPerStep * k;  // first token of tile k, from the warp's first
       const uint8_t* st = wst + stage * TB;  // the staged tile
       stage = stage + 1 == NST ? 0 : stage + 1;
-      if (pg >= 0) {
-      const int rem = cnt - koff;
-      const int nvalid = rem < 16 ? rem : 16;  // token offsets o < nvalid exist
 
       // ---- scores S = K Q^T: sc[k] = (token 2 gID + (k >> 1), query 2 tid + (k & 1))
       float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -508,13 +518,6 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       }
 
       // ---- online softmax of queries 2 tid + j over the tile's 16 tokens (8 lanes of equal tid)
-      // token offset o of this tile is visible to query j iff o <= last[j] (causal limit and tile end)
-      int last[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int dlt = vis[j] - koff;  // vis[j] = -1: negative for every tile
-        last[j] = dlt < 0 ? -1 : dlt >= nvalid ? nvalid - 1 : dlt;
-      }
       float pr[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) pr[k] = sc[k] * fac2[k & 1];
@@ -525,8 +528,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       float mt_[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int o = 2 * gID + (k >> 1), j = k & 1;
-        pr[k] = o <= last[j] ? pr[k] : -INFINITY;
+        const int e = k >> 1, j = k & 1;  // token 2 gID + e, query 2 tid + j
+        pr[k] = koff + e <= vlim[j] ? pr[k] : -INFINITY;
         mt_[j] = fmaxf(mt_[j], pr[k]);
       }
       float corr[2];
@@ -542,15 +545,6 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         l_run[j] = l_run[j] * corr[j] + (pr[j] + pr[j + 2]);
         m_run[j] = m_new;
       }
-      if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {  // some running max moved
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) acc[g][mt][k] *= corr[k & 1];
-      }
-
       // ---- O^T += V^T P^T; this lane: coordinates 2gID + {0,16,1,17} of each group, tokens a,b,c,d
       const uint8_t* vst = st + TG::kbytes;
       const uint32_t* vw = (const uint32_t*)vst + 4 * tid;                // tokens 4 tid .. 4 tid + 3, plane 0
@@ -561,7 +555,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         // P x token scale (fp32, then fp16: p <= 1 and |scale| <= 65504 cannot overflow), transposed
         // (tokens past the end get scale 0: their bytes may be uninitialised, and 0 x Inf is NaN)
         const uint32_t vs2 = vs[g * 8];
-        const float sa = 2 * gID < nvalid ? h_lo(vs2) : 0.0f, sb = 2 * gID + 1 < nvalid ? h_hi(vs2) : 0.0f;
+        const float sa = koff < tlim ? h_lo(vs2) : 0.0f, sb = koff + 1 < tlim ? h_hi(vs2) : 0.0f;
         uint32_t pb0 = pack_half2(pr[0] * sa, pr[1] * sa), pb1 = pack_half2(pr[2] * sb, pr[3] * sb);
         pb0 = movmatrix_trans(pb0);
         pb1 = movmatrix_trans(pb1);
@@ -619,10 +613,19 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
           aB2 = lookup<VB>(s2cd.x, mB2, TV) ^ ((wlo_cd * m1) & kSignMask);
           aB3 = lookup<VB>(s2cd.y, mB3, TV) ^ ((whi_cd * m1) & kSignMask);
         }
+        // O rescaled where a running max moved, after group 0's operands: the branch ends a basic
+        // block, and ptxas schedules group 0's decode into the softmax's latencies only before it
+        if (g == 0 && __any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+          for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+              for (int k = 0; k < 4; ++k) acc[gg][mt][k] *= corr[k & 1];
+        }
         mma16816(acc[g][0], aA0, aA1, aA2, aA3, pb0, pb1);
         mma16816(acc[g][1], aB0, aB1, aB2, aB3, pb0, pb1);
       }
-      }  // pg >= 0
       __syncwarp();  // every lane is done with this stage before it is refilled
     }
     cp_async_wait<0>();
