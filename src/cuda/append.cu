@@ -18,7 +18,9 @@
 // written token slots at or past the sequence's compressed length, which nothing reads until a
 // successful append rewrites them (FORMAT.md section 2).
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "../core/quant_math.h"
 #include "quantize.cuh"
@@ -478,6 +480,13 @@ bool aligned16(const void* ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 void append(const AppendArgs& a) {
   const fmkv_config& c = a.cfg;
   if (a.batch.num_seqs == 0) return;
+  {  // compress counts its warp tasks (rows / vectors per warp x 2 x kv heads) in 32 bits
+    const int64_t vpw = 32 / (c.head_dim / 64), tasks = (a.k.rows + vpw - 1) / vpw * 2 * (int64_t)c.num_kv_heads;
+    if (tasks > (int64_t)UINT32_MAX)
+      throw Error(kOverflow, "cuda append: " + std::to_string(a.k.rows) + " rows x " + std::to_string(c.num_kv_heads) +
+                                 " kv heads are " + std::to_string(tasks) +
+                                 " quantizer tasks, more than 2^32 - 1 in one call; append in smaller chunks");
+  }
   static const QuantTables tables[3] = {make_tables(2), make_tables(3), make_tables(4)};
   AppendParams p{};
   fill_layer_batch(p, c, a.layer, a.batch);

@@ -281,5 +281,21 @@ TEST_F(CudaErrors, AttentionSplitSpan) {
   EXPECT_GT(wsf, (int64_t)ws);
 }
 
+TEST_F(CudaErrors, AppendTaskCountOverflow) {
+  // more rows x kv heads than compress's 32-bit task count: rejected on the host before any launch
+  // (nothing is read: a small buffer stands in for the 2^31 + 16 rows)
+  fmkv_config c = config(256, 3, 3, 8, 16);
+  const int64_t rows = (int64_t(1) << 31) + 16;  // (2^28 + 2) warp tasks of 8 rows x 2 x 8 heads = 2^32 + 32
+  DeviceBuf pages(kCuda, (size_t)fmkv_config_page_bytes(&c)), tab(kCuda, 4), lens(kCuda, 8), offs(kCuda, 16),
+      data(kCuda, 4096);
+  fmkv_layer_cache lc{(uint8_t*)pages.p, 1, nullptr, nullptr, 1, 0};
+  fmkv_batch bt{1, nullptr, (const int64_t*)lens.p, (const int64_t*)offs.p, (const int32_t*)tab.p, 1};
+  const fmkv_tensor kt{data.p, FMKV_F16, rows, 8, 256, 8 * 256, 256};
+  EXPECT_EQ(fmkv_append(kCuda, &c, &lc, &bt, &kt, &kt, nullptr), FMKV_ERR_OVERFLOW) << fmkv_last_error();
+  const std::string msg = fmkv_last_error();
+  EXPECT_NE(msg.find("4294967328 quantizer tasks, more than 2^32 - 1 in one call"), std::string::npos) << msg;
+  EXPECT_EQ(fmkv_device_synchronize(kCuda), FMKV_OK) << fmkv_last_error();  // nothing was launched
+}
+
 }  // namespace
 }  // namespace fmkv::test
