@@ -349,18 +349,18 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
       // one non-finite input makes every output non-finite (header comment); ring rows were checked
       // when they were appended. Reported after the quantization (no live values around the call).
       bad = !(fabsf(r8[0]) <= 3.402823466e38f) && t == 0 && vt.src && !(vt.src & 1u);
-      const bool lsq = p.rule == FMKV_SCALE_LSQ;
       if constexpr (FIX != 0) {
         quantize_store<FIX / 2, FIX % 2 == 1, NT>(r8, cn, p.qt[FIX / 2 - 2], vt, t, p.P);
-      } else switch (bits * 2 + (lsq ? 1 : 0)) {
-        case 4: quantize_store<2, false, NT>(r8, cn, p.qt[0], vt, t, p.P); break;
-        case 5: quantize_store<2, true, NT>(r8, cn, p.qt[0], vt, t, p.P); break;
-        case 6: quantize_store<3, false, NT>(r8, cn, p.qt[1], vt, t, p.P); break;
-        case 7: quantize_store<3, true, NT>(r8, cn, p.qt[1], vt, t, p.P); break;
-        case 8: quantize_store<4, false, NT>(r8, cn, p.qt[2], vt, t, p.P); break;
-        default: quantize_store<4, true, NT>(r8, cn, p.qt[2], vt, t, p.P); break;
+      } else {
+        switch (bits * 2 + (p.rule == FMKV_SCALE_LSQ ? 1 : 0)) {
+          case 4: quantize_store<2, false, NT>(r8, cn, p.qt[0], vt, t, p.P); break;
+          case 5: quantize_store<2, true, NT>(r8, cn, p.qt[0], vt, t, p.P); break;
+          case 6: quantize_store<3, false, NT>(r8, cn, p.qt[1], vt, t, p.P); break;
+          case 7: quantize_store<3, true, NT>(r8, cn, p.qt[1], vt, t, p.P); break;
+          case 8: quantize_store<4, false, NT>(r8, cn, p.qt[2], vt, t, p.P); break;
+          default: quantize_store<4, true, NT>(r8, cn, p.qt[2], vt, t, p.P); break;
+        }
       }
-      (void)lsq;
     }
     if (bad) report_nonfinite_row(p, r, h, isv);
     __syncwarp();  // every lane is done with this stage before the task after next refills it

@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       if (ch_off[i] >= 0) ch_off[i] += t0 * ch_mul[i];
   }
   // Page of tile k (-1: no such tile, or an out-of-range entry, reported). Tile k's table entry is
-  // bt_first[(t0 + 64 k) / P] (t0 = the warp's first token's slot in its page): a 32-bit index from
+  // bt_first[(slot0 + 64 k) / P] (slot0 = the warp's first token's slot in its page): a 32-bit index from
   // one base pointer, and one unsigned compare for the range (num_pages clamped to 2^31: every
   // non-negative int32 entry is below a larger pool).
   const int32_t* bt_first = btrow + ci_first / P;
