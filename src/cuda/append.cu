@@ -252,10 +252,13 @@ __device__ __forceinline__ void report_nonfinite_row(const AppendParams& p, int6
 // + 7 of the vector), applies the rotation signs (one xor per 16 bytes, masks of fwht_input_mask in
 // shared memory) and runs thread_fwht + quantize_store.
 constexpr int kCompressWarps = 8, kCompressStages = 2;
+
+// A quantizer variant: code width b and scale rule, as 2 b + (rule == LSQ) (4..9).
+__host__ __device__ constexpr int quantizer_code(int bits, int rule) { return 2 * bits + (rule == FMKV_SCALE_LSQ ? 1 : 0); }
 constexpr int kCompressSmem = kCompressWarps * kCompressStages * 256 * 16;
 
 // FIX = 0: each task reads its code width and the scale rule from p (K and V may differ, k16 copies);
-// FIX = 2 b + lsq: every task is b-bit with that rule (K and V alike, the common case). The fixed
+// FIX = quantizer_code(b, rule): every task is b-bit with that rule (K and V alike, the common case). The fixed
 // variant holds one quantizer instead of six: a sixth of the code, so the hot loop stays in the
 // instruction cache.
 template <int D, int FIX>
@@ -352,7 +355,7 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
       if constexpr (FIX != 0) {
         quantize_store<FIX / 2, FIX % 2 == 1, NT>(r8, cn, p.qt[FIX / 2 - 2], vt, t, p.P);
       } else {
-        switch (bits * 2 + (p.rule == FMKV_SCALE_LSQ ? 1 : 0)) {
+        switch (quantizer_code(bits, p.rule)) {
           case 4: quantize_store<2, false, NT>(r8, cn, p.qt[0], vt, t, p.P); break;
           case 5: quantize_store<2, true, NT>(r8, cn, p.qt[0], vt, t, p.P); break;
           case 6: quantize_store<3, false, NT>(r8, cn, p.qt[1], vt, t, p.P); break;
@@ -436,11 +439,8 @@ void launch_compress(const AppendParams& p, cudaStream_t st) {
 }
 
 template <int D>
-void launch_append(AppendParams& p, cudaStream_t st) {
-  constexpr int VPW = 32 / (D / 64);
-  p.items = (uint32_t)((p.rows + VPW - 1) / VPW) * 2u * (uint32_t)p.H;
-  const int fix = p.kb == p.vb && p.kb != FMKV_FP16_BITS ? 2 * p.kb + (p.rule == FMKV_SCALE_LSQ ? 1 : 0) : 0;
-  switch (fix) {
+void launch_append(const AppendParams& p, cudaStream_t st) {
+  switch (p.kb == p.vb && p.kb != FMKV_FP16_BITS ? quantizer_code(p.kb, p.rule) : 0) {
     case 4: launch_compress<D, 4>(p, st); break;
     case 5: launch_compress<D, 5>(p, st); break;
     case 6: launch_compress<D, 6>(p, st); break;
@@ -480,13 +480,12 @@ bool aligned16(const void* ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 void append(const AppendArgs& a) {
   const fmkv_config& c = a.cfg;
   if (a.batch.num_seqs == 0) return;
-  {  // compress counts its warp tasks (rows / vectors per warp x 2 x kv heads) in 32 bits
-    const int64_t vpw = 32 / (c.head_dim / 64), tasks = (a.k.rows + vpw - 1) / vpw * 2 * (int64_t)c.num_kv_heads;
-    if (tasks > (int64_t)UINT32_MAX)
-      throw Error(kOverflow, "cuda append: " + std::to_string(a.k.rows) + " rows x " + std::to_string(c.num_kv_heads) +
-                                 " kv heads are " + std::to_string(tasks) +
-                                 " quantizer tasks, more than 2^32 - 1 in one call; append in smaller chunks");
-  }
+  // compress's warp tasks (ceil(rows / vectors per warp) x 2 x kv heads), counted in 32 bits
+  const int64_t vpw = 32 / (c.head_dim / 64), tasks = (a.k.rows + vpw - 1) / vpw * 2 * (int64_t)c.num_kv_heads;
+  if (tasks > (int64_t)UINT32_MAX)
+    throw Error(kOverflow, "cuda append: " + std::to_string(a.k.rows) + " rows x " + std::to_string(c.num_kv_heads) +
+                               " kv heads are " + std::to_string(tasks) +
+                               " quantizer tasks, more than 2^32 - 1 in one call; append in smaller chunks");
   static const QuantTables tables[3] = {make_tables(2), make_tables(3), make_tables(4)};
   AppendParams p{};
   fill_layer_batch(p, c, a.layer, a.batch);
@@ -501,7 +500,7 @@ void append(const AppendArgs& a) {
   }
   p.ring16 = aligned16(a.layer.fp16_k) && aligned16(a.layer.fp16_v);
   p.pages16 = aligned16(a.layer.pages);
-  p.items = 0;
+  p.items = (uint32_t)tasks;
   for (int i = 0; i < 3; ++i) p.qt[i] = tables[i];
   p.err = error_word();
   cudaStream_t st = to_stream(a.stream);

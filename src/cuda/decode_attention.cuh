@@ -10,7 +10,7 @@
 //                 the K fragment is decoded in registers: field word -> selector-form bytes -> one
 //                 64-bit multiply-add for two byte-permute selectors -> one prmt per fp16 pair from
 //                 the level table, the sign plane moved into bits 15/31 by a multiply (FMA pipe; the
-//                 integer ALU pipe is the loop's limit) and XORed in (FORMAT.md section 6). 2-bit codes
+//                 integer ALU pipe is the loop's busiest) and XORed in (FORMAT.md section 6). 2-bit codes
 //                 index a signed 4-entry table instead (make_x2s): no sign work.
 //                 Coordinates are permuted consistently in Q and K (the dot product does not care);
 //                 the Q fragments are read from shared memory per tile (registers for occupancy).
@@ -271,18 +271,16 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   // P <= 64: every tile of this warp starts at the same slot of its page (the warp steps 64 tokens),
   // so the chunks' in-page source offsets are loop-invariant (4 registers instead of 8, no multiply)
   constexpr bool kFixedSlot = P <= (int)kTokensPerStep;
+  const uint32_t slot0 = (uint32_t)(ci_first % P);  // the slot of the warp's first token in its page
   if constexpr (kFixedSlot) {
-    const int t0 = (int)(ci_first % P);
 #pragma unroll
     for (int i = 0; i < NCH; ++i)
-      if (ch_off[i] >= 0) ch_off[i] += t0 * ch_mul[i];
+      if (ch_off[i] >= 0) ch_off[i] += (int)slot0 * ch_mul[i];
   }
   // Page of tile k (-1: no such tile, or an out-of-range entry, reported). Tile k's table entry is
-  // bt_first[(slot0 + 64 k) / P] (slot0 = the warp's first token's slot in its page): a 32-bit index from
-  // one base pointer, and one unsigned compare for the range (num_pages clamped to 2^31: every
-  // non-negative int32 entry is below a larger pool).
+  // bt_first[(slot0 + 64 k) / P]: a 32-bit index from one base pointer, and one unsigned compare for
+  // the range (num_pages clamped to 2^31: every non-negative int32 entry is below a larger pool).
   const int32_t* bt_first = btrow + ci_first / P;
-  const uint32_t slot0 = (uint32_t)(ci_first % P);
   const uint32_t np32 = p.num_pages < ((int64_t)1 << 31) ? (uint32_t)p.num_pages : (1u << 31);
   auto page_k = [&](int k) -> int32_t {
     if (k >= nmy) return -1;
@@ -397,9 +395,9 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     const bool softcapped = p.softcap > 0.0f;
     const float inv_cap = softcapped ? 1.0f / p.softcap : 0.0f;
     float fac2[2];
-    // Causal limit of query 2 tid + j relative to this warp's first token, in 32 bits: tile k's token
-    // offset o is visible iff o <= vis[j] - 64 k (-1: none; clamped to 2^30: every token of the warp's
-    // tiles, which span less than 2^30 tokens: attn_sequence_ok rejects more than 2^30 per split).
+    // Causal limit of query 2 tid + j relative to this warp's first token, in 32 bits (-1: none;
+    // clamped to 2^30: every token of the warp's tiles, which span less than 2^30 tokens:
+    // attn_sequence_ok rejects more than 2^30 per split); the tile loop uses it through vlim below.
     int vis[2];
     const int64_t rel0 = (int64_t)p.S + (int64_t)ci_first;
 #pragma unroll

@@ -4,7 +4,7 @@
 For every attn_kernel instantiation in the given objects (cuobjdump -sass), finds the tile loop (the
 innermost backward-branch loop that contains mma instructions) and prints its instruction count, how
 many of them issue to the integer ALU pipe (logic, shifts, byte permutes, integer adds / compares,
-selects, fp32 compare / min / max: the pipe that limits the loop, one warp instruction per 2 cycles on
+selects, fp32 compare / min / max: the loop's busiest pipe, one warp instruction per 2 cycles on
 sm_90; IMAD and fp32 arithmetic go to the FMA pipe; docs/CUDA-NOTES.md "Floors"), its HMMA count and
 local-memory operations (LDL/STL: register spills). Exits 1 if any tile loop touches local
 memory: every kernel shares its 128-register budget with the cold paths (fp16 part, fused step), and a
