@@ -5,7 +5,9 @@
 // The last split (sp == nsplit) does the fp16 sink + window tokens in the raw domain (fp16_part) and,
 // for a fused step, the append (fused_step).
 //
-// Per warp and 16-token tile (staged in shared memory by cp.async, 2-3 tiles ahead):
+// Per warp and 16-token tile (staged in shared memory by cp.async, 2-3 tiles ahead; branch-free
+// issue: a missing tile or a bad page entry zero-fills its stage, the entry error is reported after
+// the loop):
 //   S = K Q^T     mma.m16n8k16 (m = 16 tokens, n = 8 q vectors, k = 16 coordinates), two per group;
 //                 the K fragment is decoded in registers: field word -> selector-form bytes -> one
 //                 64-bit multiply-add for two byte-permute selectors -> one prmt per fp16 pair from
@@ -15,7 +17,8 @@
 //                 Coordinates are permuted consistently in Q and K (the dot product does not care);
 //                 the Q fragments are read from shared memory per tile (registers for occupancy).
 //                 Per-group fp16 scales are applied in fp32 to each group's mma result.
-//   online softmax in fp32 (ex2.approx, log2 units), P kept in registers.
+//   online softmax in fp32 (ex2.approx, log2 units), P kept in registers; the running max moves
+//                 (8-lane reduction, O and l rescaled) only in tiles where a score exceeds it.
 //   O^T += V^T P^T  mma.m16n8k16 (m = 16 coordinates, n = 8 q vectors, k = 16 tokens); the V fragment
 //                 pairs two tokens of one coordinate; P is multiplied by the token's V scale in fp32
 //                 (p <= 1, |scale| <= 65504: the fp16 operand cannot overflow) and transposed into
@@ -277,35 +280,33 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     for (int i = 0; i < NCH; ++i)
       if (ch_off[i] >= 0) ch_off[i] += (int)slot0 * ch_mul[i];
   }
-  // Page of tile k (-1: no such tile, or an out-of-range entry, reported). Tile k's table entry is
-  // bt_first[(slot0 + 64 k) / P]: a 32-bit index from one base pointer, and one unsigned compare for
-  // the range (num_pages clamped to 2^31: every non-negative int32 entry is below a larger pool).
-  const int32_t* bt_first = btrow + ci_first / P;
+  // Table entry of tile k: bt_first[(slot0 + 64 k) / P], a 32-bit index from one base pointer. Read
+  // one issue ahead of its use and checked only there (a check at the load would wait for it); for
+  // k >= nmy the last tile's entry is read instead (an in-range load, unused), so no branch. A warp
+  // without tiles (nmy = 0) reads entry 0 of the row (it exists: the split has tiles).
+  const int32_t* bt_first = nmy > 0 ? btrow + ci_first / P : btrow;
   const uint32_t np32 = p.num_pages < ((int64_t)1 << 31) ? (uint32_t)p.num_pages : (1u << 31);
-  auto page_k = [&](int k) -> int32_t {
-    if (k >= nmy) return -1;
-    const uint32_t rel = (slot0 + kTokensPerStep * (uint32_t)k) / P;
-    const int32_t pg = bt_first[rel];
-    if ((uint32_t)pg < np32) return pg;
-    if (lane == 0) report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)(ci_first / P + rel), pg, p.num_pages);
-    return -1;
+  auto entry_k = [&](int k) -> int32_t {
+    const uint32_t kk = (uint32_t)(k < nmy ? k : nmy > 0 ? nmy - 1 : 0);
+    return bt_first[(slot0 + kTokensPerStep * kk) / P];
   };
-  // Copies of tile k into `stage`. A tile whose page entry is out of range is not copied; its stage
-  // keeps older bytes and the tile loop computes on them anyway: the error is set, so the merge
-  // writes nothing and no result of this call is visible (no per-stage validity flag to keep).
+  // Copies of tile k into `stage`, branch-free: a tile that does not exist (k >= nmy) or whose entry
+  // is out of range (one unsigned compare; num_pages clamped to 2^31, above every non-negative int32)
+  // copies nothing (cp.async with source size 0 zero-fills the stage). A bad entry is remembered
+  // (bad_k, the first one) and reported after the loop: the call fails, the merge writes nothing,
+  // so the tile loop may compute on the zeroed stage (no per-stage validity flag to keep).
+  int bad_k = -1;
   auto issue = [&](int k, int stage, int32_t pg) {
-    if (k < nmy) {
-      if (pg >= 0) {
-        const uint8_t* hb = head_base + (int64_t)(uint32_t)pg * p.page_bytes;
-        const uint32_t t0 = (slot0 + kTokensPerStep * (uint32_t)k) % P;
-        uint8_t* dst = wst + stage * TB + 16 * lane;
+    const bool exists = k < nmy, ok = exists && (uint32_t)pg < np32;
+    bad_k = bad_k < 0 && exists && !ok ? k : bad_k;
+    const uint8_t* hb = head_base + (int64_t)(ok ? (uint32_t)pg : 0u) * p.page_bytes;
+    const uint32_t t0 = (slot0 + kTokensPerStep * (uint32_t)k) % P;
+    uint8_t* dst = wst + stage * TB + 16 * lane;
 #pragma unroll
-        for (int i = 0; i < NCH; ++i)
-          if (ch_off[i] >= 0)
-            cp_async16(dst + 512 * i, hb + (uint32_t)(kFixedSlot ? ch_off[i] : ch_off[i] + (int)t0 * ch_mul[i]));
-      }
-    }
-    cp_async_commit();  // one group per tile slot, empty or not, so wait_group counts tiles
+    for (int i = 0; i < NCH; ++i)
+      if (ch_off[i] >= 0)
+        cp_async16_zfill(dst + 512 * i, hb + (uint32_t)(kFixedSlot ? ch_off[i] : ch_off[i] + (int)t0 * ch_mul[i]), ok);
+    cp_async_commit();  // one group per tile slot, so wait_group counts tiles
   };
   for (int64_t vb = 0; vb < nqv; vb += kQV) {
     // ---- Q: 8 query vectors (finite-checked), rotated in registers by warp w (vectors w, w + 4;
@@ -337,10 +338,10 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     }
     load_elems<QPW * NR>(p.q, p.q_dtype, qoff, reinterpret_cast<float(&)[QPW * NR]>(xq));
     // Start streaming this warp's first tiles before the Q work, so their latency overlaps it.
-    int32_t pg_ahead = page_k(0);
+    int32_t pg_ahead = entry_k(0);
 #pragma unroll 1
     for (int k = 0; k < NST - 1; ++k) {
-      const int32_t pn = page_k(k + 1);
+      const int32_t pn = entry_k(k + 1);
       issue(k, k, pg_ahead);
       pg_ahead = pn;
     }
@@ -395,20 +396,12 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     const bool softcapped = p.softcap > 0.0f;
     const float inv_cap = softcapped ? 1.0f / p.softcap : 0.0f;
     float fac2[2];
-    // Causal limit of query 2 tid + j relative to this warp's first token, in 32 bits (-1: none;
-    // clamped to 2^30: every token of the warp's tiles, which span less than 2^30 tokens:
-    // attn_sequence_ok rejects more than 2^30 per split); the tile loop uses it through vlim below.
-    int vis[2];
-    const int64_t rel0 = (int64_t)p.S + (int64_t)ci_first;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int64_t pj = s_vpos[2 * tid + j], r = pj < 0 ? -1 : pj - rel0;
-      vis[j] = r < 0 ? -1 : r > (1 << 30) ? (1 << 30) : (int)r;
       const float fac = s_qmax[2 * tid + j] * p.sm_scale;
       // scores are kept in log2 units (x log2 e) inside the tile loop; m is converted back at the end
       fac2[j] = p.softcap > 0.0f ? fac : fac * kLog2e;
     }
-
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
     float acc[G][2][4];
 #pragma unroll
@@ -424,20 +417,25 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     // Read from shared memory: a multiplier ptxas knows to be a power of two becomes a shift again.
     const uint32_t kmul[2] = {s_pow2[15 - 2 * tid], s_pow2[7 - 2 * tid]};
     const uint32_t vmul = s_pow2[15 - 2 * gID];
-    // tokens that exist from the warp's first one (clamped like vis)
-    const int64_t crem = (int64_t)C - (int64_t)ci_first;
-    const int cnt = crem > (1 << 30) ? (1 << 30) : (int)crem;
-    // Per-lane thresholds on koff (tile k's first token offset, 64 k): this lane's token 2 gID + e of
-    // the tile is visible to query 2 tid + j iff koff + e <= vlim[j] (causal limit and end of the
-    // tokens, relative to the lane's token 2 gID), and exists iff koff + e < tlim.
+    // Per-lane thresholds on koff (tile k's first token offset from the warp's first token, 64 k): this
+    // lane's token 2 gID + e of the tile is visible to query 2 tid + j iff koff + e <= vlim[j] (causal
+    // limit and last token, relative to the lane's token 2 gID), and exists iff koff + e < tlim. In 32
+    // bits: offsets are clamped to 2^30, beyond every token of the warp's tiles (attn_sequence_ok
+    // rejects a split of more than 2^30 tokens).
+    const int64_t rel0 = (int64_t)p.S + (int64_t)ci_first, crem = (int64_t)C - (int64_t)ci_first;
+    const int cnt = crem > (1 << 30) ? (1 << 30) : (int)crem;  // tokens from the warp's first one
     int vlim[2];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) vlim[j] = (vis[j] < cnt - 1 ? vis[j] : cnt - 1) - 2 * gID;
+    for (int j = 0; j < 2; ++j) {
+      const int64_t pj = s_vpos[2 * tid + j], r = pj < 0 ? -1 : pj - rel0;  // causal limit (-1: none)
+      const int lim = r < cnt - 1 ? (int)r : cnt - 1;
+      vlim[j] = lim - 2 * gID;
+    }
     const int tlim = cnt - 2 * gID;
     int stage = 0, stage_fill = NST - 1;  // k % NST and (k + NST - 1) % NST
 #pragma unroll 1
     for (int k = 0; k < nmy; ++k) {
-      const int32_t pn = page_k(k + NST);
+      const int32_t pn = entry_k(k + NST);
       issue(k + NST - 1, stage_fill, pg_ahead);
       pg_ahead = pn;
       stage_fill = stage;
@@ -523,25 +521,41 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
         for (int k = 0; k < 4; ++k) pr[k] = p.softcap * tanhf(pr[k] * inv_cap) * kLog2e;
       }
-      float mt_[2] = {-INFINITY, -INFINITY};
+      // Lazy running max: m_run (uniform over the 8 lanes of a query) moves only when a score of the
+      // tile exceeds it. Then (a uniform branch; per tile 1 - 1/(k + 1) of iid tiles skip it) the max
+      // over the 8 lanes, the factor, and l and O rescaled; else P uses m_run as it is -- the same
+      // values as an update every tile (m_new == m_run, factor 1), without its shuffles and ex2.
+      float lm[2] = {-INFINITY, -INFINITY};  // this lane's max of query 2 tid + j over its 2 tokens
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int e = k >> 1, j = k & 1;  // token 2 gID + e, query 2 tid + j
         pr[k] = koff + e <= vlim[j] ? pr[k] : -INFINITY;
-        mt_[j] = fmaxf(mt_[j], pr[k]);
+        lm[j] = fmaxf(lm[j], pr[k]);
       }
-      float corr[2];
+      if (__any_sync(0xffffffffu, lm[0] > m_run[0] || lm[1] > m_run[1])) {
+        float corr[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int o = 4; o <= 16; o <<= 1) lm[j] = fmaxf(lm[j], __shfl_xor_sync(0xffffffffu, lm[j], o));
+          const float m_new = fmaxf(m_run[j], lm[j]);
+          corr[j] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[j] - m_new);
+          l_run[j] *= corr[j];
+          m_run[j] = m_new;
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[g][mt][k] *= corr[k & 1];
+      }
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int o = 4; o <= 16; o <<= 1) mt_[j] = fmaxf(mt_[j], __shfl_xor_sync(0xffffffffu, mt_[j], o));
-        const float m_new = fmaxf(m_run[j], mt_[j]);
-        corr[j] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[j] - m_new);
-        const float ms = m_new == -INFINITY ? 0.0f : m_new;  // all masked so far: p = exp2(-inf) = 0
+        const float ms = m_run[j] == -INFINITY ? 0.0f : m_run[j];  // all masked so far: p = exp2(-inf) = 0
         pr[j] = fast_exp2(pr[j] - ms);
         pr[j + 2] = fast_exp2(pr[j + 2] - ms);
-        l_run[j] = l_run[j] * corr[j] + (pr[j] + pr[j + 2]);
-        m_run[j] = m_new;
+        l_run[j] += pr[j] + pr[j + 2];
       }
       // ---- O^T += V^T P^T; this lane: coordinates 2gID + {0,16,1,17} of each group, tokens a,b,c,d
       const uint8_t* vst = st + TG::kbytes;
@@ -611,22 +625,16 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
           aB2 = lookup<VB>(s2cd.x, mB2, TV) ^ ((wlo_cd * m1) & kSignMask);
           aB3 = lookup<VB>(s2cd.y, mB3, TV) ^ ((whi_cd * m1) & kSignMask);
         }
-        // O rescaled where a running max moved, after group 0's operands: the branch ends a basic
-        // block, and ptxas schedules group 0's decode into the softmax's latencies only before it
-        if (g == 0 && __any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
-#pragma unroll
-          for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-              for (int k = 0; k < 4; ++k) acc[gg][mt][k] *= corr[k & 1];
-        }
         mma16816(acc[g][0], aA0, aA1, aA2, aA3, pb0, pb1);
         mma16816(acc[g][1], aB0, aB1, aB2, aB3, pb0, pb1);
       }
       __syncwarp();  // every lane is done with this stage before it is refilled
     }
     cp_async_wait<0>();
+    if (bad_k >= 0 && lane == 0) {  // the first out-of-range entry of this warp's tiles
+      const uint32_t rel = (slot0 + kTokensPerStep * (uint32_t)bad_k) / P;
+      report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)(ci_first / P + rel), bt_first[rel], p.num_pages);
+    }
     FMKV_TRACE(p, 0, 6);
 
     __syncthreads();  // every warp is done with its stages: sm_acc reuses their memory
