@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Where the decode tile loop's warps stall, by phase and by instruction, from ncu's source page.
+
+    ncu --kernel-name regex:attn_kernel --launch-skip 3 --launch-count 1 --section SourceCounters \
+        --section WarpStateStats -o rep fmkv_cuda_bench --only 1 131072 3 3
+    ncu -i rep.ncu-rep --page source --csv --print-source sass > src.csv
+    python3 tests/cuda/stall_by_phase.py src.csv
+
+The tile loop is the shortest backward branch whose body holds at least 8 HMMA. Phases (heuristic,
+by the loop's landmarks): loop top (page entries, copies, waits) up to 30 instructions before the
+first HMMA; K decode + mma up to the 8th HMMA; scales + softmax up to the VOTE of the running-max
+test; V decode + mma to the end. Percentages are of all warp-state samples of the kernel."""
+import collections
+import csv
+import re
+import sys
+
+
+def main(path):
+    rows = list(csv.reader(open(path)))
+    hdr = rows[1]
+    ix = {h: i for i, h in enumerate(hdr)}
+    stall_cols = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
+    ins = []
+    for r in rows[2:]:
+        if len(r) < len(hdr):
+            continue
+        try:
+            a = int(r[ix["Address"]], 16)
+        except ValueError:
+            continue
+        ins.append((a, r[ix["Source"]], int(r[ix["Warp Stall Sampling (All Samples)"]] or 0),
+                    {k: int(r[ix[k]] or 0) for k in stall_cols}))
+    tot = sum(x[2] for x in ins) or 1
+    at = {a: i for i, (a, *_) in enumerate(ins)}
+    loop = None
+    for i, (a, s, *_) in enumerate(ins):
+        m = re.search(r"BRA (0x[0-9a-f]+)", s)
+        if not m or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
+            continue
+        seg = ins[at[int(m.group(1), 16)]:i + 1]
+        if sum("HMMA" in y[1] for y in seg) >= 8 and (loop is None or len(seg) < len(loop)):
+            loop = seg
+    if loop is None:
+        sys.exit("no tile loop (a backward branch over >= 8 HMMA) in " + path)
+    print("kernel instructions %d, warp-state samples %d" % (len(ins), tot))
+    print("tile loop: %d instructions, %.1f%% of the samples" % (len(loop), 100 * sum(x[2] for x in loop) / tot))
+    every = collections.Counter()
+    for x in ins:
+        every.update(x[3])
+    print("all samples: " + ", ".join("%s %.1f%%" % (k[6:], 100 * v / tot) for k, v in every.most_common(10)))
+    hm = [i for i, x in enumerate(loop) if "HMMA" in x[1]]
+    vote = [i for i, x in enumerate(loop) if "VOTE" in x[1]]
+    k0 = max(0, hm[0] - 30)
+    v0 = vote[0] if vote else hm[8]
+    phases = [("loop top (entries, copies, waits)", loop[:k0]), ("K decode + mma", loop[k0:hm[7] + 1]),
+              ("scales + softmax", loop[hm[7] + 1:v0 + 1]), ("V decode + mma", loop[v0 + 1:])]
+    for name, seg in phases:
+        c = collections.Counter()
+        for x in seg:
+            c.update(x[3])
+        print("%-34s %4d instructions %5.1f%% of samples  " % (name, len(seg), 100 * sum(x[2] for x in seg) / tot)
+              + ", ".join("%s %.1f" % (k[6:], 100 * v / tot) for k, v in c.most_common(6)))
+    print("top 25 instructions of the loop by samples (address offset, share, SASS, main reasons):")
+    for x in sorted(loop, key=lambda x: -x[2])[:25]:
+        reasons = ", ".join("%s %d" % (k[6:], v) for k, v in sorted(x[3].items(), key=lambda kv: -kv[1])[:3] if v)
+        print("%6x %5.2f%%  %-50s %s" % (x[0] & 0xfffff, 100 * x[2] / tot, x[1][:50], reasons))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

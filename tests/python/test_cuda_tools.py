@@ -1,0 +1,62 @@
+"""The device-side diagnostic scripts under tests/cuda run on ncu / cuobjdump output; here they run on
+small synthetic inputs, so a format change breaks a test and not a device session."""
+import csv
+import importlib.util
+import io
+import pathlib
+import contextlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "cuda" / (name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _source_csv(path, body):
+    """An ncu `--page source --csv` file: kernel line, header, one row per SASS instruction."""
+    hdr = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_wait", "stall_short_sb",
+           "stall_wait (Not Issued)"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["Kernel Name", "attn_kernel"])
+        w.writerow(hdr)
+        for addr, sass, wait, ssb in body:
+            w.writerow(["0x%x" % addr, sass, wait + ssb, wait, ssb, 0])
+
+
+def test_stall_by_phase_splits_the_tile_loop(tmp_path):
+    body = [(0x100, "S2R R0, SR_TID.X", 5, 0)]
+    a = 0x200
+    loop_start = a
+    for _ in range(31):  # loop top
+        body.append((a, "IADD3 R1, R1, 0x1, RZ", 1, 0)); a += 16
+    for k in range(8):  # K phase: decode + mma
+        body.append((a, "PRMT R2, R3, R4, R5", 2, 0)); a += 16
+        body.append((a, "HMMA.16816.F32 R4, R8, R12, R4", 0, 3)); a += 16
+    body.append((a, "FMNMX R6, R6, R7, !PT", 1, 0)); a += 16
+    body.append((a, "VOTE.ANY P0, P0", 1, 0)); a += 16
+    for k in range(8):  # V phase
+        body.append((a, "LOP3.LUT R2, R3, 0x3, RZ, 0xc0, !PT", 4, 0)); a += 16
+        body.append((a, "HMMA.16816.F32 R16, R8, R12, R16", 0, 1)); a += 16
+    body.append((a, "@P1 BRA 0x%x" % loop_start, 0, 0)); a += 16
+    body.append((a, "EXIT", 9, 0))
+    path = tmp_path / "src.csv"
+    _source_csv(path, body)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _load("stall_by_phase").main(str(path))
+    text = out.getvalue()
+    total = sum(w + s for _, _, w, s in body)
+    loop = sum(w + s for addr, _, w, s in body if loop_start <= addr < a)
+    assert "warp-state samples %d" % total in text
+    assert "tile loop: %d instructions, %.1f%% of the samples" % (len(body) - 2, 100 * loop / total) in text
+    lines = {ln.split("  ")[0].strip(): ln for ln in text.splitlines()}
+    # the loop top holds the instructions more than 30 before the first HMMA (index 32): 2 of the 31 IADD3
+    assert "   2 instructions" in lines["loop top (entries, copies, waits)"]
+    assert "  45 instructions" in lines["K decode + mma"]  # the other 29 IADD3, 8 PRMT + 8 HMMA
+    assert "   2 instructions" in lines["scales + softmax"]
+    assert "  17 instructions" in lines["V decode + mma"]
