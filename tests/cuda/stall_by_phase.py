@@ -12,8 +12,11 @@ first HMMA; K decode + mma up to the 8th HMMA; scales + softmax up to the VOTE o
 test; V decode + mma to the end. Percentages are of all warp-state samples of the kernel."""
 import collections
 import csv
-import re
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tile_loop_check import loop_span  # noqa: E402
 
 
 def main(path):
@@ -32,15 +35,7 @@ def main(path):
         ins.append((a, r[ix["Source"]], int(r[ix["Warp Stall Sampling (All Samples)"]] or 0),
                     {k: int(r[ix[k]] or 0) for k in stall_cols}))
     tot = sum(x[2] for x in ins) or 1
-    at = {a: i for i, (a, *_) in enumerate(ins)}
-    loop = None
-    for i, (a, s, *_) in enumerate(ins):
-        m = re.search(r"BRA (0x[0-9a-f]+)", s)
-        if not m or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
-            continue
-        seg = ins[at[int(m.group(1), 16)]:i + 1]
-        if sum("HMMA" in y[1] for y in seg) >= 8 and (loop is None or len(seg) < len(loop)):
-            loop = seg
+    loop = loop_span(ins, min_hmma=8)
     if loop is None:
         sys.exit("no tile loop (a backward branch over >= 8 HMMA) in " + path)
     print("kernel instructions %d, warp-state samples %d" % (len(ins), tot))

@@ -31,18 +31,27 @@ def kernels(sass):
         yield name, ins
 
 
-def tile_loop(ins):
-    at = {a: i for i, (a, _) in enumerate(ins)}
+def loop_span(ins, min_hmma=4):
+    """The shortest backward-branch loop of ins (entries (address, SASS, ...)) that holds at least
+    min_hmma HMMA instructions: the decode tile loop. Also used on ncu's source page (stall_by_phase)."""
+    at = {x[0]: i for i, x in enumerate(ins)}
     best = None
-    for i, (a, t) in enumerate(ins):
-        m = re.search(r"BRA (0x[0-9a-f]+)", t)
-        if not m or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
+    for i, x in enumerate(ins):
+        m = re.search(r"BRA (0x[0-9a-f]+)", x[1])
+        if not m or int(m.group(1), 16) >= x[0] or int(m.group(1), 16) not in at:
             continue
         seg = ins[at[int(m.group(1), 16)]:i + 1]
-        hmma = sum("HMMA" in x for _, x in seg)
-        if hmma >= 4 and (best is None or len(seg) < best[0]):
-            best = (len(seg), hmma, sum(bool(re.match(r"(@\S+\s+)?(LDL|STL)", x)) for _, x in seg), alu_count(seg))
+        if sum("HMMA" in y[1] for y in seg) >= min_hmma and (best is None or len(seg) < len(best)):
+            best = seg
     return best
+
+
+def tile_loop(ins):
+    seg = loop_span(ins)
+    if seg is None:
+        return None
+    return (len(seg), sum("HMMA" in x for _, x in seg), sum(bool(re.match(r"(@\S+\s+)?(LDL|STL)", x)) for _, x in seg),
+            alu_count(seg))
 
 
 ALU_OPS = {"LOP3", "LOP", "SHF", "PRMT", "ISETP", "IADD3", "SEL", "LEA", "IMNMX", "VIMNMX", "PLOP3",
