@@ -411,10 +411,10 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           // k pairs (2 tid, 2 tid + 1) and (2 tid + 8, 2 tid + 9) hold the coordinates the K decode pairs:
-          // 3 bits: (b, b + 16), (b + 1, b + 17) with b = 32 g + 8 c + 2 tid; 2 bits (make_x2s order):
+          // 3 bits and fp16 K: (b, b + 16), (b + 1, b + 17) with b = 32 g + 8 c + 2 tid; 2 bits (make_x2s order):
           // (b, b + 1), (b + 16, b + 17); 4 bits (nibbles): (b, b + 1), (b + 2, b + 3) with b = 32 g + 16 c + 4 tid
           const int b = KB == 4 ? 32 * g + 16 * c + 4 * tid : 32 * g + 8 * c + 2 * tid;
-          const int o1 = KB == 3 ? 16 : 1, o2 = KB == 2 ? 16 : KB == 4 ? 2 : 1, o3 = KB == 4 ? 3 : 17;
+          const int o1 = KB == 2 || KB == 4 ? 1 : 16, o2 = KB == 2 ? 16 : KB == 4 ? 2 : 1, o3 = KB == 4 ? 3 : 17;
           s_qb[warp][g][c][lane] = make_uint2(pack_half2(sq[gID][b] * qinv, sq[gID][b + o1] * qinv),
                                               pack_half2(sq[gID][b + o2] * qinv, sq[gID][b + o3] * qinv));
         }
