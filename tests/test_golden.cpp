@@ -1,4 +1,4 @@
-// Golden vectors of format v1 (tests/golden/v1.txt): inputs -> page bytes -> dequantized values ->
+// Golden vectors of format v2 (tests/golden/v2.txt): inputs -> page bytes -> dequantized values ->
 // attention output. Every backend must reproduce the bytes bit-exactly and the output to 1e-5.
 // Inputs come from splitmix64 (not <random>) so the file is platform independent.
 // Regenerate (only with a format version change): FMKV_WRITE_GOLDEN=1 fmkv_tests --gtest_filter=Golden.*
@@ -80,7 +80,7 @@ Produced produce(fmkv_backend b, const GoldenCase& g, int idx) {
   return p;
 }
 
-std::string golden_path() { return std::string(FMKV_SOURCE_DIR) + "/tests/golden/v1.txt"; }
+std::string golden_path() { return std::string(FMKV_SOURCE_DIR) + "/tests/golden/v2.txt"; }
 
 std::vector<std::string> read_golden() {
   std::ifstream f(golden_path());
@@ -93,7 +93,7 @@ std::vector<std::string> read_golden() {
 TEST(Golden, ReproducedByEveryBackend) {
   if (std::getenv("FMKV_WRITE_GOLDEN")) {
     std::ofstream f(golden_path());
-    f << "# fmkv format v1 golden vectors: per case the config, page bytes (hex), fp16 sink/window\n"
+    f << "# fmkv format v2 golden vectors: per case the config, page bytes (hex), fp16 sink/window\n"
          "# bytes (hex), attention output (float32 bits, hex). Inputs: tests/test_golden.cpp.\n";
     for (int i = 0; i < (int)(sizeof kCases / sizeof kCases[0]); ++i) {
       const GoldenCase& g = kCases[i];

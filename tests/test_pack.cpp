@@ -27,6 +27,20 @@ TEST(Pack, FieldPositionsAreABijection) {
     }
 }
 
+// Format version 2: a 4-bit code is the nibble 4 (j & 7) of word j >> 3, sign in the nibble's bit 3.
+TEST(Pack, FourBitCodesAreNibbles) {
+  std::mt19937 r(std::random_device{}());
+  uint8_t codes[32];
+  for (auto& c : codes) c = (uint8_t)(r() % 16u);
+  uint32_t w[4] = {0, 0, 0, 0};
+  fmkv::ref::pack_group(codes, 4, w, 1);
+  for (int j = 0; j < 32; ++j) {
+    EXPECT_EQ(fmkv_nibble_word(j), j / 8);
+    EXPECT_EQ(fmkv_nibble_shift(j), 4 * (j % 8));
+    EXPECT_EQ((w[j / 8] >> (4 * (j % 8))) & 15u, codes[j]) << "coordinate " << j;
+  }
+}
+
 TEST(Pack, RoundTripEveryBitWidthAndHeadDim) {
   std::mt19937 r(std::random_device{}());
   for (int bits = 2; bits <= 4; ++bits)

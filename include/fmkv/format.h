@@ -1,4 +1,4 @@
-/* fmkv compressed KV-cache format, version 1: layout arithmetic.
+/* fmkv compressed KV-cache format, version 2: layout arithmetic.
  *
  * docs/FORMAT.md is normative; this header is its executable form. Every backend (reference, CPU,
  * CUDA, Metal) locates bytes only through these functions. Plain C99, no allocation, usable from
@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define FMKV_FORMAT_VERSION 1
+#define FMKV_FORMAT_VERSION 2
 #define FMKV_GROUP_SIZE 32 /* rotated coordinates per scale group */
 #define FMKV_FP16_BITS 16  /* k_bits value meaning "K kept in fp16, unrotated" */
 #define FMKV_MIN_PAGE_SIZE 16
@@ -31,7 +31,7 @@ enum fmkv_scale_rule {
   FMKV_SCALE_LSQ = 1  /* code with the RMS scale, then least-squares rescale (v1 default) */
 };
 
-/* Is head_dim supported by format v1? (power of two, 64..256) */
+/* Is head_dim supported by the format? (power of two, 64..256) */
 FMKV_HD int fmkv_head_dim_supported(int32_t d) { return d == 64 || d == 128 || d == 256; }
 /* Is this a supported code width (for K: 2,3,4 or 16 = fp16; for V: 2,3,4)? */
 FMKV_HD int fmkv_code_bits_supported(int32_t bits) { return bits >= 2 && bits <= 4; }
@@ -83,7 +83,8 @@ FMKV_HD int64_t fmkv_scales_offset(int32_t d, int32_t bits, int32_t page_size) {
  * stored in b uint32 words ("planes"):
  *   b=2: word 0 = magnitude bit plane,              word 1 = sign plane
  *   b=3: words 0,1 = 2-bit magnitude field plane,   word 2 = sign plane
- *   b=4: words 0,1 = magnitude bits 0-1 field plane, word 2 = magnitude bit 2 plane, word 3 = sign
+ *   b=4: words 0..3 = nibble words (version 2): the whole code of coordinate j is the nibble at
+ *        bits fmkv_nibble_shift(j) .. + 3 of word fmkv_nibble_word(j) (sign in the nibble's bit 3)
  * In a 1-bit plane coordinate j is bit j. In the 2-bit field plane coordinate j occupies two bits
  * of word fmkv_field_word(j) at fmkv_field_shift(j); with i = j & 15, lo = j >> 4:
  *   word = i >> 3, shift = 8 * (2 * (i & 1) + lo) + 2 * ((i >> 1) & 3).
@@ -92,6 +93,12 @@ FMKV_HD int64_t fmkv_scales_offset(int32_t d, int32_t bits, int32_t page_size) {
  * registers with a byte permute and one shift (see docs/FORMAT.md, "Why this bit order").
  */
 FMKV_HD int32_t fmkv_field_word(int32_t j) { return (j & 15) >> 3; }
+/* b = 4 (version 2): coordinate j's code is nibble j & 7 of word j >> 3. Four codes of a half-word are
+ * one byte-permute selector as stored: two permutes fetch the low / high bytes of their fp16 levels
+ * from 8-entry byte tables (the magnitude, bits 0-2), one sign-replicating permute makes the sign
+ * mask (docs/FORMAT.md, "Why this bit order"). */
+FMKV_HD int32_t fmkv_nibble_word(int32_t j) { return j >> 3; }
+FMKV_HD int32_t fmkv_nibble_shift(int32_t j) { return 4 * (j & 7); }
 FMKV_HD int32_t fmkv_field_shift(int32_t j) {
   int32_t i = j & 15, lo = j >> 4;
   return 8 * (2 * (i & 1) + lo) + 2 * ((i >> 1) & 3);

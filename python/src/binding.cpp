@@ -713,7 +713,7 @@ NB_MODULE(_fmkv, m) {
     return fmkv_config_fp16_slot_bytes(&c);
   });
   m.def("bytes_per_token_head", [](int32_t d, int32_t bits) {
-    if (!fmkv_head_dim_supported(d)) fail("head_dim " + std::to_string(d) + " is not supported (format v1: 64, 128, 256)");
+    if (!fmkv_head_dim_supported(d)) fail("head_dim " + std::to_string(d) + " is not supported (format v2: 64, 128, 256)");
     if (!fmkv_code_bits_supported(bits) && bits != FMKV_FP16_BITS)
       fail("bits " + std::to_string(bits) + " is not supported (2, 3, 4 or 16)");
     return fmkv_bytes_per_token_head(d, bits);

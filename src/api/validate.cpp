@@ -108,7 +108,7 @@ int32_t first_non_fp16(const fmkv_tensor& t, int64_t r, int32_t h) {
 
 void validate_config(const fmkv_config& c) {
   if (!fmkv_head_dim_supported(c.head_dim))
-    fail(kInvalidArgument, "head_dim " + S(c.head_dim) + " is not supported (format v1: 64, 128, 256)");
+    fail(kInvalidArgument, "head_dim " + S(c.head_dim) + " is not supported (format v2: 64, 128, 256)");
   if (c.num_kv_heads < 1) fail(kInvalidArgument, "num_kv_heads must be >= 1, got " + S(c.num_kv_heads));
   if (!fmkv_code_bits_supported(c.k_bits) && c.k_bits != FMKV_FP16_BITS)
     fail(kInvalidArgument, "k_bits " + S(c.k_bits) + " is not supported (2, 3, 4 or 16)");

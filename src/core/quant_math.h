@@ -1,4 +1,4 @@
-// Per-group quantization arithmetic of format v1 (FORMAT.md "Scale" and "Codes"), scalar form.
+// Per-group quantization arithmetic of the format (v1 and v2 alike) (FORMAT.md "Scale" and "Codes"), scalar form.
 // Every operation is float32 with round-to-nearest and no fused multiply-add; sums over a group use
 // the fixed pairwise tree of tree_sum32 (the order a 32-lane xor-shuffle reduction produces).
 // Backends that vectorise must reproduce exactly these roundings.

@@ -1,4 +1,4 @@
-// Randomized Hadamard rotation of format v1: sign vector from (seed, layer), normalisation constant.
+// Randomized Hadamard rotation of the format (v1 and v2 alike): sign vector from (seed, layer), normalisation constant.
 // FORMAT.md "Rotation" is normative. Host and CUDA device.
 #pragma once
 #include <stdint.h>

@@ -22,11 +22,19 @@ inline uint16_t scale_h(float s) {
   return (h & 0x7fffu) >= 0x7c00u ? (uint16_t)0x7bffu : h;
 }
 
-// Lane order of V accumulators: lane u (0..31) of a group holds coordinate pi(u), the coordinate
-// whose 2-bit field sits in field word u >> 4 at shift 2 * (u & 15). With this order a broadcast
-// field word shifted by a constant per-lane vector yields every lane's magnitude, no shuffles.
+// Lane order of V accumulators (all V widths): lane u (0..31) of a group holds coordinate pi(u), the
+// coordinate whose 2-bit field sits in field word u >> 4 at shift 2 * (u & 15). With this order a
+// broadcast field word shifted by a constant per-lane vector yields every lane's magnitude, no
+// shuffles (b = 3). b = 2 shifts the broadcast 1-bit planes by per-lane constants (pi_srl, sign_shl).
+// b = 4 (nibble words): lane u needs nibble pi(u) & 7 of word nib_word[u] = pi(u) >> 3; written out,
+//   pi(u) = 16 * ((u >> 2) & 1) + 8 * (u >> 4) + 2 * (u & 3) + ((u >> 3) & 1),
+//   nib_word[u] = 2 * ((u >> 2) & 1) + (u >> 4),
+// so every run of 4 lanes u = 4k .. 4k + 3 reads one word: a block of N <= 4 lanes one word, a block of
+// N = 8 or 16 lanes (u0 = hv * N, a multiple of 8) word u0 >> 4 in the lanes with lane-index bit 2
+// clear and word (u0 >> 4) + 2 in those with it set (one blend of two broadcasts per token).
 struct LaneTables {
-  alignas(64) uint32_t pi[32], field_shift[32], pi_srl[32], sign_shl[32], m2_srl[32], m2_sll[32];
+  alignas(64) uint32_t pi[32], field_shift[32], pi_srl[32], sign_shl[32], nib_word[32], nib_shift[32],
+      nib_sign_shl[32];
   LaneTables() {
     for (int j = 0; j < 32; ++j) {
       int u = 16 * fmkv_field_word(j) + fmkv_field_shift(j) / 2;
@@ -35,10 +43,11 @@ struct LaneTables {
     for (int u = 0; u < 32; ++u) {
       int j = (int)pi[u];
       field_shift[u] = (uint32_t)(2 * (u & 15));
-      pi_srl[u] = (uint32_t)j;                              // bit j -> bit 0
-      sign_shl[u] = (uint32_t)(31 - j);                     // bit j -> bit 31
-      m2_srl[u] = j >= 2 ? (uint32_t)(j - 2) : 32u;         // bit j -> bit 2 (right part)
-      m2_sll[u] = j < 2 ? (uint32_t)(2 - j) : 32u;          // bit j -> bit 2 (left part)
+      pi_srl[u] = (uint32_t)j;                                  // bit j -> bit 0
+      sign_shl[u] = (uint32_t)(31 - j);                         // bit j -> bit 31
+      nib_word[u] = (uint32_t)fmkv_nibble_word(j);              // the nibble word holding code j
+      nib_shift[u] = (uint32_t)fmkv_nibble_shift(j);            // its nibble -> bits 0..3
+      nib_sign_shl[u] = (uint32_t)(28 - fmkv_nibble_shift(j));  // nibble bit 3 (sign) -> bit 31
     }
   }
 };
@@ -53,7 +62,7 @@ void unpermute_acc(const float* acc, int32_t d, float* out) {
     for (int u = 0; u < 32; ++u) out[g * 32 + (int)lt.pi[u]] = acc[g * 32 + u];
 }
 
-// ---- quantize: rotate (FWHT), group scale, codes, bit planes -------------------------------
+// ---- quantize: rotate (FWHT), group scale, codes, code words -------------------------------
 // One head vector per call, single thread. Bit-exact with ref::quantize_vector + pack_group:
 // identical float32 operations (no fma), tree_sum32 pairing reproduced across and inside vectors.
 template <class T, int D, int B>
@@ -98,8 +107,8 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
     uint16_t sc = 0;
     if (s0f != 0.0f) {
       const F sv = T::set1(s0f);
-      uint32_t sign = 0, b0 = 0, b1 = 0, b2 = 0;
-      I mm[K];
+      uint32_t sign = 0, b0 = 0, b1 = 0;  // 2, 3 bits: bit j = coordinate j's sign, magnitude bits 0, 1
+      I mm[K], cc[K];
       F u[K];
       for (int k = 0; k < K; ++k) {
         u[k] = T::div(yg[k], sv);
@@ -107,23 +116,28 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
         I m = T::set1i(0);
         for (int i = 0; i + 1 < NM; ++i) m = T::count_gt(m, a, qp.thr[i]);
         mm[k] = m;
-        sign |= T::ltzero_mask(u[k]) << (k * N);
-        b0 |= T::bitmask(m, 0) << (k * N);
-        if (B >= 3) b1 |= T::bitmask(m, 1) << (k * N);
-        if (B == 4) b2 |= T::bitmask(m, 2) << (k * N);
+        if constexpr (B == 4) {
+          cc[k] = T::code4(m, u[k]);  // whole code m | sign << 3
+        } else {
+          sign |= T::ltzero_mask(u[k]) << (k * N);
+          b0 |= T::bitmask(m, 0) << (k * N);
+          if (B == 3) b1 |= T::bitmask(m, 1) << (k * N);
+        }
       }
       if (B == 2) {
         w[0] = b0;
-      } else {
+        w[1] = sign;
+      } else if (B == 3) {  // 2-bit field plane (words 0, 1), sign plane (word 2)
         for (int fw = 0; fw < 2; ++fw)
           for (int byte = 0; byte < 4; ++byte) {
             const int base = 8 * fw + (byte >> 1) + 16 * (byte & 1);
             const uint32_t v = ((b0 >> base) & 0x55u) | (((b1 >> base) & 0x55u) << 1);
             w[fw] |= v << (8 * byte);
           }
-        if (B == 4) w[2] = b2;
+        w[2] = sign;
+      } else {  // nibble words: code j at bits 4 (j & 7) .. of word j >> 3
+        T::pack_nibbles(cc, w);
       }
-      w[B - 1] = sign;
       sc = s0;
       if (qp.rule == FMKV_SCALE_LSQ) {
         F nn[K], dd[K];
@@ -160,13 +174,15 @@ void quantize_dispatch(const QuantParams& qp, const uint16_t* x, uint8_t* sectio
 // One call = one kv head, R query vectors (GQA group heads x query rows), compressed tokens
 // [c0, c1) in blocks of N tokens (N = SIMD lanes; a block never crosses a page since P >= 16).
 // K (quantized): lane = token. For each coordinate j the N tokens' codes are extracted from the
-// plane words of N consecutive tokens (one contiguous load per plane) with constant shifts, looked up
-// in the signed codebook (register permute), and fma'd with the broadcast rotated q[j]; per-group
-// fp16 scales multiply the group partial sums. Scores come out as one vector per query.
+// code words of N consecutive tokens (one contiguous load per word: planes for 2 / 3 bits, nibble
+// words for 4 bits) with constant shifts, looked up in the codebook (register permute), signed, and
+// fma'd with the broadcast rotated q[j]; per-group fp16 scales multiply the group partial sums.
+// Scores come out as one vector per query.
 // K (fp16, k_bits == 16): lane = coordinate, one dot product per token.
 // Softmax: online, per block (max, exp, sum) in registers.
-// V: lane = coordinate (lane order pi, see LaneTables). Per token: broadcast the plane words,
-// shift by per-lane constants, look up, fma into accumulators with weight p * scale.
+// V: lane = coordinate (lane order pi, see LaneTables). Per token: broadcast the code words (4 bits:
+// the block's one or two nibble words, blended), shift by per-lane constants, look up, fma into
+// accumulators with weight p * scale.
 // Nothing is dequantized to memory; each page is read once for all R queries.
 template <class T, int KB, int VB, int R>
 void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, AttnState* st) {
@@ -241,14 +257,17 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
         for (int r = 0; r < R; ++r) qg[r] = q[r] + g * 32;
 #pragma GCC unroll 32
         for (int j = 0; j < 32; ++j) {
-          I idx;
-          if constexpr (KB == 2) idx = T::srl(W[0], j);
-          else idx = T::srl(W[fmkv_field_word(j)], fmkv_field_shift(j));
+          F lev;
+          // 4 bits: code j is nibble j & 7 of word j >> 3. T::lut reads idx mod 16 (scalar, AVX-512) or
+          // mod 8 (AVX2, NEON) and the 4-bit table has period 8, so the sign (nibble bit 3) and the
+          // higher nibbles need no mask; the sign bit is shifted to bit 31 separately.
           if constexpr (KB == 4) {
-            const I b2 = j >= 2 ? T::srl(W[2], j - 2) : T::sll(W[2], 2 - j);
-            idx = T::select_bits(idx, b2, T::set1i(4));
+            const I wj = W[fmkv_nibble_word(j)];
+            lev = T::xor_sign(T::lut(tk, T::srl(wj, fmkv_nibble_shift(j))), T::sll(wj, 28 - fmkv_nibble_shift(j)));
+          } else {
+            const I idx = KB == 2 ? T::srl(W[0], j) : T::srl(W[fmkv_field_word(j)], fmkv_field_shift(j));
+            lev = T::xor_sign(T::lut(tk, idx), T::sll(W[KB - 1], 31 - j));
           }
-          const F lev = T::xor_sign(T::lut(tk, idx), T::sll(W[KB - 1], 31 - j));
           for (int r = 0; r < R; ++r) part[r] = T::fmadd(T::set1(qg[r][j]), lev, part[r]);
         }
         const F sc = T::load_h(ksc + (int64_t)g * P + t0);
@@ -290,23 +309,29 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
           A[r] = T::load(st[r].acc + g * 32 + hv * N);
           if (corr[r] != 1.0f) A[r] = T::mul(A[r], T::set1(corr[r]));
         }
-        const int fw = (hv * N) >> 4;
-        const I sh_m = VB == 2 ? T::loadi(lt.pi_srl + hv * N) : T::loadi(lt.field_shift + hv * N);
-        const I sh_s = T::loadi(lt.sign_shl + hv * N);
-        I m2r = T::set1i(0), m2l = T::set1i(0);
-        if constexpr (VB == 4) m2r = T::loadi(lt.m2_srl + hv * N), m2l = T::loadi(lt.m2_sll + hv * N);
-        const uint32_t* wm = VB == 2 ? wg : wg + (int64_t)fw * P;
-        for (int t = 0; t < nany; ++t) {
-          I idx = T::srlv(T::set1i(wm[t]), sh_m);
-          if constexpr (VB == 4) {
-            const I w2 = T::set1i(wg[2 * P + t]);
-            // bit pi(u) of plane 2 -> bit 2: (w2 >> m2r) | (w2 << m2l) (one side shifts by 32 = 0);
-            // select_bits(a, ~0, c) == a | c.
-            const I b2 = T::select_bits(T::srlv(w2, m2r), T::set1i(0xffffffffu), T::sllv(w2, m2l));
-            idx = T::select_bits(idx, b2, T::set1i(4));
+        const int u0 = hv * N;
+        if constexpr (VB == 4) {
+          // Nibble words (see LaneTables): lane u takes word nib_word[u], a single word for N <= 4,
+          // for N = 8 / 16 word u0 >> 4 in lanes with lane-index bit 2 clear, word (u0 >> 4) + 2 in
+          // the others. Shift the lane's nibble to bits 0..3 (no mask: see K) and its bit 3 to bit 31.
+          const I sh_n = T::loadi(lt.nib_shift + u0), sh_s = T::loadi(lt.nib_sign_shl + u0);
+          const uint32_t* wa = wg + (int64_t)lt.nib_word[u0] * P;
+          const uint32_t* wb = wg + (int64_t)lt.nib_word[N >= 8 ? u0 + 4 : u0] * P;
+          for (int t = 0; t < nany; ++t) {
+            I w = T::set1i(wa[t]);
+            if constexpr (N >= 8) w = T::blend_i_hbit(w, T::set1i(wb[t]), 4);
+            const F lev = T::xor_sign(T::lut(tv, T::srlv(w, sh_n)), T::sllv(w, sh_s));
+            for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
           }
-          const F lev = T::xor_sign(T::lut(tv, idx), T::sllv(T::set1i(wg[(VB - 1) * P + t]), sh_s));
-          for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
+        } else {
+          const I sh_m = VB == 2 ? T::loadi(lt.pi_srl + u0) : T::loadi(lt.field_shift + u0);
+          const I sh_s = T::loadi(lt.sign_shl + u0);
+          const uint32_t* wm = VB == 2 ? wg : wg + (int64_t)(u0 >> 4) * P;
+          for (int t = 0; t < nany; ++t) {
+            const I idx = T::srlv(T::set1i(wm[t]), sh_m);
+            const F lev = T::xor_sign(T::lut(tv, idx), T::sllv(T::set1i(wg[(VB - 1) * P + t]), sh_s));
+            for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
+          }
         }
         for (int r = 0; r < R; ++r) T::store(st[r].acc + g * 32 + hv * N, A[r]);
       }

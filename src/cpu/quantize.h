@@ -1,5 +1,5 @@
 // CPU quantizer front end: per-layer constants for the SIMD quantize kernel (kernels_impl.h,
-// quantize_t: sign flip + in-register FWHT + norm, group RMS/LSQ scale, codes, bit planes) and
+// quantize_t: sign flip + in-register FWHT + norm, group RMS/LSQ scale, codes, code words) and
 // the codebook tables shared with attention.
 #pragma once
 #include <cstdint>

@@ -59,6 +59,16 @@ struct ScalarT {
   static F abs(F x) { return x < 0.0f ? -x : x; }
   static I count_gt(I m, F a, float thr) { return m + (a > thr ? 1u : 0u); }
   static uint32_t bitmask(I m, int bit) { return (m >> bit) & 1u; }
+  // 4-bit codes (format version 2): code4 = m | (u < 0) << 3 per lane (m < 8); pack_nibbles: the 32 codes
+  // of a group (K = 32 / N vectors, vector k lane i = coordinate k N + i) to nibble words w[0..3].
+  static I code4(I m, F u) { return m | (u < 0.0f ? 8u : 0u); }
+  static void pack_nibbles(const I* c, uint32_t* w) {
+    for (int q = 0; q < 4; ++q) {
+      uint32_t x = 0;
+      for (int i = 0; i < 8; ++i) x |= c[8 * q + i] << (4 * i);
+      w[q] = x;
+    }
+  }
   static F negate_if_lt0(F l, F u) { return u < 0.0f ? -l : l; }
   static uint16_t h_from_f(float x) { return f32_to_f16(x); }
   static float f_from_h(uint16_t h) { return f16_to_f32(h); }
@@ -136,6 +146,12 @@ struct Avx2T {
     if (h == 2) return _mm256_blend_ps(a, b, 0xCC);
     return _mm256_blend_ps(a, b, 0xF0);
   }
+  // Integer blend_hbit (lanes with bit h of the lane index from b); V decode of 4-bit codes, N >= 8 only.
+  static I blend_i_hbit(I a, I b, int h) {
+    if (h == 1) return _mm256_blend_epi32(a, b, 0xAA);
+    if (h == 2) return _mm256_blend_epi32(a, b, 0xCC);
+    return _mm256_blend_epi32(a, b, 0xF0);
+  }
   static float tree_reduce(F v) {  // steps 4, 2, 1: lane j += lane j + step
     __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_add_ps(m, _mm_movehl_ps(m, m));
@@ -146,6 +162,16 @@ struct Avx2T {
   static F abs(F x) { return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(x), set1i(0x7fffffffu))); }
   static I count_gt(I m, F a, float thr) { return _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(a, set1(thr), _CMP_GT_OQ))); }
   static uint32_t bitmask(I m, int bit) { return (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sll_epi32(m, _mm_cvtsi32_si128(31 - bit)))); }
+  static I code4(I m, F u) {
+    return _mm256_or_si256(m, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(u, zero(), _CMP_LT_OQ)), set1i(8)));
+  }
+  static void pack_nibbles(const I* c, uint32_t* w) {  // lane i << 4 i, then word k = sum of vector k's lanes
+    const I sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const I h01 = _mm256_hadd_epi32(_mm256_sllv_epi32(c[0], sh), _mm256_sllv_epi32(c[1], sh));
+    const I h23 = _mm256_hadd_epi32(_mm256_sllv_epi32(c[2], sh), _mm256_sllv_epi32(c[3], sh));
+    const I h = _mm256_hadd_epi32(h01, h23);  // 128-bit half: vector k's lanes 0..3 (4..7) summed in lane k
+    _mm_storeu_si128((__m128i*)w, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+  }
   static F negate_if_lt0(F l, F u) {
     return xor_i(l, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(u, zero(), _CMP_LT_OQ)), set1i(0x80000000u)));
   }
@@ -217,6 +243,11 @@ struct Avx512T {
     __mmask16 k = h == 1 ? 0xAAAA : h == 2 ? 0xCCCC : h == 4 ? 0xF0F0 : 0xFF00;
     return _mm512_mask_blend_ps(k, a, b);
   }
+  // Integer blend_hbit (lanes with bit h of the lane index from b); V decode of 4-bit codes, N >= 8 only.
+  static I blend_i_hbit(I a, I b, int h) {
+    __mmask16 k = h == 1 ? 0xAAAA : h == 2 ? 0xCCCC : h == 4 ? 0xF0F0 : 0xFF00;
+    return _mm512_mask_blend_epi32(k, a, b);
+  }
   static float tree_reduce(F v) {  // steps 8, 4, 2, 1: lane j += lane j + step
     __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     __m128 m = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -230,6 +261,15 @@ struct Avx512T {
     return _mm512_mask_add_epi32(m, _mm512_cmp_ps_mask(a, set1(thr), _CMP_GT_OQ), m, set1i(1));
   }
   static uint32_t bitmask(I m, int bit) { return (uint32_t)_mm512_test_epi32_mask(m, set1i(1u << bit)); }
+  static I code4(I m, F u) { return _mm512_mask_or_epi32(m, _mm512_cmp_ps_mask(u, zero(), _CMP_LT_OQ), m, set1i(8)); }
+  static void pack_nibbles(const I* c, uint32_t* w) {  // lane i << 4 (i & 7), then word k = sum of its 8 lanes
+    const I sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const I s0 = _mm512_sllv_epi32(c[0], sh), s1 = _mm512_sllv_epi32(c[1], sh);  // words 0, 1 and 2, 3
+    const __m256i h01 = _mm256_hadd_epi32(_mm512_castsi512_si256(s0), _mm512_extracti64x4_epi64(s0, 1));
+    const __m256i h23 = _mm256_hadd_epi32(_mm512_castsi512_si256(s1), _mm512_extracti64x4_epi64(s1, 1));
+    const __m256i h = _mm256_hadd_epi32(h01, h23);
+    _mm_storeu_si128((__m128i*)w, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+  }
   static F negate_if_lt0(F l, F u) {
     I li = _mm512_castps_si512(l);
     return _mm512_castsi512_ps(_mm512_mask_xor_epi32(li, _mm512_cmp_ps_mask(u, zero(), _CMP_LT_OQ), li, set1i(0x80000000u)));
@@ -327,6 +367,13 @@ struct NeonT {
   static F abs(F x) { return vabsq_f32(x); }
   static I count_gt(I m, F a, float thr) { return vsubq_u32(m, vcgtq_f32(a, vdupq_n_f32(thr))); }
   static uint32_t bitmask(I m, int bit) { return lane_bits(vtstq_u32(m, vdupq_n_u32(1u << bit))); }
+  static I code4(I m, F u) { return vorrq_u32(m, vandq_u32(vcltzq_f32(u), vdupq_n_u32(8u))); }
+  static void pack_nibbles(const I* c, uint32_t* w) {  // word q: vectors 2q, 2q+1 shifted to nibbles 0-3, 4-7, lanes summed
+    static const int32_t lo[4] = {0, 4, 8, 12}, hi[4] = {16, 20, 24, 28};
+    I v[4];
+    for (int q = 0; q < 4; ++q) v[q] = vaddq_u32(vshlq_u32(c[2 * q], vld1q_s32(lo)), vshlq_u32(c[2 * q + 1], vld1q_s32(hi)));
+    vst1q_u32(w, vpaddq_u32(vpaddq_u32(v[0], v[1]), vpaddq_u32(v[2], v[3])));
+  }
   static F negate_if_lt0(F l, F u) { return xor_i(l, vandq_u32(vcltzq_f32(u), vdupq_n_u32(0x80000000u))); }
   static uint16_t h_from_f(float x) { return vget_lane_u16(vreinterpret_u16_f16(vcvt_f16_f32(vdupq_n_f32(x))), 0); }
   static float f_from_h(uint16_t h) { return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0); }

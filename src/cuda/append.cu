@@ -457,7 +457,7 @@ void launch_append(const AppendParams& p, cudaStream_t st) {
 }
 
 // Thresholds of quant_math.h and the facts thread_quantize_group relies on: <= 13 significant bits
-// and an even significand (checked once; they are constants of format v1).
+// and an even significand (checked once; they are constants of the format, unchanged since v1).
 QuantTables make_tables(int bits) {
   QuantTables q;
   std::memset(&q, 0, sizeof(q));

@@ -13,7 +13,10 @@
 //                 64-bit multiply-add for two byte-permute selectors -> one prmt per fp16 pair from
 //                 the level table, the sign plane moved into bits 15/31 by a multiply (FMA pipe; the
 //                 integer ALU pipe is the loop's busiest) and XORed in (FORMAT.md section 6). 2-bit codes
-//                 index a signed 4-entry table instead (make_x2s): no sign work.
+//                 index a signed 4-entry table instead (make_x2s): no sign work. 4-bit codes are nibbles
+//                 (format version 2): a half-word of 4 codes is the selector of two byte permutes (low /
+//                 high bytes of the levels), a sign-replicating permute ORs the signs into the high
+//                 bytes, two permutes interleave them into 2 fp16 pairs (nibble_bytes).
 //                 Coordinates are permuted consistently in Q and K (the dot product does not care);
 //                 the Q fragments are read from shared memory per tile (registers for occupancy).
 //                 Per-group fp16 scales are applied in fp32 to each group's mma result.
@@ -50,8 +53,6 @@ __device__ __forceinline__ uint2 pair_selectors(uint32_t x) {
   return make_uint2((uint32_t)w, (uint32_t)(w >> 32));
 }
 
-// 0xffff in each half of u whose top bit (bit 15 / bit 31) is set (byte permute, sign-replicate mode).
-__device__ __forceinline__ uint32_t half_mask(uint32_t u) { return prmt(u, 0u, 0xBB99u); }
 
 // 8-byte shared-memory load the compiler keeps where it is written (inside the tile loop)
 __device__ __forceinline__ uint2 load_shared_u2(const uint2* a) {
@@ -60,11 +61,30 @@ __device__ __forceinline__ uint2 load_shared_u2(const uint2* a) {
   return v;
 }
 
-template <int B>
-__device__ __forceinline__ uint32_t lookup(uint32_t sel, uint32_t bit2_mask, const uint32_t (&T)[4]) {
-  if (B <= 3) return prmt(T[0], T[1], sel);
-  const uint32_t lo = prmt(T[0], T[1], sel), hi = prmt(T[2], T[3], sel);
-  return (lo & ~bit2_mask) | (hi & bit2_mask);
+__device__ __forceinline__ uint32_t lookup(uint32_t sel, const uint32_t (&T)[4]) { return prmt(T[0], T[1], sel); }
+
+// 4-bit codes (FORMAT.md version 2: nibble words, sign in the nibble's bit 3). The 8 magnitudes' fp16
+// levels split into a low-byte table (L[0..1]) and a high-byte table (H[0..1]), 8 bytes each. For the
+// four nibbles of the low half-word of x: returns their low bytes (lo) and high bytes with the sign
+// ORed in (hi), bytes in nibble order. The sign mask: byte k of prmt(x, 16 x, 0x9D8C) replicates bit 7 of
+// x's byte 0 / 1 (nibbles 1, 3) or of (16 x)'s byte 0 / 1 (nibbles 0, 2), i.e. each nibble's bit 3;
+// 16 x is a multiply by k16 = 16 read from shared memory (FMA pipe, not a shift on the ALU pipe).
+struct NibbleTables {
+  uint32_t L[2], H[2];
+};
+__device__ __forceinline__ void nibble_bytes(uint32_t x, uint32_t k16, const NibbleTables& t, uint32_t& lo, uint32_t& hi) {
+  const uint32_t sel = x & 0x7777u;
+  lo = prmt(t.L[0], t.L[1], sel);
+  hi = prmt(t.H[0], t.H[1], sel) | (prmt(x, x * k16, 0x9D8Cu) & 0x80808080u);
+}
+// the two tables from the fp16x2 level registers T[k] = level 2k | level 2k + 1 << 16
+__device__ __forceinline__ NibbleTables nibble_tables(const uint32_t (&T)[4]) {
+  NibbleTables t;
+  t.L[0] = prmt(T[0], T[1], 0x6420u);
+  t.L[1] = prmt(T[2], T[3], 0x6420u);
+  t.H[0] = prmt(T[0], T[1], 0x7531u);
+  t.H[1] = prmt(T[2], T[3], 0x7531u);
+  return t;
 }
 
 // Selector-form word of coordinates (i0, i0+16, i0+1, i0+17) of a group (i0 even, < 16) of one token,
@@ -376,6 +396,12 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     }
     if (KB == 2) TK[1] = TK[0] ^ kSignMask;  // 2-bit: the signed table of make_x2s
     if (VB == 2) TV[1] = TV[0] ^ kSignMask;
+    const NibbleTables NK = nibble_tables(TK), NV = nibble_tables(TV);  // 4-bit codes (used only then)
+    const uint32_t k16 = s_pow2[4];
+    // 4-bit K: this lane's nibbles are the half-word tid & 1 of word 2 c + (tid >> 1) (coordinates
+    // 16 c + 4 tid .. + 3); 4-bit V: half-word gID & 1 of word gID >> 1 (coordinates 4 gID .. + 3),
+    // the two tokens' bytes interleaved first (selector vsel)
+    const uint32_t nsh = 16u * (uint32_t)(tid & 1), vsel = (gID & 1) ? 0x7362u : 0x5140u;
     // B operand: query vector gID, normalised to max |q| = 1; kept in shared memory and read per tile
     // (ld.volatile: not hoisted into 16 registers, which would cost occupancy)
     {
@@ -384,12 +410,13 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       for (int g = 0; g < G; ++g)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const int b = 32 * g + 8 * c + 2 * tid;
-          // k pairs (2 tid, 2 tid + 1) and (2 tid + 8, 2 tid + 9): coordinates (b, b + 16), (b + 1, b + 17),
-          // as the K decode pairs them; 2-bit K (make_x2s order): (b, b + 1), (b + 16, b + 17)
-          const int o1 = KB == 2 ? 1 : 16, o2 = KB == 2 ? 16 : 1;
+          // k pairs (2 tid, 2 tid + 1) and (2 tid + 8, 2 tid + 9) hold the coordinates the K decode pairs:
+          // 3 bits and fp16 K: (b, b + 16), (b + 1, b + 17) with b = 32 g + 8 c + 2 tid; 2 bits (make_x2s order):
+          // (b, b + 1), (b + 16, b + 17); 4 bits (nibbles): (b, b + 1), (b + 2, b + 3) with b = 32 g + 16 c + 4 tid
+          const int b = KB == 4 ? 32 * g + 16 * c + 4 * tid : 32 * g + 8 * c + 2 * tid;
+          const int o1 = KB == 2 || KB == 4 ? 1 : 16, o2 = KB == 2 ? 16 : KB == 4 ? 2 : 1, o3 = KB == 4 ? 3 : 17;
           s_qb[warp][g][c][lane] = make_uint2(pack_half2(sq[gID][b] * qinv, sq[gID][b + o1] * qinv),
-                                              pack_half2(sq[gID][b + o2] * qinv, sq[gID][b + 17] * qinv));
+                                              pack_half2(sq[gID][b + o2] * qinv, sq[gID][b + o3] * qinv));
         }
     }
     // this lane's softmax rows: query vectors 2 tid + j
@@ -468,38 +495,43 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         const uint32_t* ks = (const uint32_t*)(st + G * KB * 64) + gID;     // their scales, group 0
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-          uint32_t wa[KW], wb[KW];
+          uint32_t wa[KW], wb[KW];  // (the plane words; 4-bit codes load their own)
 #pragma unroll
-          for (int k = 0; k < KW; ++k) {
+          for (int k = 0; k < (KB == 4 ? 0 : KW); ++k) {
             const uint2 w2 = *(const uint2*)(kw + (g * KB + k) * 16);
             wa[k] = w2.x;
             wb[k] = w2.y;
           }
           float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          if constexpr (KB == 4) {  // nibbles: two pairs per token from one half-word, no sign work after
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const uint2 w2 = *(const uint2*)(kw + (g * 4 + 2 * c + (tid >> 1)) * 16);
+              uint32_t la, ha, lb, hb;
+              nibble_bytes(w2.x >> nsh, k16, NK, la, ha);
+              nibble_bytes(w2.y >> nsh, k16, NK, lb, hb);
+              const uint2 qf = load_shared_u2(&s_qb[warp][g][c][lane]);
+              mma16816(c4, prmt(la, ha, 0x5140u), prmt(lb, hb, 0x5140u), prmt(la, ha, 0x7362u), prmt(lb, hb, 0x7362u),
+                       qf.x, qf.y);
+            }
+          } else
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int i0 = 8 * c + 2 * tid;
             const uint32_t m0 = kmul[c], m1 = kmul[c] >> 1;  // x m0 (m1): coordinate i0 (+1) -> bit 15
             const uint2 sa = pair_selectors(KB == 2 ? make_x2s(wa[0], wa[1], i0) : make_x(wa[c], i0));
             const uint2 sb = pair_selectors(KB == 2 ? make_x2s(wb[0], wb[1], i0) : make_x(wb[c], i0));
-            uint32_t ma0 = 0u, mb0 = 0u, ma1 = 0u, mb1 = 0u;  // magnitude bit 2 (B == 4)
-            if (KB == 4) {
-              ma0 = half_mask(wa[2] * m0);
-              mb0 = half_mask(wb[2] * m0);
-              ma1 = half_mask(wa[2] * m1);
-              mb1 = half_mask(wb[2] * m1);
-            }
             uint32_t a0, a1, a2, a3;
             if (KB == 2) {  // signed table: (i0, i0 + 1) and (i0 + 16, i0 + 17) of tokens a, b
-              a0 = lookup<KB>(sa.x, 0u, TK);
-              a1 = lookup<KB>(sb.x, 0u, TK);
-              a2 = lookup<KB>(sa.y, 0u, TK);
-              a3 = lookup<KB>(sb.y, 0u, TK);
+              a0 = lookup(sa.x, TK);
+              a1 = lookup(sb.x, TK);
+              a2 = lookup(sa.y, TK);
+              a3 = lookup(sb.y, TK);
             } else {
-              a0 = lookup<KB>(sa.x, ma0, TK) ^ ((wa[KW - 1] * m0) & kSignMask);
-              a1 = lookup<KB>(sb.x, mb0, TK) ^ ((wb[KW - 1] * m0) & kSignMask);
-              a2 = lookup<KB>(sa.y, ma1, TK) ^ ((wa[KW - 1] * m1) & kSignMask);
-              a3 = lookup<KB>(sb.y, mb1, TK) ^ ((wb[KW - 1] * m1) & kSignMask);
+              a0 = lookup(sa.x, TK) ^ ((wa[KW - 1] * m0) & kSignMask);
+              a1 = lookup(sb.x, TK) ^ ((wb[KW - 1] * m0) & kSignMask);
+              a2 = lookup(sa.y, TK) ^ ((wa[KW - 1] * m1) & kSignMask);
+              a3 = lookup(sb.y, TK) ^ ((wb[KW - 1] * m1) & kSignMask);
             }
             const uint2 qf = load_shared_u2(&s_qb[warp][g][c][lane]);
             mma16816(c4, a0, a1, a2, a3, qf.x, qf.y);
@@ -571,27 +603,43 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         uint32_t pb0 = pack_half2(pr[0] * sa, pr[1] * sa), pb1 = pack_half2(pr[2] * sb, pr[3] * sb);
         pb0 = movmatrix_trans(pb0);
         pb1 = movmatrix_trans(pb1);
+        uint32_t aA0, aA1, aA2, aA3, aB0, aB1, aB2, aB3;
+        if constexpr (VB == 4) {
+          // nibbles of tokens (a, b), (c, d) interleaved bytewise, then per half-word two fp16 pairs
+          // (coordinate n; token pair): aA = n0, n1 = 4 gID, 4 gID + 1, aB = n2, n3
+          const uint4 n4 = *(const uint4*)(vw + (g * 4 + (gID >> 1)) * 16);
+          const uint32_t zab = prmt(n4.x, n4.z, vsel), zcd = prmt(n4.y, n4.w, vsel);
+          auto pairs = [&](uint32_t z, uint32_t& p0, uint32_t& p1) {
+            uint32_t lo, hi;
+            nibble_bytes(z, k16, NV, lo, hi);
+            p0 = prmt(lo, hi, 0x6240u);
+            p1 = prmt(lo, hi, 0x7351u);
+          };
+          pairs(zab, aA0, aA1);
+          pairs(zcd, aA2, aA3);
+          pairs(zab >> 16, aB0, aB1);
+          pairs(zcd >> 16, aB2, aB3);
+        } else {
         const int wi = (g * VB + (VB == 2 ? 0 : fwv)) * 16, si = (g * VB + VB - 1) * 16;
         // token pairs (a, b) = (4 tid, 4 tid + 2), (c, d) = (4 tid + 1, 4 tid + 3)
         const uint4 f4 = *(const uint4*)(vw + wi), g4 = *(const uint4*)(vw + si);
         const uint2 fab = make_uint2(f4.x, f4.z), fcd = make_uint2(f4.y, f4.w);
         const uint2 gab = make_uint2(g4.x, g4.z), gcd = make_uint2(g4.y, g4.w);
         const uint32_t m0 = vmul, m1 = vmul >> 1;  // x m0 (m1): coordinate i0v (+1) -> bit 15
-        uint32_t aA0, aA1, aA2, aA3, aB0, aB1, aB2, aB3;
         if (VB == 2) {  // signed table (make_x2s): no sign planes to pair or apply
           const uint32_t xa = make_x2s(fab.x, gab.x, i0v), xb = make_x2s(fab.y, gab.y, i0v);
           const uint32_t xc = make_x2s(fcd.x, gcd.x, i0v), xd = make_x2s(fcd.y, gcd.y, i0v);
           // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (s1), i0+1 | i0+17 (s2)
           const uint2 s1ab = pair_selectors(prmt(xa, xb, 0x6240u)), s2ab = pair_selectors(prmt(xa, xb, 0x7351u));
           const uint2 s1cd = pair_selectors(prmt(xc, xd, 0x6240u)), s2cd = pair_selectors(prmt(xc, xd, 0x7351u));
-          aA0 = lookup<VB>(s1ab.x, 0u, TV);
-          aA1 = lookup<VB>(s1ab.y, 0u, TV);
-          aA2 = lookup<VB>(s1cd.x, 0u, TV);
-          aA3 = lookup<VB>(s1cd.y, 0u, TV);
-          aB0 = lookup<VB>(s2ab.x, 0u, TV);
-          aB1 = lookup<VB>(s2ab.y, 0u, TV);
-          aB2 = lookup<VB>(s2cd.x, 0u, TV);
-          aB3 = lookup<VB>(s2cd.y, 0u, TV);
+          aA0 = lookup(s1ab.x, TV);
+          aA1 = lookup(s1ab.y, TV);
+          aA2 = lookup(s1cd.x, TV);
+          aA3 = lookup(s1cd.y, TV);
+          aB0 = lookup(s2ab.x, TV);
+          aB1 = lookup(s2ab.y, TV);
+          aB2 = lookup(s2cd.x, TV);
+          aB3 = lookup(s2cd.y, TV);
         } else {
           // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (x1), i0+1 | i0+17 (x2)
           const uint32_t xa = make_x(fab.x, i0v), xb = make_x(fab.y, i0v);
@@ -601,29 +649,15 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
           // sign planes of token pairs: coordinates 0..15 (lo) / 16..31 (hi) of token a | token b
           const uint32_t wlo_ab = prmt(gab.x, gab.y, 0x5410u), whi_ab = prmt(gab.x, gab.y, 0x7632u);
           const uint32_t wlo_cd = prmt(gcd.x, gcd.y, 0x5410u), whi_cd = prmt(gcd.x, gcd.y, 0x7632u);
-          uint32_t mA0 = 0u, mA1 = 0u, mA2 = 0u, mA3 = 0u, mB0 = 0u, mB1 = 0u, mB2 = 0u, mB3 = 0u;
-          if (VB == 4) {  // magnitude bit 2 planes, paired the same way
-            const uint4 p4 = *(const uint4*)(vw + (g * VB + 2) * 16);
-            const uint2 pab = make_uint2(p4.x, p4.z), pcd = make_uint2(p4.y, p4.w);
-            const uint32_t plo_ab = prmt(pab.x, pab.y, 0x5410u), phi_ab = prmt(pab.x, pab.y, 0x7632u);
-            const uint32_t plo_cd = prmt(pcd.x, pcd.y, 0x5410u), phi_cd = prmt(pcd.x, pcd.y, 0x7632u);
-            mA0 = half_mask(plo_ab * m0);
-            mA1 = half_mask(phi_ab * m0);
-            mA2 = half_mask(plo_cd * m0);
-            mA3 = half_mask(phi_cd * m0);
-            mB0 = half_mask(plo_ab * m1);
-            mB1 = half_mask(phi_ab * m1);
-            mB2 = half_mask(plo_cd * m1);
-            mB3 = half_mask(phi_cd * m1);
-          }
-          aA0 = lookup<VB>(s1ab.x, mA0, TV) ^ ((wlo_ab * m0) & kSignMask);
-          aA1 = lookup<VB>(s1ab.y, mA1, TV) ^ ((whi_ab * m0) & kSignMask);
-          aA2 = lookup<VB>(s1cd.x, mA2, TV) ^ ((wlo_cd * m0) & kSignMask);
-          aA3 = lookup<VB>(s1cd.y, mA3, TV) ^ ((whi_cd * m0) & kSignMask);
-          aB0 = lookup<VB>(s2ab.x, mB0, TV) ^ ((wlo_ab * m1) & kSignMask);
-          aB1 = lookup<VB>(s2ab.y, mB1, TV) ^ ((whi_ab * m1) & kSignMask);
-          aB2 = lookup<VB>(s2cd.x, mB2, TV) ^ ((wlo_cd * m1) & kSignMask);
-          aB3 = lookup<VB>(s2cd.y, mB3, TV) ^ ((whi_cd * m1) & kSignMask);
+          aA0 = lookup(s1ab.x, TV) ^ ((wlo_ab * m0) & kSignMask);
+          aA1 = lookup(s1ab.y, TV) ^ ((whi_ab * m0) & kSignMask);
+          aA2 = lookup(s1cd.x, TV) ^ ((wlo_cd * m0) & kSignMask);
+          aA3 = lookup(s1cd.y, TV) ^ ((whi_cd * m0) & kSignMask);
+          aB0 = lookup(s2ab.x, TV) ^ ((wlo_ab * m1) & kSignMask);
+          aB1 = lookup(s2ab.y, TV) ^ ((whi_ab * m1) & kSignMask);
+          aB2 = lookup(s2cd.x, TV) ^ ((wlo_cd * m1) & kSignMask);
+          aB3 = lookup(s2cd.y, TV) ^ ((whi_cd * m1) & kSignMask);
+        }
         }
         mma16816(acc[g][0], aA0, aA1, aA2, aA3, pb0, pb1);
         mma16816(acc[g][1], aB0, aB1, aB2, aB3, pb0, pb1);
@@ -654,7 +688,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-          sm_acc[warp][2 * tid + (k & 1)][32 * g + 2 * gID + mt + ((k & 2) ? 16 : 0)] = acc[g][mt][k];
+          sm_acc[warp][2 * tid + (k & 1)][VB == 4 ? 32 * g + 4 * gID + 2 * mt + (k >> 1)
+                                                 : 32 * g + 2 * gID + mt + ((k & 2) ? 16 : 0)] = acc[g][mt][k];
     __syncthreads();
     // per query vector (thread i < kQV): the combined max / sum, each warp's factor, the partial's index
     if (tidx < kQV) {

@@ -1,4 +1,4 @@
-// Quantizers of format v1 on the GPU. Every float op is explicitly rounded (__fadd_rn/__fmul_rn/
+// Quantizers of the format (FORMAT.md, version 2) on the GPU. Every float op is explicitly rounded (__fadd_rn/__fmul_rn/
 // __fdiv_rn/__fsqrt_rn: no FMA contraction) and sums follow tree_sum32's order, so the bytes equal
 // the reference's (src/core/quant_math.h, src/ref/quantize.cpp) bit for bit.
 //  * warp level (warp_rotate, warp_quantize_groups): one warp per head vector, lane l holds
@@ -88,11 +88,11 @@ __device__ __forceinline__ void warp_unrotate(float (&y)[D / 32], const SignWord
 }
 
 // Quantize all NR groups of a warp-held vector (y[g] = coordinate lane of group g) and write their
-// planes and scales, bit-exact with the reference (FORMAT.md 4-6): per group rms = sqrt(tree_sum(y^2) /
+// code words (planes; nibble words for 4 bits) and scales, bit-exact with the reference (FORMAT.md 4-6): per group rms = sqrt(tree_sum(y^2) /
 // 32) -> fp16 s0; codes from y / s0 against the midpoint thresholds; LSQ rescale tree_sum(y l) /
 // tree_sum(l l). The groups run in lockstep (their shuffle trees and divisions overlap instead of
 // forming one long chain; a zero scale is handled by selects, not a branch).
-// Group g's planes at words0 + g * BITS * P (stride P between planes), its scale at scales0 + g * P.
+// Group g's words at words0 + g * BITS * P (stride P between words), its scale at scales0 + g * P.
 // y[g] becomes the dequantized value level(code) x scale.
 template <int NR>
 __device__ __forceinline__ void warp_tree_sum32_n(float (&t)[NR]) {
@@ -142,18 +142,24 @@ __device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], int rule, i
   }
 #pragma unroll
   for (int g = 0; g < NR; ++g) {
-    const uint32_t sw = __ballot_sync(kFull, sign[g]);
-    uint32_t w0 = 0, w1 = 0, w2 = 0;
-    if (BITS == 2) w0 = __ballot_sync(kFull, m[g] & 1u);
-    if (BITS >= 3) {
-      const uint32_t f = (m[g] & 3u) << fmkv_field_shift(lane);
-      const int fw = fmkv_field_word(lane);
-      w0 = __reduce_or_sync(kFull, fw == 0 ? f : 0u);
-      w1 = __reduce_or_sync(kFull, fw == 1 ? f : 0u);
+    uint32_t wd[4] = {0u, 0u, 0u, 0u};
+    if (BITS == 4) {  // nibble words: the whole code of coordinate `lane`
+      const uint32_t c = ((sign[g] << 3) | m[g]) << fmkv_nibble_shift(lane);
+      const int nw = fmkv_nibble_word(lane);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wd[k] = __reduce_or_sync(kFull, nw == k ? c : 0u);
+    } else {  // planes: magnitude plane (2 bits) or field plane (3 bits), then the sign plane
+      if (BITS == 2) wd[0] = __ballot_sync(kFull, m[g] & 1u);
+      if (BITS == 3) {
+        const uint32_t f = (m[g] & 3u) << fmkv_field_shift(lane);
+        const int fw = fmkv_field_word(lane);
+        wd[0] = __reduce_or_sync(kFull, fw == 0 ? f : 0u);
+        wd[1] = __reduce_or_sync(kFull, fw == 1 ? f : 0u);
+      }
+      wd[BITS - 1] = __ballot_sync(kFull, sign[g]);
     }
-    if (BITS == 4) w2 = __ballot_sync(kFull, (m[g] >> 2) & 1u);
     if (lane < BITS) {
-      const uint32_t out = lane == BITS - 1 ? sw : lane == 0 ? w0 : lane == 1 ? w1 : w2;
+      const uint32_t out = lane == 0 ? wd[0] : lane == 1 ? wd[1] : lane == 2 ? wd[2] : wd[3];
       words0[(int64_t)g * BITS * P + lane * P] = out;
     }
     if (lane == 31) scales0[(int64_t)g * P] = scale[g];
@@ -323,12 +329,11 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
       const float q2 = c2 ? q.mag[6] : q.mag[2], q3 = c2 ? q.mag[7] : q.mag[3];
       const float r0 = c1 ? q2 : q0, r1 = c1 ? q3 : q1;
       l = c0 ? r1 : r0;
-      const int fw = fmkv_field_word(j), fs = fmkv_field_shift(j);
-      if (c0) w[fw] |= 1u << fs;
-      if (c1) w[fw] |= 2u << fs;
-      if (c2) w[2] |= 1u << j;
+      // nibble j & 7 of word j >> 3: magnitude bits 0-2, sign bit 3
+      const uint32_t nib = (c0 ? 1u : 0u) | (c1 ? 2u : 0u) | (c2 ? 4u : 0u) | (y[j] < 0.0f ? 8u : 0u);
+      w[fmkv_nibble_word(j)] |= nib << fmkv_nibble_shift(j);
     }
-    if (y[j] < 0.0f) w[BITS - 1] |= 1u << j;
+    if (BITS < 4 && y[j] < 0.0f) w[BITS - 1] |= 1u << j;
     if constexpr (LSQ) {
       const float tn = __fmul_rn(a, l), td = __fmul_rn(l, l);
       // jj & 1: second of the pair (j, j+16); jj & 2: second of the step-8 pair

@@ -6,8 +6,9 @@
 //     the order h = 1, 2, 4, ... of FORMAT.md §3;
 //   * a group sum is the xor butterfly 16, 8, 4, 2, 1, which computes exactly tree_sum32 of
 //     src/core/quant_math.h in every lane (same pairwise sums; float addition is commutative);
-//   * 1-bit planes are one ballot each; the 2-bit field plane is built from two ballots;
-//   * attention decodes the code of coordinate i in lane i mod 32 from broadcast plane words.
+//   * 2/3-bit codes: 1-bit planes are one ballot each, the 2-bit field plane is built from two
+//     ballots; 4-bit codes: nibble words (format version 2) are built from four ballots;
+//   * attention decodes the code of coordinate i in lane i mod 32 from broadcast code words.
 // Every arithmetic step of the quantizer mirrors src/core/quant_math.h operation by operation
 // (float32, no FMA: compile with fast math off / -ffp-contract=off). docs/FORMAT.md is normative;
 // tests/metal/ checks bit-exactness against src/ref in the emulator.
@@ -53,6 +54,9 @@ FMKV_INLINE fmkv_u32 fmkv_m_field_shift(fmkv_u32 j) {
   fmkv_u32 i = j & 15u, lo = j >> 4;
   return 8u * (2u * (i & 1u) + lo) + 2u * ((i >> 1) & 3u);
 }
+// bits == 4 (format version 2): the whole code of coordinate j is nibble j & 7 of word j >> 3.
+FMKV_INLINE fmkv_u32 fmkv_m_nibble_word(fmkv_u32 j) { return j >> 3; }
+FMKV_INLINE fmkv_u32 fmkv_m_nibble_shift(fmkv_u32 j) { return 4u * (j & 7u); }
 // Token layout: [0, S) sink, [S, E) compressed, [E, len) window; E = max(S, len - W).
 FMKV_INLINE fmkv_i64 fmkv_m_compressed_end(fmkv_i32 S, fmkv_i32 W, fmkv_i64 len) {
   return fmkv_max_i64((fmkv_i64)S, len - W);
@@ -213,8 +217,30 @@ FMKV_INLINE fmkv_u32 fmkv_quantize_group_lane(float y, int bits, int scale_rule,
   return code;
 }
 
-// Plane words of one group (FORMAT.md §6) from each lane's code; w[0..bits-1], same in every lane.
+// Bits 0..7 of x spread to bits 0, 4, ..., 28 (bit k -> bit 4k): one bit of 8 nibbles.
+FMKV_INLINE fmkv_u32 fmkv_spread_nibbles(fmkv_u32 x) {
+  x &= 0xffu;
+  x = (x | (x << 12)) & 0x000f000fu;
+  x = (x | (x << 6)) & 0x03030303u;
+  x = (x | (x << 3)) & 0x11111111u;
+  return x;
+}
+
+// Code words of one group (FORMAT.md §6) from each lane's code; w[0..bits-1], same in every lane.
+// bits 2, 3: magnitude planes / field plane and the sign plane; bits 4: nibble words.
 FMKV_INLINE void fmkv_pack_group_lanes(fmkv_u32 code, int bits, FMKV_THREAD fmkv_u32* w) {
+  if (bits == 4) {  // uniform: nibble word k = codes of coordinates 8k..8k+7, coordinate j at 4*(j & 7)
+    fmkv_u32 c0 = FMKV_BALLOT((code & 1u) != 0u);
+    fmkv_u32 c1 = FMKV_BALLOT((code & 2u) != 0u);
+    fmkv_u32 c2 = FMKV_BALLOT((code & 4u) != 0u);
+    fmkv_u32 c3 = FMKV_BALLOT((code & 8u) != 0u);  // sign
+    for (fmkv_u32 k = 0; k < 4u; ++k) {
+      fmkv_u32 s = 8u * k;
+      w[k] = fmkv_spread_nibbles(c0 >> s) | (fmkv_spread_nibbles(c1 >> s) << 1) |
+             (fmkv_spread_nibbles(c2 >> s) << 2) | (fmkv_spread_nibbles(c3 >> s) << 3);
+    }
+    return;
+  }
   fmkv_u32 m = code & ((1u << (bits - 1)) - 1u);
   fmkv_u32 sign_plane = FMKV_BALLOT(((code >> (bits - 1)) & 1u) != 0u);
   fmkv_u32 b0 = FMKV_BALLOT((m & 1u) != 0u);
@@ -232,23 +258,15 @@ FMKV_INLINE void fmkv_pack_group_lanes(fmkv_u32 code, int bits, FMKV_THREAD fmkv
   }
   w[0] = f0;
   w[1] = f1;
-  if (bits == 3) {
-    w[2] = sign_plane;
-    return;
-  }
-  w[2] = FMKV_BALLOT(((m >> 2) & 1u) != 0u);
-  w[3] = sign_plane;
+  w[2] = sign_plane;  // bits == 3
 }
 
-// Code of coordinate j (this lane) of a group from its plane words (stride in words).
+// Code of coordinate j (this lane) of a group from its code words (stride in words).
 FMKV_INLINE fmkv_u32 fmkv_unpack_code(FMKV_DEVICE const fmkv_u32* words, fmkv_i64 stride, int bits, fmkv_u32 j) {
+  if (bits == 4) return (words[fmkv_m_nibble_word(j) * stride] >> fmkv_m_nibble_shift(j)) & 15u;
   fmkv_u32 sign = (words[(bits - 1) * stride] >> j) & 1u, m;
-  if (bits == 2) {
-    m = (words[0] >> j) & 1u;
-  } else {
-    m = (words[fmkv_m_field_word(j) * stride] >> fmkv_m_field_shift(j)) & 3u;
-    if (bits == 4) m |= ((words[2 * stride] >> j) & 1u) << 2;
-  }
+  if (bits == 2) m = (words[0] >> j) & 1u;
+  else m = (words[fmkv_m_field_word(j) * stride] >> fmkv_m_field_shift(j)) & 3u;  // bits == 3
   return (sign << (bits - 1)) | m;
 }
 

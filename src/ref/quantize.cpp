@@ -59,20 +59,26 @@ void pack_group(const uint8_t* codes, int32_t bits, uint32_t* words, int64_t str
   uint32_t w[4] = {0, 0, 0, 0};
   for (int32_t j = 0; j < 32; ++j) {
     uint32_t c = codes[j], sign = c >> (bits - 1), m = c & ((1u << (bits - 1)) - 1u);
-    w[bits - 1] |= sign << j;  // sign plane is always the last word
+    if (bits == 4) {  // nibble words: the whole code
+      w[fmkv_nibble_word(j)] |= c << fmkv_nibble_shift(j);
+      continue;
+    }
+    w[bits - 1] |= sign << j;  // sign plane is the last word
     if (bits == 2) w[0] |= m << j;
-    if (bits >= 3) w[fmkv_field_word(j)] |= (m & 3u) << fmkv_field_shift(j);
-    if (bits == 4) w[2] |= (m >> 2) << j;
+    if (bits == 3) w[fmkv_field_word(j)] |= m << fmkv_field_shift(j);
   }
   for (int32_t k = 0; k < bits; ++k) words[k * stride] = w[k];
 }
 
 void unpack_group(const uint32_t* words, int64_t stride, int32_t bits, uint8_t* codes) {
   for (int32_t j = 0; j < 32; ++j) {
+    if (bits == 4) {
+      codes[j] = (uint8_t)((words[fmkv_nibble_word(j) * stride] >> fmkv_nibble_shift(j)) & 15u);
+      continue;
+    }
     uint32_t sign = (words[(bits - 1) * stride] >> j) & 1u, m = 0;
     if (bits == 2) m = (words[0] >> j) & 1u;
-    if (bits >= 3) m = (words[fmkv_field_word(j) * stride] >> fmkv_field_shift(j)) & 3u;
-    if (bits == 4) m |= ((words[2 * stride] >> j) & 1u) << 2;
+    if (bits == 3) m = (words[fmkv_field_word(j) * stride] >> fmkv_field_shift(j)) & 3u;
     codes[j] = (uint8_t)((sign << (bits - 1)) | m);
   }
 }

@@ -1,4 +1,4 @@
-// Scalar reference (the oracle) of fmkv format v1: rotation, per-vector quantization, bit packing.
+// Scalar reference (the oracle) of fmkv format v2: rotation, per-vector quantization, bit packing.
 // Simple loops, float32 exactly as FORMAT.md specifies for everything that produces bytes, float64
 // for everything that only measures.
 #pragma once

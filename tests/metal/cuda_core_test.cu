@@ -444,7 +444,7 @@ void run_core_case(int d, int bits, int rule, uint32_t threads) {
     }
   }
   char name[200];
-  snprintf(name, sizeof name, "core primitives d%d %d-bit %s block=%u (tree sum, FWHT, scale, codes, ballot planes)", d,
+  snprintf(name, sizeof name, "core primitives d%d %d-bit %s block=%u (tree sum, FWHT, scale, codes, code words)", d,
            bits, rule ? "lsq" : "rms", threads);
   report(err.empty() && ties > 0, name, err.empty() ? std::to_string(ties) + " threshold ties, bit-exact" : err,
          since(t0));

@@ -18,14 +18,15 @@ import mlx.core as mx
 def unpack(words, bits):  # words [bits] uint32 of one group -> 32 codes (docs/FORMAT.md section 6)
     codes = np.zeros(32, np.uint8)
     for j in range(32):
+        if bits == 4:  # format version 2: nibble j & 7 of word j >> 3 is the whole code
+            codes[j] = (int(words[j >> 3]) >> (4 * (j & 7))) & 15
+            continue
         sign = (int(words[bits - 1]) >> j) & 1
         if bits == 2:
             m = (int(words[0]) >> j) & 1
         else:
             i, lo = j & 15, j >> 4
             m = (int(words[i >> 3]) >> (8 * (2 * (i & 1) + lo) + 2 * ((i >> 1) & 3))) & 3
-            if bits == 4:
-                m |= ((int(words[2]) >> j) & 1) << 2
         codes[j] = (sign << (bits - 1)) | m
     return codes
 

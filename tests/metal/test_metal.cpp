@@ -251,7 +251,7 @@ void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
     }
   }
   char name[160];
-  snprintf(name, sizeof name, "core primitives d%d %d-bit %s tg=%u %s (tree sum, FWHT, scale, codes, planes)", d, bits,
+  snprintf(name, sizeof name, "core primitives d%d %d-bit %s tg=%u %s (tree sum, FWHT, scale, codes, code words)", d, bits,
            rule ? "lsq" : "rms", threads, order_name(order));
   report(err.empty() && ties > 0, name, err.empty() ? std::to_string(ties) + " threshold ties" : err,
          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());

@@ -22,7 +22,7 @@ def test_import_and_version():
 
 
 def test_format_version():
-    assert fmkv.format_version() == 1
+    assert fmkv.format_version() == 2
 
 
 def test_backends():
