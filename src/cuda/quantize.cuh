@@ -329,9 +329,12 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
       const float q2 = c2 ? q.mag[6] : q.mag[2], q3 = c2 ? q.mag[7] : q.mag[3];
       const float r0 = c1 ? q2 : q0, r1 = c1 ? q3 : q1;
       l = c0 ? r1 : r0;
-      // nibble j & 7 of word j >> 3: magnitude bits 0-2, sign bit 3
-      const uint32_t nib = (c0 ? 1u : 0u) | (c1 ? 2u : 0u) | (c2 ? 4u : 0u) | (y[j] < 0.0f ? 8u : 0u);
-      w[fmkv_nibble_word(j)] |= nib << fmkv_nibble_shift(j);
+      // nibble j & 7 of word j >> 3: magnitude bits 0-2, sign bit 3 (one predicated OR per bit)
+      const int nw = fmkv_nibble_word(j), ns = fmkv_nibble_shift(j);
+      if (c0) w[nw] |= 1u << ns;
+      if (c1) w[nw] |= 2u << ns;
+      if (c2) w[nw] |= 4u << ns;
+      if (y[j] < 0.0f) w[nw] |= 8u << ns;
     }
     if (BITS < 4 && y[j] < 0.0f) w[BITS - 1] |= 1u << j;
     if constexpr (LSQ) {
