@@ -249,21 +249,33 @@ TEST_F(CudaErrors, AttentionErrors) {
   EXPECT_TRUE(std::isfinite(again[0]));
 }
 
+// One sequence of `len` tokens in one device page: block table, lengths, token offsets (0, q_rows)
+// and the page itself on the device, as the batch-level tests below need them.
+struct OneSequenceOnDevice {
+  DeviceBuf pages, tab, lens, offs;
+  fmkv_layer_cache lc;
+  fmkv_batch bt;
+  OneSequenceOnDevice(const fmkv_config& c, const std::vector<int32_t>& table, int64_t len, int64_t q_rows)
+      : pages(kCuda, (size_t)fmkv_config_page_bytes(&c)),
+        tab(kCuda, table.size() * 4),
+        lens(kCuda, 8),
+        offs(kCuda, 16) {
+    tab.upload(table);
+    lens.upload(std::vector<int64_t>{len});
+    offs.upload(std::vector<int64_t>{0, q_rows});
+    lc = fmkv_layer_cache{(uint8_t*)pages.p, 1, nullptr, nullptr, 1, 0};
+    bt = fmkv_batch{1, nullptr, (const int64_t*)lens.p, (const int64_t*)offs.p, (const int32_t*)tab.p,
+                    (int64_t)table.size()};
+  }
+};
+
 // A split of more than 2^30 compressed tokens (the tile loop's 32-bit token offsets): a workspace with
 // room for one split and a sequence of 2^30 + 32 tokens, every block-table entry page 0 (the check comes
 // before any page is read, so one page serves). Fails loudly on the device; the output stays poisoned.
 TEST_F(CudaErrors, AttentionSplitSpan) {
   fmkv_config c = config(128, 3, 3, 2, 256);
   const int64_t len = (int64_t(1) << 30) + 32, pages_needed = (len + 255) / 256;
-  std::vector<int32_t> table((size_t)pages_needed, 0);
-  DeviceBuf pages(kCuda, (size_t)fmkv_config_page_bytes(&c)), tab(kCuda, table.size() * 4), lens(kCuda, 8),
-      offs(kCuda, 16);
-  const std::vector<int64_t> lv = {len}, ov = {0, 1};
-  check(fmkv_device_copy(kCuda, tab.p, table.data(), table.size() * 4, 1));
-  check(fmkv_device_copy(kCuda, lens.p, lv.data(), 8, 1));
-  check(fmkv_device_copy(kCuda, offs.p, ov.data(), 16, 1));
-  fmkv_layer_cache lc{(uint8_t*)pages.p, 1, nullptr, nullptr, 1, 0};
-  fmkv_batch bt{1, nullptr, (const int64_t*)lens.p, (const int64_t*)offs.p, (const int32_t*)tab.p, pages_needed};
+  OneSequenceOnDevice seq(c, std::vector<int32_t>((size_t)pages_needed, 0), len, 1);
   auto qb = random_tensor(FMKV_F16, 1, 8, 128);
   DeviceTensor qd(kCuda, make_tensor(qb.data(), FMKV_F16, 1, 8, 128));
   DeviceOutput o(kCuda, qd.t, FMKV_F32);
@@ -271,7 +283,7 @@ TEST_F(CudaErrors, AttentionSplitSpan) {
   const size_t ws = 256 + 2 * 8 * 128 * 4;
   DeviceBuf work(kCuda, ws);
   fmkv_attention_opts opts{0.0f, 0.0f};
-  ASSERT_EQ(fmkv_attention(kCuda, &c, &lc, &bt, &qd.t, &opts, &o.t, work.p, ws, nullptr), FMKV_OK) << fmkv_last_error();
+  ASSERT_EQ(fmkv_attention(kCuda, &c, &seq.lc, &seq.bt, &qd.t, &opts, &o.t, work.p, ws, nullptr), FMKV_OK) << fmkv_last_error();
   EXPECT_EQ(fmkv_device_synchronize(kCuda), FMKV_ERR_OVERFLOW);
   const std::string msg = fmkv_last_error();
   EXPECT_NE(msg.find("1073741856 compressed tokens over 1 splits"), std::string::npos) << msg;
@@ -286,12 +298,10 @@ TEST_F(CudaErrors, AppendTaskCountOverflow) {
   // (nothing is read: a small buffer stands in for the 2^31 + 16 rows)
   fmkv_config c = config(256, 3, 3, 8, 16);
   const int64_t rows = (int64_t(1) << 31) + 16;  // (2^28 + 2) warp tasks of 8 rows x 2 x 8 heads = 2^32 + 32
-  DeviceBuf pages(kCuda, (size_t)fmkv_config_page_bytes(&c)), tab(kCuda, 4), lens(kCuda, 8), offs(kCuda, 16),
-      data(kCuda, 4096);
-  fmkv_layer_cache lc{(uint8_t*)pages.p, 1, nullptr, nullptr, 1, 0};
-  fmkv_batch bt{1, nullptr, (const int64_t*)lens.p, (const int64_t*)offs.p, (const int32_t*)tab.p, 1};
+  OneSequenceOnDevice seq(c, {0}, 0, rows);
+  DeviceBuf data(kCuda, 4096);
   const fmkv_tensor kt{data.p, FMKV_F16, rows, 8, 256, 8 * 256, 256};
-  EXPECT_EQ(fmkv_append(kCuda, &c, &lc, &bt, &kt, &kt, nullptr), FMKV_ERR_OVERFLOW) << fmkv_last_error();
+  EXPECT_EQ(fmkv_append(kCuda, &c, &seq.lc, &seq.bt, &kt, &kt, nullptr), FMKV_ERR_OVERFLOW) << fmkv_last_error();
   const std::string msg = fmkv_last_error();
   EXPECT_NE(msg.find("4294967328 quantizer tasks, more than 2^32 - 1 in one call"), std::string::npos) << msg;
   EXPECT_EQ(fmkv_device_synchronize(kCuda), FMKV_OK) << fmkv_last_error();  // nothing was launched
