@@ -249,8 +249,8 @@ TEST_F(CudaErrors, AttentionErrors) {
   EXPECT_TRUE(std::isfinite(again[0]));
 }
 
-// One sequence of `len` tokens in one device page: block table, lengths, token offsets (0, q_rows)
-// and the page itself on the device, as the batch-level tests below need them.
+// A device batch of one sequence of `len` tokens over a one-page pool: the page, the given block table,
+// the length and the row offsets (0, q_rows), as the batch-level tests below need them.
 struct OneSequenceOnDevice {
   DeviceBuf pages, tab, lens, offs;
   fmkv_layer_cache lc;
