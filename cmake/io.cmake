@@ -4,4 +4,5 @@ list(APPEND FMKV_CORE_SOURCES
   src/io/crc32c.cpp
   src/io/layout.cpp
   src/io/save.cpp
-  src/io/load.cpp)
+  src/io/load.cpp
+  src/io/format1.cpp)

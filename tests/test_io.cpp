@@ -14,6 +14,7 @@
 #include "fmkv/io.hpp"
 #include "harness.h"
 #include "io/crc32c.h"
+#include "format1_snapshot.h"
 #include "io/layout.h"
 
 namespace fmkv::test {
@@ -632,7 +633,66 @@ TEST(IoReject, WrongVersions) {
   wr32(&t[io::kOffFormatVersion], FMKV_FORMAT_VERSION + 1);
   io::refresh_checksums(t.data(), t.size());
   expect_reject(t, {("cache data is fmkv format version " + std::to_string(FMKV_FORMAT_VERSION + 1) +
-                     "; this library reads format version " + std::to_string(FMKV_FORMAT_VERSION)).c_str()});
+                     "; this library reads format version " + std::to_string(FMKV_FORMAT_VERSION) +
+                     " (and converts version 1 on load)").c_str()});
+  t = f.img;
+  wr32(&t[io::kOffFormatVersion], 0);
+  io::refresh_checksums(t.data(), t.size());
+  expect_reject(t, {"cache data is fmkv format version 0"});
+}
+
+// Snapshots written by the format-1 library (tests/golden/format1_*.fmkv, made by
+// tests/golden/make_format1_snapshots.cpp at 7978fef from the caches of tests/format1_snapshot.h).
+// Loaded in every mode and saved again, each gives exactly the current library's snapshot of the same
+// cache: 4-bit sections repacked, everything else (3-bit codes, scales, fp16 regions, sequences,
+// tables) as stored.
+std::vector<uint8_t> resave(const Snapshot& snap) {
+  const fmkv_snapshot_info info = snap.info();
+  std::vector<fmkv_layer_cache> ls;
+  for (int32_t l = 0; l < info.num_layers; ++l) ls.push_back(snap.layer(l));
+  std::vector<fmkv_save_sequence> ss;
+  for (int32_t i = 0; i < info.num_seqs; ++i) {
+    const fmkv_snapshot_sequence q = snap.sequence(i);
+    ss.push_back({q.slot, q.num_tokens, nullptr, -1, q.block_table, q.num_pages});
+  }
+  void* data;
+  size_t size;
+  check(fmkv_save_memory(&info.config, info.num_layers, ls.data(), info.num_seqs, ss.data(), 0, &data, &size));
+  std::vector<uint8_t> out(static_cast<uint8_t*>(data), static_cast<uint8_t*>(data) + size);
+  fmkv_buffer_free(data);
+  return out;
+}
+
+TEST(IoFormat1, LoadedFilesEqualTheCurrentFormat) {
+  for (const auto& c : fmkv_format1::cases()) {
+    SCOPED_TRACE(c.file);
+    const std::string path = std::string(FMKV_SOURCE_DIR) + "/tests/golden/" + c.file;
+    const std::vector<uint8_t> v1 = read_file(path), now = fmkv_format1::build(c);
+    ASSERT_GT(v1.size(), io::kHeaderBytes) << "missing golden file " << path;
+    ASSERT_EQ(rd32(&v1[io::kOffFormatVersion]), 1u);
+    ASSERT_EQ(v1.size(), now.size());
+    // the files differ in the header (version, checksum) and, with 4-bit codes, in the pages
+    size_t differing = 0;
+    for (size_t i = io::kHeaderBytes; i < v1.size(); ++i) differing += v1[i] != now[i];
+    if (c.cfg.k_bits == 4 || c.cfg.v_bits == 4) EXPECT_GT(differing, 100u);
+    else EXPECT_EQ(differing, 0u);
+    for (int mode : {FMKV_LOAD_COPY, FMKV_LOAD_MMAP}) {
+      fmkv_load_options o;
+      fmkv_load_options_default(&o);
+      o.mode = mode;
+      o.extra_pages = mode == FMKV_LOAD_MMAP ? 0 : 2;  // pools with and without room to append
+      Snapshot snap = Snapshot::load(path, &o);
+      EXPECT_EQ(snap.info().format_version, FMKV_FORMAT_VERSION);
+      EXPECT_EQ(snap.info().mapped, mode == FMKV_LOAD_MMAP ? 1 : 0);
+      EXPECT_TRUE(resave(snap) == now) << "mode " << mode;
+    }
+    EXPECT_TRUE(resave(Snapshot::load_memory(v1.data(), v1.size())) == now);
+    EXPECT_EQ(read_file(path), v1) << "loading modified the file";
+    // checksums are verified on the stored bytes, before the repacking
+    std::vector<uint8_t> bad = v1;
+    bad[bad.size() - 7] ^= 0x10;
+    expect_reject(bad, {"checksum"});
+  }
 }
 
 TEST(IoReject, GeometryMismatch) {

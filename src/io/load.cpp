@@ -18,6 +18,7 @@
 #include "../core/ops.h"
 #include "crc32c.h"
 #include "error.h"
+#include "format1.h"
 #include "fmkv/io.h"
 #include "layout.h"
 
@@ -160,9 +161,9 @@ Header parse_header(const Source& src, const fmkv_load_options& o) {
     fail(kInvalidArgument, nm + ": header checksum mismatch (stored " + hex32(stored) + ", computed " + hex32(computed) +
                                "): the file is corrupted");
   H.format_version = rd32(h + kOffFormatVersion);
-  if (H.format_version != FMKV_FORMAT_VERSION)
+  if (H.format_version != FMKV_FORMAT_VERSION && H.format_version != kFormatVersion1)
     fail(kUnsupported, nm + ": cache data is fmkv format version " + S(H.format_version) + "; this library reads format version " +
-                           S(FMKV_FORMAT_VERSION));
+                           S(FMKV_FORMAT_VERSION) + " (and converts version 1 on load)");
   H.flags = rd32(h + kOffFlags);
   if (H.flags & ~kKnownFlags) fail(kUnsupported, nm + ": unknown header flags " + hex32(H.flags));
   if (rd32(h + kOffReserved) || rd32(h + kOffReserved + 4))
@@ -402,6 +403,9 @@ fmkv_snapshot* load_impl(const Source& src, const fmkv_load_options& o, int fd_f
       lc.pages = static_cast<uint8_t*>(r->p);
       snap->regions.push_back(std::move(r));
     }
+    // format 1: repack the file's 4-bit sections (in the owned copy, or in the private mapping,
+    // whose touched pages the OS then copies)
+    if (H.format_version == kFormatVersion1 && format1_differs(c)) upgrade_format1_pages(c, lc.pages, H.pages_per_layer);
     if (fp16) {
       for (int v = 0; v < 2; ++v) {
         const Section& fs = lay.sections[si++];

@@ -36,6 +36,7 @@ clang++ "${FLAGS[@]}" "${SAN[@]}" -fsanitize=fuzzer "${SRCS[@]}" tests/fuzz/fuzz
 clang++ "${FLAGS[@]}" "${SAN[@]}" "${SRCS[@]}" tests/fuzz/make_corpus.cpp -o "$OUT/make_corpus"
 rm -f "$OUT/seeds"/*
 "$OUT/make_corpus" "$OUT/seeds"
+cp tests/golden/format1_*.fmkv "$OUT/seeds/"  # format-1 files: the loader's conversion path
 
 echo "run.sh: fuzzing for ${SECS}s"
 # First directory: the evolving corpus (kept between runs); second: the seeds (read only).
