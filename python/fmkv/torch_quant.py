@@ -1,4 +1,4 @@
-"""Vectorised torch implementation of the fmkv format v1 quantizer (docs/FORMAT.md).
+"""Vectorised torch implementation of the fmkv quantizer (docs/FORMAT.md sections 3-5: codes and scales).
 
 Quantizes / dequantizes whole ``[..., d]`` tensors (e.g. ``[tokens, heads, d]``) with exactly the
 float32 roundings of the reference (``src/core/quant_math.h``, ``src/ref/quantize.cpp``):
@@ -8,9 +8,11 @@ float32 roundings of the reference (``src/core/quant_math.h``, ``src/ref/quantiz
 * per group of 32: RMS through the fixed tree sum (steps 16, 8, 4, 2, 1), fp16 with saturation,
   codes from midpoint thresholds of the fp16 Lloyd-Max levels (sign-magnitude), LSQ rescale.
 
-Every step is one correctly rounded float32 torch operation on CPU (elementwise add, mul, div,
-sqrt; no fused multiply-add, no reduction whose order torch chooses), so codes and scales are
-bit-identical to :func:`fmkv.quantize_vector` (tests/python/test_torch_quant.py checks it).
+Every step is one correctly rounded float32 torch operation (elementwise add, mul, div; no fused
+multiply-add, no reduction whose order torch chooses) or, for the square root, which torch does not
+round correctly in float32, a float64 root corrected to the correctly rounded float32 (``_sqrt_rn``),
+so codes and scales are bit-identical to :func:`fmkv.quantize_vector` (tests/python/test_torch_quant.py
+checks it, on fixed and on fresh random inputs).
 
 The codebooks come from :func:`fmkv.codebook` (the library's generated table), never from a
 hand-typed copy. ``rotate=False`` gives the no-rotation ablation (groups of 32 raw coordinates).
@@ -114,7 +116,7 @@ def _codebook_cpu(bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
 def codebook_tensor(bits: int, device=None, levels: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(positive levels, midpoint thresholds) of the b-bit codebook as float32 tensors. ``levels``
     replaces the format's levels (research only, e.g. fmkv.eval.e5m2_levels; the result is then not
-    format v1)."""
+    the format's codes)."""
     if levels is not None:
         mags = levels.to(device=device, dtype=torch.float32)
         if mags.numel() != 1 << (int(bits) - 1):
@@ -131,6 +133,24 @@ def _tree_sum32(t: torch.Tensor) -> torch.Tensor:
         t = t[..., :step] + t[..., step:2 * step]
         step //= 2
     return t[..., 0]
+
+
+def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square root of float32 x >= 0, as the reference's sqrtf.
+
+    torch.sqrt on float32 CPU tensors is not (torch 2.13 on AVX-512: 17% of random inputs one ulp
+    off, e.g. sqrt(0x353e3ef8) -> 0x3a5cb000, correctly rounded 0x3a5cafff). The float64 root rounded
+    to float32 is then corrected against its neighbours' rounding midpoints, whose squares are exact
+    in float64 (25 significant bits square to at most 50); sqrt never lands on a midpoint exactly."""
+    xd = x.to(torch.float64)
+    r = torch.sqrt(xd).to(torch.float32)
+    up = torch.nextafter(r, torch.full_like(r, float("inf")))
+    dn = torch.nextafter(r, torch.zeros_like(r))
+    rd = r.to(torch.float64)
+    hi = (rd + up.to(torch.float64)) * 0.5
+    lo = (rd + dn.to(torch.float64)) * 0.5
+    r = torch.where(xd > hi * hi, up, r)
+    return torch.where(xd < lo * lo, dn, r)
 
 
 def _to_f16_saturating(x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +180,7 @@ class QuantizedTensor:
     seed: int = 0
     layer: int = 0
     rotated: bool = True
-    levels: Optional[torch.Tensor] = None  # research codebook (codebook_tensor), None: format v1
+    levels: Optional[torch.Tensor] = None  # research codebook (codebook_tensor), None: the format's
 
 
 def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq",
@@ -174,7 +194,7 @@ def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq",
     lead = y.shape[:-1]
     g = y.reshape(*lead, d // _GROUP, _GROUP)
     mags, thr = codebook_tensor(bits, y.device, levels)
-    rms = torch.sqrt(_tree_sum32(g * g) / torch.tensor(32.0))
+    rms = _sqrt_rn(_tree_sum32(g * g) / torch.tensor(32.0))
     s0 = _to_f16_saturating(rms)
     s0f = s0.to(torch.float32)
     zero = s0f == 0.0

@@ -79,9 +79,7 @@ def test_non_finite_input_rejected():
         tq.quantize(x, 3)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_fresh_random_inputs_bit_exact(d, rng):
-    """Fresh random inputs each run (conftest prints FMKV_TEST_SEED to replay)."""
+def _random_inputs_bit_exact(d, rng):
     n = 64
     x = (rng.standard_normal((n, d)) * np.exp(rng.uniform(-8, 6, (n, 1)))).astype(np.float32)
     seed, layer = int(rng.integers(0, 2**63)), int(rng.integers(0, 2**31))
@@ -92,3 +90,25 @@ def test_fresh_random_inputs_bit_exact(d, rng):
                 codes, scales = fmkv.quantize_vector(x[i], bits, seed=seed, layer=layer, scale_rule=rule)
                 assert np.array_equal(q.codes[i].numpy(), codes), (bits, rule, i)
                 assert np.array_equal(q.scales[i].numpy().view(np.uint16), scales.view(np.uint16)), (bits, rule, i)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fresh_random_inputs_bit_exact(d, rng):
+    """Fresh random inputs each run (conftest prints FMKV_TEST_SEED to replay)."""
+    _random_inputs_bit_exact(d, rng)
+
+
+def test_replayed_seed_rms_tie():
+    """A seed on which torch's float32 sqrt (one ulp off) flipped a scale's fp16 rounding: vector 2,
+    group 3, 2-bit RMS, d = 256 (scale 0x12e6 instead of 0x12e5) before _sqrt_rn."""
+    _random_inputs_bit_exact(256, np.random.default_rng(8506910537148222519))
+
+
+def test_sqrt_rn_is_correctly_rounded():
+    """_sqrt_rn against numpy's float32 sqrt (IEEE: correctly rounded) over the float32 range."""
+    rng = np.random.default_rng(5)
+    bits = rng.integers(0, 0x7F800000, 1 << 20, dtype=np.uint32)  # every finite non-negative float32
+    x = np.concatenate([bits.view(np.float32), np.array([0.0, 1.0, 4.0, np.float32(2.0) ** -149], np.float32),
+                        np.array([0x353E3EF8], np.uint32).view(np.float32)])
+    got = tq._sqrt_rn(torch.from_numpy(x)).numpy()
+    assert np.array_equal(got.view(np.uint32), np.sqrt(x).view(np.uint32))
