@@ -67,13 +67,13 @@ def _run_device(torch, model, tok, ids, specs, n_new, device, fhf):
         model.generate(ids, max_new_tokens=2, do_sample=False)
         k0, v0, w0 = _parse(specs[0])
         model.generate(ids, max_new_tokens=2, do_sample=False,
-                       past_key_values=fhf.FmkvCache(model.config, k_bits=k0, v_bits=v0, window_tokens=w0,
-                                                     max_cache_len=ids.shape[1] + 2))
+                       **fhf.cache_kwargs(fhf.FmkvCache(model.config, k_bits=k0, v_bits=v0, window_tokens=w0,
+                                                        max_cache_len=ids.shape[1] + 2)))
         ref_cache = DynamicCache()
         sync()
         t0 = time.perf_counter()
         ref = model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                             past_key_values=ref_cache)
+                             **fhf.cache_kwargs(ref_cache))
         sync()
         res["ref_tps"] = n_new / (time.perf_counter() - t0)
         res["ref_bytes"] = _cache_bytes(ref_cache)
@@ -87,7 +87,7 @@ def _run_device(torch, model, tok, ids, specs, n_new, device, fhf):
             sync()
             t1 = time.perf_counter()
             out = model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                                 past_key_values=cache)
+                                 **fhf.cache_kwargs(cache))
             sync()
             dt1 = time.perf_counter() - t1
             cache.check()  # CUDA: raise any error the kernels detected on the device

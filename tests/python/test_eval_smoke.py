@@ -79,8 +79,8 @@ def test_fused_kernel_path_equals_dequantize_then_attend(model_tok, monkeypatch)
         with torch.no_grad():
             pkv = cache
             for t in range(seq.shape[1] - 1):
-                out = model(seq[:, t:t + 1], past_key_values=pkv, use_cache=True)
-                pkv = out.past_key_values
+                out = model(seq[:, t:t + 1], **fhf.cache_kwargs(pkv), use_cache=True)
+                pkv = fhf.output_cache(out)
                 fused.append(torch.log_softmax(out.logits[0, -1].float(), -1))
         fused = torch.stack(fused)
         check_fused_against_dequantized(log, q, tol=5e-5)

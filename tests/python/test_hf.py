@@ -45,7 +45,7 @@ ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 
 
 def _gen(model, ids, n, cache=None):
-    kw = {} if cache is None else {"past_key_values": cache}
+    kw = {} if cache is None else fhf.cache_kwargs(cache)
     with torch.no_grad():
         return model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n, **kw)[0, ids.shape[1]:]
 
@@ -54,13 +54,13 @@ def _gen(model, ids, n, cache=None):
 def _teacher_forced_argmax(model, ids, cache=None):
     """argmax of next-token logits for every position of ids: prompt prefill + one token at a time."""
     n0 = 8
-    kw = {} if cache is None else {"past_key_values": cache}
+    kw = {} if cache is None else fhf.cache_kwargs(cache)
     out = model(ids[:, :n0], use_cache=True, **kw)
-    pkv = out.past_key_values
+    pkv = fhf.output_cache(out)
     preds = [out.logits[0, -1].argmax().item()]
     for t in range(n0, ids.shape[1]):
-        out = model(ids[:, t:t + 1], past_key_values=pkv, use_cache=True)
-        pkv = out.past_key_values
+        out = model(ids[:, t:t + 1], **fhf.cache_kwargs(pkv), use_cache=True)
+        pkv = fhf.output_cache(out)
         preds.append(out.logits[0, -1].argmax().item())
     return preds
 
@@ -180,8 +180,8 @@ def test_fused_decode_equals_dequantize_then_attend(name, kw, monkeypatch):
     with torch.no_grad():
         pkv = cache
         for t in range(ids.shape[1] - 1):
-            out = model(ids[:, t:t + 1], past_key_values=pkv, use_cache=True)
-            pkv = out.past_key_values
+            out = model(ids[:, t:t + 1], **fhf.cache_kwargs(pkv), use_cache=True)
+            pkv = fhf.output_cache(out)
             lps.append(torch.log_softmax(out.logits[0, -1].float(), -1))
     fused = torch.stack(lps)
     q = parse_config(name)

@@ -379,11 +379,13 @@ def _llama(device, dtype=torch.float32):
 @torch.no_grad()
 def _teacher_forced_logprobs(model, ids, cache):
     """log-softmax of next-token logits at every position: 40-token prefill, then one token at a time."""
+    import fmkv.hf as fhf  # the callers skip without it
+
     n0 = 40
-    out = model(ids[:, :n0], past_key_values=cache, use_cache=True)
+    out = model(ids[:, :n0], **fhf.cache_kwargs(cache), use_cache=True)
     lps = [torch.log_softmax(out.logits[0, -1].float(), -1)]
     for t in range(n0, ids.shape[1]):
-        out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+        out = model(ids[:, t:t + 1], **fhf.cache_kwargs(fhf.output_cache(out)), use_cache=True)
         lps.append(torch.log_softmax(out.logits[0, -1].float(), -1))
     return torch.stack(lps).cpu()
 
@@ -396,7 +398,7 @@ def test_fmkvcache_generate_on_cuda():
     cache = fhf.FmkvCache(gpu.config, **kw)
     before = torch.cuda.memory_allocated(DEV)
     with torch.no_grad():
-        gen = gpu.generate(ids.to(DEV), max_new_tokens=24, min_new_tokens=24, do_sample=False, past_key_values=cache)
+        gen = gpu.generate(ids.to(DEV), max_new_tokens=24, min_new_tokens=24, do_sample=False, **fhf.cache_kwargs(cache))
     cache.check()
     layer = cache.fmkv_layers[0]
     assert layer.pages.device == DEV and layer.lens.device == DEV and layer.backend_name == "cuda"
@@ -404,7 +406,7 @@ def test_fmkvcache_generate_on_cuda():
     # resident bytes: tensor storage on the device, the same as the CPU cache's
     host = fhf.FmkvCache(cpu.config, **kw)
     with torch.no_grad():
-        cpu_gen = cpu.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, past_key_values=host)
+        cpu_gen = cpu.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, **fhf.cache_kwargs(host))
     assert cache.resident_bytes == host.resident_bytes > 0
     assert cache.used_bytes == host.used_bytes < cache.fp16_equivalent_bytes()
     assert torch.cuda.memory_allocated(DEV) - before >= cache.resident_bytes
@@ -433,8 +435,8 @@ def test_fmkvcache_fp16_model_on_cuda():
     ids = torch.randint(0, 320, (2, 30), generator=torch.Generator().manual_seed(2)).to(DEV)
     cache = fhf.FmkvCache(model.config, k_bits=3, v_bits=3, max_cache_len=64, page_size=16, window_tokens=4)
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
-        out = model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+        out = model(ids, **fhf.cache_kwargs(cache), use_cache=True)
+        out = model(ids[:, -1:], **fhf.cache_kwargs(fhf.output_cache(out)), use_cache=True)
     cache.check()
     assert out.logits.dtype == torch.float16 and torch.isfinite(out.logits).all()
     assert cache.fmkv_layers[0].lens.tolist() == [31, 31]

@@ -217,7 +217,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                                   max_cache_len=ids.shape[1] + a.new_tokens)
             t0 = time.time()
             out = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
-                                 do_sample=False, past_key_values=cache)
+                                 do_sample=False, **fhf.cache_kwargs(cache))
             dt = time.time() - t0
             new, rnew = out[0, ids.shape[1]:], ref[0, ids.shape[1]:]
             same = int((new == rnew).cumprod(0).sum())

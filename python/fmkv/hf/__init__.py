@@ -2,7 +2,8 @@
 
     import fmkv.hf
     cache = fmkv.hf.FmkvCache(model.config, k_bits=3, v_bits=3)     # window_tokens=64 by default
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+    out = model.generate(ids, cache=cache, max_new_tokens=32)        # transformers < 5.24: past_key_values=
+    # version-independent: model.generate(ids, **fmkv.hf.cache_kwargs(cache), max_new_tokens=32)
     print(cache.resident_bytes, cache.fp16_equivalent_bytes())
 
 or load the model with ``attn_implementation="fmkv"`` (registered in transformers'
@@ -40,7 +41,8 @@ import torch
 
 import fmkv
 
-__all__ = ["FmkvCache", "FmkvLayer", "fmkv_attention", "register", "ATTN_NAME"]
+__all__ = ["FmkvCache", "FmkvLayer", "fmkv_attention", "register", "ATTN_NAME", "CACHE_KWARG", "cache_kwargs",
+           "output_cache"]
 
 ATTN_NAME = "fmkv"
 # Recent tokens kept in fp16 by default. docs/EVAL.md: the error on the last few dozen tokens
@@ -56,6 +58,26 @@ try:  # transformers >= 4.56 (layered caches)
     from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 except ImportError as e:  # pragma: no cover
     raise ImportError(f"fmkv.hf needs transformers >= 4.56 with layered caches ({e})") from None
+
+
+# The keyword under which generate() and the models' forward() take a KV cache: transformers 5.24
+# renamed `past_key_values` to `cache` (the old name is deprecated: forward drops it in 5.40, generate
+# in 6.0) and model outputs carry `.cache`.
+try:
+    from transformers.generation.utils import ALL_CACHE_NAMES as _ALL_CACHE_NAMES
+except ImportError:  # pragma: no cover
+    _ALL_CACHE_NAMES = ["past_key_values"]
+CACHE_KWARG = "cache" if _ALL_CACHE_NAMES[0] == "cache" else "past_key_values"
+
+
+def cache_kwargs(cache) -> Dict[str, Any]:
+    """``{CACHE_KWARG: cache}``: pass a cache to generate() / forward() under this transformers' name."""
+    return {CACHE_KWARG: cache}
+
+
+def output_cache(out):
+    """The cache a model forward returned (``out.cache``, or ``out.past_key_values`` before 5.24)."""
+    return getattr(out, CACHE_KWARG)
 
 
 def layer_seed(seed: int, layer: int) -> int:
