@@ -29,7 +29,7 @@ import math
 import os
 import re
 import struct
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 __all__ = [
     "metal_source_dir",
