@@ -146,11 +146,9 @@ struct Avx2T {
     if (h == 2) return _mm256_blend_ps(a, b, 0xCC);
     return _mm256_blend_ps(a, b, 0xF0);
   }
-  // Integer blend_hbit (lanes with bit h of the lane index from b); V decode of 4-bit codes, N >= 8 only.
+  // blend_hbit of integer lanes (V decode of 4-bit codes, N >= 8 only)
   static I blend_i_hbit(I a, I b, int h) {
-    if (h == 1) return _mm256_blend_epi32(a, b, 0xAA);
-    if (h == 2) return _mm256_blend_epi32(a, b, 0xCC);
-    return _mm256_blend_epi32(a, b, 0xF0);
+    return _mm256_castps_si256(blend_hbit(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), h));
   }
   static float tree_reduce(F v) {  // steps 4, 2, 1: lane j += lane j + step
     __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -243,10 +241,9 @@ struct Avx512T {
     __mmask16 k = h == 1 ? 0xAAAA : h == 2 ? 0xCCCC : h == 4 ? 0xF0F0 : 0xFF00;
     return _mm512_mask_blend_ps(k, a, b);
   }
-  // Integer blend_hbit (lanes with bit h of the lane index from b); V decode of 4-bit codes, N >= 8 only.
+  // blend_hbit of integer lanes (V decode of 4-bit codes, N >= 8 only)
   static I blend_i_hbit(I a, I b, int h) {
-    __mmask16 k = h == 1 ? 0xAAAA : h == 2 ? 0xCCCC : h == 4 ? 0xF0F0 : 0xFF00;
-    return _mm512_mask_blend_epi32(k, a, b);
+    return _mm512_castps_si512(blend_hbit(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), h));
   }
   static float tree_reduce(F v) {  // steps 8, 4, 2, 1: lane j += lane j + step
     __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
