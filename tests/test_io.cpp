@@ -281,6 +281,24 @@ TEST(IoCrc, KnownValueAndHardwareMatchesPortable) {
   }
 }
 
+// The bytes of a loaded snapshot saved again (every layer and sequence, in file order).
+std::vector<uint8_t> resave(const Snapshot& snap) {
+  const fmkv_snapshot_info info = snap.info();
+  std::vector<fmkv_layer_cache> ls;
+  for (int32_t l = 0; l < info.num_layers; ++l) ls.push_back(snap.layer(l));
+  std::vector<fmkv_save_sequence> ss;
+  for (int32_t i = 0; i < info.num_seqs; ++i) {
+    const fmkv_snapshot_sequence q = snap.sequence(i);
+    ss.push_back({q.slot, q.num_tokens, nullptr, -1, q.block_table, q.num_pages});
+  }
+  void* data;
+  size_t size;
+  check(fmkv_save_memory(&info.config, info.num_layers, ls.data(), info.num_seqs, ss.data(), 0, &data, &size));
+  std::vector<uint8_t> out(static_cast<uint8_t*>(data), static_cast<uint8_t*>(data) + size);
+  fmkv_buffer_free(data);
+  return out;
+}
+
 TEST_P(IoCase, RoundTripBytesAndAttention) {
   const fmkv_config c = cfg();
   Model m(c, 3, {150, 37, 1});
@@ -338,18 +356,7 @@ TEST_P(IoCase, RoundTripBytesAndAttention) {
     EXPECT_EQ(lens[0], 150);
     EXPECT_EQ(slots[2], 2);
     // Saving the loaded snapshot again gives the same bytes.
-    std::vector<fmkv_layer_cache> ls;
-    for (int32_t l = 0; l < 3; ++l) ls.push_back(snap.layer(l));
-    std::vector<fmkv_save_sequence> ss;
-    for (int32_t i = 0; i < 3; ++i) {
-      fmkv_snapshot_sequence q = snap.sequence(i);
-      ss.push_back({q.slot, q.num_tokens, nullptr, -1, q.block_table, q.num_pages});
-    }
-    void* data;
-    size_t size;
-    check(fmkv_save_memory(&info.config, 3, ls.data(), 3, ss.data(), 0, &data, &size));
-    EXPECT_TRUE(size == file.size() && std::memcmp(data, file.data(), size) == 0);
-    fmkv_buffer_free(data);
+    EXPECT_TRUE(resave(snap) == file);
   }
   // From memory too.
   Snapshot ms = Snapshot::load_memory(file.data(), file.size());
@@ -646,22 +653,6 @@ TEST(IoReject, WrongVersions) {
 // Loaded in every mode and saved again, each gives exactly the current library's snapshot of the same
 // cache: 4-bit sections repacked, everything else (3-bit codes, scales, fp16 regions, sequences,
 // tables) as stored.
-std::vector<uint8_t> resave(const Snapshot& snap) {
-  const fmkv_snapshot_info info = snap.info();
-  std::vector<fmkv_layer_cache> ls;
-  for (int32_t l = 0; l < info.num_layers; ++l) ls.push_back(snap.layer(l));
-  std::vector<fmkv_save_sequence> ss;
-  for (int32_t i = 0; i < info.num_seqs; ++i) {
-    const fmkv_snapshot_sequence q = snap.sequence(i);
-    ss.push_back({q.slot, q.num_tokens, nullptr, -1, q.block_table, q.num_pages});
-  }
-  void* data;
-  size_t size;
-  check(fmkv_save_memory(&info.config, info.num_layers, ls.data(), info.num_seqs, ss.data(), 0, &data, &size));
-  std::vector<uint8_t> out(static_cast<uint8_t*>(data), static_cast<uint8_t*>(data) + size);
-  fmkv_buffer_free(data);
-  return out;
-}
 
 TEST(IoFormat1, LoadedFilesEqualTheCurrentFormat) {
   for (const auto& c : fmkv_format1::cases()) {
