@@ -277,15 +277,18 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
   // validate_seq's verdict before anything is read: locate() trusts the slots and lengths it checked
   // (one decision per CTA: another CTA may set the word meanwhile)
   if (__syncthreads_or(error_set(p.err) ? 1 : 0)) return;
-  const uint32_t hv2 = 2u * (uint32_t)p.H, stride = gridDim.x * (uint32_t)kCompressWarps;
+  // Task order: every K task (row group major, kv head minor), then every V task. With K and V of
+  // different widths (FIX = 0) an SM then runs one quantizer at a time, not both at once (their
+  // code does not fit the instruction cache together).
+  const uint32_t H = (uint32_t)p.H, half = p.items / 2u, stride = gridDim.x * (uint32_t)kCompressWarps;
   // Task `it` (if it exists): this lane's vector located and, unless it is k16, its tile copies
   // issued into `stage`; one cp.async group per call either way.
   auto begin_task = [&](uint64_t it, int stage, int& isv, int32_t& h, int64_t& r, VecTask& vt) {
     if (it < p.items) {  // items is 32-bit: so is the task index here (no 64-bit division)
-      const uint32_t it32 = (uint32_t)it, hv = it32 % hv2;
-      isv = (int)(hv & 1u);
-      h = (int32_t)(hv >> 1);
-      r = (int64_t)(it32 / hv2) * VPW + vec;
+      const uint32_t it32 = (uint32_t)it, kv = it32 >= half ? 1u : 0u, t32 = it32 - kv * half;
+      isv = (int)kv;
+      h = (int32_t)(t32 % H);
+      r = (int64_t)(t32 / H) * VPW + vec;
       vt = locate<D>(p, r, h, isv);
       if (FIX != 0 || (isv ? p.vb : p.kb) != FMKV_FP16_BITS) stage_task<D>(p, vt, isv, wtiles + stage * 256, lane);
     }
@@ -327,7 +330,7 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
           for (int e = 0; e < 8; ++e) d16[e] = (uint16_t)(w[e >> 1] >> (16 * (e & 1)));
         }
       }
-      if (bad_vec >= 0) report_nonfinite_row(p, (int64_t)(it / hv2) * VPW + bad_vec, h, isv);
+      if (bad_vec >= 0) report_nonfinite_row(p, r - vec + bad_vec, h, isv);
     } else {
       cp_async_wait<1>();  // this lane's copies of the current task have landed ...
       __syncwarp();        // ... and every lane's
