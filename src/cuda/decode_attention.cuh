@@ -495,13 +495,6 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         const uint32_t* ks = (const uint32_t*)(st + G * KB * 64) + gID;     // their scales, group 0
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-          uint32_t wa[KW], wb[KW];  // (the plane words; 4-bit codes load their own)
-#pragma unroll
-          for (int k = 0; k < (KB == 4 ? 0 : KW); ++k) {
-            const uint2 w2 = *(const uint2*)(kw + (g * KB + k) * 16);
-            wa[k] = w2.x;
-            wb[k] = w2.y;
-          }
           float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           if constexpr (KB == 4) {  // nibbles: two pairs per token from one half-word, no sign work after
 #pragma unroll
@@ -514,27 +507,35 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
               mma16816(c4, prmt(la, ha, 0x5140u), prmt(lb, hb, 0x5140u), prmt(la, ha, 0x7362u), prmt(lb, hb, 0x7362u),
                        qf.x, qf.y);
             }
-          } else
+          } else {  // planes: the group's words of tokens a (2 gID) and b (2 gID + 1)
+            uint32_t wa[KW], wb[KW];
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int i0 = 8 * c + 2 * tid;
-            const uint32_t m0 = kmul[c], m1 = kmul[c] >> 1;  // x m0 (m1): coordinate i0 (+1) -> bit 15
-            const uint2 sa = pair_selectors(KB == 2 ? make_x2s(wa[0], wa[1], i0) : make_x(wa[c], i0));
-            const uint2 sb = pair_selectors(KB == 2 ? make_x2s(wb[0], wb[1], i0) : make_x(wb[c], i0));
-            uint32_t a0, a1, a2, a3;
-            if (KB == 2) {  // signed table: (i0, i0 + 1) and (i0 + 16, i0 + 17) of tokens a, b
-              a0 = lookup(sa.x, TK);
-              a1 = lookup(sb.x, TK);
-              a2 = lookup(sa.y, TK);
-              a3 = lookup(sb.y, TK);
-            } else {
-              a0 = lookup(sa.x, TK) ^ ((wa[KW - 1] * m0) & kSignMask);
-              a1 = lookup(sb.x, TK) ^ ((wb[KW - 1] * m0) & kSignMask);
-              a2 = lookup(sa.y, TK) ^ ((wa[KW - 1] * m1) & kSignMask);
-              a3 = lookup(sb.y, TK) ^ ((wb[KW - 1] * m1) & kSignMask);
+            for (int k = 0; k < KW; ++k) {
+              const uint2 w2 = *(const uint2*)(kw + (g * KB + k) * 16);
+              wa[k] = w2.x;
+              wb[k] = w2.y;
             }
-            const uint2 qf = load_shared_u2(&s_qb[warp][g][c][lane]);
-            mma16816(c4, a0, a1, a2, a3, qf.x, qf.y);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int i0 = 8 * c + 2 * tid;
+              const uint32_t m0 = kmul[c], m1 = kmul[c] >> 1;  // x m0 (m1): coordinate i0 (+1) -> bit 15
+              const uint2 sa = pair_selectors(KB == 2 ? make_x2s(wa[0], wa[1], i0) : make_x(wa[c], i0));
+              const uint2 sb = pair_selectors(KB == 2 ? make_x2s(wb[0], wb[1], i0) : make_x(wb[c], i0));
+              uint32_t a0, a1, a2, a3;
+              if (KB == 2) {  // signed table: (i0, i0 + 1) and (i0 + 16, i0 + 17) of tokens a, b
+                a0 = lookup(sa.x, TK);
+                a1 = lookup(sb.x, TK);
+                a2 = lookup(sa.y, TK);
+                a3 = lookup(sb.y, TK);
+              } else {
+                a0 = lookup(sa.x, TK) ^ ((wa[KW - 1] * m0) & kSignMask);
+                a1 = lookup(sb.x, TK) ^ ((wb[KW - 1] * m0) & kSignMask);
+                a2 = lookup(sa.y, TK) ^ ((wa[KW - 1] * m1) & kSignMask);
+                a3 = lookup(sb.y, TK) ^ ((wb[KW - 1] * m1) & kSignMask);
+              }
+              const uint2 qf = load_shared_u2(&s_qb[warp][g][c][lane]);
+              mma16816(c4, a0, a1, a2, a3, qf.x, qf.y);
+            }
           }
           const uint32_t s2 = ks[g * 8];
           const float fa = h_lo(s2), fb = h_hi(s2);
