@@ -398,10 +398,10 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     if (VB == 2) TV[1] = TV[0] ^ kSignMask;
     const NibbleTables NK = nibble_tables(TK), NV = nibble_tables(TV);  // 4-bit codes (used only then)
     const uint32_t k16 = s_pow2[4];
-    // 4-bit K: this lane's nibbles are the half-word tid & 1 of word 2 c + (tid >> 1) (coordinates
-    // 16 c + 4 tid .. + 3); 4-bit V: half-word gID & 1 of word gID >> 1 (coordinates 4 gID .. + 3),
+    // 4-bit K: this lane's nibbles are word tid of the group, half-word c for chunk c (coordinates
+    // 8 tid + 4 c .. + 3); 4-bit V: half-word gID & 1 of word gID >> 1 (coordinates 4 gID .. + 3),
     // the two tokens' bytes interleaved first (selector vsel)
-    const uint32_t nsh = 16u * (uint32_t)(tid & 1), vsel = (gID & 1) ? 0x7362u : 0x5140u;
+    const uint32_t vsel = (gID & 1) ? 0x7362u : 0x5140u;
     // B operand: query vector gID, normalised to max |q| = 1; kept in shared memory and read per tile
     // (ld.volatile: not hoisted into 16 registers, which would cost occupancy)
     {
@@ -412,8 +412,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         for (int c = 0; c < 2; ++c) {
           // k pairs (2 tid, 2 tid + 1) and (2 tid + 8, 2 tid + 9) hold the coordinates the K decode pairs:
           // 3 bits and fp16 K: (b, b + 16), (b + 1, b + 17) with b = 32 g + 8 c + 2 tid; 2 bits (make_x2s order):
-          // (b, b + 1), (b + 16, b + 17); 4 bits (nibbles): (b, b + 1), (b + 2, b + 3) with b = 32 g + 16 c + 4 tid
-          const int b = KB == 4 ? 32 * g + 16 * c + 4 * tid : 32 * g + 8 * c + 2 * tid;
+          // (b, b + 1), (b + 16, b + 17); 4 bits (nibbles): (b, b + 1), (b + 2, b + 3) with b = 32 g + 8 tid + 4 c
+          const int b = KB == 4 ? 32 * g + 8 * tid + 4 * c : 32 * g + 8 * c + 2 * tid;
           const int o1 = KB == 2 || KB == 4 ? 1 : 16, o2 = KB == 2 ? 16 : KB == 4 ? 2 : 1, o3 = KB == 4 ? 3 : 17;
           s_qb[warp][g][c][lane] = make_uint2(pack_half2(sq[gID][b] * qinv, sq[gID][b + o1] * qinv),
                                               pack_half2(sq[gID][b + o2] * qinv, sq[gID][b + o3] * qinv));
@@ -497,12 +497,12 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         for (int g = 0; g < G; ++g) {
           float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           if constexpr (KB == 4) {  // nibbles: two pairs per token from one half-word, no sign work after
+            const uint2 w2 = *(const uint2*)(kw + (g * 4 + tid) * 16);  // word tid of tokens a, b
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              const uint2 w2 = *(const uint2*)(kw + (g * 4 + 2 * c + (tid >> 1)) * 16);
               uint32_t la, ha, lb, hb;
-              nibble_bytes(w2.x >> nsh, k16, NK, la, ha);
-              nibble_bytes(w2.y >> nsh, k16, NK, lb, hb);
+              nibble_bytes(c ? w2.x >> 16 : w2.x, k16, NK, la, ha);
+              nibble_bytes(c ? w2.y >> 16 : w2.y, k16, NK, lb, hb);
               const uint2 qf = load_shared_u2(&s_qb[warp][g][c][lane]);
               mma16816(c4, prmt(la, ha, 0x5140u), prmt(lb, hb, 0x5140u), prmt(la, ha, 0x7362u), prmt(lb, hb, 0x7362u),
                        qf.x, qf.y);
