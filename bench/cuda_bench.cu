@@ -184,7 +184,8 @@ static void print_trace(const char* label, int64_t ctx, int B) {
 #endif
 
 int main(int argc, char** argv) {
-  // --quick: fewer cases; --only B ctx kb vb: one decode case (for profilers); --window W: k3v3 at
+  // --quick: fewer cases; --only B ctx kb vb [--step]: one decode case (for profilers; with --step also
+  // its decode step, separate and fused); --window W: k3v3 at
   // B=1 with a W-token fp16 window (attention and decode step; no quantize timing); --quant-only kb vb:
   // the quantize-append timing alone (for profilers)
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
@@ -197,6 +198,8 @@ int main(int argc, char** argv) {
   const bool only = argc > 5 && (std::string(argv[1]) == "--only" || std::string(argv[1]) == "--step-only" || trace);
   // --step-only B ctx kb vb: plain (non-graph) launches of the fused decode step, for profilers
   const bool step_only = only && std::string(argv[1]) == "--step-only";
+  // --only B ctx kb vb --step: also the decode step per layer (separate and fused, CUDA graph)
+  const bool only_step = only && !step_only && argc > 6 && std::string(argv[6]) == "--step";
   const int window = argc > 2 && std::string(argv[1]) == "--window" ? std::atoi(argv[2]) : 0;
   if (!fmkv_backend_available(FMKV_BACKEND_CUDA)) {
     std::fprintf(stderr, "CUDA backend not available\n");
@@ -385,7 +388,7 @@ int main(int argc, char** argv) {
       // separate calls (fmkv_append + fmkv_attention) vs fused (fmkv_append_attention). The step
       // re-appends token ctx - 1 (lengths ctx - 1 before, ctx after), so every replay is identical.
       double step_sep_us = 0, step_fused_us = 0;
-      if ((!only || trace) && ctx <= 131072) {
+      if ((!only || trace || only_step) && ctx <= 131072) {
         auto time_graph = [&](bool fused) {
           const float ms = graph_ms_per_call(st, e0, e1, copies, 50, [&] {
             for (int cp = 0; cp < copies; ++cp) {
