@@ -38,6 +38,12 @@ std::vector<Shape> shapes() {
   // append compiles one kernel per width and rule for K = V)
   for (int d : {64, 128, 256})
     for (int b : {2, 3, 4}) v.push_back({d, b, b, 2, 4, 32, 0, 0, FMKV_SCALE_LSQ, {21, 50}, {2, 1}, FMKV_F16});
+  // mixed widths with the other scale rule than the grid above (the CUDA append compiles one kernel
+  // per K width, V width and rule)
+  for (int d : {64, 128, 256})
+    for (int kb : {2, 3, 4, 16})
+      for (int vb : {2, 3, 4})
+        if (kb != vb) v.push_back({d, kb, vb, 2, 4, 32, 0, 0, 1 - (kb + vb) % 2, {21, 50}, {2, 1}, FMKV_F16});
   v.push_back({128, 3, 3, 8, 4, 16, 4, 16, FMKV_SCALE_LSQ, {300, 9, 64}, {1, 16, 3}, FMKV_BF16});
   v.push_back({64, 4, 2, 3, 3, 128, 0, 32, FMKV_SCALE_RMS, {500}, {7}, FMKV_F32});
   v.push_back({128, 2, 2, 1, 8, 256, 2, 0, FMKV_SCALE_LSQ, {700, 1}, {1, 12}, FMKV_F16});

@@ -253,15 +253,13 @@ __device__ __forceinline__ void report_nonfinite_row(const AppendParams& p, int6
 // shared memory) and runs thread_fwht + quantize_store.
 constexpr int kCompressWarps = 8, kCompressStages = 2;
 
-// A quantizer variant: code width b and scale rule, as 2 b + (rule == LSQ) (4..9).
-__host__ __device__ constexpr int quantizer_code(int bits, int rule) { return 2 * bits + (rule == FMKV_SCALE_LSQ ? 1 : 0); }
 constexpr int kCompressSmem = kCompressWarps * kCompressStages * 256 * 16;
 
-// FIX = 0: each task reads its code width and the scale rule from p (K and V may differ, k16 copies);
-// FIX = quantizer_code(b, rule): every task is b-bit with that rule (K and V alike, the common case). The fixed
-// variant holds one quantizer instead of six: a sixth of the code, so the hot loop stays in the
-// instruction cache.
-template <int D, int FIX>
+// One kernel per (K width, V width, scale rule): KB in {2, 3, 4, 16} (16: K kept in fp16, copied),
+// VB in {2, 3, 4}. A kernel holds at most two quantizers (one when KB == VB), so its hot loop stays in
+// the instruction cache (a runtime switch over all six was 175 KB of code; one-token appends of mixed
+// widths ran 10-20% slower through it, stop 18).
+template <int D, int KB, int VB, bool LSQ>
 __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
   constexpr int NT = D / 64, VPW = 32 / NT, CPV = D / 8;
   extern __shared__ __align__(16) uint4 tiles[];  // [warp][stage][256]
@@ -278,8 +276,8 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
   // (one decision per CTA: another CTA may set the word meanwhile)
   if (__syncthreads_or(error_set(p.err) ? 1 : 0)) return;
   // Task order: every K task (row group major, kv head minor), then every V task. With K and V of
-  // different widths (FIX = 0) an SM then runs one quantizer at a time, not both at once (their
-  // code does not fit the instruction cache together).
+  // different widths an SM then runs one quantizer at a time, not both at once (measured at stop 18:
+  // interleaved K and V tasks thrash the instruction cache).
   const uint32_t H = (uint32_t)p.H, half = p.items / 2u, stride = gridDim.x * (uint32_t)kCompressWarps;
   // Task `it` (if it exists): this lane's vector located and, unless it is k16, its tile copies
   // issued into `stage`; one cp.async group per call either way.
@@ -290,7 +288,7 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
       h = (int32_t)(t32 % H);
       r = (int64_t)(t32 / H) * VPW + vec;
       vt = locate<D>(p, r, h, isv);
-      if (FIX != 0 || (isv ? p.vb : p.kb) != FMKV_FP16_BITS) stage_task<D>(p, vt, isv, wtiles + stage * 256, lane);
+      if (isv || KB != FMKV_FP16_BITS) stage_task<D>(p, vt, isv, wtiles + stage * 256, lane);
     }
     cp_async_commit();
   };
@@ -302,7 +300,6 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
   begin_task(it, 0, isv, h, r, vt);
   for (int k = 0; it < p.items; ++k, it += stride) {
     if (__any_sync(kFull, error_set(p.err))) break;  // one decision per warp
-    const int bits = isv ? p.vb : p.kb;
     // the next task: located and its copies issued before this one is computed
     int isv_n = 0;
     int32_t h_n = 0;
@@ -310,7 +307,7 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
     VecTask vt_n{0, nullptr, 0};
     begin_task(it + stride, (k + 1) & 1, isv_n, h_n, r_n, vt_n);
     bool bad = false;
-    if (FIX == 0 && bits == FMKV_FP16_BITS) {  // K kept in fp16, unrotated: copy chunk by chunk (not staged)
+    if (KB == FMKV_FP16_BITS && !isv) {  // K kept in fp16, unrotated: copy chunk by chunk (not staged)
       const int pos = lane % CPV;
       const uint64_t dst_own = vt.sec ? (uint64_t)(uintptr_t)(vt.sec + (int64_t)vt.tok * D * 2) : 0;
       int bad_vec = -1;  // a vector of the task with a non-finite new-row chunk (reported below)
@@ -355,17 +352,11 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
       // one non-finite input makes every output non-finite (header comment); ring rows were checked
       // when they were appended. Reported after the quantization (no live values around the call).
       bad = !(fabsf(r8[0]) <= 3.402823466e38f) && t == 0 && vt.src && !(vt.src & 1u);
-      if constexpr (FIX != 0) {
-        quantize_store<FIX / 2, FIX % 2 == 1, NT>(r8, cn, p.qt[FIX / 2 - 2], vt, t, p.P);
+      if constexpr (KB == VB) {
+        quantize_store<VB, LSQ, NT>(r8, cn, p.qt[VB - 2], vt, t, p.P);
       } else {
-        switch (quantizer_code(bits, p.rule)) {
-          case 4: quantize_store<2, false, NT>(r8, cn, p.qt[0], vt, t, p.P); break;
-          case 5: quantize_store<2, true, NT>(r8, cn, p.qt[0], vt, t, p.P); break;
-          case 6: quantize_store<3, false, NT>(r8, cn, p.qt[1], vt, t, p.P); break;
-          case 7: quantize_store<3, true, NT>(r8, cn, p.qt[1], vt, t, p.P); break;
-          case 8: quantize_store<4, false, NT>(r8, cn, p.qt[2], vt, t, p.P); break;
-          default: quantize_store<4, true, NT>(r8, cn, p.qt[2], vt, t, p.P); break;
-        }
+        if (isv) quantize_store<VB, LSQ, NT>(r8, cn, p.qt[VB - 2], vt, t, p.P);
+        else if constexpr (KB != FMKV_FP16_BITS) quantize_store<KB, LSQ, NT>(r8, cn, p.qt[KB - 2], vt, t, p.P);
       }
     }
     if (bad) report_nonfinite_row(p, r, h, isv);
@@ -421,36 +412,45 @@ __global__ void __launch_bounds__(256) fp16_rows(AppendParams p) {
   }
 }
 
-template <int D, int FIX>
+template <int D, int KB, int VB, bool LSQ>
 int compress_blocks_per_sm() {  // same for every device of the one compiled architecture
   static const int n = [] {
-    check_cuda(cudaFuncSetAttribute(compress<D, FIX>, cudaFuncAttributeMaxDynamicSharedMemorySize, kCompressSmem),
+    check_cuda(cudaFuncSetAttribute(compress<D, KB, VB, LSQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, kCompressSmem),
                "compress shared memory");
     int b = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, compress<D, FIX>, 32 * kCompressWarps, kCompressSmem),
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, compress<D, KB, VB, LSQ>, 32 * kCompressWarps,
+                                                             kCompressSmem),
                "occupancy");
     return b > 0 ? b : 1;
   }();
   return n;
 }
 
-template <int D, int FIX>
+template <int D, int KB, int VB, bool LSQ>
 void launch_compress(const AppendParams& p, cudaStream_t st) {
   const int64_t blocks = std::min<int64_t>(((int64_t)p.items + kCompressWarps - 1) / kCompressWarps,
-                                           (int64_t)compress_blocks_per_sm<D, FIX>() * sm_count());
-  compress<D, FIX><<<(unsigned)blocks, 32 * kCompressWarps, kCompressSmem, st>>>(p);
+                                           (int64_t)compress_blocks_per_sm<D, KB, VB, LSQ>() * sm_count());
+  compress<D, KB, VB, LSQ><<<(unsigned)blocks, 32 * kCompressWarps, kCompressSmem, st>>>(p);
+}
+
+// The compress kernel of (p.kb, p.vb, p.rule); the host checked the widths (fmkv_config validation).
+template <int D, int KB>
+void launch_compress_kb(const AppendParams& p, cudaStream_t st) {
+  const bool lsq = p.rule == FMKV_SCALE_LSQ;
+  switch (p.vb) {
+    case 2: lsq ? launch_compress<D, KB, 2, true>(p, st) : launch_compress<D, KB, 2, false>(p, st); break;
+    case 3: lsq ? launch_compress<D, KB, 3, true>(p, st) : launch_compress<D, KB, 3, false>(p, st); break;
+    default: lsq ? launch_compress<D, KB, 4, true>(p, st) : launch_compress<D, KB, 4, false>(p, st); break;
+  }
 }
 
 template <int D>
 void launch_append(const AppendParams& p, cudaStream_t st) {
-  switch (p.kb == p.vb && p.kb != FMKV_FP16_BITS ? quantizer_code(p.kb, p.rule) : 0) {
-    case 4: launch_compress<D, 4>(p, st); break;
-    case 5: launch_compress<D, 5>(p, st); break;
-    case 6: launch_compress<D, 6>(p, st); break;
-    case 7: launch_compress<D, 7>(p, st); break;
-    case 8: launch_compress<D, 8>(p, st); break;
-    case 9: launch_compress<D, 9>(p, st); break;
-    default: launch_compress<D, 0>(p, st); break;
+  switch (p.kb) {
+    case 2: launch_compress_kb<D, 2>(p, st); break;
+    case 3: launch_compress_kb<D, 3>(p, st); break;
+    case 4: launch_compress_kb<D, 4>(p, st); break;
+    default: launch_compress_kb<D, FMKV_FP16_BITS>(p, st); break;
   }
   if (p.R > 0) {
     const int64_t wblocks = std::min<int64_t>((p.rows * p.H * 2 + 7) / 8, 1 << 20);
