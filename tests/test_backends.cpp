@@ -34,12 +34,10 @@ std::vector<Shape> shapes() {
         int page = kb == 3 ? 16 : kb == 4 ? 64 : 32;
         v.push_back({d, kb, vb, 2, 4, page, 0, 0, (kb + vb) % 2, {37, 0, 120}, {1, 2, 1}, FMKV_F16});
       }
-  // equal K / V widths with the LSQ rule at every head_dim (the grid above has RMS for those; the CUDA
-  // append compiles one kernel per width and rule for K = V)
+  // every (K width, V width) with the other scale rule than the grid above, at every head_dim: the
+  // CUDA append compiles one kernel per K width, V width and rule
   for (int d : {64, 128, 256})
     for (int b : {2, 3, 4}) v.push_back({d, b, b, 2, 4, 32, 0, 0, FMKV_SCALE_LSQ, {21, 50}, {2, 1}, FMKV_F16});
-  // mixed widths with the other scale rule than the grid above (the CUDA append compiles one kernel
-  // per K width, V width and rule)
   for (int d : {64, 128, 256})
     for (int kb : {2, 3, 4, 16})
       for (int vb : {2, 3, 4})
