@@ -80,6 +80,12 @@ if(FMKV_BUILD_TESTS)
   target_compile_options(fmkv_metal_core_cuda_test PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-fmad=false>)
   target_link_libraries(fmkv_metal_core_cuda_test PRIVATE fmkv CUDA::cudart_static)
   # Snapshot save/load around a CUDA cache (public C API); "ref" mode needs no GPU.
+  # The device's fp16 conversions (half.h under __CUDA_ARCH__) against the portable ones, every input;
+  # skipped (exit 77) without a usable device.
+  add_executable(fmkv_half_cuda_test ${PROJECT_SOURCE_DIR}/tests/cuda/half_cuda_test.cu)
+  target_include_directories(fmkv_half_cuda_test PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
+  add_test(NAME fmkv_half_cuda_test COMMAND fmkv_half_cuda_test)
+  set_tests_properties(fmkv_half_cuda_test PROPERTIES SKIP_RETURN_CODE 77)
   add_executable(fmkv_io_cuda_test ${PROJECT_SOURCE_DIR}/tests/cuda/io_cuda_test.cpp)
   target_link_libraries(fmkv_io_cuda_test PRIVATE fmkv)
   add_test(NAME fmkv_io_cuda_test_ref COMMAND fmkv_io_cuda_test ref)

@@ -1,6 +1,7 @@
 // fp16 / bf16 conversions with exact IEEE round-to-nearest-even, host and CUDA device.
 // The format's bytes depend on these roundings, so every backend uses these or a hardware
-// instruction proven bit-identical to them (tests/test_half.cpp).
+// instruction proven bit-identical to them (tests/test_half.cpp; CUDA device code uses cvt, checked
+// against the *_soft functions for every input by tests/cuda/half_cuda_test.cu).
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -12,7 +13,7 @@ FMKV_HD uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 FMKV_HD float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 // float32 -> fp16 bits, round to nearest even; overflow gives +-inf, NaN gives a quiet NaN.
-FMKV_HD uint16_t f32_to_f16(float f) {
+FMKV_HD uint16_t f32_to_f16_soft(float f) {
   uint32_t x = f32_bits(f);
   uint32_t sign = (x >> 16) & 0x8000u;
   uint32_t ax = x & 0x7fffffffu;
@@ -32,7 +33,7 @@ FMKV_HD uint16_t f32_to_f16(float f) {
   return (uint16_t)(sign | r);
 }
 
-FMKV_HD float f16_to_f32(uint16_t h) {
+FMKV_HD float f16_to_f32_soft(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
   if (e == 0x1f) return bits_f32(sign | 0x7f800000u | (m << 13));
   if (e == 0) {
@@ -41,6 +42,30 @@ FMKV_HD float f16_to_f32(uint16_t h) {
     return sign ? -v : v;
   }
   return bits_f32(sign | ((e + 112) << 23) | (m << 13));
+}
+
+// The conversions every caller uses. On a CUDA device: cvt.rn.f16.f32 (IEEE round-to-nearest-even,
+// subnormals, overflow to inf) and cvt.f32.f16 (exact), branch-free; NaN gets the soft functions'
+// bits by a select (the hardware gives a canonical NaN). The soft versions compile to ~20
+// instructions with branches, which made short device chains (the fused step's quantizer) slow.
+FMKV_HD uint16_t f32_to_f16(float f) {
+#if defined(__CUDA_ARCH__)
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  const uint32_t x = f32_bits(f);
+  return (x & 0x7fffffffu) > 0x7f800000u ? (uint16_t)(((x >> 16) & 0x8000u) | 0x7e00u) : (uint16_t)h;
+#else
+  return f32_to_f16_soft(f);
+#endif
+}
+FMKV_HD float f16_to_f32(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
+  return (h & 0x7fffu) > 0x7c00u ? bits_f32(((uint32_t)(h & 0x8000u) << 16) | 0x7f800000u | ((uint32_t)(h & 0x3ffu) << 13)) : f;
+#else
+  return f16_to_f32_soft(h);
+#endif
 }
 
 FMKV_HD float bf16_to_f32(uint16_t b) { return bits_f32((uint32_t)b << 16); }

@@ -459,23 +459,6 @@ void launch_append(const AppendParams& p, cudaStream_t st) {
   }
 }
 
-// Thresholds of quant_math.h and the facts thread_quantize_group relies on: <= 13 significant bits
-// and an even significand (checked once; they are constants of the format, unchanged since v1).
-QuantTables make_tables(int bits) {
-  QuantTables q;
-  std::memset(&q, 0, sizeof(q));
-  for (int m = 0; m < magnitude_count(bits); ++m) q.mag[m] = codebook_mag(bits, m);
-  for (int i = 0; i + 1 < magnitude_count(bits); ++i) {
-    const float t = codebook_threshold(bits, i);
-    const uint32_t u = f32_bits(t), sig = (u & 0x7fffffu) | 0x800000u;
-    if ((u & 0x7f800000u) == 0 || (sig & ((1u << 11) - 1u)) != 0)
-      throw Error(kBackendError, "cuda append: codebook threshold outside the exact-compare assumptions");
-    q.thr[i] = t;
-    q.hulp[i] = (std::nextafter(t, INFINITY) - t) * 0.5f;
-  }
-  return q;
-}
-
 bool aligned16(const void* ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 
 }  // namespace
@@ -489,7 +472,6 @@ void append(const AppendArgs& a) {
     throw Error(kOverflow, "cuda append: " + std::to_string(a.k.rows) + " rows x " + std::to_string(c.num_kv_heads) +
                                " kv heads are " + std::to_string(tasks) +
                                " quantizer tasks, more than 2^32 - 1 in one call; append in smaller chunks");
-  static const QuantTables tables[3] = {make_tables(2), make_tables(3), make_tables(4)};
   AppendParams p{};
   fill_layer_batch(p, c, a.layer, a.batch);
   fill_kv(p, a.k, a.v);
@@ -504,7 +486,7 @@ void append(const AppendArgs& a) {
   p.ring16 = aligned16(a.layer.fp16_k) && aligned16(a.layer.fp16_v);
   p.pages16 = aligned16(a.layer.pages);
   p.items = (uint32_t)tasks;
-  for (int i = 0; i < 3; ++i) p.qt[i] = tables[i];
+  for (int i = 0; i < 3; ++i) p.qt[i] = quant_tables(i + 2);
   p.err = error_word();
   cudaStream_t st = to_stream(a.stream);
   validate_seq<<<(unsigned)p.num_seqs, 128, 0, st>>>(p);

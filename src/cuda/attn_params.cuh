@@ -36,6 +36,7 @@ struct AttnParams {
   int32_t k_dtype, v_dtype;
   int64_t k_rs, k_hs, v_rs, v_hs;
   int32_t kb, vb, rule;
+  QuantTables kq, vq;  // the fused step's quantizer tables for K and V (zero for k16)
   unsigned long long* trace;  // FMKV_CUDA_TRACE builds: per-CTA phase timestamps (common.cuh)
 };
 using AttnFnPtr = void (*)(AttnParams);

@@ -184,7 +184,11 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.part_acc = (float*)((char*)a.workspace + align256(parts * (int64_t)sizeof(float2)));
   p.nsplit = ns;
   p.fused = ap != nullptr;
-  if (ap) fill_kv(p, ap->k, ap->v);
+  if (ap) {
+    fill_kv(p, ap->k, ap->v);
+    if (c.k_bits != FMKV_FP16_BITS) p.kq = quant_tables(c.k_bits);
+    p.vq = quant_tables(c.v_bits);
+  }
 #ifdef FMKV_CUDA_TRACE
   p.trace = trace_buffer();
 #endif

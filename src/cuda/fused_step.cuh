@@ -151,7 +151,7 @@ struct StagedRowCheck {
 // non-finite: each is a signed sum of all inputs; k16 rows are tested element by element).
 template <int D, int B, int P>
 __device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uint8_t* sec, int32_t t, const SignWords& sw,
-                                                int rule, int lane, float* dst) {
+                                                const QuantTables& q, int rule, int lane, float* dst) {
   constexpr int NR = D / 32;
   float v[NR];
 #pragma unroll
@@ -173,7 +173,7 @@ __device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uin
     uint32_t* words = (uint32_t*)sec;
     uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, B, P));
     // group g = register g: coordinate lane of the group
-    warp_quantize_groups<NR, B>(v, rule, lane, words + fmkv_code_word_index(B, P, 0, 0, t), P, scales + t);
+    warp_quantize_groups<NR, B>(v, q, rule, lane, words + fmkv_code_word_index(B, P, 0, 0, t), P, scales + t);
     warp_unrotate<D>(v, sw, lane);
 #pragma unroll
     for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = v[i];
@@ -268,8 +268,8 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
     if (pg < 0 || pg >= p.num_pages) continue;  // reported by the table check
     uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, KB, VB, P, h, isv);
     float* dst = (isv ? dv : dk) + j * D;
-    if (isv) compress_vector<D, VB, P>(x, sec, t, p.sw, p.rule, lane, dst);
-    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);
+    if (isv) compress_vector<D, VB, P>(x, sec, t, p.sw, p.vq, p.rule, lane, dst);
+    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.kq, p.rule, lane, dst);
   }
   FMKV_TRACE(p, 0, 3);
 

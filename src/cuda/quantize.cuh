@@ -6,6 +6,10 @@
 //  * thread level (thread_fwht, thread_quantize_group; used by append.cu): one thread owns 64
 //    coordinates, i.e. two whole groups; D/64 threads per vector. See thread_fwht for the mapping.
 #pragma once
+#include <cmath>
+#include <cstring>
+
+#include "../core/quant_math.h"
 #include "common.cuh"
 
 namespace fmkv {
@@ -19,13 +23,77 @@ __device__ __forceinline__ float warp_tree_sum32(float t) {
   return t;
 }
 
-__device__ __forceinline__ uint16_t dev_scale_to_f16(float s) {
-  uint16_t h = f32_to_f16(s);
+// Per b-bit codebook (index b - 2), filled on the host from src/core/quant_math.h.
+struct QuantTables {
+  float thr[7];   // t_i = codebook_threshold(b, i): the reference's decision thresholds
+  float hulp[7];  // ulp(t_i) / 2 (a power of two)
+  float mag[8];   // positive levels mag_b[m] as float (exact fp16 values)
+};
+
+// fp16 scale with saturation (FORMAT.md "Scale"): cvt.rn.f16.f32 is IEEE round-to-nearest-even
+// (f16 subnormals and overflow to inf included), i.e. f32_to_f16 of half.h; then inf -> 65504.
+__device__ __forceinline__ uint16_t scale_to_f16_hw(float s) {
+  const uint16_t h = __half_as_ushort(__float2half_rn(s));
   return (h & 0x7fffu) >= 0x7c00u ? (uint16_t)0x7bffu : h;
 }
+__device__ __forceinline__ float f16_bits_to_f32_hw(uint32_t h16) {  // exact (cvt.f32.f16)
+  return __half2float(__ushort_as_half((unsigned short)h16));
+}
 
-__device__ __forceinline__ float dev_mag(int bits, int m) {
-  return f16_to_f32(tab::fmkv_codebook_mag_f16[FMKV_CODEBOOK_OFFSET(bits) + m]);
+// Thresholds of quant_math.h and the facts the division-free code search relies on: <= 13 significant
+// bits and an even significand (checked once per width; constants of the format, unchanged since v1).
+// bits 2, 3, 4; host side.
+inline const QuantTables& quant_tables(int bits) {
+  auto make = [](int b) {
+    QuantTables q;
+    std::memset(&q, 0, sizeof(q));
+    for (int m = 0; m < magnitude_count(b); ++m) q.mag[m] = codebook_mag(b, m);
+    for (int i = 0; i + 1 < magnitude_count(b); ++i) {
+      const float t = codebook_threshold(b, i);
+      const uint32_t u = f32_bits(t), sig = (u & 0x7fffffu) | 0x800000u;
+      if ((u & 0x7f800000u) == 0 || (sig & ((1u << 11) - 1u)) != 0)
+        throw Error(kBackendError, "cuda quantizer: codebook threshold outside the exact-compare assumptions");
+      q.thr[i] = t;
+      q.hulp[i] = (std::nextafter(t, INFINITY) - t) * 0.5f;
+    }
+    return q;
+  };
+  static const QuantTables tables[3] = {make(2), make(3), make(4)};
+  if (bits < 2 || bits > 4) throw Error(kBackendError, "cuda quantizer: no code tables for " + std::to_string(bits) + " bits");
+  return tables[bits - 2];
+}
+
+// Decision thresholds of a group with fp16 scale s (as float): fl(|y| / s) > t_i <=> |y| > T_i =
+// RD(t_i s + hulp_i s) (see thread_quantize_group for why this is exact). Uniform per group.
+template <int BITS>
+__device__ __forceinline__ void group_thresholds(const QuantTables& q, float s, float (&T)[(1 << (BITS - 1)) - 1]) {
+#pragma unroll
+  for (int i = 0; i < (1 << (BITS - 1)) - 1; ++i) T[i] = __fadd_rd(__fmul_rn(q.thr[i], s), __fmul_rn(q.hulp[i], s));
+}
+
+// Magnitude code of a = |y| (the thermometer count over T, by binary search: its bits c[0..BITS-2])
+// and the level mag[m], by compares and selects (no division, no indexed table load).
+template <int BITS>
+__device__ __forceinline__ float search_magnitude(float a, const float (&T)[(1 << (BITS - 1)) - 1], const QuantTables& q,
+                                                 bool (&c)[3]) {
+  c[0] = c[1] = c[2] = false;
+  if constexpr (BITS == 2) {
+    c[0] = a > T[0];
+    return c[0] ? q.mag[1] : q.mag[0];
+  } else if constexpr (BITS == 3) {
+    c[1] = a > T[1];
+    c[0] = a > (c[1] ? T[2] : T[0]);
+    const float lo = c[1] ? q.mag[2] : q.mag[0], hi = c[1] ? q.mag[3] : q.mag[1];
+    return c[0] ? hi : lo;
+  } else {
+    c[2] = a > T[3];
+    c[1] = a > (c[2] ? T[5] : T[1]);
+    c[0] = a > (c[2] ? (c[1] ? T[6] : T[4]) : (c[1] ? T[2] : T[0]));
+    const float q0 = c[2] ? q.mag[4] : q.mag[0], q1 = c[2] ? q.mag[5] : q.mag[1];
+    const float q2 = c[2] ? q.mag[6] : q.mag[2], q3 = c[2] ? q.mag[7] : q.mag[3];
+    const float r0 = c[1] ? q2 : q0, r1 = c[1] ? q3 : q1;
+    return c[0] ? r1 : r0;
+  }
 }
 
 // y (fp16 input as float, already loaded per lane: x[r] = coordinate lane + 32 r) -> rotated values.
@@ -88,10 +156,12 @@ __device__ __forceinline__ void warp_unrotate(float (&y)[D / 32], const SignWord
 }
 
 // Quantize all NR groups of a warp-held vector (y[g] = coordinate lane of group g) and write their
-// code words (planes; nibble words for 4 bits) and scales, bit-exact with the reference (FORMAT.md 4-6): per group rms = sqrt(tree_sum(y^2) /
-// 32) -> fp16 s0; codes from y / s0 against the midpoint thresholds; LSQ rescale tree_sum(y l) /
-// tree_sum(l l). The groups run in lockstep (their shuffle trees and divisions overlap instead of
-// forming one long chain; a zero scale is handled by selects, not a branch).
+// code words (planes; nibble words for 4 bits) and scales, bit-exact with the reference (FORMAT.md
+// 4-6): per group rms = sqrt(tree_sum(y^2) / 32) -> fp16 s0; codes of y / s0 against the midpoint
+// thresholds, found without a division by comparing |y| with group_thresholds (the equivalences of
+// thread_quantize_group); LSQ rescale tree_sum(y l) / tree_sum(l l) with y l = |y| mag[m]. The groups
+// run in lockstep: no branch and no per-lane table index, so their shuffle trees and the few divisions
+// (one sqrt, and for LSQ one division, per group) overlap; a zero scale is handled by selects.
 // Group g's words at words0 + g * BITS * P (stride P between words), its scale at scales0 + g * P.
 // y[g] becomes the dequantized value level(code) x scale.
 template <int NR>
@@ -102,43 +172,37 @@ __device__ __forceinline__ void warp_tree_sum32_n(float (&t)[NR]) {
     for (int g = 0; g < NR; ++g) t[g] = __fadd_rn(t[g], __shfl_xor_sync(kFull, t[g], m));
 }
 template <int NR, int BITS>
-__device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], int rule, int lane, uint32_t* words0, int64_t P,
-                                                     uint16_t* scales0) {
-  constexpr int M = 1 << (BITS - 1);
+__device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], const QuantTables& q, int rule, int lane,
+                                                     uint32_t* words0, int64_t P, uint16_t* scales0) {
   float t[NR];
 #pragma unroll
   for (int g = 0; g < NR; ++g) t[g] = __fmul_rn(y[g], y[g]);
   warp_tree_sum32_n<NR>(t);
-  float s0f[NR], l[NR], num[NR], den[NR];
+  float l[NR], num[NR], den[NR];
   uint16_t scale[NR];
   uint32_t sign[NR], m[NR];
 #pragma unroll
   for (int g = 0; g < NR; ++g) {
-    const uint16_t s0 = dev_scale_to_f16(__fsqrt_rn(__fdiv_rn(t[g], 32.0f)));
-    s0f[g] = f16_to_f32(s0);
-    const bool nz = s0f[g] != 0.0f;  // warp-uniform
-    const float u = __fdiv_rn(y[g], nz ? s0f[g] : 1.0f);
-    sign[g] = nz && u < 0.0f ? 1u : 0u;
-    const float a = u < 0.0f ? -u : u;
-    uint32_t mm = 0;
-#pragma unroll
-    for (int i = 0; i + 1 < M; ++i) {
-      const float thr = __fmul_rn(__fadd_rn(dev_mag(BITS, i), dev_mag(BITS, i + 1)), 0.5f);
-      mm += a > thr ? 1u : 0u;
-    }
-    m[g] = nz ? mm : 0u;
-    l[g] = nz ? dev_mag(BITS, (int)m[g]) : 0.0f;
-    if (sign[g]) l[g] = -l[g];
+    const uint16_t s0 = scale_to_f16_hw(__fsqrt_rn(__fmul_rn(t[g], 0.03125f)));  // t / 32, exactly
+    const bool nz = s0 != 0;  // warp-uniform; a zero scale: every code 0 (FORMAT.md 5.2)
+    float T[(1 << (BITS - 1)) - 1];
+    group_thresholds<BITS>(q, f16_bits_to_f32_hw(s0), T);
+    const float a = fabsf(y[g]);
+    bool c[3];
+    const float mag = nz ? search_magnitude<BITS>(a, T, q, c) : 0.0f;
+    m[g] = nz ? (uint32_t)c[0] | (uint32_t)c[1] << 1 | (uint32_t)c[2] << 2 : 0u;
+    sign[g] = nz && y[g] < 0.0f ? 1u : 0u;
+    l[g] = sign[g] ? -mag : mag;
     scale[g] = s0;
-    num[g] = __fmul_rn(y[g], l[g]);
-    den[g] = __fmul_rn(l[g], l[g]);
+    num[g] = __fmul_rn(a, mag);
+    den[g] = __fmul_rn(mag, mag);
   }
   if (rule == FMKV_SCALE_LSQ) {
     warp_tree_sum32_n<NR>(num);
     warp_tree_sum32_n<NR>(den);
 #pragma unroll
     for (int g = 0; g < NR; ++g)
-      if (s0f[g] != 0.0f) scale[g] = dev_scale_to_f16(__fdiv_rn(num[g], den[g]));
+      if (scale[g] != 0) scale[g] = scale_to_f16_hw(__fdiv_rn(num[g], den[g]));
   }
 #pragma unroll
   for (int g = 0; g < NR; ++g) {
@@ -163,28 +227,11 @@ __device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], int rule, i
       words0[(int64_t)g * BITS * P + lane * P] = out;
     }
     if (lane == 31) scales0[(int64_t)g * P] = scale[g];
-    y[g] = l[g] * f16_to_f32(scale[g]);  // l carries the sign (0 when the scale is 0)
+    y[g] = l[g] * f16_bits_to_f32_hw(scale[g]);  // l carries the sign (0 when the scale is 0)
   }
 }
 
 // ---- thread-level quantizer ----------------------------------------------------------------------
-// Per b-bit codebook (index b - 2), filled on the host from src/core/quant_math.h.
-struct QuantTables {
-  float thr[7];   // t_i = codebook_threshold(b, i): the reference's decision thresholds
-  float hulp[7];  // ulp(t_i) / 2 (a power of two)
-  float mag[8];   // positive levels mag_b[m] as float (exact fp16 values)
-};
-
-// fp16 scale with saturation (FORMAT.md "Scale"): cvt.rn.f16.f32 is IEEE round-to-nearest-even
-// (f16 subnormals and overflow to inf included), i.e. f32_to_f16 of half.h; then inf -> 65504.
-__device__ __forceinline__ uint16_t scale_to_f16_hw(float s) {
-  const uint16_t h = __half_as_ushort(__float2half_rn(s));
-  return (h & 0x7fffu) >= 0x7c00u ? (uint16_t)0x7bffu : h;
-}
-__device__ __forceinline__ float f16_bits_to_f32_hw(uint32_t h16) {  // exact (cvt.f32.f16)
-  return __half2float(__ushort_as_half((unsigned short)h16));
-}
-
 // Thread mapping of thread_fwht. NT = D/64 threads per vector; thread t (0 <= t < NT, bits tb0 and
 // tb1 of t are bits 0 and 1 of the lane index) starts with input coordinate 64 t + k in r[k] (k < 64),
 // multiplied by the rotation sign and, where tb0 = 1 and k >= 32 (coordinate bits 5 and 6 both set),
@@ -297,8 +344,7 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
   const uint16_t s0 = scale_to_f16_hw(rms);
   const float s0f = f16_bits_to_f32_hw(s0);
   float T[M - 1];
-#pragma unroll
-  for (int i = 0; i < M - 1; ++i) T[i] = __fadd_rd(__fmul_rn(q.thr[i], s0f), __fmul_rn(q.hulp[i], s0f));
+  group_thresholds<BITS>(q, s0f, T);
 #pragma unroll
   for (int b = 0; b < BITS; ++b) w[b] = 0u;
   float num8[8], den8[8];
@@ -308,32 +354,20 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
     // visit j in the order 0, 16, 8, 24, 1, 17, 9, 25, ...: pairs of the tree combine at once
     const int j = (jj >> 2) + 16 * (jj & 1) + 8 * ((jj >> 1) & 1);
     const float a = fabsf(y[j]);
-    float l;
+    bool c[3];
+    const float l = search_magnitude<BITS>(a, T, q, c);
     if constexpr (BITS == 2) {
-      const bool c0 = a > T[0];
-      l = c0 ? q.mag[1] : q.mag[0];
-      if (c0) w[0] |= 1u << j;
+      if (c[0]) w[0] |= 1u << j;
     } else if constexpr (BITS == 3) {
-      const bool c1 = a > T[1];
-      const bool c0 = a > (c1 ? T[2] : T[0]);
-      const float lo = c1 ? q.mag[2] : q.mag[0], hi = c1 ? q.mag[3] : q.mag[1];
-      l = c0 ? hi : lo;
       const int fw = fmkv_field_word(j), fs = fmkv_field_shift(j);
-      if (c0) w[fw] |= 1u << fs;
-      if (c1) w[fw] |= 2u << fs;
+      if (c[0]) w[fw] |= 1u << fs;
+      if (c[1]) w[fw] |= 2u << fs;
     } else {
-      const bool c2 = a > T[3];
-      const bool c1 = a > (c2 ? T[5] : T[1]);
-      const bool c0 = a > (c2 ? (c1 ? T[6] : T[4]) : (c1 ? T[2] : T[0]));
-      const float q0 = c2 ? q.mag[4] : q.mag[0], q1 = c2 ? q.mag[5] : q.mag[1];
-      const float q2 = c2 ? q.mag[6] : q.mag[2], q3 = c2 ? q.mag[7] : q.mag[3];
-      const float r0 = c1 ? q2 : q0, r1 = c1 ? q3 : q1;
-      l = c0 ? r1 : r0;
       // nibble j & 7 of word j >> 3: magnitude bits 0-2, sign bit 3 (one predicated OR per bit)
       const int nw = fmkv_nibble_word(j), ns = fmkv_nibble_shift(j);
-      if (c0) w[nw] |= 1u << ns;
-      if (c1) w[nw] |= 2u << ns;
-      if (c2) w[nw] |= 4u << ns;
+      if (c[0]) w[nw] |= 1u << ns;
+      if (c[1]) w[nw] |= 2u << ns;
+      if (c[2]) w[nw] |= 4u << ns;
       if (y[j] < 0.0f) w[nw] |= 8u << ns;
     }
     if (BITS < 4 && y[j] < 0.0f) w[BITS - 1] |= 1u << j;

@@ -15,7 +15,7 @@ if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.
   GT="-DCMAKE_PREFIX_PATH=/tmp/gti"
 fi
 cmake -S . -B /tmp/b -G Ninja -DFMKV_CUDA=ON -DFMKV_CUDA_FULL_GRID=${FULL_GRID:-ON} -DFMKV_BUILD_CLI=OFF $GT > $OUT/build.log 2>&1
-ninja -C /tmp/b -j16 fmkv_tests fmkv_cuda_tests fmkv_cuda_bench >> $OUT/build.log 2>&1 || { echo BUILD FAILED; grep -E "error|FAILED" $OUT/build.log | head -30; exit 1; }
+ninja -C /tmp/b -j16 fmkv_tests fmkv_cuda_tests fmkv_half_cuda_test fmkv_cuda_bench >> $OUT/build.log 2>&1 || { echo BUILD FAILED; grep -E "error|FAILED" $OUT/build.log | head -30; exit 1; }
 echo "build ok"
 # static check: no register spills (local memory) inside any decode tile loop
 CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
@@ -26,6 +26,8 @@ if [ "$MODE" != bench ]; then
   echo "tests rc=$?"
   timeout 120 /tmp/b/fmkv_cuda_tests >> $OUT/cuda_tests.log 2>&1
   echo "cuda error tests rc=$?"
+  timeout 60 /tmp/b/fmkv_half_cuda_test >> $OUT/cuda_tests.log 2>&1
+  echo "device fp16 conversions rc=$? ($(tail -n 1 $OUT/cuda_tests.log))"
   grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|rel|differ|Expected|Which is|error" $OUT/cuda_tests.log | head -60
   if [ "$MODE" = all ] && [ -z "$SKIP_MEMCHECK" ] && command -v compute-sanitizer >/dev/null; then
     timeout 150 compute-sanitizer --tool memcheck /tmp/b/tests/fmkv_tests --gtest_filter='Golden*:*FusedAppendAttention*/cuda:*AppendBitExact/cuda' > $OUT/memcheck.log 2>&1

@@ -46,17 +46,17 @@ elif v == 'A':
     s = rep(s, "    else cp_async_commit();\n  }\n", "    else cp_async_commit();\n  }\n  FMKV_TRACE(p, 0, 3);\n")
     s = rep(s, "      load_f16_bits_n<NR>(src, dt, off, x);\n    } else {",
             "      load_f16_bits_n<NR>(src, dt, off, x);\n      asm volatile(\"\" ::\"h\"(x[0]), \"h\"(x[NR - 1]));\n      if (vj == warp) FMKV_TRACE(p, 0, 4);\n    } else {")
-    s = rep(s, "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);\n  }\n  FMKV_TRACE(p, 0, 3);",
-            "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);\n    __syncwarp();\n    if (vj == warp) FMKV_TRACE(p, 0, 5);\n  }")
+    s = rep(s, "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.kq, p.rule, lane, dst);\n  }\n  FMKV_TRACE(p, 0, 3);",
+            "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.kq, p.rule, lane, dst);\n    __syncwarp();\n    if (vj == warp) FMKV_TRACE(p, 0, 5);\n  }")
     s = rep(s, "  if (__syncthreads_or(bad)) return;  // also: dk / dv complete\n  FMKV_TRACE(p, 0, 4);",
             "  if (__syncthreads_or(bad)) return;  // also: dk / dv complete\n  FMKV_TRACE(p, 0, 6);")
     s = rep(s, "  FMKV_TRACE(p, 0, 5);\n", "")
     s = rep(s, "  FMKV_TRACE(p, 0, 6);\n}", "}")
 elif v == 'C':  # cold vs warm: compress_vector and fp16_part each run twice (idempotent)
     s = rep(s, "    else cp_async_commit();\n  }\n", "    else cp_async_commit();\n  }\n  FMKV_TRACE(p, 0, 3);\n")
-    s = rep(s, "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);\n  }\n  FMKV_TRACE(p, 0, 3);",
-            "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);\n    __syncwarp();\n    if (vj == warp) FMKV_TRACE(p, 0, 4);\n"
-            "    if (isv) compress_vector<D, VB, P>(x, sec, t, p.sw, p.rule, lane, dst);\n    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.rule, lane, dst);\n"
+    s = rep(s, "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.kq, p.rule, lane, dst);\n  }\n  FMKV_TRACE(p, 0, 3);",
+            "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.kq, p.rule, lane, dst);\n    __syncwarp();\n    if (vj == warp) FMKV_TRACE(p, 0, 4);\n"
+            "    if (isv) compress_vector<D, VB, P>(x, sec, t, p.sw, p.vq, p.rule, lane, dst);\n    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.kq, p.rule, lane, dst);\n"
             "    __syncwarp();\n    if (vj == warp) FMKV_TRACE(p, 0, 5);\n  }")
     s = rep(s, "  FMKV_TRACE(p, 0, 4);\n", "")
     s = rep(s, "  FMKV_TRACE(p, 0, 5);\n", "")
