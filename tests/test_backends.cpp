@@ -102,13 +102,15 @@ TEST_P(Backends, AttentionMatchesReference) {
 // fmkv_append_attention == fmkv_append then fmkv_attention: pages and fp16 regions bit-exact with
 // the reference append, output within the backend's attention bound of the float64 reference.
 // Decode (1 row), speculative (several rows), windows sliding over page boundaries, sinks, a new
-// compressed token landing on a fresh page, several sequences, fp16 K.
+// compressed token landing on a fresh page, several sequences, fp16 K; k, v and q as dense
+// [rows][heads][dim] tensors or head-major views ([heads][rows][dim] memory, as a [B, H, T, D] layout).
 TEST_P(Backends, FusedAppendAttention) {
   const fmkv_backend b = GetParam();
   struct F {
     int d, kb, vb, kv_heads, group, page, sink, window, rule;
     std::vector<int64_t> lens, rows;
     fmkv_dtype in;
+    bool head_major = false;
   };
   const std::vector<F> cases = {
       {128, 3, 3, 2, 4, 64, 0, 0, FMKV_SCALE_LSQ, {4095, 0, 63}, {1, 1, 1}, FMKV_F16},
@@ -117,6 +119,8 @@ TEST_P(Backends, FusedAppendAttention) {
       {64, 2, 2, 1, 9, 16, 2, 0, FMKV_SCALE_LSQ, {17, 1000}, {16, 2}, FMKV_F16},
       {128, 16, 3, 2, 4, 16, 0, 8, FMKV_SCALE_LSQ, {200, 8}, {2, 1}, FMKV_F16},
       {256, 3, 3, 1, 2, 16, 0, 16, FMKV_SCALE_LSQ, {90}, {4}, FMKV_F16},
+      {128, 4, 4, 2, 4, 64, 0, 0, FMKV_SCALE_LSQ, {100, 31}, {3, 1}, FMKV_F16, true},
+      {64, 4, 2, 3, 3, 32, 0, 64, FMKV_SCALE_RMS, {500, 64}, {5, 1}, FMKV_F32, true},
   };
   for (const F& f : cases) {
     fmkv_config c = config(f.d, f.kb, f.vb, f.kv_heads, f.page, f.sink, f.window, f.rule);
@@ -128,6 +132,11 @@ TEST_P(Backends, FusedAppendAttention) {
     fmkv_tensor kt = make_tensor(k1.data(), f.in, n1, c.num_kv_heads, c.head_dim);
     fmkv_tensor vt = make_tensor(v1.data(), f.in, n1, c.num_kv_heads, c.head_dim);
     fmkv_tensor q = make_tensor(qb.data(), f.in, n1, HQ, c.head_dim);
+    if (f.head_major)
+      for (fmkv_tensor* t : {&kt, &vt, &q}) {
+        t->row_stride = t->dim;
+        t->head_stride = t->rows * t->dim;
+      }
     LayerState want = run_append(FMKV_BACKEND_REF, s, kt, vt);
     std::vector<float> want_out = run_attention(FMKV_BACKEND_REF, s, want, q, FMKV_F32);
     std::pair<LayerState, std::vector<float>> got;

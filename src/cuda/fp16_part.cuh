@@ -18,6 +18,13 @@ namespace cuda {
 // Shared memory (dynamic, Fp16Geom): dk, dv [16][D] floats each (fused step), q [kQV][D] floats,
 // P [chunk][kQV] floats, V [chunk][D] fp16.
 constexpr int kFp16Chunk = 64;
+
+// Element i of a shared-memory copy of a tensor of dtype fp16, bf16 or f32, as float.
+__device__ __forceinline__ float staged_elem(const uint8_t* base, int32_t dtype, int64_t i) {
+  if (dtype == FMKV_F32) return reinterpret_cast<const float*>(base)[i];
+  const uint16_t x = reinterpret_cast<const uint16_t*>(base)[i];
+  return dtype == FMKV_F16 ? __half2float(__ushort_as_half(x)) : __uint_as_float((uint32_t)x << 16);
+}
 template <int D>
 struct Fp16Geom {
   static constexpr int fresh_bytes = 2 * kFusedMaxRows * D * 4;
@@ -26,9 +33,14 @@ struct Fp16Geom {
 };
 static_assert(2 * kFp16Chunk == 128, "two threads per token of a chunk");
 
+// The fused step passes the sequence's slot (already read) and, when its validation left the q rows
+// of the call in shared memory (qstage: [rows][HQ][D] elements of q's dtype, intact until this
+// function's first chunk overwrites it), takes the first batch's query vectors from there instead of
+// a second global round trip.
 template <int D>
 __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_t r0, int64_t n, int64_t E,
-                          uint8_t* smem, int64_t e0 = 0, int64_t e1 = 0) {
+                          uint8_t* smem, int64_t e0 = 0, int64_t e1 = 0, int32_t slot_read = -1,
+                          const uint8_t* qstage = nullptr) {
   using FG = Fp16Geom<D>;
   constexpr int CW = D / kAttnWarps;                    // coordinates per warp in P V
   constexpr int CPL = CW >= 32 ? CW / 32 : 1;           // ... per lane
@@ -41,9 +53,9 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
   float(*ps)[kQV] = reinterpret_cast<float(*)[kQV]>(smem + FG::p_off);
   uint16_t(*vs)[D] = reinterpret_cast<uint16_t(*)[D]>(smem + FG::v_off);
   __shared__ float s_corr[kQV], s_m[kQV], s_l[kQV];
-  __shared__ int64_t s_pos[kQV], s_qoff[kQV], s_part[kQV];
+  __shared__ int64_t s_pos[kQV], s_qoff[kQV], s_part[kQV], s_qst[kQV];
   const int64_t nqv = n * p.gq;
-  const int32_t slot = p.slots ? p.slots[s] : 0;
+  const int32_t slot = slot_read >= 0 ? slot_read : p.slots ? p.slots[s] : 0;
   const int64_t Ts = p.R > 0 ? (len < p.S ? len : p.S) : 0, Tn = e1 - e0, Tr = p.R > 0 ? len - E : 0;
   const int64_t T = Ts + Tn + Tr;
   const int32_t ring0 = p.W > 0 ? (int32_t)((E - p.S) % p.W) : 0;  // ring slot offset of position E
@@ -80,18 +92,27 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
       s_pos[tidx] = v < nqv ? len - n + vr : -1;
       s_qoff[tidx] = v < nqv ? row * p.q_rs + hq * p.q_hs : -1;
       s_part[tidx] = v < nqv ? (row * p.HQ + hq) * (p.nsplit + 1) + p.nsplit : -1;
+      s_qst[tidx] = v < nqv ? (vr * p.HQ + hq) * D : -1;
     }
     __syncthreads();
     {  // all kQV x D / 128 loads of a thread in flight together (blockDim.x == 128)
       constexpr int QE = kQV * D / 128;
-      int64_t off[QE];
       float x[QE];
+      if (qstage != nullptr && vb == 0) {
 #pragma unroll
-      for (int k = 0; k < QE; ++k) {
-        const int e = tidx + 128 * k, i = e / D, c = e % D;
-        off[k] = s_qoff[i] >= 0 ? s_qoff[i] + c : -1;
+        for (int k = 0; k < QE; ++k) {
+          const int e = tidx + 128 * k, i = e / D, c = e % D;
+          x[k] = s_qst[i] >= 0 ? staged_elem(qstage, p.q_dtype, s_qst[i] + c) : 0.0f;
+        }
+      } else {
+        int64_t off[QE];
+#pragma unroll
+        for (int k = 0; k < QE; ++k) {
+          const int e = tidx + 128 * k, i = e / D, c = e % D;
+          off[k] = s_qoff[i] >= 0 ? s_qoff[i] + c : -1;
+        }
+        load_elems<QE>(p.q, p.q_dtype, off, x);
       }
-      load_elems<QE>(p.q, p.q_dtype, off, x);
 #pragma unroll
       for (int k = 0; k < QE; ++k) {
         const int e = tidx + 128 * k;

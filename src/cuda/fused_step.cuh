@@ -37,11 +37,14 @@ __device__ __forceinline__ bool chunk_maybe_bad(const uint4& x, int32_t dtype, b
 // The fused step's k, v and q rows [r0, r0 + n) x heads x D ([rows][heads][D] tensors), checked for
 // bad elements (kind kNonFinite, reported with the row, head and element) through shared memory.
 // Chunk c (16 bytes) of the 16-byte-aligned tensors taken together (k's chunks, then v's, then q's) is
-// copied by cp.async to stage + 16 (c mod cap) in rounds of cap chunks; thread t copies, then checks,
-// chunks t, t + blockDim, ... of a round, so a round is one round trip with all its copies in flight,
-// no registers held while they are, and no barrier (a thread reads back only its own copies). A decode
-// step (1 row, 8 kv / 32 q heads, d = 128, fp16: 768 chunks) is one round. A tensor that is not 16-byte
-// aligned (a strided view) is read element by element. n <= 16 rows, so chunk indices fit 32 bits.
+// copied by cp.async to stage + 16 (c mod cap) in rounds of cap chunks; validation thread vt of nv
+// (the CTA's threads that take part: vt = threadIdx.x - first) copies, then checks, chunks vt, vt + nv,
+// ... of a round, so a round is one round trip with all its copies in flight, no registers held while
+// they are, and no barrier (a thread reads back only its own copies). A decode step (1 row, 8 kv / 32 q
+// heads, d = 128, fp16: 768 chunks) is one round. A chunk's source address needs no division when the
+// tensor's rows are dense ([rows][heads][D] contiguous; else one division by the head count). A tensor
+// that is not 16-byte aligned (a strided view) is read element by element. n <= 16 rows, so chunk
+// indices fit 32 bits.
 struct RowsToCheck {
   const void* base;
   int32_t dtype;
@@ -56,11 +59,14 @@ struct StagedRowCheck {
   int D;
   uint8_t* stage;
   uint32_t cap, per[3], hp[3], first[3], total[3], all;  // chunks: per head row, per row; tensor j's range
-  bool aligned[3];
+  uint32_t lgper[3];  // log2 per[j] (a power of two: D * element size / 16)
+  bool aligned[3], dense[3];
+  int vt, nv;  // this thread's index among the validation threads (< 0: not one), their count
 
   __device__ StagedRowCheck(const RowsToCheck (&rows)[3], int64_t r0_, int64_t n_, int D_, uint8_t* stage_,
-                            int stage_bytes)
-      : r0(r0_), n(n_), D(D_), stage(stage_), cap((uint32_t)stage_bytes / 16u), all(0) {
+                            int stage_bytes, int first_thread)
+      : r0(r0_), n(n_), D(D_), stage(stage_), cap((uint32_t)stage_bytes / 16u), all(0),
+        vt((int)threadIdx.x - first_thread), nv((int)blockDim.x - first_thread) {
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
       t[j] = rows[j];
@@ -68,6 +74,8 @@ struct StagedRowCheck {
       aligned[j] = reinterpret_cast<uintptr_t>(t[j].base) % 16 == 0 && (t[j].rs * es) % 16 == 0 &&
                    (t[j].hs * es) % 16 == 0;
       per[j] = (uint32_t)(D * es / 16);
+      lgper[j] = 31u - (uint32_t)__clz(per[j]);
+      dense[j] = t[j].hs == D && t[j].rs == (int64_t)t[j].heads * D;
       hp[j] = (uint32_t)t[j].heads * per[j];
       total[j] = aligned[j] ? (uint32_t)n * hp[j] : 0u;
       first[j] = all;
@@ -76,24 +84,30 @@ struct StagedRowCheck {
   }
   __device__ uint32_t rounds() const { return (all + cap - 1) / cap; }
   // Calls f(j, c - first[j], c - c0) for this thread's chunks c of round `round` that belong to tensor j
-  // (c = c0 + threadIdx.x + k blockDim.x), tensor by tensor.
+  // (c = c0 + vt + k nv), tensor by tensor.
   template <class F>
   __device__ void for_own_chunks(uint32_t round, F&& f) const {
+    if (vt < 0) return;
     const uint32_t c0 = round * cap, c1 = c0 + cap < all ? c0 + cap : all;
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
       const uint32_t lo = first[j] > c0 ? first[j] : c0, e = first[j] + total[j], hi = e < c1 ? e : c1;
-      uint32_t c = c0 + threadIdx.x;
-      if (c < lo) c += (lo - c + blockDim.x - 1) / blockDim.x * blockDim.x;
-      for (; c < hi; c += blockDim.x) f(j, c - first[j], c - c0);
+      uint32_t c = c0 + (uint32_t)vt;
+      if (c < lo) c += (lo - c + nv - 1) / nv * nv;
+      for (; c < hi; c += nv) f(j, c - first[j], c - c0);
     }
   }
   // cp.async of this thread's chunks of a round, one commit group
   __device__ void issue(uint32_t round) const {
     for_own_chunks(round, [&](int j, uint32_t lc, uint32_t si) {
       const int es = t[j].dtype == FMKV_F32 ? 4 : 2;
-      const uint32_t r = lc / hp[j], hh = (lc % hp[j]) / per[j], part = lc % per[j];
-      cp_async16(stage + 16 * si, static_cast<const char*>(t[j].base) + ((r0 + r) * t[j].rs + hh * t[j].hs) * es + part * 16);
+      const char* row0 = static_cast<const char*>(t[j].base) + r0 * t[j].rs * es;
+      if (dense[j]) {
+        cp_async16(stage + 16 * si, row0 + (int64_t)lc * 16);
+      } else {
+        const uint32_t rh = lc >> lgper[j], r = rh / (uint32_t)t[j].heads, hh = rh - r * (uint32_t)t[j].heads;
+        cp_async16(stage + 16 * si, row0 + (r * t[j].rs + hh * t[j].hs) * es + (lc & (per[j] - 1u)) * 16);
+      }
     });
     cp_async_commit();
   }
@@ -128,9 +142,9 @@ struct StagedRowCheck {
     bool bad = false;
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
-      if (aligned[j]) continue;
+      if (aligned[j] || vt < 0) continue;
       const uint32_t els = (uint32_t)n * (uint32_t)t[j].heads * (uint32_t)D;
-      for (uint32_t e = threadIdx.x; e < els; e += blockDim.x) {
+      for (uint32_t e = (uint32_t)vt; e < els; e += (uint32_t)nv) {
         const uint32_t r = e / ((uint32_t)t[j].heads * D), hh = (e / D) % t[j].heads, i = e % D;
         const int64_t off = (r0 + r) * t[j].rs + hh * t[j].hs + i;
         const uint32_t b = t[j].dtype == FMKV_F32 ? __float_as_uint(static_cast<const float*>(t[j].base)[off])
@@ -223,14 +237,21 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   uint8_t* stage = smem + FG::fresh_bytes + 4 * kTableStaged;
   constexpr int kStageBytes = FG::bytes - FG::fresh_bytes - 4 * kTableStaged;
   static_assert(kStageBytes >= 128 * 16, "a round of at least one chunk per thread");
+  static_assert(D > 128 || (FG::q_off == FG::fresh_bytes && kQV * D * 4 <= 4 * kTableStaged),
+                "step 5 fills the fp16 part's q rows over the table, not over the staged q");
   const int64_t np = E1 > p.S ? (int64_t)((uint64_t)(E1 - 1 - p.S) / P) + 1 : 0;
   const int npst = np < kTableStaged ? (int)np : kTableStaged;
   for (int e = tidx; e < npst; e += blockDim.x) cp_async4(tab + e, btrow + e);
+  // The rows' chunks are copied and checked by the warps that have no vector to compress in step 2,
+  // when there are such (a one-token decode step compresses 2 vectors per kv head: warps 2 and 3
+  // validate while warps 0 and 1 compress from the start), else by every thread before step 2.
+  const int64_t ncomp = E1 - E0;
+  const int vfirst = 2 * ncomp < kAttnWarps ? (int)(2 * ncomp) * 32 : 0;
   auto row_check = [&]() {  // built where used, twice: nothing of it stays live across step 2
     const RowsToCheck rows[3] = {{p.k, p.k_dtype, p.k_rs, p.k_hs, p.H, true, kErrNonFiniteKV, 0},
                                  {p.v, p.v_dtype, p.v_rs, p.v_hs, p.H, true, kErrNonFiniteKV, 1},
                                  {p.q, p.q_dtype, p.q_rs, p.q_hs, p.HQ, false, kErrNonFiniteQ, 0}};
-    return StagedRowCheck(rows, r0, n, D, stage, kStageBytes);
+    return StagedRowCheck(rows, r0, n, D, stage, kStageBytes, vfirst);
   };
   {
     const StagedRowCheck chk = row_check();
@@ -242,7 +263,6 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   //    dequantized values, un-rotates them and leaves them in shared memory (dk / dv rows) for step 5
   float* dk = reinterpret_cast<float*>(smem);
   float* dv = dk + kFusedMaxRows * D;
-  const int64_t ncomp = E1 - E0;
   for (int64_t vj = warp; vj < 2 * ncomp; vj += kAttnWarps) {
     const int isv = (int)(vj & 1);
     const int64_t j = vj >> 1, q = E0 + j;
@@ -268,7 +288,9 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
     if (pg < 0 || pg >= p.num_pages) continue;  // reported by the table check
     uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, KB, VB, P, h, isv);
     float* dst = (isv ? dv : dk) + j * D;
-    if (isv) compress_vector<D, VB, P>(x, sec, t, p.sw, p.vq, p.rule, lane, dst);
+    // K and V of one width share one copy of the code (the second warp's instruction fetches hit)
+    if (KB == VB) compress_vector<D, KB, P>(x, sec, t, p.sw, p.kq, p.rule, lane, dst);
+    else if (isv) compress_vector<D, VB, P>(x, sec, t, p.sw, p.vq, p.rule, lane, dst);
     else compress_vector<D, KB, P>(x, sec, t, p.sw, p.kq, p.rule, lane, dst);
   }
   FMKV_TRACE(p, 0, 3);
@@ -328,8 +350,10 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   __syncthreads();  // ring rows complete
   FMKV_TRACE(p, 0, 5);
 
-  // 5. attention over sink + [E0, E1) + ring
-  fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);
+  // 5. attention over sink + [E0, E1) + ring; q from the validation's copy when it is whole (one
+  //    round) and lies past the q region of the fp16 part (d <= 128: the 4 KB table area covers it)
+  const uint8_t* qstage = nrounds == 1 && chk.aligned[2] && D <= 128 ? stage + 16 * chk.first[2] : nullptr;
+  fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1, slot, qstage);
   FMKV_TRACE(p, 0, 6);
 }
 
