@@ -273,5 +273,76 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
   }
 }
 
+// The fused step's attention part when the layer has no fp16 regions (R == 0): the sequence's query
+// vectors attend only the tokens this step compressed, [e0, e1) (at most kFusedMaxRows: the
+// dequantized rows dk / dv in shared memory), with no barrier. Thread mapping: a batch of 8 query
+// vectors, 16 threads per vector (vector tid / 16); thread j = tid % 16 owns coordinates
+// [j D/16, (j + 1) D/16). A score is the threads' partial dot products summed by 4 xor-shuffles
+// (offsets < 16 stay within the vector's threads); the online softmax and P V stay in registers.
+// q comes from qstage ([rows][HQ][D] elements of q's dtype, the validation's copy) when given.
+template <int D>
+__device__ void fresh_part(const AttnParams& p, int h, int64_t len, int64_t r0, int64_t n, const uint8_t* smem,
+                           int64_t e0, int64_t e1, const uint8_t* qstage) {
+  constexpr int CP = D / 16;
+  const int tidx = threadIdx.x, vi = tidx >> 4, j = tidx & 15;
+  const float* dk = reinterpret_cast<const float*>(smem) + j * CP;
+  const float* dv = dk + kFusedMaxRows * D;
+  const int tn = (int)(e1 - e0);
+  const int64_t nqv = n * p.gq;
+  for (int64_t vb = 0; vb < nqv; vb += 8) {
+    const int64_t v = vb + vi;
+    const bool live = v < nqv;
+    int64_t vr;
+    int vh;
+    split_vector(live ? v : 0, p.gq, vr, vh);
+    const int hq = h * p.gq + vh;
+    const int64_t qpos = len - n + vr;  // the vector's position: it sees tokens at positions <= qpos
+    float q[CP];
+    if (qstage != nullptr) {
+      const int64_t o = (vr * p.HQ + hq) * D + j * CP;
+#pragma unroll
+      for (int c = 0; c < CP; ++c) q[c] = staged_elem(qstage, p.q_dtype, o + c);
+    } else {
+      int64_t off[CP];
+#pragma unroll
+      for (int c = 0; c < CP; ++c) off[c] = (r0 + vr) * p.q_rs + hq * p.q_hs + j * CP + c;
+      load_elems<CP>(p.q, p.q_dtype, off, q);
+    }
+    float m = -INFINITY, l = 0.0f, acc[CP];
+#pragma unroll
+    for (int c = 0; c < CP; ++c) acc[c] = 0.0f;
+    for (int t = 0; t < tn; ++t) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int c = 0; c < CP; c += 4) {
+        const float4 k4 = *reinterpret_cast<const float4*>(dk + t * D + c);
+        dot += q[c] * k4.x + q[c + 1] * k4.y + q[c + 2] * k4.z + q[c + 3] * k4.w;
+      }
+#pragma unroll
+      for (int o = 8; o >= 1; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (e0 + t > qpos) continue;  // causal mask (uniform over the vector's 16 threads)
+      const float sc = apply_softcap(dot * p.sm_scale, p.softcap) * kLog2e;
+      const float m_new = fmaxf(m, sc), corr = fast_exp2(m - m_new), w = fast_exp2(sc - m_new);
+      l = l * corr + w;
+#pragma unroll
+      for (int c = 0; c < CP; c += 4) {
+        const float4 v4 = *reinterpret_cast<const float4*>(dv + t * D + c);
+        acc[c] = acc[c] * corr + w * v4.x;
+        acc[c + 1] = acc[c + 1] * corr + w * v4.y;
+        acc[c + 2] = acc[c + 2] * corr + w * v4.z;
+        acc[c + 3] = acc[c + 3] * corr + w * v4.w;
+      }
+      m = m_new;
+    }
+    if (live) {
+      const int64_t idx = ((r0 + vr) * p.HQ + hq) * (p.nsplit + 1) + p.nsplit;
+#pragma unroll
+      for (int c = 0; c < CP; c += 4)
+        *reinterpret_cast<float4*>(p.part_acc + idx * D + j * CP + c) = make_float4(acc[c], acc[c + 1], acc[c + 2], acc[c + 3]);
+      if (j == 0) p.part_ml[idx] = make_float2(m * 0.69314718055994531f, l);  // natural-log units
+    }
+  }
+}
+
 }  // namespace cuda
 }  // namespace fmkv

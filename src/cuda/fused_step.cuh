@@ -210,7 +210,8 @@ __device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uin
 //   3. validation, completed: all CTAs of the sequence take the same decision; a bad sequence
 //      returns here, its visible cache unchanged (FORMAT.md section 2);
 //   4. write the new rows that land in the sink or the ring (after 2 read the ring);
-//   5. attention of the sequence's query vectors of head h over sink + [E0, E1) + ring (fp16_part).
+//   5. attention of the sequence's query vectors of head h over sink + [E0, E1) + ring (fp16_part; without
+//      fp16 regions over [E0, E1) only, fresh_part).
 // The split CTAs meanwhile attend [S, E0), which this step does not write.
 template <int D, int P, int KB, int VB>
 __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int64_t r0, int64_t n, uint8_t* smem) {
@@ -350,10 +351,12 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   __syncthreads();  // ring rows complete
   FMKV_TRACE(p, 0, 5);
 
-  // 5. attention over sink + [E0, E1) + ring; q from the validation's copy when it is whole (one
-  //    round) and lies past the q region of the fp16 part (d <= 128: the 4 KB table area covers it)
-  const uint8_t* qstage = nrounds == 1 && chk.aligned[2] && D <= 128 ? stage + 16 * chk.first[2] : nullptr;
-  fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1, slot, qstage);
+  // 5. attention over sink + [E0, E1) + ring (without fp16 regions: over [E0, E1) only, fresh_part);
+  //    q from the validation's copy when it is whole (one round) and, for fp16_part, lies past its
+  //    q region (d <= 128: the 4 KB table area covers that)
+  const uint8_t* qstage = nrounds == 1 && chk.aligned[2] ? stage + 16 * chk.first[2] : nullptr;
+  if (p.R == 0) fresh_part<D>(p, h, len, r0, n, smem, E0, E1, qstage);
+  else fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1, slot, D <= 128 ? qstage : nullptr);
   FMKV_TRACE(p, 0, 6);
 }
 
