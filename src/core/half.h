@@ -48,8 +48,9 @@ FMKV_HD float f16_to_f32_soft(uint16_t h) {
 // subnormals, overflow to inf) and cvt.f32.f16 (exact), branch-free; NaN gets the soft functions'
 // bits by a select (the hardware gives a canonical NaN). The soft versions compile to ~20
 // instructions with branches, which made short device chains (the fused step's quantizer) slow.
+// FMKV_PORTABLE_HALF (defined before this header) keeps the portable code on the device too.
 FMKV_HD uint16_t f32_to_f16(float f) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && !defined(FMKV_PORTABLE_HALF)
   unsigned short h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   const uint32_t x = f32_bits(f);
@@ -59,7 +60,7 @@ FMKV_HD uint16_t f32_to_f16(float f) {
 #endif
 }
 FMKV_HD float f16_to_f32(uint16_t h) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && !defined(FMKV_PORTABLE_HALF)
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
   return (h & 0x7fffu) > 0x7c00u ? bits_f32(((uint32_t)(h & 0x8000u) << 16) | 0x7f800000u | ((uint32_t)(h & 0x3ffu) << 13)) : f;

@@ -17,6 +17,10 @@
 // unchanged (compressed tokens below the sequence's length, sink and ring); compress may already have
 // written token slots at or past the sequence's compressed length, which nothing reads until a
 // successful append rewrites them (FORMAT.md section 2).
+// The portable fp16 conversions of half.h (not cvt): this file converts only on rare paths (f32 / bf16
+// input, error reports), and with cvt there ptxas scheduled compress's quantizer loop differently:
+// prefill 2-3% slower (stop 19, docs/results/cuda_ab_stop19_quant.jsonl).
+#define FMKV_PORTABLE_HALF 1
 #include <cmath>
 #include <cstdint>
 #include <cstring>

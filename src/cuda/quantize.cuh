@@ -343,8 +343,12 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
   const float rms = __fsqrt_rn(__fmul_rn(s8[0], 0.03125f));
   const uint16_t s0 = scale_to_f16_hw(rms);
   const float s0f = f16_bits_to_f32_hw(s0);
+  // The thresholds and the search below are the same as group_thresholds / search_magnitude, written
+  // out: through the helpers ptxas scheduled compress's loop differently and the prefill ran 2-3%
+  // slower (stop 19; as written, append.cu compiles to the same SASS as before the helpers existed).
   float T[M - 1];
-  group_thresholds<BITS>(q, s0f, T);
+#pragma unroll
+  for (int i = 0; i < M - 1; ++i) T[i] = __fadd_rd(__fmul_rn(q.thr[i], s0f), __fmul_rn(q.hulp[i], s0f));
 #pragma unroll
   for (int b = 0; b < BITS; ++b) w[b] = 0u;
   float num8[8], den8[8];
@@ -354,20 +358,32 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
     // visit j in the order 0, 16, 8, 24, 1, 17, 9, 25, ...: pairs of the tree combine at once
     const int j = (jj >> 2) + 16 * (jj & 1) + 8 * ((jj >> 1) & 1);
     const float a = fabsf(y[j]);
-    bool c[3];
-    const float l = search_magnitude<BITS>(a, T, q, c);
+    float l;
     if constexpr (BITS == 2) {
-      if (c[0]) w[0] |= 1u << j;
+      const bool c0 = a > T[0];
+      l = c0 ? q.mag[1] : q.mag[0];
+      if (c0) w[0] |= 1u << j;
     } else if constexpr (BITS == 3) {
+      const bool c1 = a > T[1];
+      const bool c0 = a > (c1 ? T[2] : T[0]);
+      const float lo = c1 ? q.mag[2] : q.mag[0], hi = c1 ? q.mag[3] : q.mag[1];
+      l = c0 ? hi : lo;
       const int fw = fmkv_field_word(j), fs = fmkv_field_shift(j);
-      if (c[0]) w[fw] |= 1u << fs;
-      if (c[1]) w[fw] |= 2u << fs;
+      if (c0) w[fw] |= 1u << fs;
+      if (c1) w[fw] |= 2u << fs;
     } else {
+      const bool c2 = a > T[3];
+      const bool c1 = a > (c2 ? T[5] : T[1]);
+      const bool c0 = a > (c2 ? (c1 ? T[6] : T[4]) : (c1 ? T[2] : T[0]));
+      const float q0 = c2 ? q.mag[4] : q.mag[0], q1 = c2 ? q.mag[5] : q.mag[1];
+      const float q2 = c2 ? q.mag[6] : q.mag[2], q3 = c2 ? q.mag[7] : q.mag[3];
+      const float r0 = c1 ? q2 : q0, r1 = c1 ? q3 : q1;
+      l = c0 ? r1 : r0;
       // nibble j & 7 of word j >> 3: magnitude bits 0-2, sign bit 3 (one predicated OR per bit)
       const int nw = fmkv_nibble_word(j), ns = fmkv_nibble_shift(j);
-      if (c[0]) w[nw] |= 1u << ns;
-      if (c[1]) w[nw] |= 2u << ns;
-      if (c[2]) w[nw] |= 4u << ns;
+      if (c0) w[nw] |= 1u << ns;
+      if (c1) w[nw] |= 2u << ns;
+      if (c2) w[nw] |= 4u << ns;
       if (y[j] < 0.0f) w[nw] |= 8u << ns;
     }
     if (BITS < 4 && y[j] < 0.0f) w[BITS - 1] |= 1u << j;
