@@ -119,6 +119,7 @@ TEST_P(Backends, FusedAppendAttention) {
       {64, 2, 2, 1, 9, 16, 2, 0, FMKV_SCALE_LSQ, {17, 1000}, {16, 2}, FMKV_F16},
       {128, 16, 3, 2, 4, 16, 0, 8, FMKV_SCALE_LSQ, {200, 8}, {2, 1}, FMKV_F16},
       {256, 3, 3, 1, 2, 16, 0, 16, FMKV_SCALE_LSQ, {90}, {4}, FMKV_F16},
+      {256, 4, 4, 1, 2, 16, 0, 0, FMKV_SCALE_LSQ, {90, 20}, {2, 1}, FMKV_BF16},
       {128, 4, 4, 2, 4, 64, 0, 0, FMKV_SCALE_LSQ, {100, 31}, {3, 1}, FMKV_F16, true},
       {64, 4, 2, 3, 3, 32, 0, 64, FMKV_SCALE_RMS, {500, 64}, {5, 1}, FMKV_F32, true},
   };
