@@ -159,6 +159,11 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *(uint32_t*)&h;
 }
 
+// fp16 (f16) or bf16 bits as float, exactly: cvt.f32.f16, or a shift.
+__device__ __forceinline__ float half_bits_to_f32(uint16_t x, bool f16) {
+  return f16 ? __half2float(__ushort_as_half(x)) : __uint_as_float((uint32_t)x << 16);
+}
+
 // Load element i of a [rows][heads][dim] tensor as float.
 __device__ __forceinline__ float load_elem(const void* base, int32_t dtype, int64_t off) {
   if (dtype == FMKV_F32) return ((const float*)base)[off];
@@ -183,10 +188,9 @@ __device__ __forceinline__ void load_elems(const void* base, int32_t dtype, cons
     uint16_t raw[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) raw[i] = off[i] >= 0 ? static_cast<const uint16_t*>(base)[off[i]] : (uint16_t)0;
-    const bool f16 = dtype == FMKV_F16;  // conversions: cvt.f32.f16 (exact) and a shift, branch-free
+    const bool f16 = dtype == FMKV_F16;  // branch-free conversions
 #pragma unroll
-    for (int i = 0; i < N; ++i)
-      out[i] = f16 ? __half2float(__ushort_as_half(raw[i])) : __uint_as_float((uint32_t)raw[i] << 16);
+    for (int i = 0; i < N; ++i) out[i] = half_bits_to_f32(raw[i], f16);
   }
 }
 template <int N>

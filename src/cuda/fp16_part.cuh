@@ -22,8 +22,7 @@ constexpr int kFp16Chunk = 64;
 // Element i of a shared-memory copy of a tensor of dtype fp16, bf16 or f32, as float.
 __device__ __forceinline__ float staged_elem(const uint8_t* base, int32_t dtype, int64_t i) {
   if (dtype == FMKV_F32) return reinterpret_cast<const float*>(base)[i];
-  const uint16_t x = reinterpret_cast<const uint16_t*>(base)[i];
-  return dtype == FMKV_F16 ? __half2float(__ushort_as_half(x)) : __uint_as_float((uint32_t)x << 16);
+  return half_bits_to_f32(reinterpret_cast<const uint16_t*>(base)[i], dtype == FMKV_F16);
 }
 template <int D>
 struct Fp16Geom {

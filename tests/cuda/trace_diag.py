@@ -6,8 +6,9 @@ sink/window CTA. Patches the FMKV_TRACE marks of a COPY of the source tree (neve
        computation done, 6 = validation completed (exit - 6 = ring writes + fp16 part)
     B  fp16-part detail: 3 = compression, 4 = validation completed, 5 = q in shared memory,
        6 = chunk loop done (exit - 6 = partial writes)
-    C  cold vs warm: compress_vector and fp16_part each run twice (both idempotent): 4 - 3 = first
-       compression, 5 - 4 = second; 6 - 5 = validation + ring + first fp16 part, exit - 6 = second
+    C  cold vs warm: compress_vector and the attention part (fp16_part / fresh_part) each run twice
+       (both idempotent): 4 - 3 = first compression, 5 - 4 = second; 6 - 5 = validation + ring + first
+       attention part, exit - 6 = second
     D  split-CTA prologue detail (attention, role "split"): 3 = first tiles' page entries read and
        copies issued (the query loads were issued just before), 4 = query values landed, 5 = queries
        checked, rotated and stored, 6 = after the barrier (exit - 6 = first tile + tile loop + combine)
@@ -52,7 +53,7 @@ elif v == 'A':
             "  if (__syncthreads_or(bad)) return;  // also: dk / dv complete\n  FMKV_TRACE(p, 0, 6);")
     s = rep(s, "  FMKV_TRACE(p, 0, 5);\n", "")
     s = rep(s, "  FMKV_TRACE(p, 0, 6);\n}", "}")
-elif v == 'C':  # cold vs warm: compress_vector and fp16_part each run twice (idempotent)
+elif v == 'C':  # cold vs warm: compress_vector and the attention part each run twice (idempotent)
     s = rep(s, "    else cp_async_commit();\n  }\n", "    else cp_async_commit();\n  }\n  FMKV_TRACE(p, 0, 3);\n")
     s = rep(s, "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.kq, p.rule, lane, dst);\n  }\n  FMKV_TRACE(p, 0, 3);",
             "    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.kq, p.rule, lane, dst);\n    __syncwarp();\n    if (vj == warp) FMKV_TRACE(p, 0, 4);\n"
@@ -60,8 +61,10 @@ elif v == 'C':  # cold vs warm: compress_vector and fp16_part each run twice (id
             "    __syncwarp();\n    if (vj == warp) FMKV_TRACE(p, 0, 5);\n  }")
     s = rep(s, "  FMKV_TRACE(p, 0, 4);\n", "")
     s = rep(s, "  FMKV_TRACE(p, 0, 5);\n", "")
-    s = rep(s, "  fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);\n  FMKV_TRACE(p, 0, 6);",
-            "  fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);\n  FMKV_TRACE(p, 0, 6);\n  fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1);")
+    # the second attention part reads q from global memory (the first may have overwritten the staged copy)
+    s = rep(s, "  else fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1, slot, D <= 128 ? qstage : nullptr);\n  FMKV_TRACE(p, 0, 6);",
+            "  else fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1, slot, D <= 128 ? qstage : nullptr);\n  FMKV_TRACE(p, 0, 6);\n"
+            "  if (p.R == 0) fresh_part<D>(p, h, len, r0, n, smem, E0, E1, nullptr);\n  else fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1, slot);")
 else:
     s = rep(s, "  FMKV_TRACE(p, 0, 5);\n", "")
     s = rep(s, "  FMKV_TRACE(p, 0, 6);\n}", "}")
