@@ -192,15 +192,21 @@ int main(int argc, char** argv) {
   const bool quant_only = argc > 3 && std::string(argv[1]) == "--quant-only";
   // --latency: k3v3 at B=1 4k / 32k / 128k and B=64 8k, attention and decode step (no quantize timing)
   const bool latency = argc > 1 && std::string(argv[1]) == "--latency";
-  // --trace B ctx kb vb (a -DFMKV_CUDA_TRACE=ON build): one decode case, then the latency trace of its
-  // last attention call and of its last fused decode step (print_trace)
+  // --trace B ctx kb vb [W] (a -DFMKV_CUDA_TRACE=ON build): one decode case (B = 1 with a W-token fp16
+  // window), then the latency trace of its last attention call and of its last fused decode step (print_trace)
   const bool trace = argc > 5 && std::string(argv[1]) == "--trace";
   const bool only = argc > 5 && (std::string(argv[1]) == "--only" || std::string(argv[1]) == "--step-only" || trace);
   // --step-only B ctx kb vb: plain (non-graph) launches of the fused decode step, for profilers
   const bool step_only = only && std::string(argv[1]) == "--step-only";
   // --only B ctx kb vb --step: also the decode step per layer (separate and fused, CUDA graph)
   const bool only_step = only && !step_only && argc > 6 && std::string(argv[6]) == "--step";
-  const int window = argc > 2 && std::string(argv[1]) == "--window" ? std::atoi(argv[2]) : 0;
+  const int window = argc > 2 && std::string(argv[1]) == "--window" ? std::atoi(argv[2])
+                     : trace && argc > 6                                 ? std::atoi(argv[6])
+                                                                         : 0;
+  if (window > 0 && trace && std::atoi(argv[2]) != 1) {
+    std::fprintf(stderr, "--trace with a window: B must be 1 (one fp16 region slot)\n");
+    return 1;
+  }
   if (!fmkv_backend_available(FMKV_BACKEND_CUDA)) {
     std::fprintf(stderr, "CUDA backend not available\n");
     return 1;
@@ -239,7 +245,7 @@ int main(int argc, char** argv) {
     cases = {{std::atoi(argv[2]), std::atoll(argv[3])}};
     fmts = {{std::atoi(argv[4]), std::atoi(argv[5])}};
   }
-  if (window > 0) {
+  if (window > 0 && !only) {
     cases = {{1, 4096}, {1, 32768}, {1, 131072}};
     fmts = {{3, 3}};
   }

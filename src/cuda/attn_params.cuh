@@ -28,6 +28,7 @@ struct AttnParams {
   float2* part_ml;
   float* part_acc;
   int32_t nsplit;
+  int32_t nraw;  // raw-domain partials per query vector after the nsplit compressed ones (1 or 2)
   long long* err;
   // Fused decode step (fmkv_append_attention): the sink/window CTA of each (sequence, kv head) first
   // appends that head's rows of k / v; seq_lens are then the lengths before the append.
@@ -52,6 +53,9 @@ struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared me
 #define FMKV_ATTN_MIN_BLOCKS 4
 #endif
 constexpr int kAttnWarps = 4, kQV = 8, kMinTilesPerSplit = 4, kMaxSplits = 64;
+// Partial slots per query vector: nsplit compressed (rotated domain), then up to kRawParts raw-domain
+// ones (the sink/window CTA; a fused step with fp16 regions has two of them)
+constexpr int kRawParts = 2;
 constexpr int kFusedMaxRows = 16;  // rows per sequence of a fused append + attention call
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kSignMask = 0x80008000u;

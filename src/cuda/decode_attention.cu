@@ -14,20 +14,20 @@ namespace cuda {
 namespace {
 
 // One CTA (256 threads) per (query row, q head): combine the split partials, un-rotate the
-// compressed part once, add the fp16 (sink/window) part, normalise, store.
-// Thread -> data: thread t < nsplit + 1 loads partial t's (m, l); thread t also takes the float4 of
+// compressed part once, add the raw-domain (sink/window, fused step) parts, normalise, store.
+// Thread -> data: thread t < nsplit + nraw loads partial t's (m, l); thread t also takes the float4 of
 // coordinates 4 (t % (D/4)) .. +3 of the partials i = t / (D/4) + k * (1024/D), and lane c of warp 0
-// the fp16 part's coordinates c + 32 r. Every load of the kernel (error word included) is issued
+// the raw parts' coordinates c + 32 r. Every load of the kernel (error word included) is issued
 // before the first is used -- one L2 round trip, then arithmetic: the weights, the weighted slices
 // summed in shared memory, and warp 0 applies the inverse rotation with shuffles and stores.
 constexpr int kMergeThreads = 256;
 template <int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   constexpr int LPS = D / 4, SL = kMergeThreads / LPS, NR = D / 32;
-  static_assert(kMaxSplits + 1 <= kMergeThreads, "one thread per partial");
+  static_assert(kMaxSplits + kRawParts <= kMergeThreads, "one thread per partial");
   constexpr int KMAX = (kMaxSplits + SL - 1) / SL;  // partial slices per thread, at most
   // 16-byte aligned: the compiler reads s_wm / s_wl with vector loads, which must not straddle s_w
-  __shared__ __align__(16) float s_w[kMaxSplits + 1];
+  __shared__ __align__(16) float s_w[kMaxSplits + kRawParts];
   __shared__ __align__(16) float s_wm[kMergeThreads / 32];
   __shared__ __align__(16) float s_wl[kMergeThreads / 32];
   __shared__ __align__(16) float s_red[SL][D];
@@ -36,8 +36,8 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   grid_dependency_wait();
   const int64_t row = blockIdx.x;
   const int hq = blockIdx.y, t = threadIdx.x, warp = t >> 5, lane = t & 31;
-  const int nparts = p.nsplit + 1;
-  const int64_t base = (row * p.HQ + hq) * nparts;
+  const int nparts = p.nsplit + p.nraw;
+  const int64_t base = (row * p.HQ + hq) * (p.nsplit + kRawParts);
   const int sl = t / LPS, j = t % LPS;  // slice sl of the splits, coordinates 4 j .. 4 j + 3
   // All loads first. A partial's acc is used only when its weight is non-zero (an empty split
   // writes only (m, l) = (-inf, 0), so its acc slot holds stale bytes, loaded but never used).
@@ -48,9 +48,12 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
 #pragma unroll
   for (int k = 0; k < KMAX; ++k)
     xs[k] = sl + k * SL < p.nsplit ? load_now(pa + (int64_t)(sl + k * SL) * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  float raw[NR];
+  float raw[kRawParts][NR];
 #pragma unroll
-  for (int r = 0; r < NR; ++r) raw[r] = warp == 0 ? load_now(p.part_acc + (base + p.nsplit) * D + lane + 32 * r) : 0.0f;
+  for (int k = 0; k < kRawParts; ++k)
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+      raw[k][r] = warp == 0 && k < p.nraw ? load_now(p.part_acc + (base + p.nsplit + k) * D + lane + 32 * r) : 0.0f;
   if (upstream_error) return;
   FMKV_TRACE(p, 1, 1);
   // weights exp(m_i - M) and L = sum l_i exp(m_i - M)
@@ -101,11 +104,16 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
     y[r] = a;
   }
   warp_unrotate<D>(y, p.sw, lane);
-  const float wraw = s_w[p.nsplit];
+  float wraw[kRawParts];
+#pragma unroll
+  for (int k = 0; k < kRawParts; ++k) wraw[k] = k < p.nraw ? s_w[p.nsplit + k] : 0.0f;
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
     const int c = lane + 32 * r;
-    const float o = (y[r] + (wraw != 0.0f ? raw[r] * wraw : 0.0f)) / L;
+    float o = y[r];
+#pragma unroll
+    for (int k = 0; k < kRawParts; ++k) o += wraw[k] != 0.0f ? raw[k][r] * wraw[k] : 0.0f;  // (stale when w == 0)
+    o /= L;
     const int64_t off = row * p.o_rs + hq * p.o_hs + c;
     if (p.o_dtype == FMKV_F32) ((float*)p.out)[off] = o;
     else if (p.o_dtype == FMKV_F16) ((uint16_t*)p.out)[off] = f32_to_f16(o);
@@ -123,7 +131,7 @@ int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads) {
 int64_t align256(int64_t x) { return (x + 255) & ~(int64_t)255; }
 // Bytes of the workspace for `rows` query rows of q_heads heads and ns compressed splits.
 int64_t workspace_for(int64_t rows, int32_t q_heads, int32_t d, int32_t ns) {
-  const int64_t parts = rows * q_heads * (int64_t)(ns + 1);
+  const int64_t parts = rows * q_heads * (int64_t)(ns + kRawParts);
   return align256(parts * (int64_t)sizeof(float2)) + parts * d * (int64_t)sizeof(float);
 }
 
@@ -179,11 +187,13 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.gq = HQ / c.num_kv_heads;
   p.sm_scale = a.opts.softmax_scale > 0 ? a.opts.softmax_scale : 1.0f / sqrtf((float)d);
   p.softcap = a.opts.softcap;
-  const int64_t parts = a.q.rows * HQ * (int64_t)(ns + 1);
+  const int64_t parts = a.q.rows * HQ * (int64_t)(ns + kRawParts);
   p.part_ml = (float2*)a.workspace;
   p.part_acc = (float*)((char*)a.workspace + align256(parts * (int64_t)sizeof(float2)));
   p.nsplit = ns;
   p.fused = ap != nullptr;
+  // a fused step with fp16 regions: a second sink/window CTA attends the tokens before the step
+  p.nraw = p.fused && c.sink_tokens + c.window_tokens > 0 ? 2 : 1;
   if (ap) {
     fill_kv(p, ap->k, ap->v);
     if (c.k_bits != FMKV_FP16_BITS) p.kq = quant_tables(c.k_bits);
@@ -219,7 +229,7 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   const unsigned nattr = programmatic_launch_supported() ? 1 : 0;
   {
     cudaLaunchConfig_t lc = {};
-    lc.gridDim = dim3((unsigned)(ns + 1), (unsigned)c.num_kv_heads, (unsigned)p.num_seqs);
+    lc.gridDim = dim3((unsigned)(ns + p.nraw), (unsigned)c.num_kv_heads, (unsigned)p.num_seqs);
     lc.blockDim = dim3(128);
     lc.dynamicSmemBytes = (size_t)fn.smem;
     lc.stream = st;

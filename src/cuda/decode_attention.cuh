@@ -1,9 +1,10 @@
 // CUDA decode attention on the compressed cache (issue 4, kernel 2): flash-decoding with tensor
-// cores. Grid (nsplit + 1, kv heads, sequences). CTA (split sp < nsplit, sequence s, kv head h) takes
+// cores. Grid (nsplit + nraw, kv heads, sequences). CTA (split sp < nsplit, sequence s, kv head h) takes
 // a contiguous range of 16-token tiles of the compressed tokens, for up to 8 query vectors at a time
 // (all q heads of the GQA group x query rows), so every K/V byte is read once per 8 query vectors.
-// The last split (sp == nsplit) does the fp16 sink + window tokens in the raw domain (fp16_part) and,
-// for a fused step, the append (fused_step).
+// CTA sp == nsplit does the fp16 sink + window tokens in the raw domain (fp16_part) or, for a fused
+// step, the append and the attention over the step's own tokens (fused_step); a fused step with fp16
+// regions has a second one (sp == nsplit + 1, nraw = 2) for the sink and window tokens before the step.
 //
 // Per warp and 16-token tile (staged in shared memory by cp.async, 2-3 tiles ahead; branch-free
 // issue: a missing tile or a bad page entry zero-fills its stage, the entry error is reported after
@@ -230,10 +231,13 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     for (int l = 0; l < 32; ++l) s_tab[tidx][l] = tab_lo | (tab_hi << 16);
   if (sp < p.nsplit && tidx < 16) s_pow2[tidx] = 1u << tidx;
   FMKV_TRACE(p, 0, 2);
-  if (sp == p.nsplit) {
-    if (p.fused) fused_step<D, P, KB, VB>(p, s, h, len0, r0, n, smem);
-    else fp16_part<D>(p, s, h, len, r0, n, E, smem);
-    FMKV_TRACE(p, 0, 7, p.fused ? kTraceFused : kTraceFp16Part);
+  // CTA nsplit: the fp16 tokens (attention) or the fused step; CTA nsplit + 1 (a fused step with fp16
+  // regions): the fp16 tokens before the step. (Two equality tests: with `sp >= nsplit` ptxas lays the
+  // tile loop out after this code, and the split CTAs' prologue ran ~1 us slower.)
+  if (sp == p.nsplit || sp == p.nsplit + 1) {
+    if (p.fused && sp == p.nsplit) fused_step<D, P, KB, VB>(p, s, h, len0, r0, n, smem);
+    else fp16_part<D>(p, s, h, len - n, r0, n, dev_compressed_end(p.S, p.W, len), p.fused ? len0 : len, sp, smem);
+    FMKV_TRACE(p, 0, 7, p.fused && sp == p.nsplit ? kTraceFused : kTraceFp16Part);
     return;
   }
   const int64_t nqv = n * p.gq;
@@ -246,7 +250,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       int64_t vr;
       int vh;
       split_vector(v, p.gq, vr, vh);
-      p.part_ml[((r0 + vr) * p.HQ + h * p.gq + vh) * (p.nsplit + 1) + sp] = make_float2(-INFINITY, 0.0f);
+      p.part_ml[((r0 + vr) * p.HQ + h * p.gq + vh) * (p.nsplit + kRawParts) + sp] = make_float2(-INFINITY, 0.0f);
     }
     FMKV_TRACE(p, 0, 7, kTraceEmptySplit);
     return;
@@ -351,7 +355,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       qhead[u] = h * p.gq + vh;
       if (lane == 0) {  // this vector's position and partial index, for the softmax mask and the combine
         s_vpos[i] = v < nqv ? len - n + vr : -1;
-        s_vpart[i] = v < nqv ? (qrow[u] * p.HQ + qhead[u]) * (p.nsplit + 1) : -1;
+        s_vpart[i] = v < nqv ? (qrow[u] * p.HQ + qhead[u]) * (p.nsplit + kRawParts) : -1;
       }
 #pragma unroll
       for (int r = 0; r < NR; ++r) qoff[u * NR + r] = v < nqv ? qrow[u] * p.q_rs + qhead[u] * p.q_hs + lane + 32 * r : -1;

@@ -4,19 +4,21 @@
 namespace fmkv {
 namespace cuda {
 
-// ---- fp16 part: sink + window tokens (fp16, unrotated) and, for a fused step, the tokens compressed
-// by this step (positions [e0, e1), dequantized to the raw domain in shared memory), attended in fp32
-// by the sink/window CTA of (sequence, kv head). Token list: sink [0, min(S, len)) at region slots
-// 0.., fresh [e0, e1) (rows of dk/dv), ring [E, len) at slots S + (p - S) mod W.
+// ---- fp16 part: sink + window tokens (fp16, unrotated), attended in fp32 by a sink/window CTA of
+// (sequence, kv head). Token list: sink [0, min(S, tend)) at region slots 0.., ring [E, tend) at slots
+// S + (p - S) mod W. An attention call's CTA takes every such token (tend = len, E = ce(len)); a fused
+// step's second sink/window CTA takes the tokens the step does not write (tend = len0, E = ce(len0 + n)),
+// in parallel with the step's own CTA, so the step's critical path holds only its own tokens (fresh_part).
 // Per batch of kQV query vectors (q in shared memory) and chunk of kFp16Chunk tokens:
 //   0. the chunk's V rows are copied to shared memory (cp.async, 2 threads per token) while
-//   1. scores: threads 2t, 2t+1 take the two halves of token t's K row (16-byte loads) against all kQV
-//      vectors, the halves summed by one shuffle;
+//   1. scores: threads 2t, 2t+1 take the two halves of token t's K row (16-byte loads, all in flight
+//      together) against all kQV vectors, the halves summed by one shuffle;
 //   2. online softmax: warp w keeps the running max / sum of vectors 2w, 2w+1;
 //   3. O = O x corr + P V: warp w owns coordinates [w D/4, (w+1) D/4) (lane: 1 (D=128), 2 (D=256) or,
 //      for D=64, 1 coordinate of every other token), over every token of the chunk (V from shared memory).
-// Shared memory (dynamic, Fp16Geom): dk, dv [16][D] floats each (fused step), q [kQV][D] floats,
-// P [chunk][kQV] floats, V [chunk][D] fp16.
+// The partial goes to slot `part` of the query vector's partials (raw domain: the merge adds it after
+// the inverse rotation). Shared memory (dynamic, Fp16Geom): q [kQV][D] floats, P [chunk][kQV] floats,
+// V [chunk][D] fp16, after the fused step's dk, dv [16][D] floats (unused here).
 constexpr int kFp16Chunk = 64;
 
 // Element i of a shared-memory copy of a tensor of dtype fp16, bf16 or f32, as float.
@@ -32,46 +34,36 @@ struct Fp16Geom {
 };
 static_assert(2 * kFp16Chunk == 128, "two threads per token of a chunk");
 
-// The fused step passes the sequence's slot (already read) and, when its validation left the q rows
-// of the call in shared memory (qstage: [rows][HQ][D] elements of q's dtype, intact until this
-// function's first chunk overwrites it), takes the first batch's query vectors from there instead of
-// a second global round trip.
+// qpos0: the position of the first query row (row r sees positions <= qpos0 + r).
 template <int D>
-__device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_t r0, int64_t n, int64_t E,
-                          uint8_t* smem, int64_t e0 = 0, int64_t e1 = 0, int32_t slot_read = -1,
-                          const uint8_t* qstage = nullptr) {
+__device__ void fp16_part(const AttnParams& p, int s, int h, int64_t qpos0, int64_t r0, int64_t n, int64_t E,
+                          int64_t tend, int part, uint8_t* smem) {
   using FG = Fp16Geom<D>;
   constexpr int CW = D / kAttnWarps;                    // coordinates per warp in P V
   constexpr int CPL = CW >= 32 ? CW / 32 : 1;           // ... per lane
   constexpr int TPH = CW >= 32 ? 1 : 32 / CW;           // token phases per warp (D = 64: 2)
   constexpr int HALF = D / 2;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31;
-  const float* dk = reinterpret_cast<const float*>(smem);
-  const float* dv = dk + kFusedMaxRows * D;
   float(*qs)[D] = reinterpret_cast<float(*)[D]>(smem + FG::q_off);
   float(*ps)[kQV] = reinterpret_cast<float(*)[kQV]>(smem + FG::p_off);
   uint16_t(*vs)[D] = reinterpret_cast<uint16_t(*)[D]>(smem + FG::v_off);
   __shared__ float s_corr[kQV], s_m[kQV], s_l[kQV];
-  __shared__ int64_t s_pos[kQV], s_qoff[kQV], s_part[kQV], s_qst[kQV];
+  __shared__ int64_t s_pos[kQV], s_qoff[kQV], s_part[kQV];
   const int64_t nqv = n * p.gq;
-  const int32_t slot = slot_read >= 0 ? slot_read : p.slots ? p.slots[s] : 0;
-  const int64_t Ts = p.R > 0 ? (len < p.S ? len : p.S) : 0, Tn = e1 - e0, Tr = p.R > 0 ? len - E : 0;
-  const int64_t T = Ts + Tn + Tr;
+  const int32_t slot = p.slots ? p.slots[s] : 0;
+  const int64_t Ts = tend < p.S ? tend : p.S, Tr = tend > E ? tend - E : 0;
+  const int64_t T = Ts + Tr;
   const int32_t ring0 = p.W > 0 ? (int32_t)((E - p.S) % p.W) : 0;  // ring slot offset of position E
   const int64_t reg = (((int64_t)slot * p.H + h) * p.R) * D;
   const uint16_t* kreg = p.fp16_k + (p.R > 0 ? reg : 0);
   const uint16_t* vreg = p.fp16_v + (p.R > 0 ? reg : 0);
-  // token ti of the list -> its position and its row (region row index, or -1 - fresh row)
+  // token ti of the list -> its position and its region row
   auto token = [&](int64_t ti, int64_t& pos) -> int64_t {
     if (ti < Ts) {
       pos = ti;
       return ti;
     }
-    if (ti < Ts + Tn) {
-      pos = e0 + (ti - Ts);
-      return -1 - (ti - Ts);
-    }
-    const int32_t k = (int32_t)(ti - Ts - Tn);
+    const int32_t k = (int32_t)(ti - Ts);
     int32_t fs = ring0 + k;
     if (fs >= p.W) fs -= p.W;
     pos = E + k;
@@ -88,30 +80,21 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
       split_vector(v, p.gq, vr, vh);
       const int64_t row = r0 + vr;
       const int hq = h * p.gq + vh;
-      s_pos[tidx] = v < nqv ? len - n + vr : -1;
+      s_pos[tidx] = v < nqv ? qpos0 + vr : -1;
       s_qoff[tidx] = v < nqv ? row * p.q_rs + hq * p.q_hs : -1;
-      s_part[tidx] = v < nqv ? (row * p.HQ + hq) * (p.nsplit + 1) + p.nsplit : -1;
-      s_qst[tidx] = v < nqv ? (vr * p.HQ + hq) * D : -1;
+      s_part[tidx] = v < nqv ? (row * p.HQ + hq) * (p.nsplit + kRawParts) + part : -1;
     }
     __syncthreads();
     {  // all kQV x D / 128 loads of a thread in flight together (blockDim.x == 128)
       constexpr int QE = kQV * D / 128;
       float x[QE];
-      if (qstage != nullptr && vb == 0) {
+      int64_t off[QE];
 #pragma unroll
-        for (int k = 0; k < QE; ++k) {
-          const int e = tidx + 128 * k, i = e / D, c = e % D;
-          x[k] = s_qst[i] >= 0 ? staged_elem(qstage, p.q_dtype, s_qst[i] + c) : 0.0f;
-        }
-      } else {
-        int64_t off[QE];
-#pragma unroll
-        for (int k = 0; k < QE; ++k) {
-          const int e = tidx + 128 * k, i = e / D, c = e % D;
-          off[k] = s_qoff[i] >= 0 ? s_qoff[i] + c : -1;
-        }
-        load_elems<QE>(p.q, p.q_dtype, off, x);
+      for (int k = 0; k < QE; ++k) {
+        const int e = tidx + 128 * k, i = e / D, c = e % D;
+        off[k] = s_qoff[i] >= 0 ? s_qoff[i] + c : -1;
       }
+      load_elems<QE>(p.q, p.q_dtype, off, x);
 #pragma unroll
       for (int k = 0; k < QE; ++k) {
         const int e = tidx + 128 * k;
@@ -135,7 +118,7 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
         for (int i = 0; i < kQV; ++i) sc[i] = -INFINITY;
         int64_t pos = 0;
         const int64_t rr = tt < cnt ? token(c0 + tt, pos) : -1;
-        if (tt < cnt && rr >= 0) {
+        if (tt < cnt) {
 #pragma unroll
           for (int c = 0; c < HALF; c += 8) cp_async16(&vs[tt][hf * HALF + c], vreg + rr * D + hf * HALF + c);
         }
@@ -144,18 +127,21 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
 #pragma unroll
         for (int i = 0; i < kQV; ++i) dot[i] = 0.0f;
         if (tt < cnt) {
-#pragma unroll 2
+          // the half row's 16-byte K loads all in flight together (one round trip; D = 256: two)
+          constexpr int KL = HALF / 8 <= 8 ? HALF / 8 : 8;
+          uint4 kw[KL];
+#pragma unroll
+          for (int u = 0; u < KL; ++u) kw[u] = *reinterpret_cast<const uint4*>(kreg + rr * D + hf * HALF + 8 * u);
+#pragma unroll
           for (int c = hf * HALF; c < (hf + 1) * HALF; c += 8) {
-            float kx[8];
-            if (rr >= 0) {
-              const uint4 w = *reinterpret_cast<const uint4*>(kreg + rr * D + c);
-              const float2 a = h2_to_f2(w.x), b = h2_to_f2(w.y), cc = h2_to_f2(w.z), d = h2_to_f2(w.w);
-              kx[0] = a.x; kx[1] = a.y; kx[2] = b.x; kx[3] = b.y; kx[4] = cc.x; kx[5] = cc.y; kx[6] = d.x; kx[7] = d.y;
-            } else {
-              const float4 a = *reinterpret_cast<const float4*>(dk + (-1 - rr) * D + c);
-              const float4 b = *reinterpret_cast<const float4*>(dk + (-1 - rr) * D + c + 4);
-              kx[0] = a.x; kx[1] = a.y; kx[2] = a.z; kx[3] = a.w; kx[4] = b.x; kx[5] = b.y; kx[6] = b.z; kx[7] = b.w;
+            const int u = (c - hf * HALF) / 8;
+            if (u >= KL && u % KL == 0) {  // D = 256: the second half of the half row
+#pragma unroll
+              for (int x = 0; x < KL; ++x) kw[x] = *reinterpret_cast<const uint4*>(kreg + rr * D + c + 8 * x);
             }
+            const uint4 w = kw[u % KL];
+            const float2 a = h2_to_f2(w.x), b = h2_to_f2(w.y), cc = h2_to_f2(w.z), d = h2_to_f2(w.w);
+            const float kx[8] = {a.x, a.y, b.x, b.y, cc.x, cc.y, d.x, d.y};
 #pragma unroll
             for (int i = 0; i < kQV; ++i) {
               const float4 qa = *reinterpret_cast<const float4*>(&qs[i][c]);
@@ -215,15 +201,10 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
 #pragma unroll
         for (int c = 0; c < CPL; ++c) acc[i][c] *= cr;
       }
-      const int64_t fresh_end = Ts + Tn;  // tokens [Ts, Ts + Tn) of the list are fresh rows (dv)
 #pragma unroll 4
       for (int t = tphase; t < cnt; t += TPH) {
-        const int64_t ti = c0 + t;
         float vx[CPL];
-        if (ti >= Ts && ti < fresh_end) {
-#pragma unroll
-          for (int c = 0; c < CPL; ++c) vx[c] = dv[(ti - Ts) * D + cbase + c];
-        } else if (CPL == 1) {
+        if (CPL == 1) {
           vx[0] = f16_to_f32(vs[t][cbase]);
         } else {
 #pragma unroll
@@ -272,21 +253,49 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t len, int64_
   }
 }
 
-// The fused step's attention part when the layer has no fp16 regions (R == 0): the sequence's query
-// vectors attend only the tokens this step compressed, [e0, e1) (at most kFusedMaxRows: the
-// dequantized rows dk / dv in shared memory), with no barrier. Thread mapping: a batch of 8 query
-// vectors, 16 threads per vector (vector tid / 16); thread j = tid % 16 owns coordinates
-// [j D/16, (j + 1) D/16). A score is the threads' partial dot products summed by 4 xor-shuffles
-// (offsets < 16 stay within the vector's threads); the online softmax and P V stay in registers.
-// q comes from qstage ([rows][HQ][D] elements of q's dtype, the validation's copy) when given.
+// The step's rows that stay fp16 (land in the sink or the window) as the fused step's attention part
+// reads them: K (isv = 0) or V row j of the call, this thread's CP coordinates from c0, rounded to fp16
+// as the region stores them. From the validation's copy when it is whole (stage_k / stage_v: [rows][H][D]
+// elements of the tensor's dtype), else from the tensor.
+template <int CP>
+__device__ __forceinline__ void new_row_part(const AttnParams& p, int h, int64_t r0, int64_t j, int isv, int c0,
+                                             const uint8_t* stage, float (&x)[CP]) {
+  const int32_t dt = isv ? p.v_dtype : p.k_dtype;
+  uint16_t b[CP];
+  if (stage != nullptr) {
+    const int64_t e = (j * p.H + h) * (int64_t)(CP * 16) + c0;
+#pragma unroll
+    for (int c = 0; c < CP; ++c)
+      b[c] = dt == FMKV_F16 ? reinterpret_cast<const uint16_t*>(stage)[e + c] : f32_to_f16(staged_elem(stage, dt, e + c));
+  } else {
+    const int64_t base = (r0 + j) * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs) + c0;
+    int64_t off[CP];
+#pragma unroll
+    for (int c = 0; c < CP; ++c) off[c] = base + c;
+    load_f16_bits_n<CP>(isv ? p.v : p.k, dt, off, b);
+  }
+#pragma unroll
+  for (int c = 0; c < CP; ++c) x[c] = f16_to_f32(b[c]);
+}
+
+// The fused step's attention part: the sequence's query vectors attend the tokens this step wrote --
+// the ones it compressed, [e0, e1) (at most kFusedMaxRows: the dequantized rows dk / dv in shared
+// memory), and its new rows that stay fp16: rows [0, a) (in the sink) and [b, n) (in the window) of the
+// call, positions len0 + j -- with no barrier. (The tokens before the step that stay fp16 are the second
+// sink/window CTA's, fp16_part.) Thread mapping: a batch of 8 query vectors, 16 threads per vector
+// (vector tid / 16); thread j = tid % 16 owns coordinates [j D/16, (j + 1) D/16). A score is the
+// threads' partial dot products summed by 4 xor-shuffles (offsets < 16 stay within the vector's
+// threads); the online softmax and P V stay in registers. q comes from qstage ([rows][HQ][D] elements
+// of q's dtype, the validation's copy) when given, new rows from stage_k / stage_v likewise.
 template <int D>
-__device__ void fresh_part(const AttnParams& p, int h, int64_t len, int64_t r0, int64_t n, const uint8_t* smem,
-                           int64_t e0, int64_t e1, const uint8_t* qstage) {
+__device__ void fresh_part(const AttnParams& p, int h, int64_t len0, int64_t r0, int64_t n, const uint8_t* smem,
+                           int64_t e0, int64_t e1, int64_t a, int64_t b, const uint8_t* qstage, const uint8_t* stage_k,
+                           const uint8_t* stage_v) {
   constexpr int CP = D / 16;
   const int tidx = threadIdx.x, vi = tidx >> 4, j = tidx & 15;
   const float* dk = reinterpret_cast<const float*>(smem) + j * CP;
   const float* dv = dk + kFusedMaxRows * D;
-  const int tn = (int)(e1 - e0);
+  const int tn = (int)(e1 - e0), nr = (int)(a + n - b);  // compressed rows, new fp16 rows
   const int64_t nqv = n * p.gq;
   for (int64_t vb = 0; vb < nqv; vb += 8) {
     const int64_t v = vb + vi;
@@ -295,7 +304,7 @@ __device__ void fresh_part(const AttnParams& p, int h, int64_t len, int64_t r0, 
     int vh;
     split_vector(live ? v : 0, p.gq, vr, vh);
     const int hq = h * p.gq + vh;
-    const int64_t qpos = len - n + vr;  // the vector's position: it sees tokens at positions <= qpos
+    const int64_t qpos = len0 + vr;  // the vector's position: it sees tokens at positions <= qpos
     float q[CP];
     if (qstage != nullptr) {
       const int64_t o = (vr * p.HQ + hq) * D + j * CP;
@@ -310,31 +319,40 @@ __device__ void fresh_part(const AttnParams& p, int h, int64_t len, int64_t r0, 
     float m = -INFINITY, l = 0.0f, acc[CP];
 #pragma unroll
     for (int c = 0; c < CP; ++c) acc[c] = 0.0f;
-    for (int t = 0; t < tn; ++t) {
+    // token t: compressed row t (t < tn), else new row a' = t - tn of the fp16 rows [0, a) + [b, n)
+    for (int t = 0; t < tn + nr; ++t) {
+      float kx[CP], vx[CP];
+      int64_t pos;
+      if (t < tn) {
+        pos = e0 + t;
+#pragma unroll
+        for (int c = 0; c < CP; c += 4) {
+          const float4 k4 = *reinterpret_cast<const float4*>(dk + t * D + c);
+          const float4 v4 = *reinterpret_cast<const float4*>(dv + t * D + c);
+          kx[c] = k4.x; kx[c + 1] = k4.y; kx[c + 2] = k4.z; kx[c + 3] = k4.w;
+          vx[c] = v4.x; vx[c + 1] = v4.y; vx[c + 2] = v4.z; vx[c + 3] = v4.w;
+        }
+      } else {
+        const int64_t rj = t - tn < a ? t - tn : b + (t - tn - a);
+        pos = len0 + rj;
+        new_row_part<CP>(p, h, r0, rj, 0, j * CP, stage_k, kx);
+        new_row_part<CP>(p, h, r0, rj, 1, j * CP, stage_v, vx);
+      }
       float dot = 0.0f;
 #pragma unroll
-      for (int c = 0; c < CP; c += 4) {
-        const float4 k4 = *reinterpret_cast<const float4*>(dk + t * D + c);
-        dot += q[c] * k4.x + q[c + 1] * k4.y + q[c + 2] * k4.z + q[c + 3] * k4.w;
-      }
+      for (int c = 0; c < CP; ++c) dot += q[c] * kx[c];
 #pragma unroll
       for (int o = 8; o >= 1; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      if (e0 + t > qpos) continue;  // causal mask (uniform over the vector's 16 threads)
+      if (pos > qpos) continue;  // causal mask (uniform over the vector's 16 threads)
       const float sc = apply_softcap(dot * p.sm_scale, p.softcap) * kLog2e;
       const float m_new = fmaxf(m, sc), corr = fast_exp2(m - m_new), w = fast_exp2(sc - m_new);
       l = l * corr + w;
 #pragma unroll
-      for (int c = 0; c < CP; c += 4) {
-        const float4 v4 = *reinterpret_cast<const float4*>(dv + t * D + c);
-        acc[c] = acc[c] * corr + w * v4.x;
-        acc[c + 1] = acc[c + 1] * corr + w * v4.y;
-        acc[c + 2] = acc[c + 2] * corr + w * v4.z;
-        acc[c + 3] = acc[c + 3] * corr + w * v4.w;
-      }
+      for (int c = 0; c < CP; ++c) acc[c] = acc[c] * corr + w * vx[c];
       m = m_new;
     }
     if (live) {
-      const int64_t idx = ((r0 + vr) * p.HQ + hq) * (p.nsplit + 1) + p.nsplit;
+      const int64_t idx = ((r0 + vr) * p.HQ + hq) * (p.nsplit + kRawParts) + p.nsplit;
 #pragma unroll
       for (int c = 0; c < CP; c += 4)
         *reinterpret_cast<float4*>(p.part_acc + idx * D + j * CP + c) = make_float4(acc[c], acc[c + 1], acc[c + 2], acc[c + 3]);

@@ -210,9 +210,10 @@ __device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uin
 //   3. validation, completed: all CTAs of the sequence take the same decision; a bad sequence
 //      returns here, its visible cache unchanged (FORMAT.md section 2);
 //   4. write the new rows that land in the sink or the ring (after 2 read the ring);
-//   5. attention of the sequence's query vectors of head h over sink + [E0, E1) + ring (fp16_part; without
-//      fp16 regions over [E0, E1) only, fresh_part).
-// The split CTAs meanwhile attend [S, E0), which this step does not write.
+//   5. attention of the sequence's query vectors of head h over the step's own tokens: [E0, E1) and the
+//      new rows that land in the sink or the ring (fresh_part).
+// The split CTAs meanwhile attend [S, E0), and (with fp16 regions) a second sink/window CTA the sink and
+// ring tokens before the step, [0, min(S, len0)) and [E1, len0) (fp16_part): none of them does this step write.
 template <int D, int P, int KB, int VB>
 __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int64_t r0, int64_t n, uint8_t* smem) {
   constexpr int NR = D / 32;
@@ -238,8 +239,6 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   uint8_t* stage = smem + FG::fresh_bytes + 4 * kTableStaged;
   constexpr int kStageBytes = FG::bytes - FG::fresh_bytes - 4 * kTableStaged;
   static_assert(kStageBytes >= 128 * 16, "a round of at least one chunk per thread");
-  static_assert(D > 128 || (FG::q_off == FG::fresh_bytes && kQV * D * 4 <= 4 * kTableStaged),
-                "step 5 fills the fp16 part's q rows over the table, not over the staged q");
   const int64_t np = E1 > p.S ? (int64_t)((uint64_t)(E1 - 1 - p.S) / P) + 1 : 0;
   const int npst = np < kTableStaged ? (int)np : kTableStaged;
   for (int e = tidx; e < npst; e += blockDim.x) cp_async4(tab + e, btrow + e);
@@ -327,7 +326,8 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   if (__syncthreads_or(bad)) return;  // also: dk / dv complete
   FMKV_TRACE(p, 0, 4);
 
-  // 4. new rows that land in the sink or in the ring
+  // 4. new rows that land in the sink or in the ring (from the validation's copy when it is whole)
+  const bool kv_staged = nrounds == 1 && chk.aligned[0] && chk.aligned[1];
   if (p.R > 0)
     for (int64_t vj = warp; vj < 2 * n; vj += kAttnWarps) {
       const int isv = (int)(vj & 1);
@@ -337,26 +337,36 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
       else if (p.W > 0 && pos >= len - p.W) fs = p.S + (int32_t)((pos - p.S) % p.W);
       else continue;
       uint16_t* dst = (isv ? fv : fk) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
-      const void* src = isv ? p.v : p.k;
       const int32_t dt = isv ? p.v_dtype : p.k_dtype;
-      const int64_t base = (r0 + j) * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
-      int64_t off[NR];
       uint16_t x[NR];
+      if (kv_staged) {  // staged element (row j, head h, i) of tensor isv: chunk order [rows][heads][D]
+        const uint8_t* sb = stage + 16 * chk.first[isv];
+        const int64_t e = (j * p.H + h) * D + lane;
 #pragma unroll
-      for (int i = 0; i < NR; ++i) off[i] = base + lane + 32 * i;
-      load_f16_bits_n<NR>(src, dt, off, x);
+        for (int i = 0; i < NR; ++i)
+          x[i] = dt == FMKV_F16 ? reinterpret_cast<const uint16_t*>(sb)[e + 32 * i] : f32_to_f16(staged_elem(sb, dt, e + 32 * i));
+      } else {
+        const void* src = isv ? p.v : p.k;
+        const int64_t base = (r0 + j) * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
+        int64_t off[NR];
+#pragma unroll
+        for (int i = 0; i < NR; ++i) off[i] = base + lane + 32 * i;
+        load_f16_bits_n<NR>(src, dt, off, x);
+      }
 #pragma unroll
       for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = x[i];
     }
   __syncthreads();  // ring rows complete
   FMKV_TRACE(p, 0, 5);
 
-  // 5. attention over sink + [E0, E1) + ring (without fp16 regions: over [E0, E1) only, fresh_part);
-  //    q from the validation's copy when it is whole (one round) and, for fp16_part, lies past its
-  //    q region (d <= 128: the 4 KB table area covers that)
+  // 5. attention over the step's own tokens: [E0, E1) and the new rows that stay fp16 (rows [0, a) in
+  //    the sink, [b, n) in the window); the tokens before the step that stay fp16 are the second
+  //    sink/window CTA's (fp16_part). q and the new rows from the validation's copy when it is whole.
   const uint8_t* qstage = nrounds == 1 && chk.aligned[2] ? stage + 16 * chk.first[2] : nullptr;
-  if (p.R == 0) fresh_part<D>(p, h, len, r0, n, smem, E0, E1, qstage);
-  else fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1, slot, D <= 128 ? qstage : nullptr);
+  const int64_t a = p.S > len0 ? (p.S - len0 < n ? p.S - len0 : n) : 0;
+  const int64_t b = E1 - len0 < a ? a : E1 - len0 > n ? n : E1 - len0;
+  fresh_part<D>(p, h, len0, r0, n, smem, E0, E1, a, b, qstage, kv_staged ? stage + 16 * chk.first[0] : nullptr,
+                kv_staged ? stage + 16 * chk.first[1] : nullptr);
   FMKV_TRACE(p, 0, 6);
 }
 

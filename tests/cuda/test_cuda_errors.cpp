@@ -279,8 +279,9 @@ TEST_F(CudaErrors, AttentionSplitSpan) {
   auto qb = random_tensor(FMKV_F16, 1, 8, 128);
   DeviceTensor qd(kCuda, make_tensor(qb.data(), FMKV_F16, 1, 8, 128));
   DeviceOutput o(kCuda, qd.t, FMKV_F32);
-  // one split: (m, l) of 2 parts (split + fp16 part) x 8 q heads, 256-aligned, then their 128 floats each
-  const size_t ws = 256 + 2 * 8 * 128 * 4;
+  // one split: (m, l) of 3 parts (the split + 2 raw-domain slots) x 8 q heads, 256-aligned, then their
+  // 128 floats each
+  const size_t ws = 256 + 3 * 8 * 128 * 4;
   DeviceBuf work(kCuda, ws);
   fmkv_attention_opts opts{0.0f, 0.0f};
   ASSERT_EQ(fmkv_attention(kCuda, &c, &seq.lc, &seq.bt, &qd.t, &opts, &o.t, work.p, ws, nullptr), FMKV_OK) << fmkv_last_error();

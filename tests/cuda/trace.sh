@@ -3,7 +3,7 @@
 # -DFMKV_CUDA_TRACE=ON (default grid) in /tmp/bt and prints, per case, the per-CTA phase statistics
 # of the last attention call and of the last fused decode step (JSON lines, kind "trace"; phases in
 # src/cuda/decode_attention.cuh and fused_step.cuh, FMKV_TRACE). Run from the repository root:
-#   tests/cuda/trace.sh ["B ctx kb vb" ...]      (default: "1 4096 3 3" "1 131072 3 3")
+#   tests/cuda/trace.sh ["B ctx kb vb [W]" ...]  (default: "1 4096 3 3" "1 131072 3 3"; W: fp16 window, B = 1)
 set -u
 cmake -S . -B /tmp/bt -G Ninja -DFMKV_CUDA=ON -DFMKV_CUDA_TRACE=ON -DFMKV_BUILD_TESTS=OFF -DFMKV_BUILD_CLI=OFF \
   -DCMAKE_BUILD_TYPE=Release > /tmp/bt.log 2>&1 && ninja -C /tmp/bt fmkv_cuda_bench >> /tmp/bt.log 2>&1 \

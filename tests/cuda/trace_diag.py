@@ -4,9 +4,10 @@ sink/window CTA. Patches the FMKV_TRACE marks of a COPY of the source tree (neve
 
     A  compression detail: 3 = copies issued, 4 = the vector's own loads landed, 5 = compress
        computation done, 6 = validation completed (exit - 6 = ring writes + fp16 part)
-    B  fp16-part detail: 3 = compression, 4 = validation completed, 5 = q in shared memory,
-       6 = chunk loop done (exit - 6 = partial writes)
-    C  cold vs warm: compress_vector and the attention part (fp16_part / fresh_part) each run twice
+    B  fp16-part detail, role fp16_part (an attention call's sink/window CTA, a fused step's second
+       one): 5 = q in shared memory, 6 = chunk loop done (exit - 6 = partial writes); the fused CTA
+       keeps 3 = compression, 4 = validation completed
+    C  cold vs warm: compress_vector and the attention part (fresh_part) each run twice
        (both idempotent): 4 - 3 = first compression, 5 - 4 = second; 6 - 5 = validation + ring + first
        attention part, exit - 6 = second
     D  split-CTA prologue detail (attention, role "split"): 3 = first tiles' page entries read and
@@ -62,9 +63,9 @@ elif v == 'C':  # cold vs warm: compress_vector and the attention part each run 
     s = rep(s, "  FMKV_TRACE(p, 0, 4);\n", "")
     s = rep(s, "  FMKV_TRACE(p, 0, 5);\n", "")
     # the second attention part reads q from global memory (the first may have overwritten the staged copy)
-    s = rep(s, "  else fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1, slot, D <= 128 ? qstage : nullptr);\n  FMKV_TRACE(p, 0, 6);",
-            "  else fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1, slot, D <= 128 ? qstage : nullptr);\n  FMKV_TRACE(p, 0, 6);\n"
-            "  if (p.R == 0) fresh_part<D>(p, h, len, r0, n, smem, E0, E1, nullptr);\n  else fp16_part<D>(p, s, h, len, r0, n, E1, smem, E0, E1, slot);")
+    s = rep(s, "                kv_staged ? stage + 16 * chk.first[1] : nullptr);\n  FMKV_TRACE(p, 0, 6);",
+            "                kv_staged ? stage + 16 * chk.first[1] : nullptr);\n  FMKV_TRACE(p, 0, 6);\n"
+            "  fresh_part<D>(p, h, len0, r0, n, smem, E0, E1, a, b, nullptr, nullptr, nullptr);")
 else:
     s = rep(s, "  FMKV_TRACE(p, 0, 5);\n", "")
     s = rep(s, "  FMKV_TRACE(p, 0, 6);\n}", "}")
