@@ -14,6 +14,8 @@ namespace cuda {
 //   1. scores: threads 2t, 2t+1 take the two halves of token t's K row (16-byte loads, all in flight
 //      together) against all kQV vectors, the halves summed by one shuffle;
 //   2. online softmax: warp w keeps the running max / sum of vectors 2w, 2w+1;
+//   (a batch with at most kQV / 2 live vectors -- a decode step of 4 q heads per kv head -- skips the
+//   others in 1-3);
 //   3. O = O x corr + P V: warp w owns coordinates [w D/4, (w+1) D/4) (lane: 1 (D=128), 2 (D=256) or,
 //      for D=64, 1 coordinate of every other token), over every token of the chunk (V from shared memory).
 // The partial goes to slot `part` of the query vector's partials (raw domain: the merge adds it after
@@ -102,6 +104,7 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t qpos0, int6
       }
     }
     __syncthreads();
+    const bool hi = nqv - vb > kQV / 2;  // vectors kQV/2 .. kQV - 1 of the batch are live (CTA-uniform)
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
     float acc[kQV][CPL];
 #pragma unroll
@@ -144,6 +147,7 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t qpos0, int6
             const float kx[8] = {a.x, a.y, b.x, b.y, cc.x, cc.y, d.x, d.y};
 #pragma unroll
             for (int i = 0; i < kQV; ++i) {
+              if (i == kQV / 2 && !hi) break;  // vectors kQV/2.. unused (a decode step of 4 q heads per kv head)
               const float4 qa = *reinterpret_cast<const float4*>(&qs[i][c]);
               const float4 qb = *reinterpret_cast<const float4*>(&qs[i][c + 4]);
               dot[i] += qa.x * kx[0] + qa.y * kx[1] + qa.z * kx[2] + qa.w * kx[3] + qb.x * kx[4] + qb.y * kx[5] +
@@ -168,6 +172,7 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t qpos0, int6
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int i = 2 * warp + j;
+        if (i >= kQV / 2 && !hi) break;  // (warp-uniform)
         float x[kFp16Chunk / 32], cm = -INFINITY;
 #pragma unroll
         for (int k = 0; k < kFp16Chunk / 32; ++k) {
@@ -197,7 +202,7 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t qpos0, int6
       // 3. O = O x corr + P V over the chunk (this lane's coordinates)
 #pragma unroll
       for (int i = 0; i < kQV; ++i) {
-        const float cr = s_corr[i];
+        const float cr = i < kQV / 2 || hi ? s_corr[i] : 1.0f;
 #pragma unroll
         for (int c = 0; c < CPL; ++c) acc[i][c] *= cr;
       }
@@ -215,12 +220,23 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t qpos0, int6
           }
         }
         const float4 pa = *reinterpret_cast<const float4*>(&ps[t][0]);
-        const float4 pb = *reinterpret_cast<const float4*>(&ps[t][4]);
-        const float pw[kQV] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
 #pragma unroll
-        for (int i = 0; i < kQV; ++i)
+        for (int c = 0; c < CPL; ++c) {
+          acc[0][c] += pa.x * vx[c];
+          acc[1][c] += pa.y * vx[c];
+          acc[2][c] += pa.z * vx[c];
+          acc[3][c] += pa.w * vx[c];
+        }
+        if (hi) {
+          const float4 pb = *reinterpret_cast<const float4*>(&ps[t][4]);
 #pragma unroll
-          for (int c = 0; c < CPL; ++c) acc[i][c] += pw[i] * vx[c];
+          for (int c = 0; c < CPL; ++c) {
+            acc[4][c] += pb.x * vx[c];
+            acc[5][c] += pb.y * vx[c];
+            acc[6][c] += pb.z * vx[c];
+            acc[7][c] += pb.w * vx[c];
+          }
+        }
       }
       __syncthreads();  // ps and vs are rewritten by the next chunk
     }
