@@ -6,10 +6,13 @@ innermost backward-branch loop that contains mma instructions) and prints its in
 many of them issue to the integer ALU pipe (logic, shifts, byte permutes, integer adds / compares,
 selects, fp32 compare / min / max: the loop's busiest pipe, one warp instruction per 2 cycles on
 sm_90; IMAD and fp32 arithmetic go to the FMA pipe; docs/CUDA-NOTES.md "Floors"), its HMMA count and
-local-memory operations (LDL/STL: register spills). Exits 1 if any tile loop touches local
-memory: every kernel shares its 128-register budget with the cold paths (fp16 part, fused step), and a
-change there can make ptxas spill inside the hot loop (seen while developing the fused-step
-validation: 3-6 spill loads/stores per tile from unrelated code).
+local-memory operations (LDL/STL: register spills) and where the loop starts in the kernel's code. Exits 1 if any
+tile loop touches local memory: every kernel shares its 128-register budget with the cold paths (fp16
+part, fused step), and a change there can make ptxas spill inside the hot loop (seen while developing
+the fused-step validation: 3-6 spill loads/stores per tile from unrelated code); or if a tile loop
+starts after the first half of its kernel's instructions (--max-loop-position): at stop 20 a one-line
+change of the sink/window dispatch made ptxas place the loop after ~11k instructions of cold code, with
+the loop's own SASS unchanged, and every decode step measured 7-9% slower (docs/CUDA-NOTES.md).
 
     python3 tests/cuda/tile_loop_check.py build/CMakeFiles/fmkv.dir/src/cuda/decode_k*.cu.o
 """
@@ -47,11 +50,14 @@ def loop_span(ins, min_hmma=4):
 
 
 def tile_loop(ins):
+    """(instructions, HMMA, LDL/STL, ALU-pipe instructions, start position as a fraction of the kernel's
+    instructions) of the tile loop, or None."""
     seg = loop_span(ins)
     if seg is None:
         return None
+    start = next(i for i, x in enumerate(ins) if x[0] == seg[0][0])
     return (len(seg), sum("HMMA" in x for _, x in seg), sum(bool(re.match(r"(@\S+\s+)?(LDL|STL)", x)) for _, x in seg),
-            alu_count(seg))
+            alu_count(seg), start / len(ins))
 
 
 ALU_OPS = {"LOP3", "LOP", "SHF", "PRMT", "ISETP", "IADD3", "SEL", "LEA", "IMNMX", "VIMNMX", "PLOP3",
@@ -67,29 +73,44 @@ def short(name):
     return "d%s k%sv%s page %s" % m.groups() if m else name
 
 
+def check_sass(sass, max_pos=0.5):
+    """Checks every attn_kernel of one cuobjdump -sass listing: (lines to print, loops checked, failures)."""
+    out, bad, n = [], 0, 0
+    for name, ins in kernels(sass):
+        if "attn_kernel" not in name:
+            continue
+        loop = tile_loop(ins)
+        if loop is None:
+            out.append("%-28s no tile loop found" % short(name))
+            bad += 1
+            continue
+        n += 1
+        size, hmma, local, alu, pos = loop
+        flag = "  <-- local memory in the tile loop" if local else ""
+        if pos > max_pos:
+            flag += "  <-- tile loop laid out after %.0f%% of the kernel's code" % (100 * pos)
+        out.append("%-28s tile loop %5d instructions (%3d ALU pipe), %3d HMMA, %d LDL/STL, at %2.0f%%%s" %
+                   (short(name), size, alu, hmma, local, 100 * pos, flag))
+        bad += local > 0 or pos > max_pos
+    return out, n, bad
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("objects", nargs="+")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump")
+    ap.add_argument("--max-loop-position", type=float, default=0.5,
+                    help="fail when a tile loop starts after this fraction of its kernel's instructions")
     a = ap.parse_args()
     bad = n = 0
     for obj in a.objects:
         sass = subprocess.run([a.cuobjdump, "-sass", obj], capture_output=True, text=True, check=True).stdout
-        for name, ins in kernels(sass):
-            if "attn_kernel" not in name:
-                continue
-            loop = tile_loop(ins)
-            if loop is None:
-                print("%-28s no tile loop found" % short(name))
-                bad += 1
-                continue
-            n += 1
-            size, hmma, local, alu = loop
-            flag = "  <-- local memory in the tile loop" if local else ""
-            print("%-28s tile loop %5d instructions (%3d ALU pipe), %3d HMMA, %d LDL/STL%s" %
-                  (short(name), size, alu, hmma, local, flag))
-            bad += local > 0
-    print("%d tile loops checked, %d with local memory or not found" % (n, bad))
+        lines, k, b = check_sass(sass, a.max_loop_position)
+        for ln in lines:
+            print(ln)
+        n += k
+        bad += b
+    print("%d tile loops checked, %d with local memory, laid out late or not found" % (n, bad))
     return 1 if bad or n == 0 else 0
 
 

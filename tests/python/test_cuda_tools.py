@@ -60,3 +60,30 @@ def test_stall_by_phase_splits_the_tile_loop(tmp_path):
     assert "  45 instructions" in lines["K decode + mma"]  # the other 29 IADD3, 8 PRMT + 8 HMMA
     assert "   2 instructions" in lines["scales + softmax"]
     assert "  17 instructions" in lines["V decode + mma"]
+
+
+def _sass_kernel(name, before, after):
+    """A cuobjdump -sass listing of one kernel: `before` filler instructions, a tile loop (6 HMMA and a
+    backward branch), `after` filler instructions."""
+    ins = ["MOV R1, c[0x0][0x28]"] * before
+    top = 16 * len(ins)
+    ins += ["PRMT R2, R3, 0x7610, R4", "HMMA.16816.F32 R4, R8, R12, R4"] * 6 + ["@P0 BRA 0x%x" % top]
+    ins += ["FADD R5, R5, R6"] * after + ["EXIT"]
+    body = "\n".join("        /*%04x*/                   %s ;" % (16 * i, x) for i, x in enumerate(ins))
+    return "\n\tcode for sm_90\n\t\tFunction : %s\n\t.headerflags\t@\"EF_CUDA_SM90\"\n%s\n" % (name, body)
+
+
+def test_tile_loop_check_flags_a_loop_laid_out_late():
+    tl = _load("tile_loop_check")
+    name = "_ZN4fmkv4cuda11attn_kernelILi128ELi3ELi3ELi64EEEvNS0_10AttnParamsE"
+    lines, n, bad = tl.check_sass(_sass_kernel(name, 10, 80))
+    assert (n, bad) == (1, 0), lines
+    assert "d128 k3v3 page 64" in lines[0] and "13 instructions" in lines[0] and "6 HMMA" in lines[0]
+    assert "at 10%" in lines[0] and "<--" not in lines[0]
+    lines, n, bad = tl.check_sass(_sass_kernel(name, 80, 10))
+    assert (n, bad) == (1, 1), lines
+    assert "tile loop laid out after 77% of the kernel's code" in lines[0]
+    # a loop that spills is flagged too; a listing without attn_kernel checks nothing
+    spill = _sass_kernel(name, 10, 80).replace("PRMT R2, R3, 0x7610, R4", "LDL R2, [R1+0x10]", 1)
+    assert tl.check_sass(spill)[1:] == (1, 1)
+    assert tl.check_sass(_sass_kernel("_Z5otherv", 10, 80)) == ([], 0, 0)
