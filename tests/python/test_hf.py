@@ -254,3 +254,56 @@ def test_cuda_device_without_cuda_backend_is_an_error():
     cache = fhf.FmkvCache(model.config, max_cache_len=64, device="cuda")
     with pytest.raises(fmkv.FmkvError, match=r"FmkvCache layer 0: tensors are on 'cuda' but this fmkv build has no usable 'cuda' backend"):
         _gen(model, ids, 2, cache)
+
+
+@pytest.mark.parametrize("arch,kw", [("llama", dict(k_bits=3, v_bits=3, window_tokens=0)),
+                                     ("gemma3", dict(k_bits=4, v_bits=2, sink_tokens=2, window_tokens=8))])
+def test_fused_decode_step_is_bit_identical_to_two_calls(arch, kw, monkeypatch):
+    """FmkvCache(fused=True) runs decode chunks (1 and 3 tokens) as one append_attention call per layer;
+    logits, pages and fp16 regions equal those of fused=False (append in update, then attention)."""
+    model = _model(arch)
+    ids = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(3))
+    appends = []
+    plain_append = fhf.FmkvLayer._append
+    monkeypatch.setattr(fhf.FmkvLayer, "_append", lambda self, *a: (appends.append(self.fused), plain_append(self, *a)))
+    runs = []
+    for fused in (True, False):
+        cache = fhf.FmkvCache(model.config, max_cache_len=64, page_size=16, fused=fused, **kw)
+        logits = []
+        with torch.no_grad():
+            out = model(ids[:, :20], use_cache=True, **fhf.cache_kwargs(cache))
+            pkv = fhf.output_cache(out)
+            t = 20
+            for n in (1, 1, 3, 1, 16, 1):  # decode steps and speculative chunks (16 = FUSED_MAX_ROWS)
+                out = model(ids[:, t:t + n], **fhf.cache_kwargs(pkv), use_cache=True)
+                pkv = fhf.output_cache(out)
+                logits.append(out.logits)
+                t += n
+        assert all(layer._pending is None for layer in cache.fmkv_layers)
+        runs.append((logits, [(layer.pages.clone(), layer.fp16_k.clone(), layer.fp16_v.clone(), layer.lens.clone())
+                              for layer in cache.fmkv_layers]))
+    (lf, sf), (lt, st) = runs
+    n_layers = len(runs[0][1])
+    # separate appends: the prefill only when fused, the prefill and the 6 decode chunks otherwise
+    assert appends.count(True) == n_layers and appends.count(False) == 7 * n_layers
+    assert all(torch.equal(a, b) for a, b in zip(lf, lt))
+    for a, b in zip(sf, st):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_fused_update_without_attention_is_appended_first():
+    """K/V an update() kept for a fused step are appended before the next update (no attention call in
+    between) and by FmkvCache.check(): the layer then equals one that appended every chunk at once."""
+    layers = [fhf.FmkvLayer(1, max_cache_len=64, page_size=16, seed=4, fused=f, sink_tokens=1, window_tokens=4)
+              for f in (True, False)]
+    g = torch.Generator().manual_seed(8)
+    chunks = [torch.randn(1, 2, n, 64, generator=g) for n in (9, 1, 2, 1)]
+    for layer in layers:
+        for kv in chunks:
+            layer.update(kv, kv * 0.5)
+    assert layers[0]._pending is not None and layers[1]._pending is None
+    layers[0].flush()
+    assert layers[0]._pending is None
+    for a, b in ((layers[0].pages, layers[1].pages), (layers[0].fp16_k, layers[1].fp16_k),
+                 (layers[0].fp16_v, layers[1].fp16_v), (layers[0].lens, layers[1].lens)):
+        assert torch.equal(a, b)

@@ -98,6 +98,13 @@ class FmkvLayer(CacheLayerMixin):
     [i * pages_per_seq, (i + 1) * pages_per_seq)), lengths live on the device ([batch] int64,
     advanced by an in-place add) and the host keeps only ``self.length``: a decode step does no
     host-device copy and no synchronisation.
+
+    Decode steps (a chunk of at most ``fmkv.torch_ops.FUSED_MAX_ROWS`` tokens after the first) are
+    one call per layer when ``fused`` (the default): ``update`` keeps the chunk's K/V and the "fmkv"
+    attention function runs ``torch.ops.fmkv.append_attention`` (on CUDA one attention launch, no
+    separate append); pages and fp16 regions are bit-identical to the two-call path (append in
+    ``update``, then ``attention``), which ``fused=False`` selects. K/V kept by an ``update`` whose
+    attention never came are appended before anything else touches the layer.
     """
 
     is_sliding = False
@@ -107,8 +114,10 @@ class FmkvLayer(CacheLayerMixin):
     def __init__(self, layer_idx: int, k_bits: int = 3, v_bits: int = 3, max_cache_len: int = 4096,
                  page_size: int = 64, sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                  scale_rule: str = "lsq", seed: int = 0, backend: Optional[str] = None,
-                 prefill: str = "full", device=None):
+                 prefill: str = "full", device=None, fused: bool = True):
         super().__init__()
+        self.fused = bool(fused)
+        self._pending = None  # (k rows, v rows, n) of a decode chunk update() kept for the fused step
         self.layer_idx = int(layer_idx)
         self.k_bits, self.v_bits = int(k_bits), int(v_bits)
         self.max_cache_len = int(max_cache_len)
@@ -179,19 +188,35 @@ class FmkvLayer(CacheLayerMixin):
         x = x.transpose(1, 2)
         return x[0] if b == 1 else x.reshape(b * n, h, d)
 
+    def _append(self, k_rows: torch.Tensor, v_rows: torch.Tensor, n: int) -> None:
+        with torch.no_grad():
+            torch.ops.fmkv.append(self.pages, self.fp16_k, self.fp16_v, k_rows, v_rows, self.slots, self.lens,
+                                  self._row_offsets(n), self.block_table, self._cfg, 0, self.backend_name)
+            self.lens.add_(n)
+
+    def flush(self) -> None:
+        """Append the K/V a fused decode step kept (update() without its attention call yet)."""
+        if self._pending is not None:
+            k_rows, v_rows, n = self._pending
+            self._pending = None
+            self._append(k_rows, v_rows, n)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.flush()
         b, _, n, _ = key_states.shape
         if b != self.batch:
             raise fmkv.FmkvError(f"batch size changed from {self.batch} to {b}")
         if self.length + n > self.max_cache_len:
             raise fmkv.FmkvError(f"cache full: {self.length} + {n} tokens > max_cache_len {self.max_cache_len}")
-        with torch.no_grad():
-            torch.ops.fmkv.append(self.pages, self.fp16_k, self.fp16_v, self._rows(key_states),
-                                  self._rows(value_states), self.slots, self.lens, self._row_offsets(n),
-                                  self.block_table, self._cfg, 0, self.backend_name)
-            self.lens.add_(n)
+        from .. import torch_ops
+
+        k_rows, v_rows = self._rows(key_states), self._rows(value_states)
+        if self.fused and self.length > 0 and n <= torch_ops.FUSED_MAX_ROWS:
+            self._pending = (k_rows, v_rows, n)  # appended by attention() in the same call (fused step)
+        else:
+            self._append(k_rows, v_rows, n)
         past = self.length
         self.length += n
         # The chunk's own K/V go to the attention function, tagged with this layer: it attends them
@@ -203,11 +228,21 @@ class FmkvLayer(CacheLayerMixin):
     def attention(self, query: torch.Tensor, scaling: Optional[float], softcap: Optional[float]) -> torch.Tensor:
         """Fused attention of query [b, hq, n, d] (the last n appended tokens) -> [b, n, hq, d]."""
         b, hq, n, d = query.shape
+        scale, cap = 0.0 if scaling is None else float(scaling), float(softcap or 0.0)
+        if self._pending is not None and self._pending[2] != n:  # (not a query per kept token)
+            self.flush()
         with torch.no_grad():
-            out = torch.ops.fmkv.attention(self.pages, self.fp16_k, self.fp16_v, self._rows(query), self.slots,
-                                           self.lens, self._row_offsets(n), self.block_table, self._cfg, 0,
-                                           0.0 if scaling is None else float(scaling), float(softcap or 0.0),
-                                           self.backend_name)
+            if self._pending is not None:  # fused decode step: append the kept K/V and attend, one call
+                k_rows, v_rows, _ = self._pending
+                self._pending = None
+                out = torch.ops.fmkv.append_attention(self.pages, self.fp16_k, self.fp16_v, k_rows, v_rows,
+                                                      self._rows(query), self.slots, self.lens, self._row_offsets(n),
+                                                      self.block_table, self._cfg, 0, scale, cap, self.backend_name)
+                self.lens.add_(n)
+            else:
+                out = torch.ops.fmkv.attention(self.pages, self.fp16_k, self.fp16_v, self._rows(query), self.slots,
+                                               self.lens, self._row_offsets(n), self.block_table, self._cfg, 0,
+                                               scale, cap, self.backend_name)
         return out.view(b, n, hq, d).to(device=query.device, dtype=query.dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple:
@@ -244,6 +279,7 @@ class FmkvLayer(CacheLayerMixin):
         return self.batch * (math.ceil(comp / c.page_size) * c.page_bytes + c.fp16_slot_bytes)
 
     def reset(self) -> None:
+        self._pending = None
         if self.pages is not None:
             self.lens.zero_()
         self.length = 0
@@ -284,7 +320,7 @@ class FmkvCache(Cache):
                  page_size: int = 64, sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                  boundary_layers: int = 0, boundary_k_bits: int = 16, boundary_v_bits: int = 4,
                  scale_rule: str = "lsq", seed: int = 0, backend: Optional[str] = None,
-                 prefill: str = "full", set_attention: bool = True, device=None):
+                 prefill: str = "full", set_attention: bool = True, device=None, fused: bool = True):
         if prefill not in ("full", "compressed"):
             raise ValueError("prefill must be 'full' or 'compressed'")
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -300,13 +336,14 @@ class FmkvCache(Cache):
             boundary = boundary_layers > 0 and (i < boundary_layers or i >= n - boundary_layers)
             layers.append(FmkvLayer(i, boundary_k_bits if boundary else k_bits,
                                     boundary_v_bits if boundary else v_bits, max_cache_len, page_size,
-                                    sink_tokens, window_tokens, scale_rule, seed, backend, prefill, device))
+                                    sink_tokens, window_tokens, scale_rule, seed, backend, prefill, device,
+                                    fused))
         super().__init__(layers=layers)
         self._max_cache_len = int(max_cache_len)
         self.options = dict(k_bits=k_bits, v_bits=v_bits, page_size=page_size, sink_tokens=sink_tokens,
                             window_tokens=window_tokens, boundary_layers=boundary_layers,
                             scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend,
-                            device=None if device is None else str(device))
+                            device=None if device is None else str(device), fused=fused)
         if set_attention:
             use_fmkv_attention(config)
 
@@ -325,6 +362,8 @@ class FmkvCache(Cache):
         last check (waits for the device); nothing to do for a host cache."""
         from .. import torch_ops
 
+        for layer in self.fmkv_layers:
+            layer.flush()
         for dev in sorted({str(layer.storage_device) for layer in self.fmkv_layers
                            if layer.pages is not None and layer.storage_device.type == "cuda"}):
             torch_ops.cuda_check(dev)
