@@ -129,9 +129,11 @@ int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads) {
 }
 
 int64_t align256(int64_t x) { return (x + 255) & ~(int64_t)255; }
-// Bytes of the workspace for `rows` query rows of q_heads heads and ns compressed splits.
+// Partials of `rows` query rows of q_heads heads with ns compressed splits (+ the raw-domain slots).
+int64_t partial_count(int64_t rows, int32_t q_heads, int32_t ns) { return rows * q_heads * (int64_t)(ns + kRawParts); }
+// Bytes of the workspace: the partials' (m, l), 256-aligned, then their accumulators.
 int64_t workspace_for(int64_t rows, int32_t q_heads, int32_t d, int32_t ns) {
-  const int64_t parts = rows * q_heads * (int64_t)(ns + kRawParts);
+  const int64_t parts = partial_count(rows, q_heads, ns);
   return align256(parts * (int64_t)sizeof(float2)) + parts * d * (int64_t)sizeof(float);
 }
 
@@ -187,7 +189,7 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.gq = HQ / c.num_kv_heads;
   p.sm_scale = a.opts.softmax_scale > 0 ? a.opts.softmax_scale : 1.0f / sqrtf((float)d);
   p.softcap = a.opts.softcap;
-  const int64_t parts = a.q.rows * HQ * (int64_t)(ns + kRawParts);
+  const int64_t parts = partial_count(a.q.rows, HQ, ns);
   p.part_ml = (float2*)a.workspace;
   p.part_acc = (float*)((char*)a.workspace + align256(parts * (int64_t)sizeof(float2)));
   p.nsplit = ns;

@@ -28,6 +28,10 @@ __device__ __forceinline__ float staged_elem(const uint8_t* base, int32_t dtype,
   if (dtype == FMKV_F32) return reinterpret_cast<const float*>(base)[i];
   return half_bits_to_f32(reinterpret_cast<const uint16_t*>(base)[i], dtype == FMKV_F16);
 }
+// The same element rounded to fp16 bits (as load_f16_bits_n rounds a global one).
+__device__ __forceinline__ uint16_t staged_f16_bits(const uint8_t* base, int32_t dtype, int64_t i) {
+  return dtype == FMKV_F16 ? reinterpret_cast<const uint16_t*>(base)[i] : f32_to_f16(staged_elem(base, dtype, i));
+}
 template <int D>
 struct Fp16Geom {
   static constexpr int fresh_bytes = 2 * kFusedMaxRows * D * 4;
@@ -219,24 +223,18 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t qpos0, int6
             vx[c + 1] = f.y;
           }
         }
-        const float4 pa = *reinterpret_cast<const float4*>(&ps[t][0]);
-#pragma unroll
-        for (int c = 0; c < CPL; ++c) {
-          acc[0][c] += pa.x * vx[c];
-          acc[1][c] += pa.y * vx[c];
-          acc[2][c] += pa.z * vx[c];
-          acc[3][c] += pa.w * vx[c];
-        }
-        if (hi) {
-          const float4 pb = *reinterpret_cast<const float4*>(&ps[t][4]);
+        auto add_pv = [&](int i0) {  // vectors i0 .. i0 + 3 (P of token t from one 16-byte load)
+          const float4 pw = *reinterpret_cast<const float4*>(&ps[t][i0]);
 #pragma unroll
           for (int c = 0; c < CPL; ++c) {
-            acc[4][c] += pb.x * vx[c];
-            acc[5][c] += pb.y * vx[c];
-            acc[6][c] += pb.z * vx[c];
-            acc[7][c] += pb.w * vx[c];
+            acc[i0][c] += pw.x * vx[c];
+            acc[i0 + 1][c] += pw.y * vx[c];
+            acc[i0 + 2][c] += pw.z * vx[c];
+            acc[i0 + 3][c] += pw.w * vx[c];
           }
-        }
+        };
+        add_pv(0);
+        if (hi) add_pv(4);
       }
       __syncthreads();  // ps and vs are rewritten by the next chunk
     }
@@ -281,8 +279,7 @@ __device__ __forceinline__ void new_row_part(const AttnParams& p, int h, int64_t
   if (stage != nullptr) {
     const int64_t e = (j * p.H + h) * (int64_t)(CP * 16) + c0;
 #pragma unroll
-    for (int c = 0; c < CP; ++c)
-      b[c] = dt == FMKV_F16 ? reinterpret_cast<const uint16_t*>(stage)[e + c] : f32_to_f16(staged_elem(stage, dt, e + c));
+    for (int c = 0; c < CP; ++c) b[c] = staged_f16_bits(stage, dt, e + c);
   } else {
     const int64_t base = (r0 + j) * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs) + c0;
     int64_t off[CP];

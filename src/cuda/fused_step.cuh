@@ -343,8 +343,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
         const uint8_t* sb = stage + 16 * chk.first[isv];
         const int64_t e = (j * p.H + h) * D + lane;
 #pragma unroll
-        for (int i = 0; i < NR; ++i)
-          x[i] = dt == FMKV_F16 ? reinterpret_cast<const uint16_t*>(sb)[e + 32 * i] : f32_to_f16(staged_elem(sb, dt, e + 32 * i));
+        for (int i = 0; i < NR; ++i) x[i] = staged_f16_bits(sb, dt, e + 32 * i);
       } else {
         const void* src = isv ? p.v : p.k;
         const int64_t base = (r0 + j) * (isv ? p.v_rs : p.k_rs) + h * (isv ? p.v_hs : p.k_hs);
