@@ -3,6 +3,7 @@ small synthetic inputs, so a format change breaks a test and not a device sessio
 import csv
 import importlib.util
 import io
+import json
 import pathlib
 import contextlib
 
@@ -87,3 +88,25 @@ def test_tile_loop_check_flags_a_loop_laid_out_late():
     spill = _sass_kernel(name, 10, 80).replace("PRMT R2, R3, 0x7610, R4", "LDL R2, [R1+0x10]", 1)
     assert tl.check_sass(spill)[1:] == (1, 1)
     assert tl.check_sass(_sass_kernel("_Z5otherv", 10, 80)) == ([], 0, 0)
+
+
+def test_ab_table_best_of_each_variant(tmp_path):
+    rec = lambda v, r: json.dumps({"variant": v, "r": r})
+    dec = lambda t: {"kind": "decode", "k_bits": 3, "v_bits": 3, "batch": 1, "context": 4096, "time_us": t}
+    step = lambda f, s: {"kind": "step", "k_bits": 4, "v_bits": 4, "batch": 1, "context": 4096, "window": 64,
+                         "fused_us": f, "separate_us": s}
+    path = tmp_path / "ab.jsonl"
+    path.write_text("\n".join([rec("old", dec(16.0)), rec("new", dec(12.5)), rec("old", dec(15.0)),
+                               rec("new", step(10.0, 20.0)), rec("old", step(12.0, 18.0))]) + "\n")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        import sys
+        argv, sys.argv = sys.argv, ["ab_table.py", str(path)]
+        try:
+            _load("ab_table").main()
+        finally:
+            sys.argv = argv
+    lines = {" ".join(ln.split()[:6 if ln.startswith("step") else 5]): ln.split() for ln in out.getvalue().splitlines()[1:]}
+    assert lines["decode k3v3 1 4096 0"][-3:] == ["15.00", "12.50", "1.200"]  # best of 2 for "old"
+    assert lines["step k4v4 1 4096 64 fused"][-3:] == ["12.00", "10.00", "1.200"]
+    assert lines["step k4v4 1 4096 64 separate"][-3:] == ["18.00", "20.00", "0.900"]

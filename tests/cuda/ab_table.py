@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Same-run A/B table of fmkv_cuda_bench results (the docs/results/cuda_ab_*.jsonl files written by
+tests/cuda/ab.sh): one line per case, best (minimum) time per variant, and base / variant ratios.
+
+    python3 tests/cuda/ab_table.py docs/results/cuda_ab_stop20_window.jsonl [--base VARIANT]
+
+Input lines: {"variant": name, "r": <a "decode" or "step" line of fmkv_cuda_bench>}. A step line gives
+two cases (fused and separate). The base is the first variant seen unless --base names one.
+"""
+import argparse
+import collections
+import json
+
+
+def cases(path):
+    """{case key: {variant: [times]}}, variants in order of appearance."""
+    table, order = collections.defaultdict(lambda: collections.defaultdict(list)), []
+    for line in open(path):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        v, r = rec["variant"], rec["r"]
+        if v not in order:
+            order.append(v)
+        key = (r["kind"], "k%dv%d" % (r["k_bits"], r["v_bits"]), r["batch"], r["context"], r.get("window", 0))
+        if r["kind"] == "decode":
+            table[key][v].append(r["time_us"])
+        else:
+            table[key + ("fused",)][v].append(r["fused_us"])
+            table[key + ("separate",)][v].append(r["separate_us"])
+    return table, order
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("jsonl")
+    ap.add_argument("--base")
+    a = ap.parse_args()
+    table, order = cases(a.jsonl)
+    base = a.base or order[0]
+    others = [v for v in order if v != base]
+    w = max([12] + [len(v) for v in order])
+    print("%-40s %*s" % ("case (kind fmt B context window [step])", w, base) +
+          "".join(" %*s %7s" % (w, v, "ratio") for v in others))
+    for key in sorted(table, key=str):
+        row = table[key]
+        if base not in row:
+            continue
+        b = min(row[base])
+        line = "%-40s %*.2f" % (" ".join(str(x) for x in key), w, b)
+        for v in others:
+            line += " %*.2f %7.3f" % (w, min(row[v]), b / min(row[v])) if v in row else " %*s %7s" % (w, "-", "-")
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
