@@ -117,7 +117,7 @@ struct Fmt {
 // Latency trace of the last decode call (a -DFMKV_CUDA_TRACE=ON build, --trace): per CTA role, when
 // the CTAs entered and left (globaltimer, from the first attention CTA's entry) and the time between
 // consecutive recorded phases (clock64, converted with the clock rate measured from the same CTAs).
-static void print_trace(const char* label, int64_t ctx, int B) {
+static void print_trace(const char* label, int64_t ctx, int B, int kb, int vb) {
   using namespace fmkv::cuda;
   constexpr int C = kTraceCtas, S = kTraceSlots;
   std::vector<unsigned long long> t((size_t)2 * C * S);
@@ -178,6 +178,27 @@ static void print_trace(const char* label, int64_t ctx, int B) {
                 "\"sm_ghz\":%.3f,\"entry_us\":%s,\"exit_us\":%s,\"phase_us\":{%s}}\n",
                 label, B, (long long)ctx, role_name(role), entry.size(), f, stats(entry).c_str(), stats(exit_).c_str(),
                 phases.c_str());
+  }
+  // FMKV_TRACE_CTAS=path: also append one JSON line per CTA (grid position, SM, entry / exit and the
+  // recorded phases in us) for placement analyses (tests/cuda/trace_sm.py)
+  if (const char* path = std::getenv("FMKV_TRACE_CTAS")) {
+    if (FILE* fp = std::fopen(path, "a")) {
+      for (int k = 0; k < 2; ++k)
+        for (int c = 0; c < C; ++c) {
+          const unsigned long long* r = row(k, c);
+          if (!r[kTraceRole]) continue;
+          std::string ph;
+          for (int i = 1; i < kTracePhases; ++i)
+            if (r[i]) ph += (ph.empty() ? "" : ",") + std::string("\"") + std::to_string(i) + "\":" +
+                            std::to_string((double)(r[i] - r[0]) / f * 1e-3);
+          std::fprintf(fp,
+                       "{\"label\":\"%s\",\"batch\":%d,\"context\":%lld,\"k_bits\":%d,\"v_bits\":%d,\"kernel\":%d,"
+                       "\"cta\":%d,\"role\":\"%s\",\"sm\":%llu,\"entry_us\":%.3f,\"exit_us\":%.3f,\"phase_us\":{%s}}\n",
+                       label, B, (long long)ctx, kb, vb, k, c, role_name((int)r[kTraceRole]), r[kTraceSm],
+                       (double)(r[kTraceEntryTime] - g0) * 1e-3, (double)(r[kTraceExitTime] - g0) * 1e-3, ph.c_str());
+        }
+      std::fclose(fp);
+    }
   }
   std::fflush(stdout);
 }
@@ -388,7 +409,7 @@ int main(int argc, char** argv) {
       });
       FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
 #ifdef FMKV_CUDA_TRACE
-      if (trace) print_trace("attention", ctx, B);
+      if (trace) print_trace("attention", ctx, B, cfg.k_bits, cfg.v_bits);
 #endif
       // ---- one decode step per layer (append this token's K/V + attention), inside a CUDA graph:
       // separate calls (fmkv_append + fmkv_attention) vs fused (fmkv_append_attention). The step
@@ -416,7 +437,7 @@ int main(int argc, char** argv) {
 #endif
         step_fused_us = time_graph(true);
 #ifdef FMKV_CUDA_TRACE
-        if (trace) print_trace("fused_step", ctx, B);
+        if (trace) print_trace("fused_step", ctx, B, cfg.k_bits, cfg.v_bits);
 #endif
       }
       CK(cudaFree(dl0));

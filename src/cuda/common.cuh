@@ -102,6 +102,11 @@ __device__ __forceinline__ void trace_mark(unsigned long long* tr, int kernel, i
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
     row[phase == 0 ? kTraceEntryTime : kTraceExitTime] = g;
   }
+  if (phase == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    row[kTraceSm] = sm;
+  }
   if (role) row[kTraceRole] = (unsigned long long)role;
 }
 #define FMKV_TRACE(P, KERNEL, PHASE, ...) ::fmkv::cuda::trace_mark((P).trace, KERNEL, PHASE, ##__VA_ARGS__)

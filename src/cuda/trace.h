@@ -2,8 +2,8 @@
 // layout of the device buffer and the host functions that read it. Shared by the kernels
 // (common.cuh, FMKV_TRACE) and fmkv_cuda_bench --trace. Thread 0 of every CTA records clock64() at
 // numbered phases (slots 0..7), %globaltimer at phases 0 and 7 (slots kTraceEntryTime,
-// kTraceExitTime) and the CTA's role (slot kTraceRole) into trace[kernel][cta][slot]; kernel 0 is
-// the attention launch, 1 the merge.
+// kTraceExitTime), the CTA's role (slot kTraceRole) and its SM (%smid, slot kTraceSm) into
+// trace[kernel][cta][slot]; kernel 0 is the attention launch, 1 the merge.
 #pragma once
 #include <cstddef>
 
@@ -11,7 +11,7 @@ namespace fmkv {
 namespace cuda {
 
 constexpr int kTraceCtas = 8192, kTraceSlots = 12, kTracePhases = 8;
-constexpr int kTraceEntryTime = 8, kTraceExitTime = 9, kTraceRole = 10;
+constexpr int kTraceEntryTime = 8, kTraceExitTime = 9, kTraceRole = 10, kTraceSm = 11;
 enum TraceRole { kTraceSplit = 1, kTraceFp16Part = 2, kTraceFused = 3, kTraceEmptySplit = 4, kTraceMerge = 5 };
 
 #ifdef FMKV_CUDA_TRACE

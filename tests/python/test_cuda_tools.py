@@ -110,3 +110,30 @@ def test_ab_table_best_of_each_variant(tmp_path):
     assert lines["decode k3v3 1 4096 0"][-3:] == ["15.00", "12.50", "1.200"]  # best of 2 for "old"
     assert lines["step k4v4 1 4096 64 fused"][-3:] == ["12.00", "10.00", "1.200"]
     assert lines["step k4v4 1 4096 64 separate"][-3:] == ["18.00", "20.00", "0.900"]
+
+
+def test_trace_sm_groups_calls_and_ctas_by_sm(tmp_path):
+    """Two traced calls in one file are told apart, and an SM holding 3 split CTAs whose loops take 30 us
+    is reported apart from SMs holding 4 (40 us)."""
+    mod = _load("trace_sm")
+
+    def row(cta, sm, loop, bits=3, kernel=0, role="split"):
+        return json.dumps({"label": "attention", "batch": 1, "context": 4096, "k_bits": bits, "v_bits": bits,
+                           "kernel": kernel, "cta": cta, "role": role, "sm": sm, "entry_us": 0.0,
+                           "exit_us": loop + 5.0, "phase_us": {"4": 2.0, "6": 2.0 + loop}})
+
+    lines = []
+    for bits in (3, 4):  # two calls: CTAs 0..10 each, then a merge CTA
+        lines += [row(c, c // 4, 40.0 if c < 8 else 30.0, bits) for c in range(11)]
+        lines.append(row(0, 0, 1.0, bits, kernel=1, role="merge"))
+    path = tmp_path / "ctas.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    calls = mod.calls(str(path))
+    assert [k[3] for k, _ in calls] == ["k3v3", "k4v4"] and [len(r) for _, r in calls] == [12, 12]
+    out = io.StringIO()
+    res = mod.summarize(calls[0][1], out=out)
+    text = out.getvalue()
+    assert res["ctas"] == 11 and res["sms"] == 3 and res["loop_max"] == 40.0
+    assert "SMs holding 3 split CTAs:   1 SMs, loop us median 30.0" in text
+    assert "SMs holding 4 split CTAs:   2 SMs, loop us median 40.0" in text
+    assert res["within"] == 0.0 and res["across"] > 0.0  # CTAs of one SM alike here: the spread is between SMs
