@@ -62,6 +62,17 @@ def summarize(rows, out=None):
         tpc[sm // 2].append(m)
     slow = sorted(((statistics.mean(v), t) for t, v in tpc.items()), reverse=True)
     print("  slowest TPCs (mean loop us, tpc): " + ", ".join(f"{m:.1f}/{t}" for m, t in slow[:6]), file=out)
+    # split CTAs sharing their SM with a sink/window or fused-step CTA of the same call, against the rest
+    other_sms = {r["sm"] for r in rows if r["kernel"] == 0 and r["role"] in ("fused", "fp16_part")}
+    if other_sms:
+        for name, grp in (("sharing an SM with a sink/window or fused CTA", [r for r in split if r["sm"] in other_sms]),
+                          ("on the other SMs", [r for r in split if r["sm"] not in other_sms])):
+            if grp:
+                pro = [r["phase_us"].get("4", 0.0) for r in grp]
+                ex = [r["exit_us"] for r in grp]
+                print(f"  split CTAs {name}: {len(grp)}, entry to phase 4 (Q ready) us median / max "
+                      f"{statistics.median(pro):.2f} / {max(pro):.2f}, exit us median / max "
+                      f"{statistics.median(ex):.2f} / {max(ex):.2f}", file=out)
     entry = [r["entry_us"] for r in split]
     print(f"  entry us min/median/max {min(entry):.1f} / {statistics.median(entry):.1f} / {max(entry):.1f}", file=out)
     return {"ctas": len(split), "sms": len(by_sm), "loop_median": statistics.median(lt), "loop_max": max(lt),

@@ -137,3 +137,8 @@ def test_trace_sm_groups_calls_and_ctas_by_sm(tmp_path):
     assert "SMs holding 3 split CTAs:   1 SMs, loop us median 30.0" in text
     assert "SMs holding 4 split CTAs:   2 SMs, loop us median 40.0" in text
     assert res["within"] == 0.0 and res["across"] > 0.0  # CTAs of one SM alike here: the spread is between SMs
+    # a fused-step CTA on SM 2: the 3 split CTAs there are reported apart from the 8 on SMs 0 and 1
+    out = io.StringIO()
+    mod.summarize(calls[0][1] + [json.loads(row(11, 2, 5.0, role="fused"))], out=out)
+    assert "split CTAs sharing an SM with a sink/window or fused CTA: 3," in out.getvalue()
+    assert "split CTAs on the other SMs: 8," in out.getvalue()
