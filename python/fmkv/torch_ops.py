@@ -60,6 +60,7 @@ _HOST_BACKENDS = ("ref", "cpu")
 _AVAILABLE: Dict[str, bool] = {}
 _RAW_CONFIGS: Dict[tuple, "_fmkv.RawConfig"] = {}
 _to_dlpack = torch.utils.dlpack.to_dlpack
+_increment_version = torch.autograd.graph.increment_version
 
 
 def config_to_list(config: Config) -> List[int]:
@@ -74,6 +75,8 @@ def _raw_config(cfg: List[int]) -> "_fmkv.RawConfig":
     key = tuple(cfg)
     c = _RAW_CONFIGS.get(key)
     if c is None:
+        if len(_RAW_CONFIGS) >= 4096:  # bounded: a caller cycling through many configs (seeds) does not grow it
+            _RAW_CONFIGS.clear()
         c = _RAW_CONFIGS[key] = _make_raw_config(cfg)
     return c
 
@@ -164,6 +167,13 @@ def _dl(t: Tensor):
     return _to_dlpack(t)
 
 
+def _written(*tensors: Tensor) -> None:
+    """Bump the version counters of the tensors an op wrote in place, as the dispatcher does for aten's
+    in-place ops (autograd's check that a tensor saved for backward was not modified relies on it)."""
+    for t in tensors:
+        _increment_version(t)
+
+
 def _dense_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
@@ -204,12 +214,13 @@ def _append_impl(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v: Te
     if dev.type != "cuda":
         _fmkv.append_raw(b, raw, layer, pages, fp16_k, fp16_v, slots, seq_lens, row_offsets, block_table,
                          k.detach(), v.detach())
-        return
-    with _on_device(dev):
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        _fmkv.append_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots), _dl(seq_lens),
-                         _dl(row_offsets), _dl(block_table), _dl(_dense_last(k.detach())),
-                         _dl(_dense_last(v.detach())), stream)
+    else:
+        with _on_device(dev):
+            stream = torch.cuda.current_stream(dev).cuda_stream
+            _fmkv.append_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots), _dl(seq_lens),
+                             _dl(row_offsets), _dl(block_table), _dl(_dense_last(k.detach())),
+                             _dl(_dense_last(v.detach())), stream)
+    _written(pages, fp16_k, fp16_v)
 
 
 def _append_fake(pages, fp16_k, fp16_v, k, v, slots, seq_lens, row_offsets, block_table, config, layer, backend=""):
@@ -263,13 +274,14 @@ def _append_attention_impl(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Ten
     if dev.type != "cuda":
         _fmkv.append_attention_raw(b, raw, layer, pages, fp16_k, fp16_v, slots, seq_lens, row_offsets, block_table,
                                    k.detach(), v.detach(), q.detach(), out, softmax_scale, softcap)
-        return out
-    with _on_device(dev):
-        ws, stream = _workspace_and_stream(dev, b, raw, q, slots)
-        _fmkv.append_attention_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots), _dl(seq_lens),
-                                   _dl(row_offsets), _dl(block_table), _dl(_dense_last(k.detach())),
-                                   _dl(_dense_last(v.detach())), _dl(_dense_last(q.detach())), _dl(out),
-                                   softmax_scale, softcap, ws, stream)
+    else:
+        with _on_device(dev):
+            ws, stream = _workspace_and_stream(dev, b, raw, q, slots)
+            _fmkv.append_attention_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots),
+                                       _dl(seq_lens), _dl(row_offsets), _dl(block_table),
+                                       _dl(_dense_last(k.detach())), _dl(_dense_last(v.detach())),
+                                       _dl(_dense_last(q.detach())), _dl(out), softmax_scale, softcap, ws, stream)
+    _written(pages, fp16_k, fp16_v)
     return out
 
 
@@ -283,10 +295,12 @@ def _append_attention_fake(pages, fp16_k, fp16_v, k, v, q, slots, seq_lens, row_
 
 # Registration: torch.library.Library define + impl rather than the torch.library.custom_op decorator.
 # Same schemas (the arguments an op writes are declared: Tensor(a!)), same fake kernels, but
-# custom_op's Python wrapper costs ~110 us per call of an op that mutates arguments and ~20-40 us of
-# one that does not (torch 2.13, measured on the CI machine's CPU), against ~8 us for a kernel
-# registered here -- on the GPU a decode step's kernel takes ~15-25 us (bench/hf_decode_bench.py).
-# One implementation for every device (CompositeExplicitAutograd): the impls pick the backend.
+# custom_op's Python wrapper costs ~110 us per call of an op that mutates arguments and ~20 us of one
+# that does not (torch 2.13, the 2-core development machine), against ~8 us for a kernel registered
+# here; on the H200 machine the fused decode step's host cost went from 105 to 40 us per call
+# (bench/torch_op_bench.py, docs/results/torch_op_overhead.jsonl) for 15-25 us of GPU time.
+# One implementation for every device (CompositeExplicitAutograd): the impls pick the backend and
+# bump the written tensors' version counters themselves (_written), as custom_op did.
 _LIB = torch.library.Library("fmkv", "FRAGMENT")
 _OPS = {
     "append": ("append(Tensor(a0!) pages, Tensor(a1!) fp16_k, Tensor(a2!) fp16_v, Tensor k, Tensor v, "

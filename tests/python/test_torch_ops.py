@@ -245,3 +245,27 @@ def test_append_attention_row_limit_and_opcheck(tgen):
     assert not pages.any(), "nothing may be written on error"
     args = (pages, fk, fv, k[:3], v[:3], q[:3], *batch([0], [0], [3], [[0, 1, 2]]), cfg, 0, 0.0, 0.0, "ref")
     torch.library.opcheck(torch.ops.fmkv.append_attention.default, args)
+
+
+def test_written_tensors_get_new_versions(backend, tgen):
+    # The ops bump the version counters of the tensors they write (pages, fp16 regions), as aten's in-place
+    # ops do, so autograd's saved-tensor check sees the change; attention writes nothing and bumps nothing.
+    config = fmkv.Config(head_dim=64, num_kv_heads=1, page_size=16, window_tokens=4, seed=3)
+    cfg = torch_ops.config_to_list(config)
+    pages, fk, fv = layer_tensors(config, 4, 1)
+    k, v = torch.randn(6, 1, 64, generator=tgen), torch.randn(6, 1, 64, generator=tgen)
+    before = [t._version for t in (pages, fk, fv)]
+    torch.ops.fmkv.append(pages, fk, fv, k, v, *batch([0], [0], [6], [[0, 1, 2, 3]]), cfg, 0, backend)
+    after = [t._version for t in (pages, fk, fv)]
+    assert all(a > b for a, b in zip(after, before))
+    q = torch.randn(1, 2, 64, generator=tgen)
+    torch.ops.fmkv.attention(pages, fk, fv, q, *batch([0], [6], [1], [[0, 1, 2, 3]]), cfg, 0, 0.0, 0.0, backend)
+    assert [t._version for t in (pages, fk, fv)] == after
+    with torch.inference_mode():  # tensors made here have no version counter to bump: no error either
+        p2, fk2, fv2 = layer_tensors(config, 4, 1)
+        torch.ops.fmkv.append_attention(p2, fk2, fv2, k[:1], v[:1], q, *batch([0], [0], [1], [[0, 1, 2, 3]]), cfg, 0,
+                                        0.0, 0.0, backend)
+    with torch.no_grad():
+        torch.ops.fmkv.append_attention(pages, fk, fv, k[:1], v[:1], q, *batch([0], [6], [1], [[0, 1, 2, 3]]), cfg, 0,
+                                        0.0, 0.0, backend)
+    assert all(a > b for a, b in zip([t._version for t in (pages, fk, fv)], after))
