@@ -242,7 +242,10 @@ int main(int argc, char** argv) {
               prop.l2CacheSize, prop.multiProcessorCount);
   std::fflush(stdout);
 
-  const int d = 128, H = 8, HQ = 32, P = 64;
+  // FMKV_BENCH_KV_HEADS: kv heads (default 8; q heads = 4 x kv heads), e.g. 1 for one GPU's share of a
+  // tensor-parallel model (bench/cuda_bench.py --kv-heads-sweep)
+  const char* kvh = std::getenv("FMKV_BENCH_KV_HEADS");
+  const int d = 128, H = kvh && std::atoi(kvh) > 0 ? std::atoi(kvh) : 8, HQ = 4 * H, P = 64;
   const int64_t chunk = 32768;  // prefill chunk for filling / quantize timing
   __half *kin, *vin;
   CK(cudaMalloc(&kin, chunk * H * d * 2));
@@ -340,8 +343,8 @@ int main(int argc, char** argv) {
       const int64_t pps = (ctx + P - 1) / P;  // pages per sequence
       const int64_t np1 = pps * B;            // pages per copy
       const double copy_bytes = (double)np1 * pb;
-      int copies = 1;
-      while (copies < 8 && copies * copy_bytes < 4.0 * prop.l2CacheSize) ++copies;
+      int copies = 1;  // up to 8 (x 8 / kv heads: fewer heads, smaller copies) until 4x the L2 size
+      while (copies < 8 * std::max(8 / H, 1) && copies * copy_bytes < 4.0 * prop.l2CacheSize) ++copies;
       uint8_t* pages;
       CK(cudaMalloc(&pages, (size_t)(copies * np1 * pb)));
       // fill copy 0 with real appends (chunks of <= 32k tokens per sequence)

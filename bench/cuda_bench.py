@@ -9,6 +9,7 @@ cuda_sdpa_variants.jsonl), merges, prints a table and writes docs/results/cuda_d
     python3 bench/cuda_bench.py --out docs/results --replot      # redraw the PNG from the committed JSON
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --quantize-only  # cuda_quantize.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --latency  # cuda_latency.jsonl
+    python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --kv-heads-sweep  # cuda_kv_heads.jsonl
 """
 import argparse
 import json
@@ -88,12 +89,12 @@ def sdpa_variant_us(B, ctx, layout, backend, HQ=32, H=8, d=128, l2_bytes=60 << 2
         torch.cuda.empty_cache()
 
 
-def sdpa_time_us(B, ctx, l2_bytes=60 << 20, log=None):
+def sdpa_time_us(B, ctx, l2_bytes=60 << 20, log=None, HQ=32, H=8):
     """Fastest of the SDPA formulations (every variant's time goes to `log`): (time_us, variant)."""
     best = (float("nan"), "failed")
     for name, layout, backend in SDPA_VARIANTS:
         try:
-            t = sdpa_variant_us(B, ctx, layout, backend, l2_bytes=l2_bytes)
+            t = sdpa_variant_us(B, ctx, layout, backend, HQ=HQ, H=H, l2_bytes=l2_bytes)
         except Exception as e:  # a backend that does not take these shapes
             t = float("nan")
             print("SDPA %s B=%d ctx=%d: %s" % (name, B, ctx, str(e).splitlines()[0][:120]), file=sys.stderr)
@@ -140,6 +141,54 @@ def quantize_only(a):
     print_quantize(qua)
 
 
+def decode_record(r, bt, be, device, commit, suite="cuda_decode"):
+    """A cuda_decode.jsonl-style line from the binary's decode record and the same run's SDPA time."""
+    return dict(suite=suite, backend="cuda", device=device, commit=commit, op="decode_attention",
+                batch=r["batch"], q_len=1, context=r["context"], head_dim=r["head_dim"], q_heads=r["q_heads"],
+                kv_heads=r["kv_heads"], layers=1, k_bits=r["k_bits"], v_bits=r["v_bits"],
+                page_size=r["page_size"], time_us=r["time_us"], bytes=r["bytes"], gbps=r["gbps"],
+                copy_gbps=r["copy_gbps"], pct_copy_bw=r["pct_copy_bw"], baseline="torch_sdpa_fp16_" + be,
+                baseline_time_us=round(bt, 3), speedup=round(bt / r["time_us"], 3),
+                nonfinite_out=r["nonfinite_out"], window_tokens=r.get("window", 0))
+
+
+KV_HEADS_SWEEP = (1, 2, 4, 8)
+KV_HEADS_CONTEXTS = (4096, 32768, 131072, 1048576)
+
+
+def kv_heads_sweep(a):
+    """--kv-heads-sweep: B=1 decode with 1, 2, 4, 8 kv heads (4 q heads each: one GPU's share of a
+    tensor-parallel model, or a small model), k3v3 and k4v4, 4k-1M, against SDPA of the same shapes in the
+    same run; writes cuda_kv_heads.jsonl."""
+    recs = []
+    for H in KV_HEADS_SWEEP:
+        for kb, vb in ((3, 3), (4, 4)):
+            for ctx in KV_HEADS_CONTEXTS:
+                env = dict(os.environ, FMKV_BENCH_KV_HEADS=str(H))
+                res = subprocess.run([a.bin, "--only", "1", str(ctx), str(kb), str(vb)], capture_output=True,
+                                     text=True, env=env)
+                sys.stderr.write(res.stderr)
+                recs += [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
+    copy = next(r for r in recs if r["kind"] == "copy")
+    sdpa, out = {}, []
+    for r in recs:
+        if r["kind"] != "decode":
+            continue
+        key = (r["kv_heads"], r["context"])
+        if key not in sdpa:
+            sdpa[key] = sdpa_time_us(1, r["context"], l2_bytes=copy["l2_bytes"], HQ=r["q_heads"], H=r["kv_heads"])
+        bt, be = sdpa[key]
+        out.append(decode_record(r, bt, be, copy["device"], a.commit, suite="cuda_kv_heads"))
+    write_jsonl(os.path.join(a.out, "cuda_kv_heads.jsonl"), out)
+    print("device: %s   copy bandwidth (read+write): %.0f GB/s" % (copy["device"], copy["gbps"]))
+    print("%-5s %8s %8s %8s %10s %8s %6s %10s %8s" % ("fmt", "kv_heads", "q_heads", "context", "fmkv_us", "GB/s",
+                                                      "%copy", "sdpa_us", "speedup"))
+    for r in out:
+        print("k%dv%d %8d %8d %8d %10.2f %8.0f %6.1f %10.2f %8.2f" % (
+            r["k_bits"], r["v_bits"], r["kv_heads"], r["q_heads"], r["context"], r["time_us"], r["gbps"],
+            r["pct_copy_bw"], r["baseline_time_us"], r["speedup"]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", help="the fmkv_cuda_bench binary (not needed with --replot)")
@@ -153,6 +202,9 @@ def main():
                          "cuda_latency.jsonl (decode and step records) instead of the full files")
     ap.add_argument("--quantize-only", action="store_true",
                     help="only the quantize-append timing (rewrites cuda_quantize.jsonl, nothing else)")
+    ap.add_argument("--kv-heads-sweep", action="store_true",
+                    help="B=1 decode with 1/2/4/8 kv heads (4 q heads each), k3v3 and k4v4, with SDPA of the same "
+                         "shapes; writes cuda_kv_heads.jsonl only")
     a = ap.parse_args()
     if a.replot:
         dec = [json.loads(l) for l in open(os.path.join(a.out, "cuda_decode.jsonl"))]
@@ -163,6 +215,9 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     if a.quantize_only:
         quantize_only(a)
+        return
+    if a.kv_heads_sweep:
+        kv_heads_sweep(a)
         return
     cmd = [a.bin] + (["--quick"] if a.quick else []) + (["--latency"] if a.latency else [])
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -193,13 +248,7 @@ def main():
     for r in recs:
         if r["kind"] == "decode":
             bt, be = sdpa[(r["batch"], r["context"])]
-            dec.append(dict(suite="cuda_decode", backend="cuda", device=device, commit=a.commit, op="decode_attention",
-                            batch=r["batch"], q_len=1, context=r["context"], head_dim=r["head_dim"], q_heads=r["q_heads"],
-                            kv_heads=r["kv_heads"], layers=1, k_bits=r["k_bits"], v_bits=r["v_bits"],
-                            page_size=r["page_size"], time_us=r["time_us"], bytes=r["bytes"], gbps=r["gbps"],
-                            copy_gbps=r["copy_gbps"], pct_copy_bw=r["pct_copy_bw"], baseline="torch_sdpa_fp16_" + be,
-                            baseline_time_us=round(bt, 3), speedup=round(bt / r["time_us"], 3),
-                            nonfinite_out=r["nonfinite_out"], window_tokens=r.get("window", 0)))
+            dec.append(decode_record(r, bt, be, device, a.commit))
         elif r["kind"] == "step":
             bt, be = sdpa[(r["batch"], r["context"])]
             steps.append(dict(suite="cuda_step", backend="cuda", device=device, commit=a.commit,

@@ -45,6 +45,11 @@ std::vector<Shape> shapes() {
   v.push_back({128, 3, 3, 8, 4, 16, 4, 16, FMKV_SCALE_LSQ, {300, 9, 64}, {1, 16, 3}, FMKV_BF16});
   v.push_back({64, 4, 2, 3, 3, 128, 0, 32, FMKV_SCALE_RMS, {500}, {7}, FMKV_F32});
   v.push_back({128, 2, 2, 1, 8, 256, 2, 0, FMKV_SCALE_LSQ, {700, 1}, {1, 12}, FMKV_F16});
+  // one or two kv heads at B <= 2: the CUDA backend uses up to 254 splits per (sequence, kv head) to fill
+  // the GPU (more than 64: the merge's later rounds); long enough that most of them hold tokens
+  v.push_back({128, 3, 3, 1, 4, 64, 0, 0, FMKV_SCALE_LSQ, {17000}, {1}, FMKV_F16});
+  v.push_back({64, 4, 2, 1, 4, 32, 0, 16, FMKV_SCALE_RMS, {12000}, {2}, FMKV_BF16});
+  v.push_back({256, 4, 4, 1, 2, 64, 0, 0, FMKV_SCALE_LSQ, {9000, 3}, {1, 1}, FMKV_F16});
   return v;
 }
 
@@ -122,6 +127,9 @@ TEST_P(Backends, FusedAppendAttention) {
       {256, 4, 4, 1, 2, 16, 0, 0, FMKV_SCALE_LSQ, {90, 20}, {2, 1}, FMKV_BF16},
       {128, 4, 4, 2, 4, 64, 0, 0, FMKV_SCALE_LSQ, {100, 31}, {3, 1}, FMKV_F16, true},
       {64, 4, 2, 3, 3, 32, 0, 64, FMKV_SCALE_RMS, {500, 64}, {5, 1}, FMKV_F32, true},
+      // one kv head, B = 1: up to 254 splits on CUDA (with a window: two raw-domain CTAs)
+      {128, 4, 4, 1, 4, 64, 0, 64, FMKV_SCALE_LSQ, {17000}, {1}, FMKV_F16},
+      {64, 4, 2, 1, 4, 32, 0, 0, FMKV_SCALE_RMS, {16500}, {3}, FMKV_F32},
   };
   for (const F& f : cases) {
     fmkv_config c = config(f.d, f.kb, f.vb, f.kv_heads, f.page, f.sink, f.window, f.rule);

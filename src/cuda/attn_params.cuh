@@ -52,7 +52,10 @@ struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared me
 #ifndef FMKV_ATTN_MIN_BLOCKS
 #define FMKV_ATTN_MIN_BLOCKS 4
 #endif
-constexpr int kAttnWarps = 4, kQV = 8, kMinTilesPerSplit = 4, kMaxSplits = 64;
+// kMaxSplits: compressed splits per (sequence, kv head); more than 64 only when few (sequence, kv head)
+// pairs would leave SMs idle (one kv head per GPU under tensor parallelism, B = 1); the merge kernel takes
+// one partial's (m, l) per thread (kMaxSplits + kRawParts <= its 256 threads)
+constexpr int kAttnWarps = 4, kQV = 8, kMinTilesPerSplit = 4, kMaxSplits = 254;
 // Partial slots per query vector: nsplit compressed (rotated domain), then up to kRawParts raw-domain
 // ones (the sink/window CTA; a fused step with fp16 regions has two of them)
 constexpr int kRawParts = 2;

@@ -4,8 +4,9 @@
 // call, no host synchronisation, no allocation: safe to capture in a CUDA graph (the workspace comes
 // from the caller).
 #include <algorithm>
+#include <cstdlib>
+#include <map>
 #include <mutex>
-#include <set>
 
 #include "decode_attention.cuh"
 
@@ -17,15 +18,18 @@ namespace {
 // compressed part once, add the raw-domain (sink/window, fused step) parts, normalise, store.
 // Thread -> data: thread t < nsplit + nraw loads partial t's (m, l); thread t also takes the float4 of
 // coordinates 4 (t % (D/4)) .. +3 of the partials i = t / (D/4) + k * (1024/D), and lane c of warp 0
-// the raw parts' coordinates c + 32 r. Every load of the kernel (error word included) is issued
-// before the first is used -- one L2 round trip, then arithmetic: the weights, the weighted slices
-// summed in shared memory, and warp 0 applies the inverse rotation with shuffles and stores.
+// the raw parts' coordinates c + 32 r. Up to 64 splits (every call with >= 8 (sequence, kv head)
+// pairs), every load of the kernel (error word included) is issued before the first is used -- one L2
+// round trip, then arithmetic: the weights, the weighted slices summed in shared memory, and warp 0
+// applies the inverse rotation with shuffles and stores. Splits 64.. (few kv heads, see
+// preferred_splits) follow in rounds of 64, loaded once the weights are known (an empty split's
+// slice, weight 0, is not loaded).
 constexpr int kMergeThreads = 256;
 template <int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   constexpr int LPS = D / 4, SL = kMergeThreads / LPS, NR = D / 32;
   static_assert(kMaxSplits + kRawParts <= kMergeThreads, "one thread per partial");
-  constexpr int KMAX = (kMaxSplits + SL - 1) / SL;  // partial slices per thread, at most
+  constexpr int KMAX = (64 + SL - 1) / SL;  // partial slices per thread and round of 64 splits
   // 16-byte aligned: the compiler reads s_wm / s_wl with vector loads, which must not straddle s_w
   __shared__ __align__(16) float s_w[kMaxSplits + kRawParts];
   __shared__ __align__(16) float s_wm[kMergeThreads / 32];
@@ -88,6 +92,23 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
       }
     }
   }
+  for (int i0 = KMAX * SL; i0 < p.nsplit; i0 += KMAX * SL) {  // more than 64 splits
+    float4 ys[KMAX];
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int i = i0 + sl + k * SL;
+      ys[k] = i < p.nsplit && s_w[i] != 0.0f ? load_now(pa + (int64_t)i * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int i = i0 + sl + k * SL;
+      const float w = i < p.nsplit ? s_w[i] : 0.0f;
+      acc.x += w * ys[k].x;
+      acc.y += w * ys[k].y;
+      acc.z += w * ys[k].z;
+      acc.w += w * ys[k].w;
+    }
+  }
   *reinterpret_cast<float4*>(&s_red[sl][4 * j]) = acc;
   __syncthreads();
   FMKV_TRACE(p, 1, 3);
@@ -122,10 +143,26 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   FMKV_TRACE(p, 1, 7, kTraceMerge);
 }
 
-int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads) {
-  const int64_t ctas = (int64_t)std::max(num_seqs, 1) * std::max(kv_heads, 1);
-  int64_t ns = (1056 + ctas - 1) / ctas;
-  return (int32_t)std::min<int64_t>(std::max<int64_t>(ns, 1), kMaxSplits);
+// Compressed splits per (sequence, kv head). Many pairs: ceil(1056 / pairs) capped at 64 (~8 split CTAs
+// per SM on the H200's 132 SMs). Few pairs -- a decode call (at most 16 query rows per sequence on
+// average) whose CTAs (splits + nraw raw-domain CTAs per pair) number fewer than `target` (2 per SM:
+// measured, 2 CTAs per SM reach the loop's full per-SM rate, docs/CUDA-NOTES.md "Split count") -- get
+// more splits, up to `target` CTAs: B = 1 with 1 kv head (one GPU's share under tensor parallelism) 64 ->
+// 254 splits where 65 CTAs left half the SMs idle, 2 kv heads 64 -> 131. (The workspace grows with rows
+// x splits, hence the row limit.) The host does not know the lengths (graph-safe): a short sequence
+// leaves the extra splits empty (they write (-inf, 0) and exit). FMKV_CUDA_SPLITS=n (1..254) forces n,
+// for measurements.
+int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int64_t rows, int32_t nraw, int64_t target) {
+  static const int forced = [] {
+    const char* e = std::getenv("FMKV_CUDA_SPLITS");
+    const int n = e ? std::atoi(e) : 0;
+    return n >= 1 && n <= kMaxSplits ? n : 0;
+  }();
+  if (forced) return forced;
+  const int64_t seqs = std::max(num_seqs, 1), pairs = seqs * std::max(kv_heads, 1);
+  int64_t ns = std::min<int64_t>(std::max<int64_t>((1056 + pairs - 1) / pairs, 1), 64);
+  if (rows <= (int64_t)kFusedMaxRows * seqs && (ns + nraw) * pairs < target) ns = std::max<int64_t>(ns, target / pairs - nraw);
+  return (int32_t)std::min<int64_t>(ns, kMaxSplits);
 }
 
 int64_t align256(int64_t x) { return (x + 255) & ~(int64_t)255; }
@@ -139,11 +176,51 @@ int64_t workspace_for(int64_t rows, int32_t q_heads, int32_t d, int32_t ns) {
 
 }  // namespace
 
+namespace {
+AttnFn attn_kernel(const fmkv_config& c) {
+  switch (c.k_bits) {
+    case 2: return attn_kernel_k2(c.head_dim, c.v_bits, c.page_size);
+    case 3: return attn_kernel_k3(c.head_dim, c.v_bits, c.page_size);
+    case 4: return attn_kernel_k4(c.head_dim, c.v_bits, c.page_size);
+    case 16: return attn_kernel_k16(c.head_dim, c.v_bits, c.page_size);
+  }
+  return AttnFn{};
+}
+
+// The split count's CTA target for `fn` on the current device: SMs x min(2, CTAs per SM), after opting
+// the kernel in to its dynamic shared memory (static + dynamic may exceed 48 KB) and the largest
+// shared-memory carveout, so that 4 CTAs fit per SM (the kernel needs little L1); once per (device,
+// kernel). 0: fn not compiled or no device.
+int64_t split_target(const AttnFn& fn) {
+  int dev = 0;
+  if (!fn || cudaGetDevice(&dev) != cudaSuccess) {  // (no device: workspace sizes are still answered)
+    (void)cudaGetLastError();
+    return 0;
+  }
+  static std::mutex mu;
+  static std::map<std::pair<int, AttnFnPtr>, int64_t> known;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(dev, fn.fn);
+  auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  check_cuda(cudaFuncSetAttribute(fn.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, fn.smem),
+             "attention kernel shared memory attribute");
+  check_cuda(cudaFuncSetAttribute(fn.fn, cudaFuncAttributePreferredSharedMemoryCarveout, (int)cudaSharedmemCarveoutMaxShared),
+             "attention kernel carveout attribute");
+  int sms = 0, per_sm = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "multiprocessor count");
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn.fn, 128, (size_t)fn.smem), "attention kernel occupancy");
+  return known[key] = (int64_t)sms * std::min(std::max(per_sm, 1), 2);
+}
+}  // namespace
+
 int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64_t max_rows, int32_t num_seqs,
                                   int64_t max_seq_len) {
   (void)max_seq_len;
   if (q_heads <= 0 || max_rows <= 0) return 0;
-  return workspace_for(max_rows, q_heads, cfg.head_dim, preferred_splits(num_seqs, cfg.num_kv_heads));
+  // nraw = 1 gives the most splits (a fused step with fp16 regions has 2 raw-domain CTAs)
+  return workspace_for(max_rows, q_heads, cfg.head_dim,
+                       preferred_splits(num_seqs, cfg.num_kv_heads, max_rows, 1, split_target(attn_kernel(cfg))));
 }
 
 namespace {
@@ -152,7 +229,14 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   const fmkv_config& c = a.cfg;
   if (a.batch.num_seqs == 0 || a.q.rows == 0) return;
   const int32_t d = c.head_dim, HQ = a.q.heads;
-  int32_t ns = preferred_splits(a.batch.num_seqs, c.num_kv_heads);
+  const AttnFn fn = attn_kernel(c);
+  if (!fn)
+    throw Error(kUnsupported, "cuda attention: k" + std::to_string(c.k_bits) + "v" + std::to_string(c.v_bits) +
+                                  " with head_dim " + std::to_string(d) + " is not compiled into this build (compiled: " +
+                                  kAttnDefaultGrid + "; configure with -DFMKV_CUDA_FULL_GRID=ON for every combination)");
+  // a fused step with fp16 regions: a second sink/window CTA attends the tokens before the step
+  const int32_t nraw = ap != nullptr && c.sink_tokens + c.window_tokens > 0 ? 2 : 1;
+  int32_t ns = preferred_splits(a.batch.num_seqs, c.num_kv_heads, a.q.rows, nraw, split_target(fn));
   while (ns > 1 && workspace_for(a.q.rows, HQ, d, ns) > (int64_t)a.workspace_bytes) --ns;
   const int64_t need = workspace_for(a.q.rows, HQ, d, ns);
   if (!a.workspace || (int64_t)a.workspace_bytes < need)
@@ -161,17 +245,6 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
                                       "; see fmkv_attention_workspace_bytes)");
   if (a.batch.num_seqs > 65535 || HQ > 65535)
     throw Error(kUnsupported, "cuda attention: more than 65535 sequences or q heads in one call");
-  AttnFn fn;
-  switch (c.k_bits) {
-    case 2: fn = attn_kernel_k2(d, c.v_bits, c.page_size); break;
-    case 3: fn = attn_kernel_k3(d, c.v_bits, c.page_size); break;
-    case 4: fn = attn_kernel_k4(d, c.v_bits, c.page_size); break;
-    case 16: fn = attn_kernel_k16(d, c.v_bits, c.page_size); break;
-  }
-  if (!fn)
-    throw Error(kUnsupported, "cuda attention: k" + std::to_string(c.k_bits) + "v" + std::to_string(c.v_bits) +
-                                  " with head_dim " + std::to_string(d) + " is not compiled into this build (compiled: " +
-                                  kAttnDefaultGrid + "; configure with -DFMKV_CUDA_FULL_GRID=ON for every combination)");
   AttnParams p{};
   fill_layer_batch(p, c, a.layer, a.batch);
   p.head_stride = fmkv_head_stride_bytes(d, c.k_bits, c.v_bits, c.page_size);
@@ -194,8 +267,7 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.part_acc = (float*)((char*)a.workspace + align256(parts * (int64_t)sizeof(float2)));
   p.nsplit = ns;
   p.fused = ap != nullptr;
-  // a fused step with fp16 regions: a second sink/window CTA attends the tokens before the step
-  p.nraw = p.fused && c.sink_tokens + c.window_tokens > 0 ? 2 : 1;
+  p.nraw = nraw;
   if (ap) {
     fill_kv(p, ap->k, ap->v);
     if (c.k_bits != FMKV_FP16_BITS) p.kq = quant_tables(c.k_bits);
@@ -205,19 +277,6 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.trace = trace_buffer();
 #endif
   cudaStream_t st = to_stream(a.stream);
-  {  // opt in to the kernel's dynamic shared memory (static + dynamic may exceed 48 KB), and ask for the
-     // largest shared-memory carveout so that 4 CTAs fit per SM (the kernel needs little L1), once per kernel
-    static std::mutex mu;
-    static std::set<AttnFnPtr> raised;
-    std::lock_guard<std::mutex> lock(mu);
-    if (raised.insert(fn.fn).second) {
-      check_cuda(cudaFuncSetAttribute(fn.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, fn.smem),
-                 "attention kernel shared memory attribute");
-      check_cuda(cudaFuncSetAttribute(fn.fn, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                      (int)cudaSharedmemCarveoutMaxShared),
-                 "attention kernel carveout attribute");
-    }
-  }
   if (reinterpret_cast<uintptr_t>(a.layer.pages) % 16 != 0)
     throw Error(kInvalidArgument, "cuda attention: layer pages must be 16-byte aligned (tiles are copied in 16-byte chunks)");
   if (c.sink_tokens + c.window_tokens > 0 &&

@@ -97,7 +97,8 @@ def test_ab_table_best_of_each_variant(tmp_path):
                          "fused_us": f, "separate_us": s}
     path = tmp_path / "ab.jsonl"
     path.write_text("\n".join([rec("old", dec(16.0)), rec("new", dec(12.5)), rec("old", dec(15.0)),
-                               rec("new", step(10.0, 20.0)), rec("old", step(12.0, 18.0))]) + "\n")
+                               rec("new", step(10.0, 20.0)), rec("old", step(12.0, 18.0)),
+                               rec("old", dict(dec(40.0), kv_heads=1)), rec("new", dict(dec(10.0), kv_heads=1))]) + "\n")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         import sys
@@ -106,10 +107,12 @@ def test_ab_table_best_of_each_variant(tmp_path):
             _load("ab_table").main()
         finally:
             sys.argv = argv
-    lines = {" ".join(ln.split()[:6 if ln.startswith("step") else 5]): ln.split() for ln in out.getvalue().splitlines()[1:]}
+    key = lambda ln: " ".join(t for t in ln.split() if "." not in t)  # the case's words (times have a ".")
+    lines = {key(ln): ln.split() for ln in out.getvalue().splitlines()[1:]}
     assert lines["decode k3v3 1 4096 0"][-3:] == ["15.00", "12.50", "1.200"]  # best of 2 for "old"
     assert lines["step k4v4 1 4096 64 fused"][-3:] == ["12.00", "10.00", "1.200"]
     assert lines["step k4v4 1 4096 64 separate"][-3:] == ["18.00", "20.00", "0.900"]
+    assert lines["decode k3v3 1 4096 0 kv1"][-3:] == ["40.00", "10.00", "4.000"]  # other kv head counts apart
 
 
 def test_trace_sm_groups_calls_and_ctas_by_sm(tmp_path):
