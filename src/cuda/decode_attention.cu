@@ -14,26 +14,30 @@ namespace fmkv {
 namespace cuda {
 namespace {
 
-// One CTA (256 threads) per (query row, q head): combine the split partials, un-rotate the
-// compressed part once, add the raw-domain (sink/window, fused step) parts, normalise, store.
+// One CTA per (query row, q head): combine the split partials, un-rotate the compressed part once,
+// add the raw-domain (sink/window, fused step) parts, normalise, store. NT threads: 256 for up to 64
+// splits (every call with >= 8 (sequence, kv head) pairs), 1024 for more (512 at D = 256: registers),
+// so that one round of slice loads covers every split (two at D = 256 beyond 128 splits).
 // Thread -> data: thread t < nsplit + nraw loads partial t's (m, l); thread t also takes the float4 of
-// coordinates 4 (t % (D/4)) .. +3 of the partials i = t / (D/4) + k * (1024/D), and lane c of warp 0
-// the raw parts' coordinates c + 32 r. Up to 64 splits (every call with >= 8 (sequence, kv head)
-// pairs), every load of the kernel (error word included) is issued before the first is used -- one L2
-// round trip, then arithmetic: the weights, the weighted slices summed in shared memory, and warp 0
-// applies the inverse rotation with shuffles and stores. Splits 64.. (few kv heads, see
-// preferred_splits) follow in rounds of 64, loaded once the weights are known (an empty split's
-// slice, weight 0, is not loaded).
-constexpr int kMergeThreads = 256;
-template <int D>
-__global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
-  constexpr int LPS = D / 4, SL = kMergeThreads / LPS, NR = D / 32;
+// coordinates 4 (t % (D/4)) .. +3 of the partials i = t / (D/4) + k * (NT / (D/4)), and lane c of
+// warp 0 the raw parts' coordinates c + 32 r. NT = 256: every load of the kernel (error word included)
+// is issued before the first is used -- one L2 round trip, then arithmetic: the weights, the weighted
+// slices summed in shared memory, and warp 0 applies the inverse rotation with shuffles and stores.
+// NT > 256 (many splits, most of them empty at short contexts): the slices are loaded once the weights
+// are known, only those of non-empty splits -- a second round trip instead of reading every stale slot.
+constexpr int kMergeThreads = 256;  // up to 64 splits
+constexpr int merge_threads_wide(int d) { return d > 128 ? 512 : 1024; }
+template <int D, int NT>
+__global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
+  constexpr int LPS = D / 4, SL = NT / LPS, NR = D / 32, NW = NT / 32;
+  constexpr bool kLate = NT > kMergeThreads;  // slices loaded after the weights
   static_assert(kMaxSplits + kRawParts <= kMergeThreads, "one thread per partial");
-  constexpr int KMAX = (64 + SL - 1) / SL;  // partial slices per thread and round of 64 splits
+  constexpr int KMAX = (64 + kMergeThreads / LPS - 1) / (kMergeThreads / LPS);  // slices per thread and round
+  constexpr int ROUND = KMAX * SL;  // splits per round: 64 (NT = 256), 256 (1024), 128 (D = 256, 512)
   // 16-byte aligned: the compiler reads s_wm / s_wl with vector loads, which must not straddle s_w
   __shared__ __align__(16) float s_w[kMaxSplits + kRawParts];
-  __shared__ __align__(16) float s_wm[kMergeThreads / 32];
-  __shared__ __align__(16) float s_wl[kMergeThreads / 32];
+  __shared__ __align__(16) float s_wm[NW];
+  __shared__ __align__(16) float s_wl[NW];
   __shared__ __align__(16) float s_red[SL][D];
   // Launched as a programmatic dependent of attn_kernel (sm_90): wait until its partials are written.
   FMKV_TRACE(p, 1, 0);
@@ -43,7 +47,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   const int nparts = p.nsplit + p.nraw;
   const int64_t base = (row * p.HQ + hq) * (p.nsplit + kRawParts);
   const int sl = t / LPS, j = t % LPS;  // slice sl of the splits, coordinates 4 j .. 4 j + 3
-  // All loads first. A partial's acc is used only when its weight is non-zero (an empty split
+  // All loads first (NT = 256). A partial's acc is used only when its weight is non-zero (an empty split
   // writes only (m, l) = (-inf, 0), so its acc slot holds stale bytes, loaded but never used).
   const bool upstream_error = error_set(p.err);
   const float2 ml = t < nparts ? load_now(p.part_ml + base + t) : make_float2(-INFINITY, 0.0f);
@@ -51,7 +55,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   const float4* pa = reinterpret_cast<const float4*>(p.part_acc + base * D) + j;
 #pragma unroll
   for (int k = 0; k < KMAX; ++k)
-    xs[k] = sl + k * SL < p.nsplit ? load_now(pa + (int64_t)(sl + k * SL) * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    xs[k] = !kLate && sl + k * SL < p.nsplit ? load_now(pa + (int64_t)(sl + k * SL) * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   float raw[kRawParts][NR];
 #pragma unroll
   for (int k = 0; k < kRawParts; ++k)
@@ -68,7 +72,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   __syncthreads();
   float M = s_wm[0];
 #pragma unroll
-  for (int w = 1; w < kMergeThreads / 32; ++w) M = fmaxf(M, s_wm[w]);
+  for (int w = 1; w < NW; ++w) M = fmaxf(M, s_wm[w]);
   const float f = ml.x == -INFINITY ? 0.0f : exp2f((ml.x - M) * kLog2e);
   if (t < nparts) s_w[t] = f;
   float l = ml.y * f;
@@ -79,34 +83,26 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   FMKV_TRACE(p, 1, 2);
   // compressed partials: slice sl of the splits, coordinates 4 j .. 4 j + 3
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int i0 = 0; i0 < p.nsplit; i0 += ROUND) {  // one round, except D = 256 beyond 128 splits
+    if (kLate || i0 > 0) {
 #pragma unroll
-  for (int k = 0; k < KMAX; ++k) {
-    const int i = sl + k * SL;
-    if (i < p.nsplit) {
-      const float w = s_w[i];
-      if (w != 0.0f) {  // (w == 0 when M = -inf too)
-        acc.x += w * xs[k].x;
-        acc.y += w * xs[k].y;
-        acc.z += w * xs[k].z;
-        acc.w += w * xs[k].w;
+      for (int k = 0; k < KMAX; ++k) {
+        const int i = i0 + sl + k * SL;
+        xs[k] = i < p.nsplit && s_w[i] != 0.0f ? load_now(pa + (int64_t)i * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
     }
-  }
-  for (int i0 = KMAX * SL; i0 < p.nsplit; i0 += KMAX * SL) {  // more than 64 splits
-    float4 ys[KMAX];
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
       const int i = i0 + sl + k * SL;
-      ys[k] = i < p.nsplit && s_w[i] != 0.0f ? load_now(pa + (int64_t)i * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-#pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-      const int i = i0 + sl + k * SL;
-      const float w = i < p.nsplit ? s_w[i] : 0.0f;
-      acc.x += w * ys[k].x;
-      acc.y += w * ys[k].y;
-      acc.z += w * ys[k].z;
-      acc.w += w * ys[k].w;
+      if (i < p.nsplit) {
+        const float w = s_w[i];
+        if (w != 0.0f) {  // (w == 0 when M = -inf too)
+          acc.x += w * xs[k].x;
+          acc.y += w * xs[k].y;
+          acc.z += w * xs[k].z;
+          acc.w += w * xs[k].w;
+        }
+      }
     }
   }
   *reinterpret_cast<float4*>(&s_red[sl][4 * j]) = acc;
@@ -115,7 +111,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(AttnParams p) {
   if (warp != 0) return;
   float L = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kMergeThreads / 32; ++w) L += s_wl[w];
+  for (int w = 0; w < NW; ++w) L += s_wl[w];
   float y[NR];
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
@@ -300,15 +296,18 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   }
   cudaLaunchConfig_t lc = {};
   lc.gridDim = dim3((unsigned)a.q.rows, (unsigned)HQ);
-  lc.blockDim = dim3((unsigned)kMergeThreads);
+  const bool wide = ns > 64;
+  lc.blockDim = dim3((unsigned)(wide ? merge_threads_wide(d) : kMergeThreads));
   lc.stream = st;
   lc.attrs = attr;
   lc.numAttrs = nattr;
+  cudaError_t merr;
   switch (d) {
-    case 64: check_cuda(cudaLaunchKernelEx(&lc, merge_kernel<64>, p), "merge kernel launch"); break;
-    case 128: check_cuda(cudaLaunchKernelEx(&lc, merge_kernel<128>, p), "merge kernel launch"); break;
-    default: check_cuda(cudaLaunchKernelEx(&lc, merge_kernel<256>, p), "merge kernel launch"); break;
+    case 64: merr = cudaLaunchKernelEx(&lc, wide ? merge_kernel<64, merge_threads_wide(64)> : merge_kernel<64, kMergeThreads>, p); break;
+    case 128: merr = cudaLaunchKernelEx(&lc, wide ? merge_kernel<128, merge_threads_wide(128)> : merge_kernel<128, kMergeThreads>, p); break;
+    default: merr = cudaLaunchKernelEx(&lc, wide ? merge_kernel<256, merge_threads_wide(256)> : merge_kernel<256, kMergeThreads>, p); break;
   }
+  check_cuda(merr, "merge kernel launch");
   check_cuda(cudaGetLastError(), "attention kernel launch");
 }
 
