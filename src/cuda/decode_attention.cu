@@ -83,17 +83,27 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
   FMKV_TRACE(p, 1, 2);
   // compressed partials: slice sl of the splits, coordinates 4 j .. 4 j + 3
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int i0 = 0; i0 < p.nsplit; i0 += ROUND) {  // one round, except D = 256 beyond 128 splits
-    if (kLate || i0 > 0) {
+  if constexpr (kLate) {  // one round (two at D = 256 beyond 128 splits), loads of non-empty splits only
+    for (int i0 = 0; i0 < p.nsplit; i0 += ROUND) {
 #pragma unroll
       for (int k = 0; k < KMAX; ++k) {
         const int i = i0 + sl + k * SL;
         xs[k] = i < p.nsplit && s_w[i] != 0.0f ? load_now(pa + (int64_t)i * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        const int i = i0 + sl + k * SL;
+        const float w = i < p.nsplit ? s_w[i] : 0.0f;  // (xs[k] = 0 where w == 0)
+        acc.x += w * xs[k].x;
+        acc.y += w * xs[k].y;
+        acc.z += w * xs[k].z;
+        acc.w += w * xs[k].w;
+      }
     }
+  } else {
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
-      const int i = i0 + sl + k * SL;
+      const int i = sl + k * SL;
       if (i < p.nsplit) {
         const float w = s_w[i];
         if (w != 0.0f) {  // (w == 0 when M = -inf too)
