@@ -16,46 +16,53 @@ namespace {
 
 // One CTA per (query row, q head): combine the split partials, un-rotate the compressed part once,
 // add the raw-domain (sink/window, fused step) parts, normalise, store. NT threads: 256 for up to 64
-// splits (every call with >= 8 (sequence, kv head) pairs), 1024 for more (512 at D = 256: registers),
-// so that one round of slice loads covers every split (two at D = 256 beyond 128 splits).
+// splits (every call with >= 8 (sequence, kv head) pairs); 1024 (512 at D = 256: registers) for more
+// (few kv heads, preferred_splits), where most splits are empty at short contexts.
 // Thread -> data: thread t < nsplit + nraw loads partial t's (m, l); thread t also takes the float4 of
 // coordinates 4 (t % (D/4)) .. +3 of the partials i = t / (D/4) + k * (NT / (D/4)), and lane c of
-// warp 0 the raw parts' coordinates c + 32 r. NT = 256: every load of the kernel (error word included)
-// is issued before the first is used -- one L2 round trip, then arithmetic: the weights, the weighted
-// slices summed in shared memory, and warp 0 applies the inverse rotation with shuffles and stores.
-// NT > 256 (many splits, most of them empty at short contexts): the slices are loaded once the weights
-// are known, only those of non-empty splits -- a second round trip instead of reading every stale slot.
+// warp 0 the raw parts' coordinates c + 32 r. The slices of splits < 64 are requested with every other
+// load of the kernel (error word included) before the first is used -- one L2 round trip, then
+// arithmetic: the weights, the weighted slices summed in shared memory, and warp 0 applies the inverse
+// rotation with shuffles and stores. Splits >= 64 (NT > 256): their slices are requested once the
+// weights are known, only where the weight is non-zero and up to the last non-empty split, so a short
+// sequence (its splits >= 64 empty) costs no second round trip.
 constexpr int kMergeThreads = 256;  // up to 64 splits
 constexpr int merge_threads_wide(int d) { return d > 128 ? 512 : 1024; }
 template <int D, int NT>
 __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
   constexpr int LPS = D / 4, SL = NT / LPS, NR = D / 32, NW = NT / 32;
-  constexpr bool kLate = NT > kMergeThreads;  // slices loaded after the weights
+  constexpr bool kWide = NT > kMergeThreads;
   static_assert(kMaxSplits + kRawParts <= kMergeThreads, "one thread per partial");
   constexpr int KMAX = (64 + kMergeThreads / LPS - 1) / (kMergeThreads / LPS);  // slices per thread and round
-  constexpr int ROUND = KMAX * SL;  // splits per round: 64 (NT = 256), 256 (1024), 128 (D = 256, 512)
+  constexpr int ROUND = KMAX * SL;               // splits per round of slices: 64 (NT = 256), 256 (1024), 128 (D = 256, 512)
+  constexpr int KE = kWide ? 64 / SL : KMAX;     // slices per thread of splits < 64 (requested first)
+  static_assert(KE >= 1 && KE * SL == 64, "the first 64 splits in whole slices");
+  constexpr int G = kWide ? SL / 8 : 1;          // wide: slice sums reduced by 8-row groups before warp 0
   // 16-byte aligned: the compiler reads s_wm / s_wl with vector loads, which must not straddle s_w
   __shared__ __align__(16) float s_w[kMaxSplits + kRawParts];
   __shared__ __align__(16) float s_wm[NW];
   __shared__ __align__(16) float s_wl[NW];
   __shared__ __align__(16) float s_red[SL][D];
+  __shared__ __align__(16) float s_red8[G][D];
+  __shared__ int s_last;  // wide: the last split with a non-zero weight
   // Launched as a programmatic dependent of attn_kernel (sm_90): wait until its partials are written.
   FMKV_TRACE(p, 1, 0);
+  if (kWide && threadIdx.x == 0) s_last = -1;
   grid_dependency_wait();
   const int64_t row = blockIdx.x;
   const int hq = blockIdx.y, t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const int nparts = p.nsplit + p.nraw;
   const int64_t base = (row * p.HQ + hq) * (p.nsplit + kRawParts);
   const int sl = t / LPS, j = t % LPS;  // slice sl of the splits, coordinates 4 j .. 4 j + 3
-  // All loads first (NT = 256). A partial's acc is used only when its weight is non-zero (an empty split
+  // All loads first. A partial's acc is used only when its weight is non-zero (an empty split
   // writes only (m, l) = (-inf, 0), so its acc slot holds stale bytes, loaded but never used).
   const bool upstream_error = error_set(p.err);
   const float2 ml = t < nparts ? load_now(p.part_ml + base + t) : make_float2(-INFINITY, 0.0f);
   float4 xs[KMAX];
   const float4* pa = reinterpret_cast<const float4*>(p.part_acc + base * D) + j;
 #pragma unroll
-  for (int k = 0; k < KMAX; ++k)
-    xs[k] = !kLate && sl + k * SL < p.nsplit ? load_now(pa + (int64_t)(sl + k * SL) * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int k = 0; k < KE; ++k)
+    xs[k] = sl + k * SL < p.nsplit ? load_now(pa + (int64_t)(sl + k * SL) * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   float raw[kRawParts][NR];
 #pragma unroll
   for (int k = 0; k < kRawParts; ++k)
@@ -75,6 +82,7 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
   for (int w = 1; w < NW; ++w) M = fmaxf(M, s_wm[w]);
   const float f = ml.x == -INFINITY ? 0.0f : exp2f((ml.x - M) * kLog2e);
   if (t < nparts) s_w[t] = f;
+  if (kWide && t < p.nsplit && f != 0.0f) atomicMax(&s_last, t);
   float l = ml.y * f;
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
@@ -83,40 +91,50 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
   FMKV_TRACE(p, 1, 2);
   // compressed partials: slice sl of the splits, coordinates 4 j .. 4 j + 3
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if constexpr (kLate) {  // one round (two at D = 256 beyond 128 splits), loads of non-empty splits only
-    for (int i0 = 0; i0 < p.nsplit; i0 += ROUND) {
 #pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
-        const int i = i0 + sl + k * SL;
-        xs[k] = i < p.nsplit && s_w[i] != 0.0f ? load_now(pa + (int64_t)i * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-#pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
-        const int i = i0 + sl + k * SL;
-        const float w = i < p.nsplit ? s_w[i] : 0.0f;  // (xs[k] = 0 where w == 0)
+  for (int k = 0; k < KE; ++k) {
+    const int i = sl + k * SL;
+    if (i < p.nsplit) {
+      const float w = s_w[i];
+      if (w != 0.0f) {  // (w == 0 when M = -inf too)
         acc.x += w * xs[k].x;
         acc.y += w * xs[k].y;
         acc.z += w * xs[k].z;
         acc.w += w * xs[k].w;
       }
     }
-  } else {
+  }
+  if constexpr (kWide) {  // splits 64 .. last non-empty one: one round (two at D = 256 beyond 192 splits)
+    const int last = s_last;
+    for (int i0 = 64; i0 <= last; i0 += ROUND) {
 #pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-      const int i = sl + k * SL;
-      if (i < p.nsplit) {
-        const float w = s_w[i];
-        if (w != 0.0f) {  // (w == 0 when M = -inf too)
-          acc.x += w * xs[k].x;
-          acc.y += w * xs[k].y;
-          acc.z += w * xs[k].z;
-          acc.w += w * xs[k].w;
-        }
+      for (int k = 0; k < KMAX; ++k) {
+        const int i = i0 + sl + k * SL;
+        xs[k] = i <= last && s_w[i] != 0.0f ? load_now(pa + (int64_t)i * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        const int i = i0 + sl + k * SL;
+        const float w = i <= last ? s_w[i] : 0.0f;  // (xs[k] = 0 where w == 0)
+        acc.x += w * xs[k].x;
+        acc.y += w * xs[k].y;
+        acc.z += w * xs[k].z;
+        acc.w += w * xs[k].w;
       }
     }
   }
   *reinterpret_cast<float4*>(&s_red[sl][4 * j]) = acc;
   __syncthreads();
+  if constexpr (kWide) {  // SL rows -> G rows of 8 (warp 0 then sums G rows, as it sums 8 for NT = 256)
+    if (t < G * D) {
+      const int g = t / D, c = t % D;
+      float a = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) a += s_red[8 * g + k][c];
+      s_red8[g][c] = a;
+    }
+    __syncthreads();
+  }
   FMKV_TRACE(p, 1, 3);
   if (warp != 0) return;
   float L = 0.0f;
@@ -126,8 +144,13 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
     float a = 0.0f;
+    if constexpr (kWide) {
 #pragma unroll
-    for (int k = 0; k < SL; ++k) a += s_red[k][lane + 32 * r];
+      for (int k = 0; k < G; ++k) a += s_red8[k][lane + 32 * r];
+    } else {
+#pragma unroll
+      for (int k = 0; k < SL; ++k) a += s_red[k][lane + 32 * r];
+    }
     y[r] = a;
   }
   warp_unrotate<D>(y, p.sw, lane);
@@ -148,6 +171,7 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
   }
   FMKV_TRACE(p, 1, 7, kTraceMerge);
 }
+
 
 // Compressed splits per (sequence, kv head). Many pairs: ceil(1056 / pairs) capped at 64 (~8 split CTAs
 // per SM on the H200's 132 SMs). Few pairs -- a decode call (at most 16 query rows per sequence on
