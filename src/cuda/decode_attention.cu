@@ -175,13 +175,13 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
 
 // Compressed splits per (sequence, kv head). Many pairs: ceil(1056 / pairs) capped at 64 (~8 split CTAs
 // per SM on the H200's 132 SMs). Few pairs -- a decode call (at most 16 query rows per sequence on
-// average) whose CTAs (splits + nraw raw-domain CTAs per pair) number fewer than `target` (2 per SM:
-// measured, 2 CTAs per SM reach the loop's full per-SM rate, docs/CUDA-NOTES.md "Split count") -- get
-// more splits, up to `target` CTAs: B = 1 with 1 kv head (one GPU's share under tensor parallelism) 64 ->
-// 254 splits where 65 CTAs left half the SMs idle, 2 kv heads 64 -> 131. (The workspace grows with rows
-// x splits, hence the row limit.) The host does not know the lengths (graph-safe): a short sequence
-// leaves the extra splits empty (they write (-inf, 0) and exit). FMKV_CUDA_SPLITS=n (1..254) forces n,
-// for measurements.
+// average) whose CTAs (splits + nraw raw-domain CTAs per pair) would occupy at most half of `target`
+// (2 per SM; measured: 2 CTAs per SM reach the loop's full per-SM rate, docs/CUDA-NOTES.md "Split
+// count") -- get more splits, up to `target` CTAs: B = 1 with 1 kv head (one GPU's share under tensor
+// parallelism) 64 -> 254 splits where 65 CTAs left half the SMs idle, 2 kv heads 64 -> 131. (The
+// workspace grows with rows x splits, hence the row limit.) The host does not know the lengths
+// (graph-safe): a short sequence leaves the extra splits empty (they write (-inf, 0) and exit; at 4k
+// that costs ~1-1.7 us). FMKV_CUDA_SPLITS=n (1..254) forces n, for measurements.
 int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int64_t rows, int32_t nraw, int64_t target) {
   static const int forced = [] {
     const char* e = std::getenv("FMKV_CUDA_SPLITS");
@@ -191,7 +191,7 @@ int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int64_t rows, int32
   if (forced) return forced;
   const int64_t seqs = std::max(num_seqs, 1), pairs = seqs * std::max(kv_heads, 1);
   int64_t ns = std::min<int64_t>(std::max<int64_t>((1056 + pairs - 1) / pairs, 1), 64);
-  if (rows <= (int64_t)kFusedMaxRows * seqs && (ns + nraw) * pairs < target) ns = std::max<int64_t>(ns, target / pairs - nraw);
+  if (rows <= (int64_t)kFusedMaxRows * seqs && 2 * (ns + nraw) * pairs <= target) ns = std::max<int64_t>(ns, target / pairs - nraw);
   return (int32_t)std::min<int64_t>(ns, kMaxSplits);
 }
 
