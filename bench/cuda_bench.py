@@ -180,6 +180,7 @@ def kv_heads_sweep(a):
         bt, be = sdpa[key]
         out.append(decode_record(r, bt, be, copy["device"], a.commit, suite="cuda_kv_heads"))
     write_jsonl(os.path.join(a.out, "cuda_kv_heads.jsonl"), out)
+    plot_kv_heads(out, os.path.join(a.out, "cuda_kv_heads.png"))
     print("device: %s   copy bandwidth (read+write): %.0f GB/s" % (copy["device"], copy["gbps"]))
     print("%-5s %8s %8s %8s %10s %8s %6s %10s %8s" % ("fmt", "kv_heads", "q_heads", "context", "fmkv_us", "GB/s",
                                                       "%copy", "sdpa_us", "speedup"))
@@ -193,7 +194,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", help="the fmkv_cuda_bench binary (not needed with --replot)")
     ap.add_argument("--replot", action="store_true",
-                    help="only redraw cuda_decode.png from the cuda_decode.jsonl already in --out")
+                    help="only redraw cuda_decode.png (and cuda_kv_heads.png) from the JSON already in --out")
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--quick", action="store_true")
@@ -209,6 +210,9 @@ def main():
     if a.replot:
         dec = [json.loads(l) for l in open(os.path.join(a.out, "cuda_decode.jsonl"))]
         plot_decode(dec, dec[0]["copy_gbps"], dec[0]["device"], os.path.join(a.out, "cuda_decode.png"))
+        kvp = os.path.join(a.out, "cuda_kv_heads.jsonl")
+        if os.path.exists(kvp):
+            plot_kv_heads([json.loads(l) for l in open(kvp)], os.path.join(a.out, "cuda_kv_heads.png"))
         return
     if not a.bin:
         ap.error("--bin is required")
@@ -316,6 +320,45 @@ def plot_decode(dec, copy_gbps, device, path):
         at.set_title("decode attention on %s: time" % device)
         ax.legend(fontsize=8)
         at.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    except Exception as e:
+        print("plot failed:", e, file=sys.stderr)
+
+
+def plot_kv_heads(recs, path):
+    """--kv-heads-sweep: time vs context per kv-head count (k3v3, k4v4) with SDPA of the same shapes, and
+    the speedup over SDPA."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, (at, asp) = plt.subplots(1, 2, figsize=(12, 4.5))
+        heads = sorted({r["kv_heads"] for r in recs})
+        colors = dict(zip(heads, ["C0", "C1", "C2", "C3", "C4", "C5"]))
+        for h in heads:
+            for (kb, vb), style in (((3, 3), "o-"), ((4, 4), "^:")):
+                xs = sorted((r for r in recs if r["kv_heads"] == h and (r["k_bits"], r["v_bits"]) == (kb, vb)),
+                            key=lambda r: r["context"])
+                if not xs:
+                    continue
+                lab = "fmkv k%dv%d, %d kv heads" % (kb, vb, h)
+                at.plot([r["context"] for r in xs], [r["time_us"] for r in xs], style, color=colors[h], label=lab)
+                asp.plot([r["context"] for r in xs], [r["speedup"] for r in xs], style, color=colors[h], label=lab)
+            base = sorted({(r["context"], r["baseline_time_us"]) for r in recs if r["kv_heads"] == h})
+            at.plot([c for c, _ in base], [t for _, t in base], "s--", color=colors[h], alpha=0.5,
+                    label="torch SDPA fp16, %d kv heads" % h)
+        asp.axhline(1.0, color="gray", ls=":")
+        for a_ in (at, asp):
+            a_.set_xscale("log", base=2)
+            a_.set_xlabel("context (tokens), B=1, 4 q heads per kv head, d=128")
+        at.set_yscale("log")
+        at.set_ylabel("time per decode call (µs, CUDA graph)")
+        asp.set_ylabel("speedup over the fastest SDPA formulation")
+        dev = recs[0]["device"] if recs else "?"
+        at.set_title("decode attention on %s, few kv heads" % dev)
+        asp.set_title("fmkv vs SDPA (same run, same shapes)")
+        at.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
     except Exception as e:

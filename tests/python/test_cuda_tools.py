@@ -145,3 +145,26 @@ def test_trace_sm_groups_calls_and_ctas_by_sm(tmp_path):
     mod.summarize(calls[0][1] + [json.loads(row(11, 2, 5.0, role="fused"))], out=out)
     assert "split CTAs sharing an SM with a sink/window or fused CTA: 3," in out.getvalue()
     assert "split CTAs on the other SMs: 8," in out.getvalue()
+
+
+def test_kv_heads_sweep_records_and_plot(tmp_path):
+    """bench/cuda_bench.py --kv-heads-sweep: a binary decode record becomes a cuda_kv_heads line with the
+    fields docs/results needs (shape, GB/s, same-run SDPA ratio), and the plot is written."""
+    spec = importlib.util.spec_from_file_location("cuda_bench", ROOT / "bench" / "cuda_bench.py")
+    cb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cb)
+    recs = []
+    for h in (1, 8):
+        for ctx, t in ((4096, 11.0), (131072, 25.0 * h)):
+            r = {"kind": "decode", "k_bits": 3, "v_bits": 3, "batch": 1, "context": ctx, "head_dim": 128,
+                 "q_heads": 4 * h, "kv_heads": h, "page_size": 64, "time_us": t, "bytes": 1e6, "gbps": 1e6 / t / 1e3,
+                 "copy_gbps": 4250.0, "pct_copy_bw": 1.0, "nonfinite_out": 0}
+            recs.append(cb.decode_record(r, 2 * t, "fold_flash", "NVIDIA H200", "abc1234", suite="cuda_kv_heads"))
+    need = {"suite", "backend", "device", "commit", "op", "batch", "q_len", "context", "head_dim", "q_heads", "kv_heads",
+            "layers", "k_bits", "v_bits", "page_size", "time_us", "bytes", "gbps", "copy_gbps", "pct_copy_bw",
+            "baseline", "baseline_time_us", "speedup"}
+    assert need <= set(recs[0]) and recs[0]["suite"] == "cuda_kv_heads"
+    assert recs[-1]["kv_heads"] == 8 and recs[-1]["q_heads"] == 32 and recs[-1]["speedup"] == 2.0
+    png = tmp_path / "kv.png"
+    cb.plot_kv_heads(recs, str(png))
+    assert png.stat().st_size > 10000
