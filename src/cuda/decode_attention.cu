@@ -172,7 +172,6 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
   FMKV_TRACE(p, 1, 7, kTraceMerge);
 }
 
-
 // Compressed splits per (sequence, kv head). Many pairs: ceil(1056 / pairs) capped at 64 (~8 split CTAs
 // per SM on the H200's 132 SMs). Few pairs -- a decode call (at most 16 query rows per sequence on
 // average) whose CTAs (splits + nraw raw-domain CTAs per pair) would occupy at most half of `target`
@@ -204,9 +203,6 @@ int64_t workspace_for(int64_t rows, int32_t q_heads, int32_t d, int32_t ns) {
   return align256(parts * (int64_t)sizeof(float2)) + parts * d * (int64_t)sizeof(float);
 }
 
-}  // namespace
-
-namespace {
 AttnFn attn_kernel(const fmkv_config& c) {
   switch (c.k_bits) {
     case 2: return attn_kernel_k2(c.head_dim, c.v_bits, c.page_size);
