@@ -290,6 +290,14 @@ def main():
     plot_decode(dec, copy["gbps"], device, os.path.join(a.out, "cuda_decode.png"))
 
 
+def _context_axes(axes, xlabel, time_axis):
+    """Log2 context on the x axes, log time on the time axis."""
+    for a_ in axes:
+        a_.set_xscale("log", base=2)
+        a_.set_xlabel(xlabel)
+    time_axis.set_yscale("log")
+
+
 def plot_decode(dec, copy_gbps, device, path):
     """GB/s vs context at B=1 (no window) for each format and the SDPA baseline of the same records."""
     try:
@@ -310,10 +318,7 @@ def plot_decode(dec, copy_gbps, device, path):
         ax.plot(xs, [2 * c * 8 * 128 * 2 / base[c] / 1e3 for c in xs], "s--", label=label)
         at.plot(xs, [base[c] for c in xs], "s--", label=label)
         ax.axhline(copy_gbps, color="gray", ls=":", label="D2D copy")
-        for a_ in (ax, at):
-            a_.set_xscale("log", base=2)
-            a_.set_xlabel("context (tokens), B=1, 32q/8kv heads, d=128")
-        at.set_yscale("log")
+        _context_axes((ax, at), "context (tokens), B=1, 32q/8kv heads, d=128", at)
         ax.set_ylabel("GB/s (bytes that must move / time)")
         at.set_ylabel("time per decode call (µs, CUDA graph)")
         ax.set_title("decode attention on %s: bandwidth" % device)
@@ -349,10 +354,7 @@ def plot_kv_heads(recs, path):
             at.plot([c for c, _ in base], [t for _, t in base], "s--", color=colors[h], alpha=0.5,
                     label="torch SDPA fp16, %d kv heads" % h)
         asp.axhline(1.0, color="gray", ls=":")
-        for a_ in (at, asp):
-            a_.set_xscale("log", base=2)
-            a_.set_xlabel("context (tokens), B=1, 4 q heads per kv head, d=128")
-        at.set_yscale("log")
+        _context_axes((at, asp), "context (tokens), B=1, 4 q heads per kv head, d=128", at)
         at.set_ylabel("time per decode call (µs, CUDA graph)")
         asp.set_ylabel("speedup over the fastest SDPA formulation")
         dev = recs[0]["device"] if recs else "?"
