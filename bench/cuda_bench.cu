@@ -246,6 +246,10 @@ int main(int argc, char** argv) {
   // tensor-parallel model (bench/cuda_bench.py --kv-heads-sweep)
   const char* kvh = std::getenv("FMKV_BENCH_KV_HEADS");
   const int d = 128, H = kvh && std::atoi(kvh) > 0 ? std::atoi(kvh) : 8, HQ = 4 * H, P = 64;
+  // FMKV_BENCH_MAX_SEQ_LEN=0: attention calls without a length bound (opts.max_seq_len = 0, the split
+  // count of an unknown length); default: the context length, as a serving loop that knows it passes
+  const char* msl = std::getenv("FMKV_BENCH_MAX_SEQ_LEN");
+  const bool pass_bound = !(msl && std::atoll(msl) == 0);
   const int64_t chunk = 32768;  // prefill chunk for filling / quantize timing
   __half *kin, *vin;
   CK(cudaMalloc(&kin, chunk * H * d * 2));
@@ -383,11 +387,12 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&q, (size_t)B * HQ * d * 2));
       CK(cudaMalloc(&o, (size_t)B * HQ * d * 2));
       fill_normal<<<64, 256>>>(q, (int64_t)B * HQ * d, 3, d, 0.0f);
-      const int64_t ws = fmkv_attention_workspace_bytes(FMKV_BACKEND_CUDA, &cfg, HQ, B, B, ctx);
+      const int64_t bound = pass_bound ? ctx : 0;  // every sequence has ctx tokens (after the step's append)
+      const int64_t ws = fmkv_attention_workspace_bytes(FMKV_BACKEND_CUDA, &cfg, HQ, B, B, bound);
       void* work;
       CK(cudaMalloc(&work, ws + 16));
       fmkv_tensor qt{q, FMKV_F16, B, HQ, d, (int64_t)HQ * d, d}, ot{o, FMKV_F16, B, HQ, d, (int64_t)HQ * d, d};
-      fmkv_attention_opts opts{0.0f, 0.0f};
+      fmkv_attention_opts opts{0.0f, 0.0f, bound};
       // a decode step re-appends token ctx - 1: lengths ctx - 1 before it, this token's K/V rows
       int64_t* dl0;
       CK(cudaMalloc(&dl0, 8 * B));
@@ -455,14 +460,16 @@ int main(int argc, char** argv) {
       std::printf("{\"kind\":\"decode\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":1,\"context\":%lld,"
                   "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"time_us\":%.3f,\"bytes\":%.0f,"
                   "\"gbps\":%.1f,\"copy_gbps\":%.1f,\"pct_copy_bw\":%.1f,\"copies\":%d,\"nonfinite_out\":%d,"
-                  "\"window\":%d}\n",
+                  "\"window\":%d,\"max_seq_len\":%lld}\n",
                   f.kb, f.vb, B, (long long)ctx, d, HQ, H, P, us, bytes, bytes / us / 1e3, cbw,
-                  100.0 * bytes / us / 1e3 / cbw, copies, nonfinite, window);
+                  100.0 * bytes / us / 1e3 / cbw, copies, nonfinite, window, (long long)bound);
       if (step_fused_us > 0)
         std::printf("{\"kind\":\"step\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":1,\"context\":%lld,"
                     "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"fused_us\":%.3f,"
-                    "\"separate_us\":%.3f,\"attention_only_us\":%.3f,\"copies\":%d,\"window\":%d}\n",
-                    f.kb, f.vb, B, (long long)ctx, d, HQ, H, P, step_fused_us, step_sep_us, us, copies, window);
+                    "\"separate_us\":%.3f,\"attention_only_us\":%.3f,\"copies\":%d,\"window\":%d,"
+                    "\"max_seq_len\":%lld}\n",
+                    f.kb, f.vb, B, (long long)ctx, d, HQ, H, P, step_fused_us, step_sep_us, us, copies, window,
+                    (long long)bound);
       std::fflush(stdout);
       CK(cudaFree(pages));
       CK(cudaFree(dt));

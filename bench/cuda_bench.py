@@ -149,7 +149,8 @@ def decode_record(r, bt, be, device, commit, suite="cuda_decode"):
                 page_size=r["page_size"], time_us=r["time_us"], bytes=r["bytes"], gbps=r["gbps"],
                 copy_gbps=r["copy_gbps"], pct_copy_bw=r["pct_copy_bw"], baseline="torch_sdpa_fp16_" + be,
                 baseline_time_us=round(bt, 3), speedup=round(bt / r["time_us"], 3),
-                nonfinite_out=r["nonfinite_out"], window_tokens=r.get("window", 0))
+                nonfinite_out=r["nonfinite_out"], window_tokens=r.get("window", 0),
+                max_seq_len=r.get("max_seq_len", 0))  # the call's length bound (0: none; the bench passes the context)
 
 
 KV_HEADS_SWEEP = (1, 2, 4, 8)

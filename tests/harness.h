@@ -242,17 +242,23 @@ inline Scenario filled_scenario(const fmkv_config& c, const std::vector<int64_t>
   return s;
 }
 
+// The longest sequence of the scenario after its query rows (attention) / appended rows (fused step).
+inline int64_t max_length_after(const Scenario& s) {
+  const std::vector<int64_t> lens = lengths_after(s);
+  return lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
+}
+
 // Runs attention on backend b over the given layer state; output is fp32 [rows][q_heads][d],
 // poisoned with NaN before the call.
 inline std::vector<float> run_attention(fmkv_backend b, const Scenario& s, const LayerState& st,
                                         const fmkv_tensor& q_host, fmkv_dtype out_dtype,
-                                        fmkv_attention_opts opts = {0.0f, 0.0f}) {
+                                        fmkv_attention_opts opts = {0.0f, 0.0f, 0}) {
   const std::vector<int64_t> lens = lengths_after(s);  // attention: tokens in cache including the query rows
   DeviceLayer L(b, s, st.pages, st.fp16_k, st.fp16_v, lens);
   DeviceTensor q(b, q_host);
   DeviceOutput o(b, q_host, out_dtype);
-  const int64_t max_len = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
-  const int64_t ws = fmkv_attention_workspace_bytes(b, &s.cfg, q_host.heads, q_host.rows, s.seqs(), max_len);
+  // the workspace of the call's plan: sized for opts.max_seq_len (0: no bound, the most splits)
+  const int64_t ws = fmkv_attention_workspace_bytes(b, &s.cfg, q_host.heads, q_host.rows, s.seqs(), opts.max_seq_len);
   DeviceBuf work(b, (size_t)ws + 16);
   check(fmkv_attention(b, &s.cfg, &L.lc, &L.bt, &q.t, &opts, &o.t, work.p, (size_t)ws, nullptr));
   check(fmkv_device_synchronize(b));
@@ -264,13 +270,11 @@ inline std::vector<float> run_attention(fmkv_backend b, const Scenario& s, const
 // fp32 output (poisoned with NaN before the call).
 inline std::pair<LayerState, std::vector<float>> run_append_attention(
     fmkv_backend b, const Scenario& s, const fmkv_tensor& k_host, const fmkv_tensor& v_host, const fmkv_tensor& q_host,
-    fmkv_dtype out_dtype, fmkv_attention_opts opts = {0.0f, 0.0f}) {
+    fmkv_dtype out_dtype, fmkv_attention_opts opts = {0.0f, 0.0f, 0}) {
   DeviceLayer L(b, s, s.pages, s.fp16_k, s.fp16_v, s.lens);  // lengths before the append
   DeviceTensor k(b, k_host), v(b, v_host), q(b, q_host);
   DeviceOutput o(b, q_host, out_dtype);
-  const std::vector<int64_t> after = lengths_after(s);
-  const int64_t max_len = after.empty() ? 0 : *std::max_element(after.begin(), after.end());
-  const int64_t ws = fmkv_attention_workspace_bytes(b, &s.cfg, q_host.heads, q_host.rows, s.seqs(), max_len);
+  const int64_t ws = fmkv_attention_workspace_bytes(b, &s.cfg, q_host.heads, q_host.rows, s.seqs(), opts.max_seq_len);
   DeviceBuf work(b, (size_t)ws + 16);
   check(fmkv_append_attention(b, &s.cfg, &L.lc, &L.bt, &k.t, &v.t, &q.t, &opts, &o.t, work.p, (size_t)ws, nullptr));
   check(fmkv_device_synchronize(b));

@@ -70,9 +70,11 @@ TEST_P(Backends, AppendBitExact) {
 
 TEST_P(Backends, AttentionMatchesReference) {
   const fmkv_backend b = GetParam();
+  int index = 0;
   for (const Shape& sh : shapes())
     for (fmkv_dtype out : {FMKV_F32, FMKV_F16, FMKV_BF16}) {
       if (out != FMKV_F32 && sh.kb != 3) continue;
+      const int bound_mode = index++ % 3;  // opts.max_seq_len: 0, the exact longest length, or 100 more
       fmkv_config c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
       Scenario s = make_scenario(c, sh.lens, sh.rows);
       Scenario fill = s;
@@ -85,7 +87,8 @@ TEST_P(Backends, AttentionMatchesReference) {
       int32_t HQ = sh.kv_heads * sh.group;
       auto qb = random_tensor(sh.in, nq, HQ, c.head_dim, 1.0);
       fmkv_tensor q = make_tensor(qb.data(), sh.in, nq, HQ, c.head_dim);
-      fmkv_attention_opts o{0.0f, sh.d == 256 ? 20.0f : 0.0f};
+      fmkv_attention_opts o{0.0f, sh.d == 256 ? 20.0f : 0.0f, 0};
+      if (bound_mode > 0) o.max_seq_len = max_length_after(s) + (bound_mode == 2 ? 100 : 0);
       auto want = run_attention(FMKV_BACKEND_REF, s, st, q, FMKV_F32, o);
       std::vector<float> got;
       try {
@@ -100,7 +103,7 @@ TEST_P(Backends, AttentionMatchesReference) {
       }
       double err = rel_error(got, want);
       EXPECT_LT(err, attention_tolerance(b, out)) << fmkv_backend_name(b) << " d=" << sh.d << " k" << sh.kb << "v" << sh.vb
-                                                  << " out dtype " << out;
+                                                  << " out dtype " << out << " max_seq_len " << o.max_seq_len;
     }
 }
 
@@ -131,7 +134,9 @@ TEST_P(Backends, FusedAppendAttention) {
       {128, 4, 4, 1, 4, 64, 0, 64, FMKV_SCALE_LSQ, {17000}, {1}, FMKV_F16},
       {64, 4, 2, 1, 4, 32, 0, 0, FMKV_SCALE_RMS, {16500}, {3}, FMKV_F32},
   };
+  int index = 0;
   for (const F& f : cases) {
+    const bool bounded = index++ % 2 == 1;  // every other case passes opts.max_seq_len = the longest length after
     fmkv_config c = config(f.d, f.kb, f.vb, f.kv_heads, f.page, f.sink, f.window, f.rule);
     int64_t n1 = 0;
     Scenario s = filled_scenario(c, f.lens, f.rows, f.in, &n1);
@@ -150,13 +155,14 @@ TEST_P(Backends, FusedAppendAttention) {
     std::vector<float> want_out = run_attention(FMKV_BACKEND_REF, s, want, q, FMKV_F32);
     std::pair<LayerState, std::vector<float>> got;
     try {
-      got = run_append_attention(b, s, kt, vt, q, FMKV_F32);
+      got = run_append_attention(b, s, kt, vt, q, FMKV_F32, {0.0f, 0.0f, bounded ? max_length_after(s) : 0});
     } catch (const fmkv::Error& e) {
       if (cuda_combination_not_compiled(b, e, f.d, f.kb, f.vb)) continue;
       throw;
     }
     const std::string what = std::string(fmkv_backend_name(b)) + " d=" + std::to_string(f.d) + " k" +
-                             std::to_string(f.kb) + "v" + std::to_string(f.vb) + " window " + std::to_string(f.window);
+                             std::to_string(f.kb) + "v" + std::to_string(f.vb) + " window " + std::to_string(f.window) +
+                             (bounded ? " (max_seq_len)" : "");
     EXPECT_TRUE(got.first.pages == want.pages) << "pages differ: " << what;
     EXPECT_TRUE(got.first.fp16_k == want.fp16_k && got.first.fp16_v == want.fp16_v) << "fp16 regions differ: " << what;
     EXPECT_LT(rel_error(got.second, want_out), attention_tolerance(b, FMKV_F32)) << what;
@@ -177,6 +183,33 @@ TEST_P(Backends, FusedAppendAttentionRowLimit) {
   } catch (const fmkv::Error& e) {
     EXPECT_EQ(e.code(), FMKV_ERR_INVALID_ARGUMENT) << e.what();
     EXPECT_NE(std::string(e.what()).find("at most 16"), std::string::npos) << e.what();
+  }
+}
+
+// opts.max_seq_len below the sequence's length after the step: a clear error, nothing written (CUDA:
+// detected on the device, every CTA of the sequence returns before writing).
+TEST_P(Backends, FusedAppendAttentionLengthBound) {
+  const fmkv_backend b = GetParam();
+  for (int32_t window : {0, 16}) {
+    fmkv_config c = config(128, 3, 3, 2, 16, 0, window);
+    int64_t n1 = 0;
+    Scenario s = filled_scenario(c, {300}, {1}, FMKV_F16, &n1);
+    auto k = random_tensor(FMKV_F16, n1, 2, 128, 3.0), v = random_tensor(FMKV_F16, n1, 2, 128), q = random_tensor(FMKV_F16, n1, 8, 128);
+    DeviceLayer L(b, s, s.pages, s.fp16_k, s.fp16_v, s.lens);
+    DeviceTensor kt(b, make_tensor(k.data(), FMKV_F16, n1, 2, 128)), vt(b, make_tensor(v.data(), FMKV_F16, n1, 2, 128));
+    DeviceTensor qt(b, make_tensor(q.data(), FMKV_F16, n1, 8, 128));
+    DeviceOutput o(b, qt.t, FMKV_F32);
+    const fmkv_attention_opts opts{0.0f, 0.0f, 300};  // the sequence has 301 tokens after the step
+    const int64_t ws = fmkv_attention_workspace_bytes(b, &c, 8, n1, 1, opts.max_seq_len);
+    DeviceBuf work(b, (size_t)ws + 16);
+    fmkv_status st = fmkv_append_attention(b, &c, &L.lc, &L.bt, &kt.t, &vt.t, &qt.t, &opts, &o.t, work.p, (size_t)ws, nullptr);
+    if (st == FMKV_OK) st = fmkv_device_synchronize(b);  // CUDA: reported by the device
+    EXPECT_EQ(st, FMKV_ERR_INVALID_ARGUMENT) << fmkv_backend_name(b) << " window " << window;
+    EXPECT_NE(std::string(fmkv_last_error()).find("sequence 0: 301 tokens, more than opts.max_seq_len = 300"),
+              std::string::npos) << fmkv_last_error();
+    const LayerState after = L.state(s);
+    EXPECT_TRUE(after.pages == s.pages && after.fp16_k == s.fp16_k && after.fp16_v == s.fp16_v)
+        << fmkv_backend_name(b) << " window " << window << ": the failed step wrote the cache";
   }
 }
 

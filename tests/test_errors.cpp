@@ -106,9 +106,19 @@ TEST(Errors, AttentionArguments) {
     lens[0] = 1;
     EXPECT_EQ(fmkv_attention(b, &f.c, &l, &bt, &q, nullptr, &o, nullptr, 0, nullptr), FMKV_ERR_INVALID_ARGUMENT);
     EXPECT_NE(std::string(fmkv_last_error()).find("append first"), std::string::npos);
-    fmkv_attention_opts bad{0.0f, -1.0f};
+    fmkv_attention_opts bad{0.0f, -1.0f, 0};
     lens[0] = 22;
     EXPECT_EQ(fmkv_attention(b, &f.c, &l, &bt, &q, &bad, &o, nullptr, 0, nullptr), FMKV_ERR_INVALID_ARGUMENT);
+    // max_seq_len: a bound the call's lengths must respect (>= 0; 0: none)
+    fmkv_attention_opts bound{0.0f, 0.0f, -1};
+    EXPECT_EQ(fmkv_attention(b, &f.c, &l, &bt, &q, &bound, &o, nullptr, 0, nullptr), FMKV_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(fmkv_last_error()).find("max_seq_len is -1"), std::string::npos) << fmkv_last_error();
+    bound.max_seq_len = 21;
+    EXPECT_EQ(fmkv_attention(b, &f.c, &l, &bt, &q, &bound, &o, nullptr, 0, nullptr), FMKV_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(fmkv_last_error()).find("sequence 0: 22 tokens, more than opts.max_seq_len = 21"),
+              std::string::npos) << fmkv_last_error();
+    bound.max_seq_len = 22;
+    EXPECT_EQ(fmkv_attention(b, &f.c, &l, &bt, &q, &bound, &o, nullptr, 0, nullptr), FMKV_OK) << fmkv_last_error();
   }
 }
 

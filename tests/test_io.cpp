@@ -173,7 +173,7 @@ std::vector<float> attend(const fmkv_config& c, const fmkv_layer_cache& lc, int3
   int64_t rows[2] = {0, 1};
   std::vector<int32_t> dummy(1, 0);
   fmkv_batch bt{1, &slot, &len, rows, stride > 0 ? table : dummy.data(), std::max<int64_t>(1, stride)};
-  fmkv_attention_opts o{0.0f, 0.0f};
+  fmkv_attention_opts o{0.0f, 0.0f, 0};
   check(fmkv_attention(be, &c, &lc, &bt, &qt, &o, &ot, nullptr, 0, nullptr));
   return out;
 }

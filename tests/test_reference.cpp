@@ -113,7 +113,7 @@ TEST(Reference, AttentionEqualsNaiveFloat64) {
     int32_t HQ = rc.kv_heads * rc.group;
     auto qb = random_tensor(FMKV_F32, nq, HQ, c.head_dim);
     fmkv_tensor q = make_tensor(qb.data(), FMKV_F32, nq, HQ, c.head_dim);
-    fmkv_attention_opts o{0.0f, rc.softcap};
+    fmkv_attention_opts o{0.0f, rc.softcap, 0};
     auto got = run_attention(FMKV_BACKEND_REF, s, st, q, FMKV_F32, o);
     auto want = naive_attention(s, st, q, 1.0 / std::sqrt((double)c.head_dim), rc.softcap);
     // Output is stored as float32, so the comparison is limited by float32 rounding of each value.

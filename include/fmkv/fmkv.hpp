@@ -85,7 +85,7 @@ class HostCache {
 
   // Attention of q rows (the last q.rows tokens of s, already appended) over layer `layer`.
   void attention(fmkv_backend b, int32_t layer, int32_t s, const fmkv_tensor& q, fmkv_tensor& out,
-                 fmkv_attention_opts opts = {0.0f, 0.0f}) const {
+                 fmkv_attention_opts opts = {0.0f, 0.0f, 0}) const {
     check_seq(s);
     check_layer(layer);
     int64_t len = lens_[(size_t)layer * max_seqs_ + s];

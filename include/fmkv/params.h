@@ -72,10 +72,15 @@ typedef struct fmkv_tensor {
 } fmkv_tensor;
 
 /* Attention options. softmax_scale <= 0 means 1/sqrt(head_dim); softcap > 0 applies
- * cap * tanh(score / cap) to scaled scores. */
+ * cap * tanh(score / cap) to scaled scores. max_seq_len > 0 promises that no sequence of the call is
+ * longer (attention: seq_lens; fmkv_append_attention: seq_lens + rows): CUDA then plans the call for
+ * that length (no empty splits at short contexts; graph-safe: the host never reads the lengths); a
+ * longer sequence is an FMKV_ERR_INVALID_ARGUMENT error (CUDA: on the device, reported by
+ * fmkv_device_synchronize), never a slower or wrong result. 0: no bound. */
 typedef struct fmkv_attention_opts {
   float softmax_scale;
   float softcap;
+  int64_t max_seq_len;
 } fmkv_attention_opts;
 
 #ifdef __cplusplus

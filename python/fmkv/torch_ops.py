@@ -194,10 +194,11 @@ def cuda_check(device=None) -> None:
         _fmkv.synchronize("cuda")
 
 
-def _workspace_and_stream(dev: torch.device, backend: str, raw, q: Tensor, slots: Tensor):
-    """The attention workspace (from torch's caching allocator, graph-safe) and the current stream
-    handle of a CUDA call."""
-    ws_bytes = _fmkv.attention_workspace_bytes(backend, raw, int(q.shape[1]), int(q.shape[0]), int(slots.shape[0]), 0)
+def _workspace_and_stream(dev: torch.device, backend: str, raw, q: Tensor, slots: Tensor, max_seq_len: int = 0):
+    """The attention workspace (from torch's caching allocator, graph-safe) for the call's plan (its
+    length bound, 0: none) and the current stream handle of a CUDA call."""
+    ws_bytes = _fmkv.attention_workspace_bytes(backend, raw, int(q.shape[1]), int(q.shape[0]), int(slots.shape[0]),
+                                               int(max_seq_len))
     ws = torch.empty(max(int(ws_bytes), 1), dtype=torch.uint8, device=dev)
     return _dl(ws), torch.cuda.current_stream(dev).cuda_stream
 
@@ -232,7 +233,8 @@ def _append_fake(pages, fp16_k, fp16_v, k, v, slots, seq_lens, row_offsets, bloc
 
 def _attention_impl(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor, slots: Tensor, seq_lens: Tensor,
                     row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int,
-                    softmax_scale: float = 0.0, softcap: float = 0.0, backend: str = "") -> Tensor:
+                    softmax_scale: float = 0.0, softcap: float = 0.0, backend: str = "",
+                    max_seq_len: int = 0) -> Tensor:
     """torch.ops.fmkv.attention (see :func:`attention`)."""
     dev = _check_device("attention", False, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
                         seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
@@ -242,18 +244,18 @@ def _attention_impl(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor, sl
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if dev.type != "cuda":
         _fmkv.attention_raw(b, raw, layer, pages, fp16_k, fp16_v, slots, seq_lens, row_offsets, block_table,
-                            q.detach(), out, softmax_scale, softcap)
+                            q.detach(), out, softmax_scale, softcap, max_seq_len=max_seq_len)
         return out
     with _on_device(dev):
-        ws, stream = _workspace_and_stream(dev, b, raw, q, slots)
+        ws, stream = _workspace_and_stream(dev, b, raw, q, slots, max_seq_len)
         _fmkv.attention_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots), _dl(seq_lens),
                             _dl(row_offsets), _dl(block_table), _dl(_dense_last(q.detach())), _dl(out),
-                            softmax_scale, softcap, ws, stream)
+                            softmax_scale, softcap, ws, stream, max_seq_len)
     return out
 
 
 def _attention_fake(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, block_table, config, layer,
-                    softmax_scale=0.0, softcap=0.0, backend=""):
+                    softmax_scale=0.0, softcap=0.0, backend="", max_seq_len=0):
     _check_device("attention", True, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
                   seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
     _check_float("attention", q=q)
@@ -263,7 +265,7 @@ def _attention_fake(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, bloc
 def _append_attention_impl(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v: Tensor, q: Tensor,
                            slots: Tensor, seq_lens: Tensor, row_offsets: Tensor, block_table: Tensor,
                            config: List[int], layer: int, softmax_scale: float = 0.0, softcap: float = 0.0,
-                           backend: str = "") -> Tensor:
+                           backend: str = "", max_seq_len: int = 0) -> Tensor:
     """torch.ops.fmkv.append_attention (see :func:`append_attention`)."""
     dev = _check_device("append_attention", False, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, k=k, v=v, q=q,
                         slots=slots, seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
@@ -273,20 +275,22 @@ def _append_attention_impl(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Ten
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if dev.type != "cuda":
         _fmkv.append_attention_raw(b, raw, layer, pages, fp16_k, fp16_v, slots, seq_lens, row_offsets, block_table,
-                                   k.detach(), v.detach(), q.detach(), out, softmax_scale, softcap)
+                                   k.detach(), v.detach(), q.detach(), out, softmax_scale, softcap,
+                                   max_seq_len=max_seq_len)
     else:
         with _on_device(dev):
-            ws, stream = _workspace_and_stream(dev, b, raw, q, slots)
+            ws, stream = _workspace_and_stream(dev, b, raw, q, slots, max_seq_len)
             _fmkv.append_attention_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots),
                                        _dl(seq_lens), _dl(row_offsets), _dl(block_table),
                                        _dl(_dense_last(k.detach())), _dl(_dense_last(v.detach())),
-                                       _dl(_dense_last(q.detach())), _dl(out), softmax_scale, softcap, ws, stream)
+                                       _dl(_dense_last(q.detach())), _dl(out), softmax_scale, softcap, ws, stream,
+                                       max_seq_len)
     _written(pages, fp16_k, fp16_v)
     return out
 
 
 def _append_attention_fake(pages, fp16_k, fp16_v, k, v, q, slots, seq_lens, row_offsets, block_table, config, layer,
-                           softmax_scale=0.0, softcap=0.0, backend=""):
+                           softmax_scale=0.0, softcap=0.0, backend="", max_seq_len=0):
     _check_device("append_attention", True, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, k=k, v=v, q=q, slots=slots,
                   seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
     _check_float("append_attention", k=k, v=v, q=q)
@@ -308,11 +312,12 @@ _OPS = {
                "SymInt layer, str backend=\"\") -> ()", _append_impl, _append_fake),
     "attention": ("attention(Tensor pages, Tensor fp16_k, Tensor fp16_v, Tensor q, Tensor slots, Tensor seq_lens, "
                   "Tensor row_offsets, Tensor block_table, SymInt[] config, SymInt layer, float softmax_scale=0., "
-                  "float softcap=0., str backend=\"\") -> Tensor", _attention_impl, _attention_fake),
+                  "float softcap=0., str backend=\"\", SymInt max_seq_len=0) -> Tensor", _attention_impl, _attention_fake),
     "append_attention": ("append_attention(Tensor(a0!) pages, Tensor(a1!) fp16_k, Tensor(a2!) fp16_v, Tensor k, "
                          "Tensor v, Tensor q, Tensor slots, Tensor seq_lens, Tensor row_offsets, Tensor block_table, "
                          "SymInt[] config, SymInt layer, float softmax_scale=0., float softcap=0., "
-                         "str backend=\"\") -> Tensor", _append_attention_impl, _append_attention_fake),
+                         "str backend=\"\", SymInt max_seq_len=0) -> Tensor", _append_attention_impl,
+                         _append_attention_fake),
 }
 for _name, (_schema, _impl, _fake) in _OPS.items():
     _LIB.define(_schema)
@@ -331,25 +336,28 @@ def append(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v: Tensor, 
 
 def attention(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor, slots: Tensor, seq_lens: Tensor,
               row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int, softmax_scale: float = 0.0,
-              softcap: float = 0.0, backend: str = "") -> Tensor:
+              softcap: float = 0.0, backend: str = "", max_seq_len: int = 0) -> Tensor:
     """``torch.ops.fmkv.attention``: attention of q ([rows, q_heads, head_dim]; causal, the last rows
     of each sequence) over one layer. seq_lens include the query tokens. Returns a new tensor shaped
     and typed like q, on q's device. softmax_scale 0 means 1/sqrt(head_dim). backend "" follows the
-    tensors' device."""
+    tensors' device. max_seq_len > 0: no sequence is longer (an error otherwise; on CUDA raised by
+    :func:`cuda_check`); CUDA plans the call for it (fewer splits at short contexts). 0: no bound."""
     return torch.ops.fmkv.attention(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, block_table, config,
-                                    layer, softmax_scale, softcap, backend)
+                                    layer, softmax_scale, softcap, backend, max_seq_len)
 
 
 def append_attention(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v: Tensor, q: Tensor, slots: Tensor,
                      seq_lens: Tensor, row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int,
-                     softmax_scale: float = 0.0, softcap: float = 0.0, backend: str = "") -> Tensor:
+                     softmax_scale: float = 0.0, softcap: float = 0.0, backend: str = "",
+                     max_seq_len: int = 0) -> Tensor:
     """``torch.ops.fmkv.append_attention``: one decode step -- append the rows of k / v ([rows,
     num_kv_heads, head_dim], at most ``FUSED_MAX_ROWS`` per sequence) and return the attention of q
     ([rows, q_heads, head_dim], one query row per new token, causal) over the cache including them;
     the same as :func:`append` followed by :func:`attention` with seq_lens + rows, in one call (one
-    attention launch on CUDA). seq_lens: tokens cached per sequence BEFORE the append (not updated)."""
+    attention launch on CUDA). seq_lens: tokens cached per sequence BEFORE the append (not updated).
+    max_seq_len as in :func:`attention`, a bound on the lengths after the append."""
     return torch.ops.fmkv.append_attention(pages, fp16_k, fp16_v, k, v, q, slots, seq_lens, row_offsets,
-                                           block_table, config, layer, softmax_scale, softcap, backend)
+                                           block_table, config, layer, softmax_scale, softcap, backend, max_seq_len)
 
 
 FUSED_MAX_ROWS = int(_fmkv.FUSED_MAX_ROWS)
@@ -504,7 +512,9 @@ class TorchCache:
         layer, s = self._layer(layer), self._seq(s)
         if softmax_scale is not None and not softmax_scale > 0:
             raise FmkvError("softmax_scale must be > 0 (None means 1/sqrt(head_dim))")
+        # the host mirror knows the length: the call is planned for it (max_seq_len)
         return torch.ops.fmkv.attention(self.pages[layer], self.fp16_k[layer], self.fp16_v[layer], q,
                                         self._slots[s:s + 1], self._lens_dev[layer, s:s + 1],
                                         self._row_offsets(int(q.shape[0])), self._bt[s:s + 1], self._cfg, layer,
-                                        float(softmax_scale or 0.0), float(softcap), self.backend)
+                                        float(softmax_scale or 0.0), float(softcap), self.backend,
+                                        max(int(self._lens[layer][s]), 1))

@@ -339,7 +339,7 @@ class Cache {
     if (qt.t.dim != c.head_dim || qt.t.heads < c.num_kv_heads || qt.t.heads % c.num_kv_heads != 0)
       fail("q: shape " + shape_str(q) + " does not match [query_tokens, q_heads, head_dim=" + std::to_string(c.head_dim) +
            "] with q_heads a multiple of num_kv_heads=" + std::to_string(c.num_kv_heads));
-    fmkv_attention_opts opts{0.0f, 0.0f};
+    fmkv_attention_opts opts{0.0f, 0.0f, 0};
     if (!softmax_scale.is_none()) {
       double sc = nb::cast<double>(softmax_scale);
       if (!(sc > 0) || !std::isfinite(sc)) fail("softmax_scale must be finite and > 0 (None means 1/sqrt(head_dim))");
@@ -550,11 +550,13 @@ struct RawAttention {
 };
 
 void raw_attention_args(RawAttention& r, bool cuda, int32_t num_seqs, const AnyArray& q, const MutArray& out,
-                        double softmax_scale, double softcap, const std::optional<MutArray>& workspace) {
+                        double softmax_scale, double softcap, const std::optional<MutArray>& workspace,
+                        int64_t max_seq_len) {
   const fmkv_dtype odt = float_dtype("out", AnyArray(out));
   if (!(softmax_scale >= 0) || !std::isfinite(softmax_scale)) fail("softmax_scale must be finite and >= 0 (0 means 1/sqrt(head_dim))");
   if (!(softcap >= 0) || !std::isfinite(softcap)) fail("softcap must be finite and >= 0 (0 disables it)");
-  r.opts = fmkv_attention_opts{(float)softmax_scale, (float)softcap};
+  if (max_seq_len < 0) fail("max_seq_len must be >= 0 (0: no bound), got " + std::to_string(max_seq_len));
+  r.opts = fmkv_attention_opts{(float)softmax_scale, (float)softcap, max_seq_len};
   if (workspace) {
     if (!is_dtype(workspace->dtype(), nb::dlpack::dtype_code::UInt, 8))
       fail("workspace: dtype " + dtype_name(workspace->dtype()) + " is not supported (expected uint8)");
@@ -583,7 +585,7 @@ void attention_call(const std::string& backend, const fmkv_config& cfg, int64_t 
                     const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
                     const AnyArray& row_offsets, const AnyArray& block_table, const std::pair<AnyArray, AnyArray>* kv,
                     const AnyArray& q, const MutArray& out, double softmax_scale, double softcap,
-                    const std::optional<MutArray>& workspace, uintptr_t stream) {
+                    const std::optional<MutArray>& workspace, uintptr_t stream, int64_t max_seq_len) {
   const fmkv_backend b = backend_from_name(backend);
   DeviceCheck dev(b);
   check_layer_devices(dev, pages, fk, fv, slots, seq_lens, row_offsets, block_table);
@@ -598,7 +600,7 @@ void attention_call(const std::string& backend, const fmkv_config& cfg, int64_t 
   RawBatch B;
   raw_batch(B, dev.cuda(), slots, seq_lens, row_offsets, block_table);
   RawAttention A;
-  raw_attention_args(A, dev.cuda(), B.b.num_seqs, q, out, softmax_scale, softcap, workspace);
+  raw_attention_args(A, dev.cuda(), B.b.num_seqs, q, out, softmax_scale, softcap, workspace, max_seq_len);
   void* st = dev.cuda() ? stream_ptr(stream) : nullptr;
   if (!kv) {
     nb::gil_scoped_release nogil;
@@ -623,19 +625,20 @@ void attention_call(const std::string& backend, const fmkv_config& cfg, int64_t 
 void raw_attention(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
                    const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
                    const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& q, const MutArray& out,
-                   double softmax_scale, double softcap, std::optional<MutArray> workspace, uintptr_t stream) {
+                   double softmax_scale, double softcap, std::optional<MutArray> workspace, uintptr_t stream,
+                   int64_t max_seq_len) {
   attention_call(backend, cfg, layer_index, pages, fk, fv, slots, seq_lens, row_offsets, block_table, nullptr, q, out,
-                 softmax_scale, softcap, workspace, stream);
+                 softmax_scale, softcap, workspace, stream, max_seq_len);
 }
 
 void raw_append_attention(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
                           const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
                           const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& k, const AnyArray& v,
                           const AnyArray& q, const MutArray& out, double softmax_scale, double softcap,
-                          std::optional<MutArray> workspace, uintptr_t stream) {
+                          std::optional<MutArray> workspace, uintptr_t stream, int64_t max_seq_len) {
   const std::pair<AnyArray, AnyArray> kv(k, v);
   attention_call(backend, cfg, layer_index, pages, fk, fv, slots, seq_lens, row_offsets, block_table, &kv, q, out,
-                 softmax_scale, softcap, workspace, stream);
+                 softmax_scale, softcap, workspace, stream, max_seq_len);
 }
 
 const char* status_name(int code) {
@@ -757,10 +760,11 @@ NB_MODULE(_fmkv, m) {
         "seq_lens"_a, "row_offsets"_a, "block_table"_a, "k"_a, "v"_a, "stream"_a = (uintptr_t)0);
   m.def("attention_raw", &raw_attention, "backend"_a, "config"_a, "layer"_a, "pages"_a, "fp16_k"_a, "fp16_v"_a,
         "slots"_a, "seq_lens"_a, "row_offsets"_a, "block_table"_a, "q"_a, "out"_a, "softmax_scale"_a = 0.0,
-        "softcap"_a = 0.0, "workspace"_a = nb::none(), "stream"_a = (uintptr_t)0);
+        "softcap"_a = 0.0, "workspace"_a = nb::none(), "stream"_a = (uintptr_t)0, "max_seq_len"_a = 0);
   m.def("append_attention_raw", &raw_append_attention, "backend"_a, "config"_a, "layer"_a, "pages"_a, "fp16_k"_a,
         "fp16_v"_a, "slots"_a, "seq_lens"_a, "row_offsets"_a, "block_table"_a, "k"_a, "v"_a, "q"_a, "out"_a,
-        "softmax_scale"_a = 0.0, "softcap"_a = 0.0, "workspace"_a = nb::none(), "stream"_a = (uintptr_t)0);
+        "softmax_scale"_a = 0.0, "softcap"_a = 0.0, "workspace"_a = nb::none(), "stream"_a = (uintptr_t)0,
+        "max_seq_len"_a = 0);
   m.attr("FUSED_MAX_ROWS") = FMKV_FUSED_MAX_ROWS;
   m.def("attention_workspace_bytes", [](const std::string& backend, const fmkv_config& c, int64_t q_heads, int64_t max_rows,
                                          int64_t num_seqs, int64_t max_seq_len) {

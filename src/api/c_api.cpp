@@ -168,7 +168,7 @@ fmkv_status fmkv_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_la
   return guarded([&] {
     require(cfg && layer && batch && q && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_attention: NULL argument");
     require_backend(b);
-    fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f};
+    fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f, 0};
     fmkv::AttentionArgs a{*cfg, *layer, *batch, *q, *out, o, workspace, workspace_bytes, stream};
     fmkv::validate_attention_shapes(a);
     if (b == FMKV_BACKEND_CUDA) {
@@ -195,7 +195,7 @@ fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const 
   return guarded([&] {
     require(cfg && layer && batch && k && v && q && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_append_attention: NULL argument");
     require_backend(b);
-    fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f};
+    fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f, 0};
     fmkv::AppendArgs ap{*cfg, *layer, *batch, *k, *v, stream};
     fmkv::validate_append_shapes(ap);
     require(k->rows == q->rows, FMKV_ERR_INVALID_ARGUMENT,

@@ -152,6 +152,8 @@ void validate_attention_shapes(const AttentionArgs& a) {
   validate_tensor("out", a.out, a.q.rows, a.q.heads, false, a.cfg.head_dim);
   if (!std::isfinite(a.opts.softmax_scale) || !std::isfinite(a.opts.softcap) || a.opts.softcap < 0)
     fail(kInvalidArgument, "softmax_scale and softcap must be finite, softcap >= 0");
+  if (a.opts.max_seq_len < 0)
+    fail(kInvalidArgument, "max_seq_len is " + S(a.opts.max_seq_len) + " (must be >= 0; 0: no bound)");
 }
 
 void validate_append_host(const AppendArgs& a) {
@@ -174,6 +176,11 @@ void validate_attention_host(const AttentionArgs& a) {
   if (a.batch.num_seqs > 0 && a.batch.row_offsets[a.batch.num_seqs] != a.q.rows)
     fail(kInvalidArgument, "q has " + S(a.q.rows) + " rows but row_offsets end at " + S(a.batch.row_offsets[a.batch.num_seqs]));
   validate_batch_host(a.cfg, a.layer, a.batch, true);
+  for (int32_t s = 0; s < a.batch.num_seqs; ++s)
+    if (a.opts.max_seq_len > 0 && a.batch.seq_lens[s] > a.opts.max_seq_len)
+      fail(kInvalidArgument, "batch: sequence " + S(s) + ": " + S(a.batch.seq_lens[s]) +
+                                 " tokens, more than opts.max_seq_len = " + S(a.opts.max_seq_len) +
+                                 " (the bound the call's split count was chosen for; pass 0 when unknown)");
   for (int64_t r = 0; r < a.q.rows; ++r)
     for (int32_t h = 0; h < a.q.heads; ++h)
       for (int32_t i = 0; i < a.q.dim; ++i)

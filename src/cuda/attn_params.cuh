@@ -2,6 +2,7 @@
 // (fp16_part.cuh) and the fused step (fused_step.cuh), and small float helpers.
 #pragma once
 #include "quantize.cuh"
+#include "split_count.h"
 
 namespace fmkv {
 namespace cuda {
@@ -39,6 +40,7 @@ struct AttnParams {
   int32_t kb, vb, rule;
   QuantTables kq, vq;  // the fused step's quantizer tables for K and V (zero for k16)
   unsigned long long* trace;  // FMKV_CUDA_TRACE builds: per-CTA phase timestamps (common.cuh)
+  int64_t max_len;  // opts.max_seq_len: no sequence may be longer (checked); 0 = no bound
 };
 using AttnFnPtr = void (*)(AttnParams);
 struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared memory bytes
@@ -52,14 +54,11 @@ struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared me
 #ifndef FMKV_ATTN_MIN_BLOCKS
 #define FMKV_ATTN_MIN_BLOCKS 4
 #endif
-// kMaxSplits: compressed splits per (sequence, kv head); more than 64 only when few (sequence, kv head)
-// pairs would leave SMs idle (one kv head per GPU under tensor parallelism, B = 1); the merge kernel takes
-// one partial's (m, l) per thread (kMaxSplits + kRawParts <= its 256 threads)
-constexpr int kAttnWarps = 4, kQV = 8, kMinTilesPerSplit = 4, kMaxSplits = 254;
+// kMinTilesPerSplit, kMaxSplits, kFusedMaxRows: split_count.h
+constexpr int kAttnWarps = 4, kQV = 8;
 // Partial slots per query vector: nsplit compressed (rotated domain), then up to kRawParts raw-domain
 // ones (the sink/window CTA; a fused step with fp16 regions has two of them)
 constexpr int kRawParts = 2;
-constexpr int kFusedMaxRows = 16;  // rows per sequence of a fused append + attention call
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kSignMask = 0x80008000u;
 

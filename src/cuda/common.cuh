@@ -48,7 +48,8 @@ enum ErrKind : int {
   kErrNonFiniteQ = 8,   // q element NaN/Inf (index = row, value = head, bound = i)
   kErrLenOverflow = 9,  // len + rows overflows
   kErrFusedRows = 10,   // fused append + attention: more rows in a sequence than it takes (index = rows, value = limit)
-  kErrSplitSpan = 11    // attention: more than 2^30 compressed tokens per split (index = tokens, value = splits)
+  kErrSplitSpan = 11,   // attention: more than 2^30 compressed tokens per split (index = tokens, value = splits)
+  kErrMaxSeqLen = 12    // attention: a sequence longer than opts.max_seq_len (index = length, value = bound)
 };
 
 long long* error_word();  // device pointer of the current device's error word

@@ -12,6 +12,7 @@
 
 namespace fmkv {
 namespace cuda {
+static_assert(kFusedMaxRows == FMKV_FUSED_MAX_ROWS, "split_count.h and fmkv.h agree");
 namespace {
 
 // One CTA per (query row, q head): combine the split partials, un-rotate the compressed part once,
@@ -172,26 +173,18 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
   FMKV_TRACE(p, 1, 7, kTraceMerge);
 }
 
-// Compressed splits per (sequence, kv head). Many pairs: ceil(1056 / pairs) capped at 64 (~8 split CTAs
-// per SM on the H200's 132 SMs). Few pairs -- a decode call (at most 16 query rows per sequence on
-// average) whose CTAs (splits + nraw raw-domain CTAs per pair) would occupy at most half of `target`
-// (2 per SM; measured: 2 CTAs per SM reach the loop's full per-SM rate, docs/CUDA-NOTES.md "Split
-// count") -- get more splits, up to `target` CTAs: B = 1 with 1 kv head (one GPU's share under tensor
-// parallelism) 64 -> 254 splits where 65 CTAs left half the SMs idle, 2 kv heads 64 -> 131. (The
-// workspace grows with rows x splits, hence the row limit.) The host does not know the lengths
-// (graph-safe): a short sequence leaves the extra splits empty (they write (-inf, 0) and exit; at 4k
-// that costs ~1-1.7 us). FMKV_CUDA_SPLITS=n (1..254) forces n, for measurements.
-int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int64_t rows, int32_t nraw, int64_t target) {
+// The split count (split_count.h), or FMKV_CUDA_SPLITS=n (1..254) for measurements. max_len: the
+// call's length bound (opts.max_seq_len, 0: unknown) -> the most compressed tokens of a sequence.
+int32_t split_count(const fmkv_config& c, int32_t num_seqs, int64_t rows, int32_t nraw, int64_t target,
+                    int64_t max_len) {
   static const int forced = [] {
     const char* e = std::getenv("FMKV_CUDA_SPLITS");
     const int n = e ? std::atoi(e) : 0;
     return n >= 1 && n <= kMaxSplits ? n : 0;
   }();
   if (forced) return forced;
-  const int64_t seqs = std::max(num_seqs, 1), pairs = seqs * std::max(kv_heads, 1);
-  int64_t ns = std::min<int64_t>(std::max<int64_t>((1056 + pairs - 1) / pairs, 1), 64);
-  if (rows <= (int64_t)kFusedMaxRows * seqs && 2 * (ns + nraw) * pairs <= target) ns = std::max<int64_t>(ns, target / pairs - nraw);
-  return (int32_t)std::min<int64_t>(ns, kMaxSplits);
+  const int64_t compressed = max_len > 0 ? compressed_end(c, max_len) - c.sink_tokens : -1;
+  return preferred_splits(num_seqs, c.num_kv_heads, rows, nraw, target, compressed);
 }
 
 int64_t align256(int64_t x) { return (x + 255) & ~(int64_t)255; }
@@ -242,11 +235,10 @@ int64_t split_target(const AttnFn& fn) {
 
 int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64_t max_rows, int32_t num_seqs,
                                   int64_t max_seq_len) {
-  (void)max_seq_len;
   if (q_heads <= 0 || max_rows <= 0) return 0;
   // nraw = 1 gives the most splits (a fused step with fp16 regions has 2 raw-domain CTAs)
   return workspace_for(max_rows, q_heads, cfg.head_dim,
-                       preferred_splits(num_seqs, cfg.num_kv_heads, max_rows, 1, split_target(attn_kernel(cfg))));
+                       split_count(cfg, num_seqs, max_rows, 1, split_target(attn_kernel(cfg)), max_seq_len));
 }
 
 namespace {
@@ -262,7 +254,7 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
                                   kAttnDefaultGrid + "; configure with -DFMKV_CUDA_FULL_GRID=ON for every combination)");
   // a fused step with fp16 regions: a second sink/window CTA attends the tokens before the step
   const int32_t nraw = ap != nullptr && c.sink_tokens + c.window_tokens > 0 ? 2 : 1;
-  int32_t ns = preferred_splits(a.batch.num_seqs, c.num_kv_heads, a.q.rows, nraw, split_target(fn));
+  int32_t ns = split_count(c, a.batch.num_seqs, a.q.rows, nraw, split_target(fn), a.opts.max_seq_len);
   while (ns > 1 && workspace_for(a.q.rows, HQ, d, ns) > (int64_t)a.workspace_bytes) --ns;
   const int64_t need = workspace_for(a.q.rows, HQ, d, ns);
   if (!a.workspace || (int64_t)a.workspace_bytes < need)
@@ -292,6 +284,7 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.part_ml = (float2*)a.workspace;
   p.part_acc = (float*)((char*)a.workspace + align256(parts * (int64_t)sizeof(float2)));
   p.nsplit = ns;
+  p.max_len = a.opts.max_seq_len;
   p.fused = ap != nullptr;
   p.nraw = nraw;
   if (ap) {

@@ -118,6 +118,7 @@ __device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int
   if (r0 < 0 || r1 > p.q_rows) ok = false;  // reported by the sequence whose offsets are wrong
   if (len < 0) { ok = false; if (rep) report_error(p.err, kInvalidArgument, kErrNegLen, s, 0, len, 0); }
   if (n > len && len >= 0) { ok = false; if (rep) report_error(p.err, kInvalidArgument, kErrQRows, s, n, len, 0); }
+  if (p.max_len > 0 && len > p.max_len) { ok = false; if (rep) report_error(p.err, kInvalidArgument, kErrMaxSeqLen, s, len, p.max_len, 0); }
   if (!ok) return false;
   if (p.R > 0 && n > 0) {
     if (slot < 0 || slot >= p.num_slots) {

@@ -186,6 +186,10 @@ void synchronize() {
       m = q + S(e[3]) + " compressed tokens over " + S(e[4]) +
           " splits: more than 2^30 per split (pass a larger workspace: more splits)";
       break;
+    case kErrMaxSeqLen:
+      m = q + S(e[3]) + " tokens, more than opts.max_seq_len = " + S(e[4]) +
+          " (the bound the call's split count was chosen for; pass 0 when unknown)";
+      break;
     default: m = "unknown device error kind " + S(e[1]); break;
   }
   throw Error((int)e[0], "cuda: " + m +

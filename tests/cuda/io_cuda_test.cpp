@@ -361,7 +361,7 @@ std::vector<float> attend_on(fmkv_backend be, const fmkv_config& cfg, const fmkv
     fmkv_tensor qt{(void*)Q.q.data(), FMKV_F32, rows, Q.heads, cfg.head_dim, (int64_t)Q.heads * cfg.head_dim, cfg.head_dim};
     fmkv_tensor ot{out.data(), FMKV_F32, rows, Q.heads, cfg.head_dim, (int64_t)Q.heads * cfg.head_dim, cfg.head_dim};
     fmkv_batch bt{nseq, slots.data(), lens.data(), offs.data(), table.data(), stride};
-    fmkv_attention_opts o{0.0f, 0.0f};
+    fmkv_attention_opts o{0.0f, 0.0f, 0};
     CK(fmkv_attention(FMKV_BACKEND_REF, &cfg, &lc, &bt, &qt, &o, &ot, nullptr, 0, nullptr));
     return out;
   }
@@ -374,7 +374,7 @@ std::vector<float> attend_on(fmkv_backend be, const fmkv_config& cfg, const fmkv
   fmkv_tensor qt{dq->p, FMKV_F32, rows, Q.heads, cfg.head_dim, (int64_t)Q.heads * cfg.head_dim, cfg.head_dim};
   fmkv_tensor ot{dout->p, FMKV_F32, rows, Q.heads, cfg.head_dim, (int64_t)Q.heads * cfg.head_dim, cfg.head_dim};
   fmkv_batch bt{nseq, (int32_t*)dslot->p, (int64_t*)dlen->p, (int64_t*)doff->p, (int32_t*)dtab->p, stride};
-  fmkv_attention_opts o{0.0f, 0.0f};
+  fmkv_attention_opts o{0.0f, 0.0f, 0};
   CK(fmkv_attention(g_be, &cfg, &lc, &bt, &qt, &o, &ot, work.p, (size_t)ws, nullptr));
   CK(fmkv_device_synchronize(g_be));
   return dout->down<float>(out.size());

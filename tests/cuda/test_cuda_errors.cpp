@@ -175,7 +175,7 @@ struct FusedCase {
     DeviceOutput o(kCuda, qt, FMKV_F32);
     const int64_t ws = fmkv_attention_workspace_bytes(kCuda, &c, 8, rows, 1, s.lens[0] + rows);
     DeviceBuf work(kCuda, (size_t)ws + 16);
-    fmkv_attention_opts opts{0.0f, 0.0f};
+    fmkv_attention_opts opts{0.0f, 0.0f, 0};
     fmkv_status st = fmkv_append_attention(kCuda, &c, &L.lc, &L.bt, &kd.t, &vd.t, &qd.t, &opts, &o.t, work.p, (size_t)ws, nullptr);
     EXPECT_EQ(st, FMKV_OK) << fmkv_last_error();
     st = fmkv_device_synchronize(kCuda);
@@ -247,6 +247,13 @@ TEST_F(CudaErrors, AttentionErrors) {
   ((float*)qb.data())[7] = 0.5f;
   auto again = run_attention(kCuda, s, st, q, FMKV_F32);
   EXPECT_TRUE(std::isfinite(again[0]));
+  // a sequence longer than opts.max_seq_len: detected on the device; the exact bound works
+  const int64_t longest = max_length_after(s);
+  EXPECT_THROW(run_attention(kCuda, s, st, q, FMKV_F32, {0.0f, 0.0f, longest - 1}), Error);
+  EXPECT_NE(std::string(fmkv_last_error()).find("more than opts.max_seq_len = " + std::to_string(longest - 1)),
+            std::string::npos) << fmkv_last_error();
+  EXPECT_LT(rel_error(run_attention(kCuda, s, st, q, FMKV_F32, {0.0f, 0.0f, longest}),
+                      run_attention(FMKV_BACKEND_REF, s, st, q, FMKV_F32)), 4e-3);  // (q changed above)
 }
 
 // A device batch of one sequence of `len` tokens over a one-page pool: the page, the given block table,
@@ -283,7 +290,7 @@ TEST_F(CudaErrors, AttentionSplitSpan) {
   // 128 floats each
   const size_t ws = 256 + 3 * 8 * 128 * 4;
   DeviceBuf work(kCuda, ws);
-  fmkv_attention_opts opts{0.0f, 0.0f};
+  fmkv_attention_opts opts{0.0f, 0.0f, 0};
   ASSERT_EQ(fmkv_attention(kCuda, &c, &seq.lc, &seq.bt, &qd.t, &opts, &o.t, work.p, ws, nullptr), FMKV_OK) << fmkv_last_error();
   EXPECT_EQ(fmkv_device_synchronize(kCuda), FMKV_ERR_OVERFLOW);
   const std::string msg = fmkv_last_error();

@@ -323,7 +323,7 @@ void run_attention_case(const AttentionCase& ac) {
   fmkv_tensor omet = fmkv::make_tensor(out_met.data(), ac.out_dt, nrows, HQ, d);
   fmkv_batch bt{L.seqs(), L.slots.data(), ac.lens.data(), offs.data(), L.table.data(), L.stride};
   fmkv_layer_cache lc = L.cache();
-  fmkv_attention_opts opts{ac.scale, ac.softcap};
+  fmkv_attention_opts opts{ac.scale, ac.softcap, 0};
   fmkv::check(fmkv_attention(FMKV_BACKEND_REF, &c, &lc, &bt, &q, &opts, &oref, nullptr, 0, nullptr));
 
   fmkv::AttentionArgs a{c, lc, bt, q, omet, opts, nullptr, 0, nullptr};

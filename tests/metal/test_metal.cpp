@@ -137,7 +137,7 @@ void run_attention_case(const AttentionCase& ac) {
   fmkv_tensor omet = fmkv::make_tensor(out_met.data(), ac.out_dt, nrows, HQ, d);
   fmkv_batch bt{L.seqs(), L.slots.data(), ac.lens.data(), offs.data(), L.table.data(), L.stride};
   fmkv_layer_cache lc = L.cache();
-  fmkv_attention_opts opts{ac.scale, ac.softcap};
+  fmkv_attention_opts opts{ac.scale, ac.softcap, 0};
   fmkv::check(fmkv_attention(FMKV_BACKEND_REF, &c, &lc, &bt, &q, &opts, &oref, nullptr, 0, nullptr));
 
   fmkv::AttentionArgs a{c, lc, bt, q, omet, opts, nullptr, 0, nullptr};
@@ -324,7 +324,7 @@ int dump_params() {
   fmkv::AppendArgs a{c, lc, bt, k, v, nullptr};
   const fmkv_metal_append_params ap = fmkv::metal::append_params(a);
   fmkv_tensor q{nullptr, FMKV_F32, 4, 8, 128, 1024, 128}, out{nullptr, FMKV_F16, 4, 8, 128, 1024, 128};
-  fmkv::AttentionArgs at{c, lc, bt, q, out, fmkv_attention_opts{0.0f, 30.0f}, nullptr, 0, nullptr};
+  fmkv::AttentionArgs at{c, lc, bt, q, out, fmkv_attention_opts{0.0f, 30.0f, 0}, nullptr, 0, nullptr};
   const fmkv_metal_attention_params tp = fmkv::metal::attention_params(at, 4, 3);
   const unsigned char* b = (const unsigned char*)&ap;
   for (size_t i = 0; i < sizeof ap; ++i) printf("%02x", b[i]);

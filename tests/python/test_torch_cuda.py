@@ -354,6 +354,43 @@ def test_attention_in_cuda_graph(tgen):
     assert torch.equal(pages2, pages) and torch.equal(fk2, fk) and torch.equal(out2, eager)
 
 
+def test_max_seq_len_on_cuda(tgen):
+    """max_seq_len on CUDA: the split plan follows it (1 kv head: 254 splits without a bound, fewer with
+    this one: 5); results match the unbounded call; a broken bound is found on the device (nothing
+    written, output not produced) and surfaces at cuda_check; a graph captured with the bound replays."""
+    config = fmkv.Config(head_dim=128, num_kv_heads=1, k_bits=3, v_bits=3, page_size=64)
+    c = torch_ops.config_to_list(config)
+    pages, fk, fv = layer_tensors(config, 8, 1, DEV)
+    k = torch.randn(300, 1, 128, generator=tgen).to(DEV)
+    b = batch([0], [300], [1], [[3, 1, 4, 0, 5]], DEV)
+    torch.ops.fmkv.append(pages, fk, fv, k, -k, *batch([0], [0], [300], [[3, 1, 4, 0, 5]], DEV), c, 0)
+    q = torch.randn(1, 4, 128, generator=tgen).to(DEV)
+    free = torch.ops.fmkv.attention(pages, fk, fv, q, *b, c, 0)
+    exact = torch.ops.fmkv.attention(pages, fk, fv, q, *b, c, 0, 0.0, 0.0, "", 300)
+    fmkv.cuda_check()
+    # (another split count: the fp16 rounding of P follows each warp's running max)
+    assert reference.rel_error(exact.cpu().numpy(), free.cpu().numpy()) < 1e-3
+    snapshot = pages.clone()
+    torch.ops.fmkv.attention(pages, fk, fv, q, *b, c, 0, 0.0, 0.0, "", 299)
+    with pytest.raises(fmkv.FmkvError, match=r"sequence 0: 300 tokens, more than opts.max_seq_len = 299") as e:
+        fmkv.cuda_check()
+    assert e.value.status == "INVALID_ARGUMENT"
+    kn = torch.randn(1, 1, 128, generator=tgen).to(DEV)
+    torch.ops.fmkv.append_attention(pages, fk, fv, kn, kn, q, *batch([0], [300], [1], [[3, 1, 4, 0, 5]], DEV), c, 0,
+                                    0.0, 0.0, "", 300)
+    with pytest.raises(fmkv.FmkvError, match=r"301 tokens, more than opts.max_seq_len = 300"):
+        fmkv.cuda_check()
+    assert torch.equal(pages, snapshot), "a failed step wrote the cache"
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        out = torch.ops.fmkv.attention(pages, fk, fv, q, *b, c, 0, 0.0, 0.0, "", 512)
+    g.replay()
+    eager = torch.ops.fmkv.attention(pages, fk, fv, q, *b, c, 0, 0.0, 0.0, "", 512)
+    fmkv.cuda_check()
+    assert torch.equal(out, eager)
+
+
 def test_fake_tensors_on_cuda():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

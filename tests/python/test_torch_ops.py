@@ -269,3 +269,31 @@ def test_written_tensors_get_new_versions(backend, tgen):
         torch.ops.fmkv.append_attention(pages, fk, fv, k[:1], v[:1], q, *batch([0], [6], [1], [[0, 1, 2, 3]]), cfg, 0,
                                         0.0, 0.0, backend)
     assert all(a > b for a, b in zip([t._version for t in (pages, fk, fv)], after))
+
+
+def test_max_seq_len_bound(backend, tgen):
+    # max_seq_len: a promise about the call's lengths (the CUDA split plan follows it). The same results
+    # as without it when kept (exact or loose), an error naming the sequence when broken, nothing written.
+    config = fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=3, v_bits=3, page_size=16, window_tokens=4, seed=9)
+    app, att = opcheck_args(config, tgen, backend)  # one sequence of 20 tokens, 2 query rows
+    free = torch.ops.fmkv.attention(*att)
+    for bound in (20, 21, 10_000):
+        assert torch.equal(torch.ops.fmkv.attention(*att, bound), free)
+        assert torch.equal(torch_ops.attention(*att, max_seq_len=bound), free)
+    with pytest.raises(fmkv.FmkvError, match=r"sequence 0: 20 tokens, more than opts.max_seq_len = 19"):
+        torch.ops.fmkv.attention(*att, 19)
+    with pytest.raises(fmkv.FmkvError, match=r"max_seq_len must be >= 0"):
+        torch.ops.fmkv.attention(*att, -1)
+    torch.library.opcheck(torch.ops.fmkv.attention.default, (*att, 20))
+    # the fused step: the bound covers the lengths after the append (20 + 3 rows)
+    pages, fk, fv, k, v = app[0].clone(), app[1].clone(), app[2].clone(), app[3][:3], app[4][:3]
+    q = torch.randn(3, 4, 64, generator=tgen)
+    step = (k, v, q, *batch([0], [20], [3], [[2, 0]]), app[9], 0, 0.0, 0.0, backend)
+    before = pages.clone()
+    with pytest.raises(fmkv.FmkvError, match=r"sequence 0: 23 tokens, more than opts.max_seq_len = 22"):
+        torch.ops.fmkv.append_attention(pages, fk, fv, *step, 22)
+    assert torch.equal(pages, before), "nothing may be written on error"
+    out = torch.ops.fmkv.append_attention(pages, fk, fv, *step, 23)
+    p2, fk2, fv2 = app[0].clone(), app[1].clone(), app[2].clone()
+    assert torch.equal(torch_ops.append_attention(p2, fk2, fv2, *step), out)
+    assert torch.equal(p2, pages) and torch.equal(fk2, fk) and torch.equal(fv2, fv)

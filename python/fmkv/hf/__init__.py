@@ -226,7 +226,9 @@ class FmkvLayer(CacheLayerMixin):
         return key_states, value_states
 
     def attention(self, query: torch.Tensor, scaling: Optional[float], softcap: Optional[float]) -> torch.Tensor:
-        """Fused attention of query [b, hq, n, d] (the last n appended tokens) -> [b, n, hq, d]."""
+        """Fused attention of query [b, hq, n, d] (the last n appended tokens) -> [b, n, hq, d]. Every
+        row of the batch holds self.length tokens (update() counted the n new ones): the call passes it
+        as max_seq_len, so CUDA plans the split count for the actual length."""
         b, hq, n, d = query.shape
         scale, cap = 0.0 if scaling is None else float(scaling), float(softcap or 0.0)
         if self._pending is not None and self._pending[2] != n:  # (not a query per kept token)
@@ -237,12 +239,13 @@ class FmkvLayer(CacheLayerMixin):
                 self._pending = None
                 out = torch.ops.fmkv.append_attention(self.pages, self.fp16_k, self.fp16_v, k_rows, v_rows,
                                                       self._rows(query), self.slots, self.lens, self._row_offsets(n),
-                                                      self.block_table, self._cfg, 0, scale, cap, self.backend_name)
+                                                      self.block_table, self._cfg, 0, scale, cap, self.backend_name,
+                                                      self.length)
                 self.lens.add_(n)
             else:
                 out = torch.ops.fmkv.attention(self.pages, self.fp16_k, self.fp16_v, self._rows(query), self.slots,
                                                self.lens, self._row_offsets(n), self.block_table, self._cfg, 0,
-                                               scale, cap, self.backend_name)
+                                               scale, cap, self.backend_name, self.length)
         return out.view(b, n, hq, d).to(device=query.device, dtype=query.dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple:
