@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
 
 // The split count (split_count.h), or FMKV_CUDA_SPLITS=n (1..254) for measurements. max_len: the
 // call's length bound (opts.max_seq_len, 0: unknown) -> the most compressed tokens of a sequence.
-int32_t split_count(const fmkv_config& c, int32_t num_seqs, int64_t rows, int32_t nraw, int64_t target,
+int32_t split_count(const fmkv_config& c, int32_t num_seqs, int64_t rows, int32_t nraw, const SplitDevice& dev,
                     int64_t max_len) {
   static const int forced = [] {
     const char* e = std::getenv("FMKV_CUDA_SPLITS");
@@ -184,7 +184,7 @@ int32_t split_count(const fmkv_config& c, int32_t num_seqs, int64_t rows, int32_
   }();
   if (forced) return forced;
   const int64_t compressed = max_len > 0 ? compressed_end(c, max_len) - c.sink_tokens : -1;
-  return preferred_splits(num_seqs, c.num_kv_heads, rows, nraw, target, compressed);
+  return preferred_splits(num_seqs, c.num_kv_heads, rows, nraw, dev, compressed);
 }
 
 int64_t align256(int64_t x) { return (x + 255) & ~(int64_t)255; }
@@ -206,18 +206,18 @@ AttnFn attn_kernel(const fmkv_config& c) {
   return AttnFn{};
 }
 
-// The split count's CTA target for `fn` on the current device: SMs x min(2, CTAs per SM), after opting
-// the kernel in to its dynamic shared memory (static + dynamic may exceed 48 KB) and the largest
-// shared-memory carveout, so that 4 CTAs fit per SM (the kernel needs little L1); once per (device,
-// kernel). 0: fn not compiled or no device.
-int64_t split_target(const AttnFn& fn) {
+// The current device's CTA slots for `fn` (SMs, CTAs per SM: split_count.h), after opting the kernel in to
+// its dynamic shared memory (static + dynamic may exceed 48 KB) and the largest shared-memory carveout, so
+// that 4 CTAs fit per SM (the kernel needs little L1); once per (device, kernel). {0, 0}: fn not compiled
+// or no device.
+SplitDevice split_device(const AttnFn& fn) {
   int dev = 0;
   if (!fn || cudaGetDevice(&dev) != cudaSuccess) {  // (no device: workspace sizes are still answered)
     (void)cudaGetLastError();
-    return 0;
+    return {};
   }
   static std::mutex mu;
-  static std::map<std::pair<int, AttnFnPtr>, int64_t> known;
+  static std::map<std::pair<int, AttnFnPtr>, SplitDevice> known;
   std::lock_guard<std::mutex> lock(mu);
   const auto key = std::make_pair(dev, fn.fn);
   auto it = known.find(key);
@@ -229,16 +229,22 @@ int64_t split_target(const AttnFn& fn) {
   int sms = 0, per_sm = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "multiprocessor count");
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn.fn, 128, (size_t)fn.smem), "attention kernel occupancy");
-  return known[key] = (int64_t)sms * std::min(std::max(per_sm, 1), 2);
+  SplitDevice d;
+  d.sms = sms;
+  d.per_sm = std::max(per_sm, 1);
+  return known[key] = d;
 }
 }  // namespace
 
 int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64_t max_rows, int32_t num_seqs,
                                   int64_t max_seq_len) {
   if (q_heads <= 0 || max_rows <= 0) return 0;
-  // nraw = 1 gives the most splits (a fused step with fp16 regions has 2 raw-domain CTAs)
-  return workspace_for(max_rows, q_heads, cfg.head_dim,
-                       split_count(cfg, num_seqs, max_rows, 1, split_target(attn_kernel(cfg)), max_seq_len));
+  // the larger of an attention call's plan (one raw-domain CTA per pair) and a fused step's with fp16
+  // regions (two)
+  const SplitDevice dev = split_device(attn_kernel(cfg));
+  int32_t ns = 1;
+  for (int32_t nraw = 1; nraw <= 2; ++nraw) ns = std::max(ns, split_count(cfg, num_seqs, max_rows, nraw, dev, max_seq_len));
+  return workspace_for(max_rows, q_heads, cfg.head_dim, ns);
 }
 
 namespace {
@@ -254,7 +260,7 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
                                   kAttnDefaultGrid + "; configure with -DFMKV_CUDA_FULL_GRID=ON for every combination)");
   // a fused step with fp16 regions: a second sink/window CTA attends the tokens before the step
   const int32_t nraw = ap != nullptr && c.sink_tokens + c.window_tokens > 0 ? 2 : 1;
-  int32_t ns = split_count(c, a.batch.num_seqs, a.q.rows, nraw, split_target(fn), a.opts.max_seq_len);
+  int32_t ns = split_count(c, a.batch.num_seqs, a.q.rows, nraw, split_device(fn), a.opts.max_seq_len);
   while (ns > 1 && workspace_for(a.q.rows, HQ, d, ns) > (int64_t)a.workspace_bytes) --ns;
   const int64_t need = workspace_for(a.q.rows, HQ, d, ns);
   if (!a.workspace || (int64_t)a.workspace_bytes < need)

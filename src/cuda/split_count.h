@@ -12,7 +12,8 @@ namespace cuda {
 // pairs would leave SMs idle (one kv head per GPU under tensor parallelism, B = 1); the merge kernel takes
 // one partial's (m, l) per thread (kMaxSplits + kRawParts <= its 256 threads).
 // kFusedMaxRows: rows per sequence of a fused append + attention call (FMKV_FUSED_MAX_ROWS).
-constexpr int kMinTilesPerSplit = 4, kMaxSplits = 254, kFusedMaxRows = 16;
+// kSplitWarps: warps per split CTA (kAttnWarps). kTrimTilesPerWarp: see preferred_splits.
+constexpr int kMinTilesPerSplit = 4, kMaxSplits = 254, kFusedMaxRows = 16, kSplitWarps = 4, kTrimTilesPerWarp = 8;
 
 // Splits that can hold work when no sequence has more than `compressed` compressed tokens: each split
 // takes >= kMinTilesPerSplit tiles, so ceil(ceil(compressed / 16) / 4) (>= 1); more would only be empty
@@ -23,22 +24,40 @@ inline int64_t useful_splits(int64_t compressed) {
   return std::max<int64_t>(1, tiles / kMinTilesPerSplit + (tiles % kMinTilesPerSplit != 0));
 }
 
+// The device's CTA slots for the attention kernel: SMs and CTAs per SM (occupancy); sms = 0: no device.
+struct SplitDevice {
+  int64_t sms = 0, per_sm = 0;
+  int64_t target() const { return sms * std::min<int64_t>(per_sm, 2); }  // 2 CTAs per SM
+  int64_t wave() const { return sms * per_sm; }                          // every slot once
+};
+
 // Compressed splits per (sequence, kv head) of a call with num_seqs sequences, kv_heads kv heads, rows
-// query rows in all, nraw raw-domain CTAs per pair (1, or 2 for a fused step with fp16 regions), on a
-// device whose split CTAs fill `target` slots (SMs x min(2, CTAs per SM); 0: no device).
-//  * Many pairs: ceil(1056 / pairs) capped at 64 (~8 split CTAs per SM on the H200's 132 SMs).
-//  * Few pairs -- a decode call (at most 16 query rows per sequence on average: the workspace grows with
-//    rows x splits) whose CTAs would occupy at most half of `target` -- more splits, up to `target` CTAs
-//    (2 per SM reach the tile loop's per-SM rate): B = 1 with 1 kv head 64 -> 254, 2 kv heads 64 -> 131.
+// query rows in all, nraw raw-domain CTAs per pair (1, or 2 for a fused step with fp16 regions).
+//  * Usual count: ceil(1056 / pairs) capped at 64 (~8 split CTAs per SM on the H200's 132 SMs when there
+//    are many pairs: several waves).
+//  * A decode call (at most 16 query rows per sequence on average: the workspace grows with rows x
+//    splits) whose usual grid fits in one wave is sized to 2 CTAs per SM, which reach the tile loop's
+//    per-SM rate (docs/CUDA-NOTES.md "Split count"):
+//      - few pairs, usual grid <= 1 CTA per SM: filled up (stop 22): B = 1 with 1 kv head 64 -> 254
+//        splits, 2 kv heads 64 -> 131;
+//      - otherwise, for a short call (a length bound is known and gives at most kTrimTilesPerWarp tiles
+//        per warp at the usual count), trimmed down (stop 23): B = 1 with 8 kv heads 64 -> 32 splits up
+//        to 32k tokens (4k 1.16x, 16k 1.09x, 32k 1.02x faster: half the CTAs per SM, half the partials to
+//        merge; at 128k / 1M 32 splits are 0.94x / 0.89x: the long loop wants 4 CTAs per SM); never above
+//        the usual count (4 kv heads stay at 64: 65 would take the wide merge, 0.967x at stop 22).
 //  * A known length bound (`compressed` >= 0: the most compressed tokens any sequence of the call has,
 //    from fmkv_attention_opts.max_seq_len) caps the count at useful_splits(compressed): a short call
 //    launches no empty splits (they cost ~1-1.7 us at 4k with 1-2 kv heads).
-inline int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int64_t rows, int32_t nraw, int64_t target,
+inline int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int64_t rows, int32_t nraw, const SplitDevice& dev,
                                 int64_t compressed) {
   const int64_t seqs = std::max(num_seqs, 1), pairs = seqs * std::max(kv_heads, 1);
   int64_t ns = std::min<int64_t>(std::max<int64_t>((1056 + pairs - 1) / pairs, 1), 64);
-  if (rows <= (int64_t)kFusedMaxRows * seqs && 2 * (ns + nraw) * pairs <= target)
-    ns = std::max<int64_t>(ns, target / pairs - nraw);
+  if (dev.sms > 0 && rows <= (int64_t)kFusedMaxRows * seqs && (ns + nraw) * pairs <= dev.wave()) {
+    const int64_t two_per_sm = std::max<int64_t>(dev.target() / pairs - nraw, 1);
+    const int64_t tiles = compressed / 16 + (compressed % 16 != 0);
+    if (2 * (ns + nraw) * pairs <= dev.target()) ns = std::max(ns, two_per_sm);
+    else if (compressed >= 0 && tiles <= ns * kSplitWarps * kTrimTilesPerWarp) ns = std::min(ns, two_per_sm);
+  }
   ns = std::min<int64_t>(ns, useful_splits(compressed));
   return (int32_t)std::min<int64_t>(ns, kMaxSplits);
 }
