@@ -73,9 +73,10 @@ fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const 
                                   void* workspace, size_t workspace_bytes, void* stream);
 
 /* Workspace bytes fmkv_attention needs on backend b for at most max_rows query rows of
- * q_heads heads and sequences of at most max_seq_len tokens (0 for host backends). On CUDA it
- * depends on the current device (its SM count: few (sequence, kv head) pairs get more splits);
- * a smaller workspace than this is accepted down to one split, with fewer splits. */
+ * q_heads heads and sequences of at most max_seq_len tokens (0: unknown), i.e. for calls planned with
+ * opts.max_seq_len = max_seq_len (0 for host backends). On CUDA it depends on the current device
+ * (its SM count: few (sequence, kv head) pairs get more splits) and on the bound (a short one needs
+ * fewer splits); a smaller workspace than this is accepted down to one split, with fewer splits. */
 int64_t fmkv_attention_workspace_bytes(fmkv_backend b, const fmkv_config* cfg, int32_t q_heads,
                                        int64_t max_rows, int32_t num_seqs, int64_t max_seq_len);
 
