@@ -24,49 +24,50 @@ TEST(SplitCount, UsefulSplitsFollowTheLength) {
   EXPECT_EQ(useful_splits(131072), 2048);
 }
 
-TEST(SplitCount, ManyPairsAsBefore) {
-  // grids of more than one wave keep ceil(1056 / pairs) capped at 64: B = 64 x 8 kv heads 3, B = 2 x 8 kv
-  // heads 64 (1040 CTAs)
-  EXPECT_EQ(preferred_splits(64, 8, 64, 1, kH200, -1), 3);
-  EXPECT_EQ(preferred_splits(2, 8, 2, 1, kH200, 4096), 64);
-  EXPECT_EQ(preferred_splits(1, 8, 1, 1, kNone, 4096), 64);  // no device: the usual count
-  // 4 kv heads: 2 per SM would be 65 (the wide merge): stays 64; d = 256 (2 CTAs per SM) keeps 64 at 8 kv heads
-  EXPECT_EQ(preferred_splits(1, 4, 1, 1, kH200, 4096), 64);
-  EXPECT_EQ(preferred_splits(1, 8, 1, 1, kH200d256, 4096), 64);
-  // a bound at or above what the count can use changes nothing
-  EXPECT_EQ(preferred_splits(64, 8, 64, 1, kH200, 32768), 3);
-}
+// preferred_splits(num_seqs, kv_heads, rows, nraw, device, compressed) == want, and why.
+struct Case {
+  int32_t seqs, kv_heads;
+  int64_t rows;
+  int32_t nraw;
+  SplitDevice dev;
+  int64_t compressed;  // -1: no bound
+  int32_t want;
+  const char* why;
+};
 
-TEST(SplitCount, ShortOneWaveCallsTrimmedToTwoPerSm) {
-  // B = 1, 8 kv heads: 64 + 1 CTAs x 8 = 520 fit one wave; with a bound of at most 8 tiles per warp at 64
-  // splits (32k tokens) -> 264 / 8 - 1 = 32 splits (- 2: a fused step with a window)
-  EXPECT_EQ(preferred_splits(1, 8, 1, 1, kH200, 32768), 32);
-  EXPECT_EQ(preferred_splits(1, 8, 1, 2, kH200, 16384), 31);
-  EXPECT_EQ(preferred_splits(1, 6, 1, 1, kH200, 8192), 43);
-  // longer, or no bound: the usual 64 (the long loop wants 4 CTAs per SM)
-  EXPECT_EQ(preferred_splits(1, 8, 1, 1, kH200, 32769), 64);
-  EXPECT_EQ(preferred_splits(1, 8, 1, 1, kH200, 131072), 64);
-  EXPECT_EQ(preferred_splits(1, 8, 1, 1, kH200, -1), 64);
-  EXPECT_EQ(preferred_splits(1, 8, 17, 1, kH200, 4096), 64);  // prefill-sized rows: the usual count
-}
-
-TEST(SplitCount, FewPairsFillTheDevice) {
-  EXPECT_EQ(preferred_splits(1, 1, 1, 1, kH200, -1), 254);  // min(264 - 1, 254)
-  EXPECT_EQ(preferred_splits(1, 2, 1, 1, kH200, -1), 131);  // 264 / 2 - 1
-  EXPECT_EQ(preferred_splits(1, 2, 1, 2, kH200, -1), 130);  // a fused step with fp16 regions
-  EXPECT_EQ(preferred_splits(1, 1, 1, 1, kNone, -1), 64);         // no device: the usual count
-  // prefill-sized row counts keep the usual count (the workspace grows with rows x splits)
-  EXPECT_EQ(preferred_splits(1, 1, 17, 1, kH200, -1), 64);
-}
-
-TEST(SplitCount, BoundCapsShortCalls) {
-  // 1 kv head at 4k: 64 splits hold every tile (was 254, 190 of them empty)
-  EXPECT_EQ(preferred_splits(1, 1, 1, 1, kH200, 4096), 64);
-  EXPECT_EQ(preferred_splits(1, 2, 1, 1, kH200, 8192), 128);
-  EXPECT_EQ(preferred_splits(1, 1, 1, 1, kH200, 32768), 254);
-  EXPECT_EQ(preferred_splits(1, 8, 1, 1, kH200, 1024), 16);
-  EXPECT_EQ(preferred_splits(1, 8, 1, 1, kH200, 4096), 32);
-  EXPECT_EQ(preferred_splits(1, 8, 1, 1, kH200, 0), 1);  // everything fp16
+TEST(SplitCount, Rule) {
+  const Case cases[] = {
+      // grids of more than one wave keep ceil(1056 / pairs) capped at 64
+      {64, 8, 64, 1, kH200, -1, 3, "B = 64 x 8 kv heads"},
+      {64, 8, 64, 1, kH200, 32768, 3, "B = 64: a bound the count cannot use changes nothing"},
+      {2, 8, 2, 1, kH200, 4096, 64, "B = 2 x 8 kv heads: 1040 CTAs, two waves"},
+      {1, 8, 1, 1, kNone, 4096, 64, "no device: the usual count"},
+      {1, 4, 1, 1, kH200, 4096, 64, "4 kv heads: 2 per SM would be 65 (the wide merge)"},
+      {1, 8, 1, 1, kH200d256, 4096, 64, "d = 256 (2 CTAs per SM): 520 CTAs are two waves"},
+      // short bounded one-wave calls: 2 CTAs per SM (at most 8 tiles per warp at the usual count: 32k)
+      {1, 8, 1, 1, kH200, 32768, 32, "8 kv heads, 32k: 264 / 8 - 1"},
+      {1, 8, 1, 2, kH200, 16384, 31, "a fused step with a window: - 2"},
+      {1, 6, 1, 1, kH200, 8192, 43, "6 kv heads: 264 / 6 - 1"},
+      {1, 8, 1, 1, kH200, 32769, 64, "longer than 32k: the long loop wants 4 CTAs per SM"},
+      {1, 8, 1, 1, kH200, 131072, 64, "128k"},
+      {1, 8, 1, 1, kH200, -1, 64, "no bound"},
+      {1, 8, 17, 1, kH200, 4096, 64, "prefill-sized rows: the usual count"},
+      // few pairs: filled to 2 CTAs per SM
+      {1, 1, 1, 1, kH200, -1, 254, "1 kv head: min(264 - 1, 254)"},
+      {1, 2, 1, 1, kH200, -1, 131, "2 kv heads: 264 / 2 - 1"},
+      {1, 2, 1, 2, kH200, -1, 130, "2 kv heads, a fused step with fp16 regions"},
+      {1, 1, 1, 1, kNone, -1, 64, "1 kv head, no device"},
+      {1, 1, 17, 1, kH200, -1, 64, "prefill-sized rows (the workspace grows with rows x splits)"},
+      // the bound caps the count at the splits that can hold work
+      {1, 1, 1, 1, kH200, 4096, 64, "1 kv head at 4k: 64 splits hold every tile (190 of 254 were empty)"},
+      {1, 2, 1, 1, kH200, 8192, 128, "2 kv heads at 8k"},
+      {1, 1, 1, 1, kH200, 32768, 254, "1 kv head at 32k: the fill"},
+      {1, 8, 1, 1, kH200, 1024, 16, "8 kv heads at 1k"},
+      {1, 8, 1, 1, kH200, 4096, 32, "8 kv heads at 4k: trimmed"},
+      {1, 8, 1, 1, kH200, 0, 1, "everything fp16"},
+  };
+  for (const Case& c : cases)
+    EXPECT_EQ(preferred_splits(c.seqs, c.kv_heads, c.rows, c.nraw, c.dev, c.compressed), c.want) << c.why;
 }
 
 TEST(SplitCount, ConstantsMatchThePublicApi) {
