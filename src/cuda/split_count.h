@@ -18,10 +18,11 @@ constexpr int kMinTilesPerSplit = 4, kMaxSplits = 254, kFusedMaxRows = 16, kSpli
 // Splits that can hold work when no sequence has more than `compressed` compressed tokens: each split
 // takes >= kMinTilesPerSplit tiles, so ceil(ceil(compressed / 16) / 4) (>= 1); more would only be empty
 // CTAs and a wider merge. compressed < 0: unknown (no cap).
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }  // a >= 0, b > 0
+constexpr int64_t tiles_of(int64_t compressed) { return ceil_div(compressed, 16); }   // 16-token tiles
 inline int64_t useful_splits(int64_t compressed) {
   if (compressed < 0) return kMaxSplits;
-  const int64_t tiles = compressed / 16 + (compressed % 16 != 0);
-  return std::max<int64_t>(1, tiles / kMinTilesPerSplit + (tiles % kMinTilesPerSplit != 0));
+  return std::max<int64_t>(1, ceil_div(tiles_of(compressed), kMinTilesPerSplit));
 }
 
 // The device's CTA slots for the attention kernel: SMs and CTAs per SM (occupancy); sms = 0: no device.
@@ -51,12 +52,11 @@ struct SplitDevice {
 inline int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int64_t rows, int32_t nraw, const SplitDevice& dev,
                                 int64_t compressed) {
   const int64_t seqs = std::max(num_seqs, 1), pairs = seqs * std::max(kv_heads, 1);
-  int64_t ns = std::min<int64_t>(std::max<int64_t>((1056 + pairs - 1) / pairs, 1), 64);
+  int64_t ns = std::min<int64_t>(std::max<int64_t>(ceil_div(1056, pairs), 1), 64);
   if (dev.sms > 0 && rows <= (int64_t)kFusedMaxRows * seqs && (ns + nraw) * pairs <= dev.wave()) {
     const int64_t two_per_sm = std::max<int64_t>(dev.target() / pairs - nraw, 1);
-    const int64_t tiles = compressed / 16 + (compressed % 16 != 0);
     if (2 * (ns + nraw) * pairs <= dev.target()) ns = std::max(ns, two_per_sm);
-    else if (compressed >= 0 && tiles <= ns * kSplitWarps * kTrimTilesPerWarp) ns = std::min(ns, two_per_sm);
+    else if (compressed >= 0 && tiles_of(compressed) <= ns * kSplitWarps * kTrimTilesPerWarp) ns = std::min(ns, two_per_sm);
   }
   ns = std::min<int64_t>(ns, useful_splits(compressed));
   return (int32_t)std::min<int64_t>(ns, kMaxSplits);
