@@ -206,7 +206,7 @@ static void print_trace(const char* label, int64_t ctx, int B, int kb, int vb) {
 
 int main(int argc, char** argv) {
   // --quick: fewer cases; --only B ctx kb vb [--step]: one decode case (for profilers; with --step also
-  // its decode step, separate and fused); --window W: k3v3 at
+  // its decode step, separate and fused); --window W [ctx ...]: k3v3 at
   // B=1 with a W-token fp16 window (attention and decode step; no quantize timing); --quant-only kb vb:
   // the quantize-append timing alone (for profilers)
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
@@ -273,8 +273,12 @@ int main(int argc, char** argv) {
     cases = {{std::atoi(argv[2]), std::atoll(argv[3])}};
     fmts = {{std::atoi(argv[4]), std::atoi(argv[5])}};
   }
-  if (window > 0 && !only) {
+  if (window > 0 && !only) {  // --window W [ctx ...]: the contexts given, else 4k / 32k / 128k
     cases = {{1, 4096}, {1, 32768}, {1, 131072}};
+    if (argc > 3) {
+      cases.clear();
+      for (int i = 3; i < argc; ++i) cases.push_back({1, std::atoll(argv[i])});
+    }
     fmts = {{3, 3}};
   }
   if (latency) {

@@ -46,7 +46,15 @@ TEST(SplitCount, Rule) {
       {1, 8, 1, 1, kH200d256, 4096, 64, "d = 256 (2 CTAs per SM): 520 CTAs are two waves"},
       // short bounded one-wave calls: 2 CTAs per SM (at most 8 tiles per warp at the usual count: 32k)
       {1, 8, 1, 1, kH200, 32768, 32, "8 kv heads, 32k: 264 / 8 - 1"},
-      {1, 8, 1, 2, kH200, 16384, 31, "a fused step with a window: - 2"},
+      {1, 8, 1, 2, kH200, 4096 - 64, 31, "a fused step with a 64-token window at 4k: - 2"},
+      {1, 8, 1, 2, kH200, 32768 - 64, 64, "... at 32k: 31 splits would give 17 tiles per warp (2 x 8 at 64)"},
+      {1, 8, 1, 2, kH200, 16384 - 64, 31, "... at 16k: 4 tiles per warp at 64 (a short call): trimmed"},
+      {1, 8, 1, 2, kH200, 8192 - 64, 31, "... at 8k"},
+      {1, 8, 1, 2, kH200, 16 * 1260, 64, "1260 tiles: 5 tiles per warp at 64, 11 at 31 (> 2 x 5)"},
+      {1, 8, 1, 2, kH200, 16 * 1240, 31, "1240 tiles: 5 and 10 (= 2 x 5)"},
+      {1, 8, 1, 1, kH200, 8192 - 64, 32, "an attention call with the window at 8k: 4 tiles per warp (2 x 2)"},
+      {1, 8, 1, 1, kH200, 32768 - 64, 32, "... at 32k: 16 tiles per warp (2 x 8)"},
+      {1, 8, 1, 1, kH200, 5000, 32, "8 kv heads, 5000 tokens: 3 tiles per warp (2 x 2)"},
       {1, 6, 1, 1, kH200, 8192, 43, "6 kv heads: 264 / 6 - 1"},
       {1, 8, 1, 1, kH200, 32769, 64, "longer than 32k: the long loop wants 4 CTAs per SM"},
       {1, 8, 1, 1, kH200, 131072, 64, "128k"},
@@ -68,6 +76,20 @@ TEST(SplitCount, Rule) {
   };
   for (const Case& c : cases)
     EXPECT_EQ(preferred_splits(c.seqs, c.kv_heads, c.rows, c.nraw, c.dev, c.compressed), c.want) << c.why;
+}
+
+TEST(SplitCount, TrimPays) {
+  EXPECT_EQ(warp_rounds(256, 64), 1);
+  EXPECT_EQ(warp_rounds(252, 31), 3);   // 9 tiles per split: warp 0 takes 3
+  EXPECT_EQ(warp_rounds(2044, 31), 17);
+  EXPECT_EQ(warp_rounds(2044, 64), 8);
+  EXPECT_EQ(warp_rounds(0, 64), 1);
+  EXPECT_TRUE(trim_pays(252, 64, 31));    // 1 tile per warp at 64, 3 at 31: short
+  EXPECT_TRUE(trim_pays(1020, 64, 31));   // 4 and 9: still short
+  EXPECT_TRUE(trim_pays(1028, 64, 31));   // 5 and 9 <= 2 x 5
+  EXPECT_FALSE(trim_pays(1260, 64, 31));  // 5 and 11 > 2 x 5
+  EXPECT_TRUE(trim_pays(2048, 64, 32));   // 8 and 16 = 2 x 8
+  EXPECT_FALSE(trim_pays(2044, 64, 31));  // 8 and 17 > 2 x 8
 }
 
 TEST(SplitCount, ConstantsMatchThePublicApi) {

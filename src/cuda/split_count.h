@@ -32,6 +32,22 @@ struct SplitDevice {
   int64_t wave() const { return sms * per_sm; }                          // every slot once
 };
 
+// Tiles the busiest warp of a split takes when `tiles` tiles are cut into n splits of kSplitWarps warps
+// (ceil(tiles / n) per split, at least kMinTilesPerSplit; ceil(ceil(a / n) / 4) = ceil(a / 4n)).
+inline int64_t warp_rounds(int64_t tiles, int64_t n) {
+  return std::max<int64_t>(1, ceil_div(std::max<int64_t>(tiles, 1), n * kSplitWarps));
+}
+// Whether trimming `usual` splits to `trimmed` (2 CTAs per SM) pays. Up to kTrimAlwaysRounds tiles per
+// warp at the usual count it does (short calls: the usual count's extra CTAs and partials cost more than
+// a tile); beyond, a warp at 2 CTAs per SM runs a tile in about half the time it takes at 4, so the trim
+// pays while it at most doubles the busiest warp's tiles. Measured (stop 24, fused step with a 64-token
+// window: nraw = 2, 31 splits, against 64): 4k 1 vs 3 tiles per warp 1.16x, 8k 2 vs 5 1.07x, 16k 4 vs 9
+// 1.02x, 32k 8 vs 17 0.97x; without a window (32 splits) 32k 8 vs 16 1.03x (stop 23).
+constexpr int64_t kTrimAlwaysRounds = 4;
+inline bool trim_pays(int64_t tiles, int64_t usual, int64_t trimmed) {
+  const int64_t u = warp_rounds(tiles, usual);
+  return u <= kTrimAlwaysRounds || warp_rounds(tiles, trimmed) <= 2 * u;
+}
 // Compressed splits per (sequence, kv head) of a call with num_seqs sequences, kv_heads kv heads, rows
 // query rows in all, nraw raw-domain CTAs per pair (1, or 2 for a fused step with fp16 regions).
 //  * Usual count: ceil(1056 / pairs) capped at 64 (~8 split CTAs per SM on the H200's 132 SMs when there
@@ -44,8 +60,10 @@ struct SplitDevice {
 //      - otherwise, for a short call (a length bound is known and gives at most kTrimTilesPerWarp tiles
 //        per warp at the usual count), trimmed down (stop 23): B = 1 with 8 kv heads 64 -> 32 splits up
 //        to 32k tokens (4k 1.16x, 16k 1.09x, 32k 1.02x faster: half the CTAs per SM, half the partials to
-//        merge; at 128k / 1M 32 splits are 0.94x / 0.89x: the long loop wants 4 CTAs per SM); never above
-//        the usual count (4 kv heads stay at 64: 65 would take the wide merge, 0.967x at stop 22).
+//        merge; at 128k / 1M 32 splits are 0.94x / 0.89x: the long loop wants 4 CTAs per SM) if the trim
+//        pays (trim_pays: a fused step with fp16 regions, nraw = 2, gets 31 splits at 4k but keeps 64 at
+//        8k-32k, stop 24); never above the usual count (4 kv heads stay at 64: 65 would take the wide
+//        merge, 0.967x at stop 22).
 //  * A known length bound (`compressed` >= 0: the most compressed tokens any sequence of the call has,
 //    from fmkv_attention_opts.max_seq_len) caps the count at useful_splits(compressed): a short call
 //    launches no empty splits (they cost ~1-1.7 us at 4k with 1-2 kv heads).
@@ -56,7 +74,9 @@ inline int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int64_t rows
   if (dev.sms > 0 && rows <= (int64_t)kFusedMaxRows * seqs && (ns + nraw) * pairs <= dev.wave()) {
     const int64_t two_per_sm = std::max<int64_t>(dev.target() / pairs - nraw, 1);
     if (2 * (ns + nraw) * pairs <= dev.target()) ns = std::max(ns, two_per_sm);
-    else if (compressed >= 0 && tiles_of(compressed) <= ns * kSplitWarps * kTrimTilesPerWarp) ns = std::min(ns, two_per_sm);
+    else if (compressed >= 0 && tiles_of(compressed) <= ns * kSplitWarps * kTrimTilesPerWarp &&
+             trim_pays(tiles_of(compressed), ns, two_per_sm))
+      ns = std::min(ns, two_per_sm);
   }
   ns = std::min<int64_t>(ns, useful_splits(compressed));
   return (int32_t)std::min<int64_t>(ns, kMaxSplits);
