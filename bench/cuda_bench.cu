@@ -246,6 +246,10 @@ int main(int argc, char** argv) {
   // tensor-parallel model (bench/cuda_bench.py --kv-heads-sweep)
   const char* kvh = std::getenv("FMKV_BENCH_KV_HEADS");
   const int d = 128, H = kvh && std::atoi(kvh) > 0 ? std::atoi(kvh) : 8, HQ = 4 * H, P = 64;
+  // FMKV_BENCH_Q_LEN: query rows per sequence (default 1; up to FMKV_FUSED_MAX_ROWS: speculative
+  // verification), causal over the sequence's last q_len tokens; the decode step appends as many
+  const char* qlv = std::getenv("FMKV_BENCH_Q_LEN");
+  const int qlen = qlv && std::atoi(qlv) > 0 ? std::min(std::atoi(qlv), (int)FMKV_FUSED_MAX_ROWS) : 1;
   // FMKV_BENCH_MAX_SEQ_LEN=0: attention calls without a length bound (opts.max_seq_len = 0, the split
   // count of an unknown length); default: the context length, as a serving loop that knows it passes
   const char* msl = std::getenv("FMKV_BENCH_MAX_SEQ_LEN");
@@ -384,25 +388,26 @@ int main(int argc, char** argv) {
       FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
       for (int cp = 1; cp < copies; ++cp) CK(cudaMemcpy(pages + cp * np1 * pb, pages, (size_t)(np1 * pb), cudaMemcpyDeviceToDevice));
       std::vector<int64_t> lens(B, ctx), ros(B + 1);
-      for (int s = 0; s <= B; ++s) ros[s] = s;
+      for (int s = 0; s <= B; ++s) ros[s] = (int64_t)s * qlen;
+      const int64_t qrows = (int64_t)B * qlen;
       CK(cudaMemcpy(dl, lens.data(), 8 * B, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(dro, ros.data(), 8 * (B + 1), cudaMemcpyHostToDevice));
       __half *q, *o;
-      CK(cudaMalloc(&q, (size_t)B * HQ * d * 2));
-      CK(cudaMalloc(&o, (size_t)B * HQ * d * 2));
-      fill_normal<<<64, 256>>>(q, (int64_t)B * HQ * d, 3, d, 0.0f);
+      CK(cudaMalloc(&q, (size_t)qrows * HQ * d * 2));
+      CK(cudaMalloc(&o, (size_t)qrows * HQ * d * 2));
+      fill_normal<<<64, 256>>>(q, qrows * HQ * d, 3, d, 0.0f);
       const int64_t bound = pass_bound ? ctx : 0;  // every sequence has ctx tokens (after the step's append)
-      const int64_t ws = fmkv_attention_workspace_bytes(FMKV_BACKEND_CUDA, &cfg, HQ, B, B, bound);
+      const int64_t ws = fmkv_attention_workspace_bytes(FMKV_BACKEND_CUDA, &cfg, HQ, qrows, B, bound);
       void* work;
       CK(cudaMalloc(&work, ws + 16));
-      fmkv_tensor qt{q, FMKV_F16, B, HQ, d, (int64_t)HQ * d, d}, ot{o, FMKV_F16, B, HQ, d, (int64_t)HQ * d, d};
+      fmkv_tensor qt{q, FMKV_F16, qrows, HQ, d, (int64_t)HQ * d, d}, ot{o, FMKV_F16, qrows, HQ, d, (int64_t)HQ * d, d};
       fmkv_attention_opts opts{0.0f, 0.0f, bound};
-      // a decode step re-appends token ctx - 1: lengths ctx - 1 before it, this token's K/V rows
+      // a decode step re-appends the last q_len tokens: lengths ctx - q_len before it, their K/V rows
       int64_t* dl0;
       CK(cudaMalloc(&dl0, 8 * B));
-      std::vector<int64_t> before(B, ctx - 1);
+      std::vector<int64_t> before(B, ctx - qlen);
       CK(cudaMemcpy(dl0, before.data(), 8 * B, cudaMemcpyHostToDevice));
-      fmkv_tensor kt{kin, FMKV_F16, B, H, d, (int64_t)H * d, d}, vt{vin, FMKV_F16, B, H, d, (int64_t)H * d, d};
+      fmkv_tensor kt{kin, FMKV_F16, qrows, H, d, (int64_t)H * d, d}, vt{vin, FMKV_F16, qrows, H, d, (int64_t)H * d, d};
       if (step_only) {  // 5 plain fused steps, then the next case
         fmkv_batch b0{B, nullptr, dl0, dro, dt, pps};
         for (int i = 0; i < 5; ++i)
@@ -453,26 +458,26 @@ int main(int argc, char** argv) {
 #endif
       }
       CK(cudaFree(dl0));
-      std::vector<__half> oh((size_t)B * HQ * d);
+      std::vector<__half> oh((size_t)qrows * HQ * d);
       CK(cudaMemcpy(oh.data(), o, oh.size() * 2, cudaMemcpyDeviceToHost));
       int nonfinite = 0;
       for (auto x : oh) nonfinite += !std::isfinite(__half2float(x));
       const double us = attn_ms * 1e3;
       const double kv = (double)B * ctx * H *
                         (fmkv_bytes_per_token_head(d, f.kb) + fmkv_bytes_per_token_head(d, f.vb));
-      const double bytes = kv + 2.0 * B * HQ * d * 2;
-      std::printf("{\"kind\":\"decode\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":1,\"context\":%lld,"
+      const double bytes = kv + 2.0 * qrows * HQ * d * 2;
+      std::printf("{\"kind\":\"decode\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":%d,\"context\":%lld,"
                   "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"time_us\":%.3f,\"bytes\":%.0f,"
                   "\"gbps\":%.1f,\"copy_gbps\":%.1f,\"pct_copy_bw\":%.1f,\"copies\":%d,\"nonfinite_out\":%d,"
                   "\"window\":%d,\"max_seq_len\":%lld}\n",
-                  f.kb, f.vb, B, (long long)ctx, d, HQ, H, P, us, bytes, bytes / us / 1e3, cbw,
+                  f.kb, f.vb, B, qlen, (long long)ctx, d, HQ, H, P, us, bytes, bytes / us / 1e3, cbw,
                   100.0 * bytes / us / 1e3 / cbw, copies, nonfinite, window, (long long)bound);
       if (step_fused_us > 0)
-        std::printf("{\"kind\":\"step\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":1,\"context\":%lld,"
+        std::printf("{\"kind\":\"step\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":%d,\"context\":%lld,"
                     "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"fused_us\":%.3f,"
                     "\"separate_us\":%.3f,\"attention_only_us\":%.3f,\"copies\":%d,\"window\":%d,"
                     "\"max_seq_len\":%lld}\n",
-                    f.kb, f.vb, B, (long long)ctx, d, HQ, H, P, step_fused_us, step_sep_us, us, copies, window,
+                    f.kb, f.vb, B, qlen, (long long)ctx, d, HQ, H, P, step_fused_us, step_sep_us, us, copies, window,
                     (long long)bound);
       std::fflush(stdout);
       CK(cudaFree(pages));

@@ -24,9 +24,9 @@ TEST(SplitCount, UsefulSplitsFollowTheLength) {
   EXPECT_EQ(useful_splits(131072), 2048);
 }
 
-// preferred_splits(num_seqs, kv_heads, rows, nraw, device, compressed) == want, and why.
+// preferred_splits(num_seqs, kv_heads, q_heads, rows, nraw, device, compressed) == want, and why.
 struct Case {
-  int32_t seqs, kv_heads;
+  int32_t seqs, kv_heads, q_heads;
   int64_t rows;
   int32_t nraw;
   SplitDevice dev;
@@ -38,44 +38,52 @@ struct Case {
 TEST(SplitCount, Rule) {
   const Case cases[] = {
       // grids of more than one wave keep ceil(1056 / pairs) capped at 64
-      {64, 8, 64, 1, kH200, -1, 3, "B = 64 x 8 kv heads"},
-      {64, 8, 64, 1, kH200, 32768, 3, "B = 64: a bound the count cannot use changes nothing"},
-      {2, 8, 2, 1, kH200, 4096, 64, "B = 2 x 8 kv heads: 1040 CTAs, two waves"},
-      {1, 8, 1, 1, kNone, 4096, 64, "no device: the usual count"},
-      {1, 4, 1, 1, kH200, 4096, 64, "4 kv heads: 2 per SM would be 65 (the wide merge)"},
-      {1, 8, 1, 1, kH200d256, 4096, 64, "d = 256 (2 CTAs per SM): 520 CTAs are two waves"},
+      {64, 8, 32, 64, 1, kH200, -1, 3, "B = 64 x 8 kv heads"},
+      {64, 8, 32, 64, 1, kH200, 32768, 3, "B = 64: a bound the count cannot use changes nothing"},
+      {2, 8, 32, 2, 1, kH200, 4096, 64, "B = 2 x 8 kv heads: 1040 CTAs, two waves"},
+      {1, 8, 32, 1, 1, kNone, 4096, 64, "no device: the usual count"},
+      {1, 4, 16, 1, 1, kH200, 4096, 64, "4 kv heads: 2 per SM would be 65 (the wide merge)"},
+      {1, 8, 32, 1, 1, kH200d256, 4096, 64, "d = 256 (2 CTAs per SM): 520 CTAs are two waves"},
       // short bounded one-wave calls: 2 CTAs per SM (at most 8 tiles per warp at the usual count: 32k)
-      {1, 8, 1, 1, kH200, 32768, 32, "8 kv heads, 32k: 264 / 8 - 1"},
-      {1, 8, 1, 2, kH200, 4096 - 64, 31, "a fused step with a 64-token window at 4k: - 2"},
-      {1, 8, 1, 2, kH200, 32768 - 64, 64, "... at 32k: 31 splits would give 17 tiles per warp (2 x 8 at 64)"},
-      {1, 8, 1, 2, kH200, 16384 - 64, 31, "... at 16k: 4 tiles per warp at 64 (a short call): trimmed"},
-      {1, 8, 1, 2, kH200, 8192 - 64, 31, "... at 8k"},
-      {1, 8, 1, 2, kH200, 16 * 1260, 64, "1260 tiles: 5 tiles per warp at 64, 11 at 31 (> 2 x 5)"},
-      {1, 8, 1, 2, kH200, 16 * 1240, 31, "1240 tiles: 5 and 10 (= 2 x 5)"},
-      {1, 8, 1, 1, kH200, 8192 - 64, 32, "an attention call with the window at 8k: 4 tiles per warp (2 x 2)"},
-      {1, 8, 1, 1, kH200, 32768 - 64, 32, "... at 32k: 16 tiles per warp (2 x 8)"},
-      {1, 8, 1, 1, kH200, 5000, 32, "8 kv heads, 5000 tokens: 3 tiles per warp (2 x 2)"},
-      {1, 6, 1, 1, kH200, 8192, 43, "6 kv heads: 264 / 6 - 1"},
-      {1, 8, 1, 1, kH200, 32769, 64, "longer than 32k: the long loop wants 4 CTAs per SM"},
-      {1, 8, 1, 1, kH200, 131072, 64, "128k"},
-      {1, 8, 1, 1, kH200, -1, 64, "no bound"},
-      {1, 8, 17, 1, kH200, 4096, 64, "prefill-sized rows: the usual count"},
+      {1, 8, 32, 1, 1, kH200, 32768, 32, "8 kv heads, 32k: 264 / 8 - 1"},
+      {1, 8, 32, 1, 2, kH200, 4096 - 64, 31, "a fused step with a 64-token window at 4k: - 2"},
+      {1, 8, 32, 1, 2, kH200, 32768 - 64, 64, "... at 32k: 31 splits would give 17 tiles per warp (2 x 8 at 64)"},
+      {1, 8, 32, 1, 2, kH200, 16384 - 64, 31, "... at 16k: 4 tiles per warp at 64 (a short call): trimmed"},
+      {1, 8, 32, 1, 2, kH200, 8192 - 64, 31, "... at 8k"},
+      {1, 8, 32, 1, 2, kH200, 16 * 1260, 64, "1260 tiles: 5 tiles per warp at 64, 11 at 31 (> 2 x 5)"},
+      {1, 8, 32, 1, 2, kH200, 16 * 1240, 31, "1240 tiles: 5 and 10 (= 2 x 5)"},
+      {1, 8, 32, 1, 1, kH200, 8192 - 64, 32, "an attention call with the window at 8k: 4 tiles per warp (2 x 2)"},
+      {1, 8, 32, 1, 1, kH200, 32768 - 64, 32, "... at 32k: 16 tiles per warp (2 x 8)"},
+      {1, 8, 32, 1, 1, kH200, 5000, 32, "8 kv heads, 5000 tokens: 3 tiles per warp (2 x 2)"},
+      {1, 6, 24, 1, 1, kH200, 8192, 43, "6 kv heads: 264 / 6 - 1"},
+      {1, 8, 32, 1, 1, kH200, 32769, 64, "longer than 32k: the long loop wants 4 CTAs per SM"},
+      {1, 8, 32, 1, 1, kH200, 131072, 64, "128k"},
+      {1, 8, 32, 1, 1, kH200, -1, 64, "no bound"},
+      {1, 8, 32, 17, 1, kH200, 4096, 64, "prefill-sized rows: the usual count"},
       // few pairs: filled to 2 CTAs per SM
-      {1, 1, 1, 1, kH200, -1, 254, "1 kv head: min(264 - 1, 254)"},
-      {1, 2, 1, 1, kH200, -1, 131, "2 kv heads: 264 / 2 - 1"},
-      {1, 2, 1, 2, kH200, -1, 130, "2 kv heads, a fused step with fp16 regions"},
-      {1, 1, 1, 1, kNone, -1, 64, "1 kv head, no device"},
-      {1, 1, 17, 1, kH200, -1, 64, "prefill-sized rows (the workspace grows with rows x splits)"},
+      {1, 1, 4, 1, 1, kH200, -1, 254, "1 kv head: min(264 - 1, 254)"},
+      {1, 2, 8, 1, 1, kH200, -1, 131, "2 kv heads: 264 / 2 - 1"},
+      {1, 2, 8, 1, 2, kH200, -1, 130, "2 kv heads, a fused step with fp16 regions"},
+      {1, 1, 4, 1, 1, kNone, -1, 64, "1 kv head, no device"},
+      {1, 1, 4, 17, 1, kH200, -1, 64, "prefill-sized rows (the workspace grows with rows x splits)"},
       // the bound caps the count at the splits that can hold work
-      {1, 1, 1, 1, kH200, 4096, 64, "1 kv head at 4k: 64 splits hold every tile (190 of 254 were empty)"},
-      {1, 2, 1, 1, kH200, 8192, 128, "2 kv heads at 8k"},
-      {1, 1, 1, 1, kH200, 32768, 254, "1 kv head at 32k: the fill"},
-      {1, 8, 1, 1, kH200, 1024, 16, "8 kv heads at 1k"},
-      {1, 8, 1, 1, kH200, 4096, 32, "8 kv heads at 4k: trimmed"},
-      {1, 8, 1, 1, kH200, 0, 1, "everything fp16"},
+      {1, 1, 4, 1, 1, kH200, 4096, 64, "1 kv head at 4k: 64 splits hold every tile (190 of 254 were empty)"},
+      {1, 2, 8, 1, 1, kH200, 8192, 128, "2 kv heads at 8k"},
+      {1, 1, 4, 1, 1, kH200, 32768, 254, "1 kv head at 32k: the fill"},
+      {1, 8, 32, 1, 1, kH200, 1024, 16, "8 kv heads at 1k"},
+      {1, 8, 32, 1, 1, kH200, 4096, 32, "8 kv heads at 4k: trimmed"},
+      {1, 8, 32, 1, 1, kH200, 0, 1, "everything fp16"},
+      // speculative verification: more than 8 query vectors per (sequence, kv head) take two or more passes
+      // over the split's tiles; the trim then stops at 4 tiles per warp at the usual count (16k)
+      {1, 8, 32, 2, 1, kH200, 32768, 32, "2 rows x 4 q heads = 8 vectors: one pass, trimmed at 32k"},
+      {1, 8, 32, 4, 1, kH200, 32768, 64, "4 rows: two passes, 32k keeps 64 (0.98x trimmed)"},
+      {1, 8, 32, 16, 1, kH200, 32768, 64, "16 rows: 32k keeps 64 (0.95x trimmed)"},
+      {1, 8, 32, 16, 1, kH200, 16384, 32, "16 rows at 16k: trimmed (1.01x)"},
+      {1, 8, 32, 4, 1, kH200, 4096, 32, "4 rows at 4k: trimmed (1.17x)"},
+      {1, 8, 64, 2, 1, kH200, 32768, 64, "8 q heads per kv head, 2 rows: two passes"},
   };
   for (const Case& c : cases)
-    EXPECT_EQ(preferred_splits(c.seqs, c.kv_heads, c.rows, c.nraw, c.dev, c.compressed), c.want) << c.why;
+    EXPECT_EQ(preferred_splits(c.seqs, c.kv_heads, c.q_heads, c.rows, c.nraw, c.dev, c.compressed), c.want) << c.why;
 }
 
 TEST(SplitCount, TrimPays) {

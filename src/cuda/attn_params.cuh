@@ -56,7 +56,7 @@ struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared me
 #endif
 // kMinTilesPerSplit, kMaxSplits, kFusedMaxRows: split_count.h
 constexpr int kAttnWarps = 4, kQV = 8;
-static_assert(kAttnWarps == kSplitWarps, "split_count.h counts tiles per warp");
+static_assert(kAttnWarps == kSplitWarps && kQV == kSplitVectors, "split_count.h counts tiles per warp and passes");
 // Partial slots per query vector: nsplit compressed (rotated domain), then up to kRawParts raw-domain
 // ones (the sink/window CTA; a fused step with fp16 regions has two of them)
 constexpr int kRawParts = 2;

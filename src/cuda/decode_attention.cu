@@ -175,8 +175,8 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
 
 // The split count (split_count.h), or FMKV_CUDA_SPLITS=n (1..254) for measurements. max_len: the
 // call's length bound (opts.max_seq_len, 0: unknown) -> the most compressed tokens of a sequence.
-int32_t split_count(const fmkv_config& c, int32_t num_seqs, int64_t rows, int32_t nraw, const SplitDevice& dev,
-                    int64_t max_len) {
+int32_t split_count(const fmkv_config& c, int32_t num_seqs, int32_t q_heads, int64_t rows, int32_t nraw,
+                    const SplitDevice& dev, int64_t max_len) {
   static const int forced = [] {
     const char* e = std::getenv("FMKV_CUDA_SPLITS");
     const int n = e ? std::atoi(e) : 0;
@@ -184,7 +184,7 @@ int32_t split_count(const fmkv_config& c, int32_t num_seqs, int64_t rows, int32_
   }();
   if (forced) return forced;
   const int64_t compressed = max_len > 0 ? compressed_end(c, max_len) - c.sink_tokens : -1;
-  return preferred_splits(num_seqs, c.num_kv_heads, rows, nraw, dev, compressed);
+  return preferred_splits(num_seqs, c.num_kv_heads, q_heads, rows, nraw, dev, compressed);
 }
 
 int64_t align256(int64_t x) { return (x + 255) & ~(int64_t)255; }
@@ -243,7 +243,7 @@ int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64
   // regions (two)
   const SplitDevice dev = split_device(attn_kernel(cfg));
   int32_t ns = 1;
-  for (int32_t nraw = 1; nraw <= 2; ++nraw) ns = std::max(ns, split_count(cfg, num_seqs, max_rows, nraw, dev, max_seq_len));
+  for (int32_t nraw = 1; nraw <= 2; ++nraw) ns = std::max(ns, split_count(cfg, num_seqs, q_heads, max_rows, nraw, dev, max_seq_len));
   return workspace_for(max_rows, q_heads, cfg.head_dim, ns);
 }
 
@@ -260,7 +260,7 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
                                   kAttnDefaultGrid + "; configure with -DFMKV_CUDA_FULL_GRID=ON for every combination)");
   // a fused step with fp16 regions: a second sink/window CTA attends the tokens before the step
   const int32_t nraw = ap != nullptr && c.sink_tokens + c.window_tokens > 0 ? 2 : 1;
-  int32_t ns = split_count(c, a.batch.num_seqs, a.q.rows, nraw, split_device(fn), a.opts.max_seq_len);
+  int32_t ns = split_count(c, a.batch.num_seqs, HQ, a.q.rows, nraw, split_device(fn), a.opts.max_seq_len);
   while (ns > 1 && workspace_for(a.q.rows, HQ, d, ns) > (int64_t)a.workspace_bytes) --ns;
   const int64_t need = workspace_for(a.q.rows, HQ, d, ns);
   if (!a.workspace || (int64_t)a.workspace_bytes < need)

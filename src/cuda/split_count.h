@@ -12,8 +12,10 @@ namespace cuda {
 // pairs would leave SMs idle (one kv head per GPU under tensor parallelism, B = 1); the merge kernel takes
 // one partial's (m, l) per thread (kMaxSplits + kRawParts <= its 256 threads).
 // kFusedMaxRows: rows per sequence of a fused append + attention call (FMKV_FUSED_MAX_ROWS).
-// kSplitWarps: warps per split CTA (kAttnWarps). kTrimTilesPerWarp: see preferred_splits.
-constexpr int kMinTilesPerSplit = 4, kMaxSplits = 254, kFusedMaxRows = 16, kSplitWarps = 4, kTrimTilesPerWarp = 8;
+// kSplitWarps: warps per split CTA (kAttnWarps); kSplitVectors: query vectors a split CTA takes per pass
+// over its tiles (kQV). kTrimTilesPerWarp: see preferred_splits.
+constexpr int kMinTilesPerSplit = 4, kMaxSplits = 254, kFusedMaxRows = 16, kSplitWarps = 4, kSplitVectors = 8,
+              kTrimTilesPerWarp = 8;
 
 // Splits that can hold work when no sequence has more than `compressed` compressed tokens: each split
 // takes >= kMinTilesPerSplit tiles, so ceil(ceil(compressed / 16) / 4) (>= 1); more would only be empty
@@ -58,23 +60,31 @@ inline bool trim_pays(int64_t tiles, int64_t usual, int64_t trimmed) {
 //      - few pairs, usual grid <= 1 CTA per SM: filled up (stop 22): B = 1 with 1 kv head 64 -> 254
 //        splits, 2 kv heads 64 -> 131;
 //      - otherwise, for a short call (a length bound is known and gives at most kTrimTilesPerWarp tiles
-//        per warp at the usual count), trimmed down (stop 23): B = 1 with 8 kv heads 64 -> 32 splits up
+//        per warp at the usual count, half as many when a split CTA makes more than one pass over its
+//        tiles: more than kSplitVectors query vectors per (sequence, kv head), e.g. 4 rows of 4 q heads
+//        per kv head in speculative verification), trimmed down (stop 23): B = 1 with 8 kv heads 64 -> 32 splits up
 //        to 32k tokens (4k 1.16x, 16k 1.09x, 32k 1.02x faster: half the CTAs per SM, half the partials to
 //        merge; at 128k / 1M 32 splits are 0.94x / 0.89x: the long loop wants 4 CTAs per SM) if the trim
 //        pays (trim_pays: a fused step with fp16 regions, nraw = 2, gets 31 splits at 4k but keeps 64 at
 //        8k-32k, stop 24); never above the usual count (4 kv heads stay at 64: 65 would take the wide
-//        merge, 0.967x at stop 22).
+//        merge, 0.967x at stop 22). Multi-row calls (stop 24, B = 1, 8 kv heads, 32 vs 64 splits): 4k
+//        1.07-1.17x for 2-16 rows, 16k 1.01-1.08x; at 32k 2 rows (one pass) 1.01x, 4 / 8 / 16 rows 0.98 /
+//        0.96 / 0.95x -- hence the halved limit.
 //  * A known length bound (`compressed` >= 0: the most compressed tokens any sequence of the call has,
 //    from fmkv_attention_opts.max_seq_len) caps the count at useful_splits(compressed): a short call
 //    launches no empty splits (they cost ~1-1.7 us at 4k with 1-2 kv heads).
-inline int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int64_t rows, int32_t nraw, const SplitDevice& dev,
-                                int64_t compressed) {
+inline int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int32_t q_heads, int64_t rows, int32_t nraw,
+                                const SplitDevice& dev, int64_t compressed) {
   const int64_t seqs = std::max(num_seqs, 1), pairs = seqs * std::max(kv_heads, 1);
+  // passes of a split CTA over its tiles: query vectors per (sequence, kv head) in batches of kSplitVectors
+  const int64_t gq = std::max<int64_t>(q_heads / std::max(kv_heads, 1), 1);
+  const int64_t passes = ceil_div(ceil_div(std::max<int64_t>(rows, 1), seqs) * gq, kSplitVectors);
+  const int64_t trim_tiles = passes > 1 ? kTrimTilesPerWarp / 2 : kTrimTilesPerWarp;
   int64_t ns = std::min<int64_t>(std::max<int64_t>(ceil_div(1056, pairs), 1), 64);
   if (dev.sms > 0 && rows <= (int64_t)kFusedMaxRows * seqs && (ns + nraw) * pairs <= dev.wave()) {
     const int64_t two_per_sm = std::max<int64_t>(dev.target() / pairs - nraw, 1);
     if (2 * (ns + nraw) * pairs <= dev.target()) ns = std::max(ns, two_per_sm);
-    else if (compressed >= 0 && tiles_of(compressed) <= ns * kSplitWarps * kTrimTilesPerWarp &&
+    else if (compressed >= 0 && tiles_of(compressed) <= ns * kSplitWarps * trim_tiles &&
              trim_pays(tiles_of(compressed), ns, two_per_sm))
       ns = std::min(ns, two_per_sm);
   }

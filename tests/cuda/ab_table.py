@@ -25,6 +25,8 @@ def cases(path):
         key = (r["kind"], "k%dv%d" % (r["k_bits"], r["v_bits"]), r["batch"], r["context"], r.get("window", 0))
         if r.get("kv_heads", 8) != 8:  # FMKV_BENCH_KV_HEADS runs (the default shape has 8)
             key += ("kv%d" % r["kv_heads"],)
+        if r.get("q_len", 1) != 1:  # FMKV_BENCH_Q_LEN runs
+            key += ("q%d" % r["q_len"],)
         if r["kind"] == "decode":
             table[key][v].append(r["time_us"])
         else:
@@ -42,7 +44,7 @@ def main():
     base = a.base or order[0]
     others = [v for v in order if v != base]
     w = max([12] + [len(v) for v in order])
-    print("%-40s %*s" % ("case (kind fmt B context window [kvH] [step])", w, base) +
+    print("%-40s %*s" % ("case (kind fmt B context window [kvH] [qN] [step])", w, base) +
           "".join(" %*s %7s" % (w, v, "ratio") for v in others))
     for key in sorted(table, key=str):
         row = table[key]
