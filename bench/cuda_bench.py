@@ -144,7 +144,7 @@ def quantize_only(a):
 def decode_record(r, bt, be, device, commit, suite="cuda_decode"):
     """A cuda_decode.jsonl-style line from the binary's decode record and the same run's SDPA time."""
     return dict(suite=suite, backend="cuda", device=device, commit=commit, op="decode_attention",
-                batch=r["batch"], q_len=1, context=r["context"], head_dim=r["head_dim"], q_heads=r["q_heads"],
+                batch=r["batch"], q_len=r.get("q_len", 1), context=r["context"], head_dim=r["head_dim"], q_heads=r["q_heads"],
                 kv_heads=r["kv_heads"], layers=1, k_bits=r["k_bits"], v_bits=r["v_bits"],
                 page_size=r["page_size"], time_us=r["time_us"], bytes=r["bytes"], gbps=r["gbps"],
                 copy_gbps=r["copy_gbps"], pct_copy_bw=r["pct_copy_bw"], baseline="torch_sdpa_fp16_" + be,
@@ -257,7 +257,7 @@ def main():
         elif r["kind"] == "step":
             bt, be = sdpa[(r["batch"], r["context"])]
             steps.append(dict(suite="cuda_step", backend="cuda", device=device, commit=a.commit,
-                              op="decode_step_append_attention", batch=r["batch"], q_len=1, context=r["context"],
+                              op="decode_step_append_attention", batch=r["batch"], q_len=r.get("q_len", 1), context=r["context"],
                               head_dim=r["head_dim"], q_heads=r["q_heads"], kv_heads=r["kv_heads"], layers=1,
                               k_bits=r["k_bits"], v_bits=r["v_bits"], page_size=r["page_size"],
                               time_us=r["fused_us"], separate_us=r["separate_us"],
