@@ -50,8 +50,8 @@ inline bool trim_pays(int64_t tiles, int64_t usual, int64_t trimmed) {
   const int64_t u = warp_rounds(tiles, usual);
   return u <= kTrimAlwaysRounds || warp_rounds(tiles, trimmed) <= 2 * u;
 }
-// Compressed splits per (sequence, kv head) of a call with num_seqs sequences, kv_heads kv heads, rows
-// query rows in all, nraw raw-domain CTAs per pair (1, or 2 for a fused step with fp16 regions).
+// Compressed splits per (sequence, kv head) of a call with num_seqs sequences, kv_heads kv heads and q_heads
+// q heads, rows query rows in all, nraw raw-domain CTAs per pair (1, or 2 for a fused step with fp16 regions).
 //  * Usual count: ceil(1056 / pairs) capped at 64 (~8 split CTAs per SM on the H200's 132 SMs when there
 //    are many pairs: several waves).
 //  * A decode call (at most 16 query rows per sequence on average: the workspace grows with rows x
@@ -62,11 +62,11 @@ inline bool trim_pays(int64_t tiles, int64_t usual, int64_t trimmed) {
 //      - otherwise, for a short call (a length bound is known and gives at most kTrimTilesPerWarp tiles
 //        per warp at the usual count, half as many when a split CTA makes more than one pass over its
 //        tiles: more than kSplitVectors query vectors per (sequence, kv head), e.g. 4 rows of 4 q heads
-//        per kv head in speculative verification), trimmed down (stop 23): B = 1 with 8 kv heads 64 -> 32 splits up
-//        to 32k tokens (4k 1.16x, 16k 1.09x, 32k 1.02x faster: half the CTAs per SM, half the partials to
-//        merge; at 128k / 1M 32 splits are 0.94x / 0.89x: the long loop wants 4 CTAs per SM) if the trim
-//        pays (trim_pays: a fused step with fp16 regions, nraw = 2, gets 31 splits at 4k but keeps 64 at
-//        8k-32k, stop 24); never above the usual count (4 kv heads stay at 64: 65 would take the wide
+//        per kv head in speculative verification), trimmed down (stop 23): B = 1 with 8 kv heads 64 -> 32
+//        splits up to 32k tokens (4k 1.16x, 16k 1.09x, 32k 1.02x faster: half the CTAs per SM, half the
+//        partials to merge; at 128k / 1M 32 splits are 0.94x / 0.89x: the long loop wants 4 CTAs per SM)
+//        if the trim pays (trim_pays: a fused step with fp16 regions, nraw = 2, gets 31 splits up to 16k
+//        but keeps 64 at 32k, stop 24); never above the usual count (4 kv heads stay at 64: 65 would take the wide
 //        merge, 0.967x at stop 22). Multi-row calls (stop 24, B = 1, 8 kv heads, 32 vs 64 splits): 4k
 //        1.07-1.17x for 2-16 rows, 16k 1.01-1.08x; at 32k 2 rows (one pass) 1.01x, 4 / 8 / 16 rows 0.98 /
 //        0.96 / 0.95x -- hence the halved limit.
