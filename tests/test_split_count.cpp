@@ -92,12 +92,15 @@ TEST(SplitCount, TrimPays) {
   EXPECT_EQ(warp_rounds(2044, 31), 17);
   EXPECT_EQ(warp_rounds(2044, 64), 8);
   EXPECT_EQ(warp_rounds(0, 64), 1);
-  EXPECT_TRUE(trim_pays(252, 64, 31));    // 1 tile per warp at 64, 3 at 31: short
-  EXPECT_TRUE(trim_pays(1020, 64, 31));   // 4 and 9: still short
-  EXPECT_TRUE(trim_pays(1028, 64, 31));   // 5 and 9 <= 2 x 5
-  EXPECT_FALSE(trim_pays(1260, 64, 31));  // 5 and 11 > 2 x 5
-  EXPECT_TRUE(trim_pays(2048, 64, 32));   // 8 and 16 = 2 x 8
-  EXPECT_FALSE(trim_pays(2044, 64, 31));  // 8 and 17 > 2 x 8
+  EXPECT_TRUE(trim_pays(252, 64, 31, 1));    // 1 tile per warp at 64, 3 at 31: short
+  EXPECT_TRUE(trim_pays(1020, 64, 31, 1));   // 4 and 9: still short
+  EXPECT_TRUE(trim_pays(1028, 64, 31, 1));   // 5 and 9 <= 2 x 5
+  EXPECT_FALSE(trim_pays(1260, 64, 31, 1));  // 5 and 11 > 2 x 5
+  EXPECT_TRUE(trim_pays(2048, 64, 32, 1));   // 8 and 16 = 2 x 8
+  EXPECT_FALSE(trim_pays(2044, 64, 31, 1));  // 8 and 17 > 2 x 8
+  EXPECT_FALSE(trim_pays(2304, 64, 32, 1));  // 9 tiles per warp at 64: the long loop wants 4 CTAs per SM
+  EXPECT_FALSE(trim_pays(2048, 64, 32, 2));  // two passes: only up to 4 tiles per warp
+  EXPECT_TRUE(trim_pays(1024, 64, 32, 8));   // 4: short, however many passes
 }
 
 TEST(SplitCount, ConstantsMatchThePublicApi) {
