@@ -15,118 +15,138 @@ namespace cuda {
 static_assert(kFusedMaxRows == FMKV_FUSED_MAX_ROWS, "split_count.h and fmkv.h agree");
 namespace {
 
-// One CTA per (query row, q head): combine the split partials, un-rotate the compressed part once,
-// add the raw-domain (sink/window, fused step) parts, normalise, store. NT threads: 256 for up to 64
-// splits (every call with >= 8 (sequence, kv head) pairs); 1024 (512 at D = 256: registers) for more
-// (few kv heads, preferred_splits), where most splits are empty at short contexts.
-// Thread -> data: thread t < nsplit + nraw loads partial t's (m, l); thread t also takes the float4 of
-// coordinates 4 (t % (D/4)) .. +3 of the partials i = t / (D/4) + k * (NT / (D/4)), and lane c of
-// warp 0 the raw parts' coordinates c + 32 r. The slices of splits < 64 are requested with every other
-// load of the kernel (error word included) before the first is used -- one L2 round trip, then
-// arithmetic: the weights, the weighted slices summed in shared memory, and warp 0 applies the inverse
-// rotation with shuffles and stores. Splits >= 64 (NT > 256): their slices are requested once the
-// weights are known, only where the weight is non-zero and up to the last non-empty split, so a short
-// sequence (its splits >= 64 empty) costs no second round trip.
+// One CTA per (query row, q head): combine the partials -- the compressed splits' and the raw-domain
+// (sink/window, fused step) ones, all in the raw domain (the split CTAs un-rotate theirs) --
+// normalise, store. NT threads: 256 for up to 64 splits (every call with >= 8 (sequence, kv head)
+// pairs); 1024 (512 at D = 256: registers) for more (few kv heads, preferred_splits), where most
+// splits are empty at short contexts.
+// Thread -> data: every warp forms the weights itself from all (m, l) (lane c: partials c + 32 k;
+// shuffles, no barrier; the wide variants stage the (m, l) through shared memory, one load each);
+// thread t takes the float4 of coordinates 4 (t % (D/4)) .. +3 of the partials i = t / (D/4) + k *
+// (NT / (D/4)) (i / 32 is warp-uniform, so a weight is one shuffle). The first kFirst partials (all of
+// them without the wide variant) are requested with every other load of the kernel (error word
+// included) before the first is used -- one L2 round trip -- then the weighted slices are summed in
+// shared memory (one barrier) and thread c < D stores coordinate c. Partials >= kFirst (wide): requested
+// once the weights are known, only where the weight is non-zero and up to the last such partial, so a
+// short sequence (its splits >= 64 empty) costs no second round trip.
 constexpr int kMergeThreads = 256;  // up to 64 splits
 constexpr int merge_threads_wide(int d) { return d > 128 ? 512 : 1024; }
 template <int D, int NT>
 __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
-  constexpr int LPS = D / 4, SL = NT / LPS, NR = D / 32, NW = NT / 32;
+  constexpr int LPS = D / 4, SL = NT / LPS;
   constexpr bool kWide = NT > kMergeThreads;
   static_assert(kMaxSplits + kRawParts <= kMergeThreads, "one thread per partial");
-  constexpr int KMAX = (64 + kMergeThreads / LPS - 1) / (kMergeThreads / LPS);  // slices per thread and round
-  constexpr int ROUND = KMAX * SL;               // splits per round of slices: 64 (NT = 256), 256 (1024), 128 (D = 256, 512)
-  constexpr int KE = kWide ? 64 / SL : KMAX;     // slices per thread of splits < 64 (requested first)
-  static_assert(KE >= 1 && KE * SL == 64, "the first 64 splits in whole slices");
-  constexpr int G = kWide ? SL / 8 : 1;          // wide: slice sums reduced by 8-row groups before warp 0
-  // 16-byte aligned: the compiler reads s_wm / s_wl with vector loads, which must not straddle s_w
-  __shared__ __align__(16) float s_w[kMaxSplits + kRawParts];
-  __shared__ __align__(16) float s_wm[NW];
-  __shared__ __align__(16) float s_wl[NW];
+  constexpr int kFirst = 64 + kRawParts;          // every partial of a call with <= 64 splits
+  constexpr int KE = (kFirst + SL - 1) / SL;      // slices per thread of the first partials
+  constexpr int kRest = kMaxSplits + kRawParts - KE * SL;
+  constexpr int KW = kWide ? ((kRest + SL - 1) / SL < 17 ? (kRest + SL - 1) / SL : 17) : 1;  // per later round
+  constexpr int G = kWide ? SL / 8 : 1;           // wide: slice sums reduced by 8-row groups first
+  constexpr int NPL = kWide ? (kMaxSplits + kRawParts + 31) / 32 : (kFirst + 31) / 32;  // (m, l) per lane
+  static_assert(SL % 2 == 0 && (LPS % 32 == 0 || LPS == 16), "a warp's slices share i / 32");
+  static_assert(D <= NT, "one thread per output coordinate");
   __shared__ __align__(16) float s_red[SL][D];
   __shared__ __align__(16) float s_red8[G][D];
-  __shared__ int s_last;  // wide: the last split with a non-zero weight
+  __shared__ float2 s_ml[kWide ? kMaxSplits + kRawParts : 1];
   // Launched as a programmatic dependent of attn_kernel (sm_90): wait until its partials are written.
   FMKV_TRACE(p, 1, 0);
-  if (kWide && threadIdx.x == 0) s_last = -1;
   grid_dependency_wait();
   const int64_t row = blockIdx.x;
-  const int hq = blockIdx.y, t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  const int hq = blockIdx.y, t = threadIdx.x, lane = t & 31;
   const int nparts = p.nsplit + p.nraw;
   const int64_t base = (row * p.HQ + hq) * (p.nsplit + kRawParts);
-  const int sl = t / LPS, j = t % LPS;  // slice sl of the splits, coordinates 4 j .. 4 j + 3
+  const int sl = t / LPS, j = t % LPS;  // slice sl of the partials, coordinates 4 j .. 4 j + 3
   // All loads first. A partial's acc is used only when its weight is non-zero (an empty split
   // writes only (m, l) = (-inf, 0), so its acc slot holds stale bytes, loaded but never used).
   const bool upstream_error = error_set(p.err);
-  const float2 ml = t < nparts ? load_now(p.part_ml + base + t) : make_float2(-INFINITY, 0.0f);
-  float4 xs[KMAX];
+  float2 ml[NPL];
+  if constexpr (kWide) {
+    ml[0] = t < nparts ? load_now(p.part_ml + base + t) : make_float2(-INFINITY, 0.0f);
+  } else {
+#pragma unroll
+    for (int k = 0; k < NPL; ++k)
+      ml[k] = lane + 32 * k < nparts ? load_now(p.part_ml + base + lane + 32 * k) : make_float2(-INFINITY, 0.0f);
+  }
+  float4 xs[KE > KW ? KE : KW];
   const float4* pa = reinterpret_cast<const float4*>(p.part_acc + base * D) + j;
 #pragma unroll
   for (int k = 0; k < KE; ++k)
-    xs[k] = sl + k * SL < p.nsplit ? load_now(pa + (int64_t)(sl + k * SL) * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  float raw[kRawParts][NR];
-#pragma unroll
-  for (int k = 0; k < kRawParts; ++k)
-#pragma unroll
-    for (int r = 0; r < NR; ++r)
-      raw[k][r] = warp == 0 && k < p.nraw ? load_now(p.part_acc + (base + p.nsplit + k) * D + lane + 32 * r) : 0.0f;
+    xs[k] = sl + k * SL < nparts ? load_now(pa + (int64_t)(sl + k * SL) * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   if (upstream_error) return;
+  if constexpr (kWide) {
+    if (t < kMaxSplits + kRawParts) s_ml[t] = ml[0];
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < NPL; ++k) ml[k] = s_ml[lane + 32 * k];
+  }
   FMKV_TRACE(p, 1, 1);
-  // weights exp(m_i - M) and L = sum l_i exp(m_i - M)
-  float m = ml.x;
+  // weights f_i = exp(m_i - M) (partial i: lane i % 32, register i / 32 of every warp) and
+  // L = sum l_i f_i, formed by every warp alike
+  float M = -INFINITY;
 #pragma unroll
-  for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) s_wm[warp] = m;
-  __syncthreads();
-  float M = s_wm[0];
+  for (int k = 0; k < NPL; ++k) M = fmaxf(M, ml[k].x);
 #pragma unroll
-  for (int w = 1; w < NW; ++w) M = fmaxf(M, s_wm[w]);
-  const float f = ml.x == -INFINITY ? 0.0f : exp2f((ml.x - M) * kLog2e);
-  if (t < nparts) s_w[t] = f;
-  if (kWide && t < p.nsplit && f != 0.0f) atomicMax(&s_last, t);
-  float l = ml.y * f;
+  for (int o = 16; o >= 1; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  float f[NPL], L = 0.0f;
 #pragma unroll
-  for (int o = 16; o >= 1; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-  if (lane == 0) s_wl[warp] = l;
-  __syncthreads();
+  for (int k = 0; k < NPL; ++k) {
+    f[k] = ml[k].x == -INFINITY ? 0.0f : fast_exp2((ml[k].x - M) * kLog2e);
+    L += ml[k].y * f[k];
+  }
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+  auto weight = [&](int i) -> float {  // f_i (0 past the partials)
+    if constexpr (kWide) {  // from the staged (m, l): a register chosen by a runtime index would be local memory
+      const float m = i < nparts ? s_ml[i].x : -INFINITY;
+      return m == -INFINITY ? 0.0f : fast_exp2((m - M) * kLog2e);
+    } else {  // by a shuffle from the lane that holds it (i / 32 is warp-uniform)
+      float x = f[0];
+#pragma unroll
+      for (int k = 1; k < NPL; ++k)
+        if ((i >> 5) == k) x = f[k];
+      x = __shfl_sync(0xffffffffu, x, i & 31);
+      return i < nparts ? x : 0.0f;
+    }
+  };
   FMKV_TRACE(p, 1, 2);
-  // compressed partials: slice sl of the splits, coordinates 4 j .. 4 j + 3
+  // slice sl of the partials, coordinates 4 j .. 4 j + 3
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
   for (int k = 0; k < KE; ++k) {
-    const int i = sl + k * SL;
-    if (i < p.nsplit) {
-      const float w = s_w[i];
-      if (w != 0.0f) {  // (w == 0 when M = -inf too)
-        acc.x += w * xs[k].x;
-        acc.y += w * xs[k].y;
-        acc.z += w * xs[k].z;
-        acc.w += w * xs[k].w;
-      }
+    const float w = weight(sl + k * SL);
+    if (w != 0.0f) {  // (w == 0 when M = -inf too)
+      acc.x += w * xs[k].x;
+      acc.y += w * xs[k].y;
+      acc.z += w * xs[k].z;
+      acc.w += w * xs[k].w;
     }
   }
-  if constexpr (kWide) {  // splits 64 .. last non-empty one: one round (two at D = 256 beyond 192 splits)
-    const int last = s_last;
-    for (int i0 = 64; i0 <= last; i0 += ROUND) {
+  if constexpr (kWide) {  // partials KE SL .. the last with a non-zero weight, in rounds of KW SL
+    int last = -1;
 #pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
+    for (int k = 0; k < NPL; ++k) {
+      const unsigned b = __ballot_sync(0xffffffffu, f[k] != 0.0f && 32 * k + lane < nparts);
+      if (b) last = 32 * k + 31 - __clz((int)b);
+    }
+    for (int i0 = KE * SL; i0 <= last; i0 += KW * SL) {
+      float wk[KW];
+#pragma unroll
+      for (int k = 0; k < KW; ++k) {
         const int i = i0 + sl + k * SL;
-        xs[k] = i <= last && s_w[i] != 0.0f ? load_now(pa + (int64_t)i * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        wk[k] = i <= last ? weight(i) : 0.0f;
+        xs[k] = wk[k] != 0.0f ? load_now(pa + (int64_t)i * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
 #pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
-        const int i = i0 + sl + k * SL;
-        const float w = i <= last ? s_w[i] : 0.0f;  // (xs[k] = 0 where w == 0)
-        acc.x += w * xs[k].x;
-        acc.y += w * xs[k].y;
-        acc.z += w * xs[k].z;
-        acc.w += w * xs[k].w;
+      for (int k = 0; k < KW; ++k) {  // (xs[k] = 0 where the weight is 0)
+        acc.x += wk[k] * xs[k].x;
+        acc.y += wk[k] * xs[k].y;
+        acc.z += wk[k] * xs[k].z;
+        acc.w += wk[k] * xs[k].w;
       }
     }
   }
   *reinterpret_cast<float4*>(&s_red[sl][4 * j]) = acc;
   __syncthreads();
-  if constexpr (kWide) {  // SL rows -> G rows of 8 (warp 0 then sums G rows, as it sums 8 for NT = 256)
+  if constexpr (kWide) {  // SL rows -> G rows of 8
     if (t < G * D) {
       const int g = t / D, c = t % D;
       float a = 0.0f;
@@ -137,39 +157,20 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
     __syncthreads();
   }
   FMKV_TRACE(p, 1, 3);
-  if (warp != 0) return;
-  float L = 0.0f;
+  if (t >= D) return;
+  float o = 0.0f;
+  if constexpr (kWide) {
 #pragma unroll
-  for (int w = 0; w < NW; ++w) L += s_wl[w];
-  float y[NR];
+    for (int k = 0; k < G; ++k) o += s_red8[k][t];
+  } else {
 #pragma unroll
-  for (int r = 0; r < NR; ++r) {
-    float a = 0.0f;
-    if constexpr (kWide) {
-#pragma unroll
-      for (int k = 0; k < G; ++k) a += s_red8[k][lane + 32 * r];
-    } else {
-#pragma unroll
-      for (int k = 0; k < SL; ++k) a += s_red[k][lane + 32 * r];
-    }
-    y[r] = a;
+    for (int k = 0; k < SL; ++k) o += s_red[k][t];
   }
-  warp_unrotate<D>(y, p.sw, lane);
-  float wraw[kRawParts];
-#pragma unroll
-  for (int k = 0; k < kRawParts; ++k) wraw[k] = k < p.nraw ? s_w[p.nsplit + k] : 0.0f;
-#pragma unroll
-  for (int r = 0; r < NR; ++r) {
-    const int c = lane + 32 * r;
-    float o = y[r];
-#pragma unroll
-    for (int k = 0; k < kRawParts; ++k) o += wraw[k] != 0.0f ? raw[k][r] * wraw[k] : 0.0f;  // (stale when w == 0)
-    o /= L;
-    const int64_t off = row * p.o_rs + hq * p.o_hs + c;
-    if (p.o_dtype == FMKV_F32) ((float*)p.out)[off] = o;
-    else if (p.o_dtype == FMKV_F16) ((uint16_t*)p.out)[off] = f32_to_f16(o);
-    else ((uint16_t*)p.out)[off] = f32_to_bf16(o);
-  }
+  o *= 1.0f / L;
+  const int64_t off = row * p.o_rs + hq * p.o_hs + t;
+  if (p.o_dtype == FMKV_F32) ((float*)p.out)[off] = o;
+  else if (p.o_dtype == FMKV_F16) ((uint16_t*)p.out)[off] = f32_to_f16(o);
+  else ((uint16_t*)p.out)[off] = f32_to_bf16(o);
   FMKV_TRACE(p, 1, 7, kTraceMerge);
 }
 

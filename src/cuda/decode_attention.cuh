@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   using TG = TileGeom<D, KB, VB>;
   constexpr int NST = TG::stages, TB = TG::bytes;
   // Dynamic shared memory: tile staging (per warp NST x TB bytes), reused by the combination of the
-  // 4 warps (sm_acc; __syncthreads() separates the phases), then Q rotation (sq, its own region: the
+  // 4 warps (each warp's (m, l, O) in its own stages, or sm_acc where they do not fit), then Q rotation (sq, its own region: the
   // first tiles are in flight while Q is rotated).
   extern __shared__ __align__(16) uint8_t smem[];
   float(*sq)[D] = reinterpret_cast<float(*)[D]>(smem + TG::smem);
@@ -195,8 +195,8 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   __shared__ uint32_t s_tab[8][32];
   __shared__ uint32_t s_pow2[16];  // 1 << i (see kmul)
   __shared__ uint2 s_qb[kAttnWarps][G][2][32];  // each warp's copy of its lanes' Q fragments (B operand)
-  __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV], s_f[kAttnWarps][kQV];
-  __shared__ int64_t s_idx[kQV], s_vpos[kQV], s_vpart[kQV];
+  __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV];
+  __shared__ int64_t s_vpos[kQV], s_vpart[kQV];
   FMKV_TRACE(p, 0, 0);
   const int s = blockIdx.z, h = blockIdx.y, sp = blockIdx.x;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31, gID = lane >> 2, tid = lane & 3;
@@ -687,8 +687,16 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     }
     FMKV_TRACE(p, 0, 6);
 
-    __syncthreads();  // every warp is done with its stages: sm_acc reuses their memory
-    // ---- combine the 4 warps, write this split's partial
+    // ---- combine the 4 warps, write this split's partial. A warp's (m, l, O) go to its own stages when
+    // they fit (no other warp touches those: no barrier before the stores), else to sm_acc (which
+    // overlaps the other warps' stages: wait for them first). One barrier, then thread -> data: vector
+    // i = tidx / 16 of the pass, float4 columns 4 (tidx % 16) + 64 u (u < D / 64); each thread forms
+    // its vector's combined max, the warps' factors and sum itself (no second barrier), and the half
+    // warp of the vector applies the inverse rotation (the partial is stored in the raw domain).
+    constexpr bool kOwnStage = NST * TB >= kQV * D * 4;
+    float* const wacc = kOwnStage ? reinterpret_cast<float*>(wst) : &sm_acc[warp][0][0];
+    if constexpr (kOwnStage) __syncwarp();  // every lane's copies (zero fills included) have landed
+    else __syncthreads();                   // every warp is done with its stages
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -704,41 +712,53 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-          sm_acc[warp][2 * tid + (k & 1)][VB == 4 ? 32 * g + 4 * gID + 2 * mt + (k >> 1)
-                                                 : 32 * g + 2 * gID + mt + ((k & 2) ? 16 : 0)] = acc[g][mt][k];
+          wacc[(2 * tid + (k & 1)) * D + (VB == 4 ? 32 * g + 4 * gID + 2 * mt + (k >> 1)
+                                                  : 32 * g + 2 * gID + mt + ((k & 2) ? 16 : 0))] = acc[g][mt][k];
     __syncthreads();
-    // per query vector (thread i < kQV): the combined max / sum, each warp's factor, the partial's index
-    if (tidx < kQV) {
-      const int i = tidx;
-      const int64_t v = vb + i;
+    {
+      constexpr int TPV = 128 / kQV, NU = D / (4 * TPV);  // threads per vector, float4 columns per thread
+      static_assert(TPV == 16 && NU * 64 == D, "a half warp per vector (half_warp_unrotate's mapping)");
+      const int i = tidx / TPV, c0 = 4 * (tidx % TPV);
       float M = -INFINITY;
 #pragma unroll
       for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm_m[w][i]);
-      float L = 0.0f;
+      float f[kAttnWarps], L = 0.0f;
 #pragma unroll
       for (int w = 0; w < kAttnWarps; ++w) {
-        const float f = M == -INFINITY ? 0.0f : exp2f((sm_m[w][i] - M) * kLog2e);
-        s_f[w][i] = f;
-        L += sm_l[w][i] * f;
+        f[w] = M == -INFINITY ? 0.0f : fast_exp2((sm_m[w][i] - M) * kLog2e);
+        L += sm_l[w][i] * f[w];
       }
-      int64_t idx = -1;
-      if (v < nqv) {
-        idx = s_vpart[i] + sp;
-        p.part_ml[idx] = make_float2(M, L);
-      }
-      s_idx[i] = idx;
-    }
-    __syncthreads();
-    for (int e = tidx; e < kQV * D; e += blockDim.x) {
-      const int i = e / D, c = e % D;
-      const int64_t idx = s_idx[i];
-      if (idx < 0) continue;
-      float A = 0.0f;
+      float y[4 * NU];
 #pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) A += sm_acc[w][i][c] * s_f[w][i];
-      p.part_acc[idx * D + c] = A;
+      for (int u = 0; u < NU; ++u) {
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int w = 0; w < kAttnWarps; ++w) {
+          const float* src = kOwnStage ? reinterpret_cast<const float*>(smem + w * NST * TB) : &sm_acc[w][0][0];
+          const float4 x = *reinterpret_cast<const float4*>(src + i * D + c0 + 64 * u);
+          a.x += x.x * f[w];
+          a.y += x.y * f[w];
+          a.z += x.z * f[w];
+          a.w += x.w * f[w];
+        }
+        y[4 * u] = a.x;
+        y[4 * u + 1] = a.y;
+        y[4 * u + 2] = a.z;
+        y[4 * u + 3] = a.w;
+      }
+      // the partial leaves in the raw domain (the merge then needs no rotation: it is linear), every
+      // thread taking part in the shuffles (vectors past the call's are computed on (-inf, 0) and dropped)
+      half_warp_unrotate<D>(y, p.sw, tidx % TPV);
+      if (vb + i < nqv) {
+        const int64_t idx = s_vpart[i] + sp;
+        if (c0 == 0) p.part_ml[idx] = make_float2(M, L);
+#pragma unroll
+        for (int u = 0; u < NU; ++u)
+          *reinterpret_cast<float4*>(p.part_acc + idx * D + c0 + 64 * u) =
+              make_float4(y[4 * u], y[4 * u + 1], y[4 * u + 2], y[4 * u + 3]);
+      }
     }
-    __syncthreads();
+    if (vb + kQV < nqv) __syncthreads();  // the next pass rewrites the stages, s_vpart and sm_m / sm_l
   }
   FMKV_TRACE(p, 0, 7, kTraceSplit);
   grid_dependents_launch();  // the merge kernel may start launching (it waits for this grid's writes)

@@ -155,6 +155,45 @@ __device__ __forceinline__ void warp_unrotate(float (&y)[D / 32], const SignWord
   }
 }
 
+// The same inverse rotation of one vector held by the 16 lanes of a half warp (l = lane % 16): y[4 u + e]
+// is coordinate 4 l + 64 u + e (u < D / 64, e < 4). Index bits 0-1 (e) and 6.. (u) are butterflies in
+// the thread, bits 2-5 (l) shuffles with xor 1, 2, 4, 8 (they stay in the half warp). Every lane of the
+// warp must take part (both halves, each with its own vector).
+template <int D>
+__device__ __forceinline__ void half_warp_unrotate(float (&y)[D / 16], const SignWords& sw, int l) {
+  constexpr int NU = D / 64;
+#pragma unroll
+  for (int he = 1; he < 4; he <<= 1)
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k)
+      if ((k & he) == 0) {
+        const float a = y[k], b = y[k + he];
+        y[k] = a + b;
+        y[k + he] = a - b;
+      }
+#pragma unroll
+  for (int hl = 1; hl < 16; hl <<= 1)
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+      const float o = __shfl_xor_sync(kFull, y[k], hl);
+      y[k] = (l & hl) ? o - y[k] : y[k] + o;
+    }
+#pragma unroll
+  for (int hu = 1; hu < NU; hu <<= 1)
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k)
+      if (((k >> 2) & hu) == 0) {
+        const float a = y[k], b = y[k + 4 * hu];
+        y[k] = a + b;
+        y[k + 4 * hu] = a - b;
+      }
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    y[k] *= rotation_norm(D);
+    if (sign_negative(sw, 4 * l + 64 * (k >> 2) + (k & 3))) y[k] = -y[k];
+  }
+}
+
 // Quantize all NR groups of a warp-held vector (y[g] = coordinate lane of group g) and write their
 // code words (planes; nibble words for 4 bits) and scales, bit-exact with the reference (FORMAT.md
 // 4-6): per group rms = sqrt(tree_sum(y^2) / 32) -> fp16 s0; codes of y / s0 against the midpoint
