@@ -64,7 +64,14 @@ def test_ppl_smoke(model_tok):
 def test_fused_kernel_path_equals_dequantize_then_attend(model_tok, monkeypatch):
     """24 tokens decoded one by one through FmkvCache (fused kernel on the compressed cache):
     every layer's output equals dequantize-then-attend on the same K/V; the sequence NLL matches
-    the batched evaluation path closely."""
+    the batched evaluation path within its noise.
+
+    The two paths round K/V differently (decode GEMVs vs the batched GEMMs: their fp16 log-probabilities
+    differ by <= 6e-3 per token), and a 3-bit code next to a decision threshold then flips: measured on
+    this text (x86 CI machines, 2026-12-01), per-token log-probabilities of the two k3v3 paths differ by
+    up to 0.9 nats (2.0 over 63 tokens), the mean over 23 tokens by 0.085 with a standard error of 0.063
+    (0.003 +- 0.052 over 63). So the bound adds 3 standard errors of the per-token differences; an error
+    in the fused path itself is caught exactly by the per-layer check, with identical inputs."""
     import fmkv.hf as fhf
     from test_hf import check_fused_against_dequantized, record_fused
 
@@ -92,5 +99,7 @@ def test_fused_kernel_path_equals_dequantize_then_attend(model_tok, monkeypatch)
         P.set_attn(model, "sdpa")
     tgt = seq[0, 1:, None]
     nll = lambda lp: -lp.gather(1, tgt).mean().item()  # noqa: E731
-    print(f"nll fused {nll(fused):.4f} dequantized {nll(ref):.4f} fp16 {nll(fp):.4f}")
-    assert abs(nll(fused) - nll(ref)) < 0.02 + 0.25 * abs(nll(ref) - nll(fp))
+    d = (fused - ref).gather(1, tgt)[:, 0]  # per-token log-probability differences
+    se = d.std().item() / math.sqrt(d.numel())
+    print(f"nll fused {nll(fused):.4f} dequantized {nll(ref):.4f} fp16 {nll(fp):.4f} (standard error {se:.4f})")
+    assert abs(nll(fused) - nll(ref)) < 0.02 + 0.25 * abs(nll(ref) - nll(fp)) + 3 * se
