@@ -126,72 +126,60 @@ __device__ __forceinline__ void warp_rotate(float (&v)[D / 32], const SignWords&
   for (int r = 0; r < NR; ++r) v[r] = __fmul_rn(v[r], norm);
 }
 
+// FWHT butterflies (a, b) -> (a + b, a - b) for the inverse rotations below (not part of the format, so
+// ordinary float arithmetic): in the thread over register-index bits h, H0 <= h < H1 (pairs k, k + h with
+// bit h of k clear), or across lanes over lane bits h (the lane with bit h clear keeps the sum).
+template <int H0, int H1, int N>
+__device__ __forceinline__ void butterflies_in_thread(float (&y)[N]) {
+#pragma unroll
+  for (int h = H0; h < H1; h <<= 1)
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+      if ((k & h) == 0) {
+        const float a = y[k], b = y[k + h];
+        y[k] = a + b;
+        y[k + h] = a - b;
+      }
+}
+template <int H0, int H1, int N>
+__device__ __forceinline__ void butterflies_across_lanes(float (&y)[N], int lane) {
+#pragma unroll
+  for (int h = H0; h < H1; h <<= 1)
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float o = __shfl_xor_sync(kFull, y[k], h);
+      y[k] = (lane & h) ? o - y[k] : y[k] + o;
+    }
+}
+// The last step of an inverse rotation: y[k] (coordinate coord(k)) x 1/sqrt(D), then its sign.
+template <int D, int N, class Coord>
+__device__ __forceinline__ void unrotate_scale_signs(float (&y)[N], const SignWords& sw, Coord coord) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    y[k] *= rotation_norm(D);
+    if (sign_negative(sw, coord(k))) y[k] = -y[k];
+  }
+}
+
 // Inverse rotation of one vector held by a warp (y[r] = rotated coordinate lane + 32 r): x = signs x
-// FWHT(y) / sqrt(D) (the Sylvester FWHT is its own inverse up to the factor D). Not part of the
-// format, so ordinary float arithmetic.
+// FWHT(y) / sqrt(D) (the Sylvester FWHT is its own inverse up to the factor D).
 template <int D>
 __device__ __forceinline__ void warp_unrotate(float (&y)[D / 32], const SignWords& sw, int lane) {
-  constexpr int NR = D / 32;
-#pragma unroll
-  for (int hh = 1; hh < 32; hh <<= 1)
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      const float o = __shfl_xor_sync(kFull, y[r], hh);
-      y[r] = (lane & hh) ? o - y[r] : y[r] + o;
-    }
-#pragma unroll
-  for (int hr = 1; hr < NR; hr <<= 1)
-#pragma unroll
-    for (int r = 0; r < NR; ++r)
-      if ((r & hr) == 0) {
-        const float a = y[r], b = y[r + hr];
-        y[r] = a + b;
-        y[r + hr] = a - b;
-      }
-#pragma unroll
-  for (int r = 0; r < NR; ++r) {
-    y[r] *= rotation_norm(D);
-    if (sign_negative(sw, lane + 32 * r)) y[r] = -y[r];
-  }
+  butterflies_across_lanes<1, 32>(y, lane);
+  butterflies_in_thread<1, D / 32>(y);
+  unrotate_scale_signs<D>(y, sw, [&](int r) { return lane + 32 * r; });
 }
 
 // The same inverse rotation of one vector held by the 16 lanes of a half warp (l = lane % 16): y[4 u + e]
 // is coordinate 4 l + 64 u + e (u < D / 64, e < 4). Index bits 0-1 (e) and 6.. (u) are butterflies in
-// the thread, bits 2-5 (l) shuffles with xor 1, 2, 4, 8 (they stay in the half warp). Every lane of the
-// warp must take part (both halves, each with its own vector).
+// the thread (register bits 0-1 and 2..), bits 2-5 (l) shuffles with xor 1, 2, 4, 8 (they stay in the
+// half warp). Every lane of the warp must take part (both halves, each with its own vector).
 template <int D>
 __device__ __forceinline__ void half_warp_unrotate(float (&y)[D / 16], const SignWords& sw, int l) {
-  constexpr int NU = D / 64;
-#pragma unroll
-  for (int he = 1; he < 4; he <<= 1)
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k)
-      if ((k & he) == 0) {
-        const float a = y[k], b = y[k + he];
-        y[k] = a + b;
-        y[k + he] = a - b;
-      }
-#pragma unroll
-  for (int hl = 1; hl < 16; hl <<= 1)
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k) {
-      const float o = __shfl_xor_sync(kFull, y[k], hl);
-      y[k] = (l & hl) ? o - y[k] : y[k] + o;
-    }
-#pragma unroll
-  for (int hu = 1; hu < NU; hu <<= 1)
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k)
-      if (((k >> 2) & hu) == 0) {
-        const float a = y[k], b = y[k + 4 * hu];
-        y[k] = a + b;
-        y[k + 4 * hu] = a - b;
-      }
-#pragma unroll
-  for (int k = 0; k < D / 16; ++k) {
-    y[k] *= rotation_norm(D);
-    if (sign_negative(sw, 4 * l + 64 * (k >> 2) + (k & 3))) y[k] = -y[k];
-  }
+  butterflies_in_thread<1, 4>(y);
+  butterflies_across_lanes<1, 16>(y, l);
+  butterflies_in_thread<4, D / 16>(y);
+  unrotate_scale_signs<D>(y, sw, [&](int k) { return 4 * l + 64 * (k >> 2) + (k & 3); });
 }
 
 // Quantize all NR groups of a warp-held vector (y[g] = coordinate lane of group g) and write their
