@@ -76,6 +76,19 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// Combining partial softmax results: the weight exp(m - M) of a partial whose (natural-log) running max
+// is m, against the combined max M >= m; 0 for an empty partial (m = -inf, also when M = -inf).
+__device__ __forceinline__ float partial_weight(float m, float M) {
+  return m == -INFINITY ? 0.0f : fast_exp2((m - M) * kLog2e);
+}
+// a += w x (componentwise), the weighted sum of partial accumulators.
+__device__ __forceinline__ void add_weighted(float4& a, float w, const float4& x) {
+  a.x += w * x.x;
+  a.y += w * x.y;
+  a.z += w * x.z;
+  a.w += w * x.w;
+}
+
 // a / b for a >= 0, b > 0: a 32-bit division when a fits, which is every practical case (the 64-bit
 // division is a long subroutine).
 __device__ __forceinline__ int64_t div_small(int64_t a, int32_t b) {

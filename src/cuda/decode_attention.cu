@@ -89,15 +89,14 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
   float f[NPL], L = 0.0f;
 #pragma unroll
   for (int k = 0; k < NPL; ++k) {
-    f[k] = ml[k].x == -INFINITY ? 0.0f : fast_exp2((ml[k].x - M) * kLog2e);
+    f[k] = partial_weight(ml[k].x, M);
     L += ml[k].y * f[k];
   }
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
   auto weight = [&](int i) -> float {  // f_i (0 past the partials)
     if constexpr (kWide) {  // from the staged (m, l): a register chosen by a runtime index would be local memory
-      const float m = i < nparts ? s_ml[i].x : -INFINITY;
-      return m == -INFINITY ? 0.0f : fast_exp2((m - M) * kLog2e);
+      return partial_weight(i < nparts ? s_ml[i].x : -INFINITY, M);
     } else {  // by a shuffle from the lane that holds it (i / 32 is warp-uniform)
       float x = f[0];
 #pragma unroll
@@ -113,12 +112,7 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
 #pragma unroll
   for (int k = 0; k < KE; ++k) {
     const float w = weight(sl + k * SL);
-    if (w != 0.0f) {  // (w == 0 when M = -inf too)
-      acc.x += w * xs[k].x;
-      acc.y += w * xs[k].y;
-      acc.z += w * xs[k].z;
-      acc.w += w * xs[k].w;
-    }
+    if (w != 0.0f) add_weighted(acc, w, xs[k]);  // (w == 0 when M = -inf too)
   }
   if constexpr (kWide) {  // partials KE SL .. the last with a non-zero weight, in rounds of KW SL
     int last = -1;
@@ -136,12 +130,7 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
         xs[k] = wk[k] != 0.0f ? load_now(pa + (int64_t)i * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
 #pragma unroll
-      for (int k = 0; k < KW; ++k) {  // (xs[k] = 0 where the weight is 0)
-        acc.x += wk[k] * xs[k].x;
-        acc.y += wk[k] * xs[k].y;
-        acc.z += wk[k] * xs[k].z;
-        acc.w += wk[k] * xs[k].w;
-      }
+      for (int k = 0; k < KW; ++k) add_weighted(acc, wk[k], xs[k]);  // (xs[k] = 0 where the weight is 0)
     }
   }
   *reinterpret_cast<float4*>(&s_red[sl][4 * j]) = acc;

@@ -725,7 +725,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
       float f[kAttnWarps], L = 0.0f;
 #pragma unroll
       for (int w = 0; w < kAttnWarps; ++w) {
-        f[w] = M == -INFINITY ? 0.0f : fast_exp2((sm_m[w][i] - M) * kLog2e);
+        f[w] = M == -INFINITY ? 0.0f : fast_exp2((sm_m[w][i] - M) * kLog2e);  // (M = -inf: every warp empty)
         L += sm_l[w][i] * f[w];
       }
       float y[4 * NU];
@@ -735,11 +735,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
 #pragma unroll
         for (int w = 0; w < kAttnWarps; ++w) {
           const float* src = kOwnStage ? reinterpret_cast<const float*>(smem + w * NST * TB) : &sm_acc[w][0][0];
-          const float4 x = *reinterpret_cast<const float4*>(src + i * D + c0 + 64 * u);
-          a.x += x.x * f[w];
-          a.y += x.y * f[w];
-          a.z += x.z * f[w];
-          a.w += x.w * f[w];
+          add_weighted(a, f[w], *reinterpret_cast<const float4*>(src + i * D + c0 + 64 * u));
         }
         y[4 * u] = a.x;
         y[4 * u + 1] = a.y;
