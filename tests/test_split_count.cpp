@@ -11,6 +11,7 @@ namespace {
 
 const SplitDevice kH200{132, 4};
 const SplitDevice kH200d256{132, 2};  // d = 256: 2 CTAs per SM
+const SplitDevice kH200r3{132, 4, 3};  // d <= 128 since stop 27: planned as 4 per SM, 3 resident (396)
 const SplitDevice kNone{};
 
 TEST(SplitCount, UsefulSplitsFollowTheLength) {
@@ -40,10 +41,12 @@ TEST(SplitCount, Rule) {
       // grids of more than one wave keep ceil(1056 / pairs) capped at 64
       {64, 8, 32, 64, 1, kH200, -1, 3, "B = 64 x 8 kv heads"},
       {64, 8, 32, 64, 1, kH200, 32768, 3, "B = 64: a bound the count cannot use changes nothing"},
-      {2, 8, 32, 2, 1, kH200, 4096, 64, "B = 2 x 8 kv heads: 1040 CTAs, two waves"},
+      {2, 8, 32, 2, 1, kH200, 4096, 15, "B = 2 x 8 kv heads at 4k: 1040 CTAs, two waves, trimmed (stop 27)"},
+      {2, 8, 32, 2, 1, kH200, 131072, 64, "B = 2 x 8 kv heads at 128k: two waves"},
       {1, 8, 32, 1, 1, kNone, 4096, 64, "no device: the usual count"},
       {1, 4, 16, 1, 1, kH200, 4096, 64, "4 kv heads: 2 per SM would be 65 (the wide merge)"},
-      {1, 8, 32, 1, 1, kH200d256, 4096, 64, "d = 256 (2 CTAs per SM): 520 CTAs are two waves"},
+      {1, 8, 32, 1, 1, kH200d256, 4096, 32, "d = 256 (2 CTAs per SM) at 4k: 520 CTAs, two waves, trimmed"},
+      {1, 8, 32, 1, 1, kH200d256, 131072, 64, "d = 256 at 128k: two waves"},
       // short bounded one-wave calls: 2 CTAs per SM (at most 8 tiles per warp at the usual count: 32k)
       {1, 8, 32, 1, 1, kH200, 32768, 32, "8 kv heads, 32k: 264 / 8 - 1"},
       {1, 8, 32, 1, 2, kH200, 4096 - 64, 31, "a fused step with a 64-token window at 4k: - 2"},
@@ -81,6 +84,65 @@ TEST(SplitCount, Rule) {
       {1, 8, 32, 16, 1, kH200, 16384, 32, "16 rows at 16k: trimmed (1.01x)"},
       {1, 8, 32, 4, 1, kH200, 4096, 32, "4 rows at 4k: trimmed (1.17x)"},
       {1, 8, 64, 2, 1, kH200, 32768, 64, "8 q heads per kv head, 2 rows: two passes"},
+      // 3 resident CTAs per SM: a one-wave grid of the 4-per-SM plan beyond 396 CTAs is cut to 396
+      {1, 8, 32, 1, 1, kH200r3, 131072, 48, "128k: 65 x 8 = 520 CTAs -> 396 / 8 - 1"},
+      {1, 8, 32, 1, 1, kH200r3, -1, 48, "no bound"},
+      {1, 8, 32, 1, 2, kH200r3, 32768 - 64, 47, "a fused step with a window at 32k: 396 / 8 - 2"},
+      {1, 8, 32, 4, 1, kH200r3, 32768, 48, "4 rows at 32k"},
+      {1, 7, 28, 1, 1, kH200r3, -1, 55, "7 kv heads: 65 x 7 = 455 -> 396 / 7 - 1"},
+      {1, 8, 32, 1, 1, kH200r3, 32768, 32, "32k: trimmed to 264 CTAs, which fit"},
+      {1, 8, 32, 1, 1, kH200r3, 4096, 32, "4k: trimmed"},
+      {1, 8, 32, 1, 2, kH200r3, 4096 - 64, 31, "a fused step with a window at 4k: trimmed"},
+      {1, 4, 16, 1, 1, kH200r3, -1, 64, "4 kv heads: 260 CTAs fit"},
+      {1, 2, 8, 1, 1, kH200r3, -1, 131, "2 kv heads: filled to 264 CTAs"},
+      {1, 1, 4, 1, 1, kH200r3, -1, 254, "1 kv head: filled"},
+      {2, 8, 32, 2, 1, kH200r3, 131072, 64, "B = 2: more than one wave of the plan, unchanged"},
+      {64, 8, 32, 64, 1, kH200r3, 32768, 3, "B = 64: unchanged"},
+      // small batches: a bounded short call of several waves trims to 2 CTAs per SM where trim_pays says so,
+      // to at least kMinTrimmedSplits (stop 27)
+      {2, 8, 32, 2, 1, kH200r3, 4096, 15, "B = 2 at 4k: 64 -> 264 / 16 - 1"},
+      {2, 8, 32, 2, 1, kH200r3, 8192, 15, "B = 2 at 8k: 2 tiles per warp at 64 (6 at the resident wave)"},
+      {2, 8, 32, 2, 1, kH200, 16384 + 64, 64, "B = 2 above 16k, 4 CTAs per SM resident: the trim does not pay"},
+      {2, 8, 32, 2, 1, kH200r3, -1, 64, "B = 2 without a bound"},
+      {2, 8, 32, 2, 2, kH200r3, 4096 - 64, 14, "B = 2, a fused step with a window at 4k: 264 / 16 - 2"},
+      {4, 8, 32, 4, 1, kH200r3, 4096, 7, "B = 4 at 4k: 33 -> 264 / 32 - 1"},
+      {4, 8, 32, 4, 1, kH200, 8704, 33, "B = 4 at 8.5k, 4 per SM: 5 tiles per warp at 33, 20 at 7"},
+      {8, 8, 32, 8, 1, kH200, 4096, 3, "B = 8 at 4k, 4 per SM: 17 -> 264 / 64 - 1"},
+      {8, 8, 32, 8, 1, kH200, 4416, 17, "B = 8 at 4.4k, 4 per SM: 5 tiles per warp at 17, 24 at 3"},
+      {16, 8, 32, 16, 1, kH200, 4096, 9, "B = 16 at 4k, 4 per SM: the trim would leave 1 split (< kMinTrimmedSplits)"},
+      {64, 8, 32, 64, 1, kH200r3, 512, 3, "B = 64 at 512 tokens: unchanged"},
+      {2, 8, 32, 34, 1, kH200r3, 4096, 64, "B = 2 with 17 rows per sequence: not a decode call"},
+      // ... and with 3 resident per SM, cut to one resident wave where its warps take 10-72 tiles (stop 28)
+      {2, 8, 32, 2, 1, kH200r3, 16384, 23, "B = 2 at 16k: 396 / 16 - 1, 12 tiles per warp (over the trim)"},
+      {2, 8, 32, 2, 1, kH200r3, 32768, 23, "B = 2 at 32k: 23 tiles per warp (1.20x over 64)"},
+      {2, 8, 32, 2, 1, kH200r3, 65536, 23, "B = 2 at 64k: 45"},
+      {2, 8, 32, 2, 1, kH200r3, 131072, 64, "B = 2 at 128k: 90 tiles per warp, the usual count"},
+      {2, 8, 32, 2, 2, kH200r3, 32768 - 64, 22, "B = 2, a fused step with a window at 32k: 396 / 16 - 2"},
+      {3, 8, 32, 3, 1, kH200r3, 8192, 10, "B = 3 at 8k: 9 tiles per warp at the resident wave, trimmed"},
+      {3, 8, 32, 3, 1, kH200r3, 16384, 15, "B = 3 at 16k: 396 / 24 - 1"},
+      {3, 8, 32, 3, 1, kH200r3, 65536, 15, "B = 3 at 64k: 69 tiles per warp"},
+      {4, 8, 32, 4, 1, kH200r3, 4096, 7, "B = 4 at 4k: 6 tiles per warp at the resident wave, trimmed"},
+      {4, 8, 32, 4, 1, kH200r3, 8704, 11, "B = 4 at 8.5k: 13 tiles per warp"},
+      {4, 8, 32, 4, 1, kH200r3, 32768, 11, "B = 4 at 32k: 47"},
+      {4, 8, 32, 4, 1, kH200r3, 65536, 33, "B = 4 at 64k: 94, the usual count"},
+      {4, 8, 32, 16, 1, kH200r3, 16384, 33, "B = 4 with 4 rows each: two passes, not cut"},
+      {6, 8, 32, 6, 1, kH200r3, 4096, 7, "B = 6 at 4k: 396 / 48 - 1, 10 tiles per warp (over the trim's 4)"},
+      {6, 8, 32, 6, 1, kH200r3, 32768, 22, "B = 6 at 32k: 74 tiles per warp, the usual count"},
+      {8, 8, 32, 8, 1, kH200r3, 4096, 5, "B = 8 at 4k: 396 / 64 - 1, 13 tiles per warp (over the trim's 3)"},
+      {8, 8, 32, 8, 1, kH200r3, 16384, 5, "B = 8 at 16k: 52"},
+      {8, 8, 32, 8, 1, kH200r3, 32768, 17, "B = 8 at 32k: 103, the usual count"},
+      {8, 8, 32, 8, 2, kH200r3, 4096 - 64, 6, "B = 8, a fused step with a window: 4 < kMinCutSplits, 528 / 64 - 2"},
+      {8, 8, 32, 8, 2, kH200r3, 16384 - 64, 17, "... at 16k: 43 tiles per warp at 6 (> kWaveCutMaxRounds)"},
+      {8, 8, 32, 8, 1, kH200r3, -1, 17, "B = 8 without a bound"},
+      {12, 8, 32, 12, 1, kH200r3, 16384, 11, "B = 12 at 16k: 396 / 96 - 1 = 3 < kMinCutSplits, 528 / 96 - 1 = 4: 64 tiles"},
+      {12, 8, 32, 12, 1, kH200r3, 4096, 4, "B = 12 at 4k: one planned wave, 16 tiles per warp (1.31x)"},
+      {9, 8, 32, 9, 1, kH200r3, 8192, 6, "B = 9 at 8k: 528 / 72 - 1, 22 tiles per warp"},
+      {10, 8, 32, 10, 1, kH200r3, 8192, 14, "B = 10 at 8k: 26 tiles per warp at 5 (0.96x), the usual count"},
+      {16, 8, 32, 16, 1, kH200r3, 4096, 3, "B = 16 at 4k: 528 / 128 - 1 (1.24x)"},
+      {16, 8, 32, 16, 1, kH200r3, 2048, 3, "B = 16 at 2k (1.40x)"},
+      {16, 8, 32, 16, 1, kH200r3, 8192, 9, "B = 16 at 8k: 43 tiles per warp, the usual count"},
+      {17, 8, 32, 17, 1, kH200r3, 4096, 8, "B = 17: 528 / 136 - 1 = 2 < kMinTrimmedSplits"},
+      {64, 8, 32, 64, 1, kH200r3, 4096, 3, "B = 64: unchanged"},
   };
   for (const Case& c : cases)
     EXPECT_EQ(preferred_splits(c.seqs, c.kv_heads, c.q_heads, c.rows, c.nraw, c.dev, c.compressed), c.want) << c.why;
@@ -101,6 +163,22 @@ TEST(SplitCount, TrimPays) {
   EXPECT_FALSE(trim_pays(2304, 64, 32, 1));  // 9 tiles per warp at 64: the long loop wants 4 CTAs per SM
   EXPECT_FALSE(trim_pays(2048, 64, 32, 2));  // two passes: only up to 4 tiles per warp
   EXPECT_TRUE(trim_pays(1024, 64, 32, 8));   // 4: short, however many passes
+}
+
+TEST(SplitCount, ResidentCut) {
+  EXPECT_EQ(resident_cut(2048, 16, 1, kH200r3), 23);  // B = 2 at 32k: 23 tiles per warp
+  EXPECT_EQ(resident_cut(256, 16, 1, kH200r3), 0);    // B = 2 at 4k: 3 (< kResidentCutMinRounds)
+  EXPECT_EQ(resident_cut(9 * 92, 16, 1, kH200r3), 0);             // 9 tiles per warp (23 x 4 warps) ...
+  EXPECT_EQ(resident_cut(9 * 92 + 1, 16, 1, kH200r3), 23);        // ... 10
+  EXPECT_EQ(resident_cut(72 * 92, 16, 1, kH200r3), 23);           // 72
+  EXPECT_EQ(resident_cut(72 * 92 + 1, 16, 1, kH200r3), 0);        // 73
+  EXPECT_EQ(resident_cut(2048, 16, 1, kH200), 0);     // 4 per SM resident: no cut
+  EXPECT_EQ(resident_cut(2048, 72, 1, kH200r3), 0);   // 396 / 72 - 1 = 4 < kMinCutSplits
+  EXPECT_EQ(resident_cut(1024, 64, 1, kH200r3), 5);   // B = 8 at 16k
+  EXPECT_EQ(resident_cut(24 * 12, 128, 1, kH200r3), 3);      // B = 16: the planned wave, 24 tiles per warp
+  EXPECT_EQ(resident_cut(24 * 12 + 1, 128, 1, kH200r3), 0);  // 25
+  EXPECT_EQ(resident_cut(1, 128, 1, kH200r3), 3);            // no lower bound
+  EXPECT_EQ(resident_cut(256, 136, 1, kH200r3), 0);          // B = 17: 528 / 136 - 1 = 2 < kMinTrimmedSplits
 }
 
 TEST(SplitCount, ConstantsMatchThePublicApi) {

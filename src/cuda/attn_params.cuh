@@ -49,16 +49,19 @@ struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared me
   explicit operator bool() const { return fn != nullptr; }
 };
 
-// CTAs per SM the register allocation must allow for head_dim <= 128 (4: 128 registers, no spill in
-// the tile loop; 5: 96 registers with spills) -- a tuning knob, see docs/CUDA-NOTES.md.
+// CTAs per SM the register allocation must allow for head_dim <= 128 (3, since stop 27: up to 168 registers;
+// 4: 128, 0.4-16% slower at stop 27; 5: 96 registers with spills; 2: 255 registers, B = 1 up to 3% faster but
+// B = 64 4% slower) -- a tuning knob, see docs/CUDA-NOTES.md. With 3 the split count plans 4 slots per SM and
+// cuts one-wave grids to the 3 resident (split_device, decode_attention.cu; SplitDevice, split_count.h).
 #ifndef FMKV_ATTN_MIN_BLOCKS
-#define FMKV_ATTN_MIN_BLOCKS 4
+#define FMKV_ATTN_MIN_BLOCKS 3
 #endif
 // kMinTilesPerSplit, kMaxSplits, kFusedMaxRows: split_count.h
 constexpr int kAttnWarps = 4, kQV = 8;
 static_assert(kAttnWarps == kSplitWarps && kQV == kSplitVectors, "split_count.h counts tiles per warp and passes");
-// Partial slots per query vector: nsplit compressed (rotated domain), then up to kRawParts raw-domain
-// ones (the sink/window CTA; a fused step with fp16 regions has two of them)
+// Partial slots per query vector: nsplit compressed ones (un-rotated by their split CTA), then up to
+// kRawParts from the raw-domain CTAs (the sink/window CTA; a fused step with fp16 regions has two);
+// every partial is in the raw domain
 constexpr int kRawParts = 2;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kSignMask = 0x80008000u;

@@ -198,8 +198,8 @@ AttnFn attn_kernel(const fmkv_config& c) {
 
 // The current device's CTA slots for `fn` (SMs, CTAs per SM: split_count.h), after opting the kernel in to
 // its dynamic shared memory (static + dynamic may exceed 48 KB) and the largest shared-memory carveout, so
-// that 4 CTAs fit per SM (the kernel needs little L1); once per (device, kernel). {0, 0}: fn not compiled
-// or no device.
+// that its CTAs per SM are bound by registers (the kernel needs little L1); once per (device, kernel).
+// {0, 0}: fn not compiled or no device.
 SplitDevice split_device(const AttnFn& fn) {
   int dev = 0;
   if (!fn || cudaGetDevice(&dev) != cudaSuccess) {  // (no device: workspace sizes are still answered)
@@ -222,6 +222,13 @@ SplitDevice split_device(const AttnFn& fn) {
   SplitDevice d;
   d.sms = sms;
   d.per_sm = std::max(per_sm, 1);
+  // A head_dim <= 128 kernel resident 3 per SM (its launch bound, 168 registers) is planned as 4 slots per SM
+  // and its one-wave grids cut to the 3 resident (SplitDevice, split_count.h): the split counts of
+  // docs/CUDA-NOTES.md "Split count" were measured with 4 resident CTAs.
+  if (per_sm == FMKV_ATTN_MIN_BLOCKS && FMKV_ATTN_MIN_BLOCKS == 3) {
+    d.per_sm = 4;
+    d.resident = 3;
+  }
   return known[key] = d;
 }
 }  // namespace
@@ -305,7 +312,7 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   const unsigned nattr = programmatic_launch_supported() ? 1 : 0;
   {
     cudaLaunchConfig_t lc = {};
-    lc.gridDim = dim3((unsigned)(ns + p.nraw), (unsigned)c.num_kv_heads, (unsigned)p.num_seqs);
+    lc.gridDim = dim3((unsigned)c.num_kv_heads, (unsigned)p.num_seqs, (unsigned)(p.nraw + ns));  // raw CTAs first
     lc.blockDim = dim3(128);
     lc.dynamicSmemBytes = (size_t)fn.smem;
     lc.stream = st;

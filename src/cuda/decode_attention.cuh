@@ -1,5 +1,8 @@
 // CUDA decode attention on the compressed cache (issue 4, kernel 2): flash-decoding with tensor
-// cores. Grid (nsplit + nraw, kv heads, sequences). CTA (split sp < nsplit, sequence s, kv head h) takes
+// cores. Grid (kv heads, sequences, nraw + nsplit): blockIdx.z < nraw are the raw-domain CTAs (sp = nsplit +
+// blockIdx.z), the rest the splits (sp = blockIdx.z - nraw), so that CTAs are dispatched (in linear block order)
+// raw-domain first, then split 0 of every (sequence, kv head) pair, split 1, ...: a fused step's append never
+// waits for a second wave (stop 28). CTA (split sp < nsplit, sequence s, kv head h) takes
 // a contiguous range of 16-token tiles of the compressed tokens, for up to 8 query vectors at a time
 // (all q heads of the GQA group x query rows), so every K/V byte is read once per 8 query vectors.
 // CTA sp == nsplit does the fp16 sink + window tokens in the raw domain (fp16_part) or, for a fused
@@ -28,8 +31,9 @@
 //                 (p <= 1, |scale| <= 65504: the fp16 operand cannot overflow) and transposed into
 //                 the B operand by movmatrix.
 // Q is rotated once per CTA (in registers, a warp per query vector) and normalised to max |q| = 1
-// before fp16 rounding. Partials (m, l, acc in the rotated domain) go to the workspace; merge_kernel
-// combines them, applies the inverse rotation once (shuffles) and adds the fp16 part.
+// before fp16 rounding. A split CTA combines its 4 warps, applies the inverse rotation once (half a warp
+// per query vector) and writes its partial (m, l, acc in the raw domain) to the workspace; merge_kernel
+// combines the splits' and the fp16 part's partials (a weighted sum, no rotation).
 #pragma once
 #include "attn_params.cuh"
 #include "fp16_part.cuh"
@@ -198,7 +202,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV];
   __shared__ int64_t s_vpos[kQV], s_vpart[kQV];
   FMKV_TRACE(p, 0, 0);
-  const int s = blockIdx.z, h = blockIdx.y, sp = blockIdx.x;
+  const int s = blockIdx.y, h = blockIdx.x, z = blockIdx.z, sp = z < p.nraw ? p.nsplit + z : z - p.nraw;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31, gID = lane >> 2, tid = lane & 3;
   // Codebook tables in ordinary registers: a table in a uniform register costs a move per lookup,
   // so every lane reads its own copy (a lane-dependent shared-memory address is never uniform).

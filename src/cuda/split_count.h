@@ -26,11 +26,15 @@ inline int64_t useful_splits(int64_t compressed) {
   return std::max<int64_t>(1, ceil_div(tiles_of(compressed), kMinTilesPerSplit));
 }
 
-// The device's CTA slots for the attention kernel: SMs and CTAs per SM (occupancy); sms = 0: no device.
+// The device's CTA slots for the attention kernel: SMs and CTAs per SM the plan assumes (per_sm), and CTAs
+// per SM that are resident when fewer (resident; 0: per_sm). sms = 0: no device. The H200's d <= 128 kernels
+// are resident 3 per SM (168 registers) and planned as 4: the counts below were measured with 4 resident;
+// a one-wave grid of the 4-per-SM plan that exceeds the resident slots is then cut to one resident wave.
 struct SplitDevice {
-  int64_t sms = 0, per_sm = 0;
+  int64_t sms = 0, per_sm = 0, resident = 0;
   int64_t target() const { return sms * std::min<int64_t>(per_sm, 2); }  // 2 CTAs per SM
   int64_t wave() const { return sms * per_sm; }                          // every slot once
+  int64_t resident_wave() const { return sms * resident; }               // every resident slot once (0: none)
 };
 
 // Tiles the busiest warp of a split takes when `tiles` tiles are cut into n splits of kSplitWarps warps
@@ -51,10 +55,38 @@ inline int64_t warp_rounds(int64_t tiles, int64_t n) {
 // per warp 1.16x, 8k 2 vs 5 1.07x, 16k 4 vs 9 1.02x, 32k 8 vs 17 0.97x; without a window (32 splits) 32k
 // 8 vs 16 1.03x (stop 23); 4-16 rows per sequence at 32k (u = 8, 2-8 passes) 0.95-0.98x.
 constexpr int64_t kTrimAlwaysRounds = 4, kTrimMaxRounds = 8;
+// A plan of several waves (B >= 2 with 8 kv heads) is trimmed only to at least kMinTrimmedSplits splits, the
+// range measured at stop 27 (B = 2 / 4 / 8: 15 / 7 / 3 splits); B = 16 at 4k would get 1 (0.79x measured).
+constexpr int64_t kMinTrimmedSplits = 3;
 inline bool trim_pays(int64_t tiles, int64_t usual, int64_t trimmed, int64_t passes) {
   const int64_t u = warp_rounds(tiles, usual);
   if (u <= kTrimAlwaysRounds) return true;
   return passes == 1 && u <= kTrimMaxRounds && warp_rounds(tiles, trimmed) <= 2 * u;
+}
+// Small batches at mid lengths (stop 28): a bounded one-pass call of several waves on a device whose kernel is
+// resident at fewer CTAs per SM than planned (SplitDevice::resident) is cut to one resident wave when its warps
+// then take between kResidentCutMinRounds and kResidentCutMaxRounds tiles (warp_rounds), the count being at
+// least kMinCutSplits. Shorter, the 2-per-SM trim (or the usual count) stays: its short CTAs cost less than
+// the wave's; longer, several waves of the usual count balance the SMs better. 0: no cut. Measured (stop 28,
+// k3v3, 8 kv heads, against the usual count): B = 2 / 3 / 4 / 6 / 8 at 32k / 16k / 16k / 8k / 8k (23 / 15 / 11
+// / 7 / 5 splits, 12-26 tiles per warp) 1.19 / 1.24 / 1.15 / 1.24 / 1.16x; B = 2 64k 1.07x, B = 3 32k 1.16x,
+// B = 6 16k 1.11x; over the trim: B = 6 / 8 at 4k (10 / 13 tiles) 1.06x, B = 3 at 8k (9 tiles) 0.98x; beyond
+// 72 tiles within -6 / +1% (B = 6 32k 74, B = 2 128k 90, B = 4 64k 94, B = 8 32k 103) and 0.86-0.95x from 137.
+// Where the resident wave would be fewer than kMinCutSplits splits (B = 9-16 with 8 kv heads), one planned wave
+// (dev.wave(), 1.1-1.3 resident waves) instead, of at least kMinTrimmedSplits splits and at most
+// kWaveCutMaxRounds tiles per warp: B = 9 / 10 / 12 / 14 / 16 at 2k-4k (6 / 5 / 4 / 3 / 3 splits against 15 /
+// 14 / 11 / 10 / 9; 6-22 tiles) 1.10-1.41x; beyond, B = 12 / 16 still gain (8k 1.21x / 1.11x) but B = 9 / 10
+// / 14 lose (0.97x at 43 / 0.96x at 26 / 0.98x at 86 tiles, down to 0.88x).
+constexpr int64_t kResidentCutMinRounds = 10, kResidentCutMaxRounds = 72, kMinCutSplits = 5, kWaveCutMaxRounds = 24;
+inline int64_t resident_cut(int64_t tiles, int64_t pairs, int64_t nraw, const SplitDevice& dev) {
+  if (dev.resident <= 0) return 0;
+  const int64_t n = dev.resident_wave() / pairs - nraw;
+  if (n < kMinCutSplits) {
+    const int64_t w = dev.wave() / pairs - nraw;
+    return w >= kMinTrimmedSplits && warp_rounds(tiles, w) <= kWaveCutMaxRounds ? w : 0;
+  }
+  const int64_t u = warp_rounds(tiles, n);
+  return u >= kResidentCutMinRounds && u <= kResidentCutMaxRounds ? n : 0;
 }
 // Compressed splits per (sequence, kv head) of a call with num_seqs sequences, kv_heads kv heads and q_heads
 // q heads, rows query rows in all, nraw raw-domain CTAs per pair (1, or 2 for a fused step with fp16 regions).
@@ -74,6 +106,15 @@ inline bool trim_pays(int64_t tiles, int64_t usual, int64_t trimmed, int64_t pas
 //        4k 1.07-1.17x for 2-16 rows, 16k 1.01-1.08x; at 32k 2 rows (one pass) 1.01x, 4 / 8 / 16 rows 0.98
 //        / 0.96 / 0.95x); never above the usual count (4 kv heads stay at 64: 65 would take the wide
 //        merge, 0.967x at stop 22).
+//      - a bounded decode call of several waves (small batches) trims the same way where it pays, to at
+//        least kMinTrimmedSplits (stop 27: B = 2 / 4 / 8 with 8 kv heads at 4k 64 / 33 / 17 -> 15 / 7 / 3
+//        splits, 1.74x / 1.50x / 1.20x). trim_pays stops it above 16k / 8k / 4.3k tokens;
+//      - ... unless, with fewer CTAs resident per SM than planned, one resident wave leaves each warp 10-72
+//        tiles (resident_cut, stop 28): then that wave (B = 2 at 16k-64k 15 / 64 -> 23 splits, 1.01-1.19x; B = 8
+//        at 4k-16k 3 / 17 -> 5, 1.03-1.16x), or for B = 9-16 one planned wave up to 24 tiles per warp (2k-4k:
+//        1.10-1.40x); longer calls and B >= 17 keep the usual count;
+//      - then, with fewer CTAs resident per SM than planned (SplitDevice::resident), a grid beyond the
+//        resident slots is cut to them (stop 27): B = 1 with 8 kv heads at 3 per SM 64 -> 48 splits.
 //  * A known length bound (`compressed` >= 0: the most compressed tokens any sequence of the call has,
 //    from fmkv_attention_opts.max_seq_len) caps the count at useful_splits(compressed): a short call
 //    launches no empty splits (they cost ~1-1.7 us at 4k with 1-2 kv heads).
@@ -84,10 +125,20 @@ inline int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int32_t q_he
   const int64_t gq = std::max<int64_t>(q_heads / std::max(kv_heads, 1), 1);
   const int64_t passes = ceil_div(ceil_div(std::max<int64_t>(rows, 1), seqs) * gq, kSplitVectors);
   int64_t ns = std::min<int64_t>(std::max<int64_t>(ceil_div(1056, pairs), 1), 64);
-  if (dev.sms > 0 && rows <= (int64_t)kFusedMaxRows * seqs && (ns + nraw) * pairs <= dev.wave()) {
+  if (dev.sms > 0 && rows <= (int64_t)kFusedMaxRows * seqs) {
     const int64_t two_per_sm = std::max<int64_t>(dev.target() / pairs - nraw, 1);
-    if (2 * (ns + nraw) * pairs <= dev.target()) ns = std::max(ns, two_per_sm);
-    else if (compressed >= 0 && trim_pays(tiles_of(compressed), ns, two_per_sm, passes)) ns = std::min(ns, two_per_sm);
+    const bool one_wave = (ns + nraw) * pairs <= dev.wave();
+    const int64_t cut = !one_wave && compressed >= 0 && passes == 1 ? resident_cut(tiles_of(compressed), pairs, nraw, dev) : 0;
+    if (one_wave && 2 * (ns + nraw) * pairs <= dev.target()) ns = std::max(ns, two_per_sm);
+    else if (cut > 0) ns = std::min(ns, cut);
+    else if (compressed >= 0 && (one_wave || two_per_sm >= kMinTrimmedSplits) &&
+             trim_pays(tiles_of(compressed), ns, two_per_sm, passes))
+      ns = std::min(ns, two_per_sm);
+    // fewer resident CTAs than planned (stop 27, 3 per SM): a grid beyond them runs its last CTAs of an SM
+    // after the others; one resident wave instead (B = 1, 8 kv heads: 64 -> 48 splits, 47 with nraw = 2;
+    // 128k 1.049x, 1M 1.021x, a 32k fused step with a window 1.33x, 4 rows at 32k 1.14x)
+    if (one_wave && dev.resident > 0 && (ns + nraw) * pairs > dev.resident_wave())
+      ns = std::max<int64_t>(dev.resident_wave() / pairs - nraw, 1);
   }
   ns = std::min<int64_t>(ns, useful_splits(compressed));
   return (int32_t)std::min<int64_t>(ns, kMaxSplits);

@@ -9,7 +9,9 @@
 # prints what it runs and its exit status, and the script goes on after a failed step; the last
 # line is the summary. Outputs (flat, at most 8 files) go to $OUT (default /tmp/fmkv-out):
 #   build.log  env.log  pytest_cuda.log  needle_cuda.jsonl  needle_cuda.log  demo.log  summary.txt
-# Builds go under /tmp (ninja -j16); a later call on the same machine reuses /tmp/fmkv-pkg.
+# Builds go under /tmp (ninja -j16); a later call on the same machine reuses /tmp/fmkv-pkg. The build
+# compiles every decode-kernel combination (FMKV_CUDA_FULL_GRID); FULL_GRID=OFF builds the default grid
+# (faster), and the tests of combinations outside it skip naming the combination.
 #
 # Build: `pip install . --no-build-isolation --no-deps -C cmake.define.FMKV_CUDA=ON --target
 # /tmp/fmkv-site` when scikit-build-core is importable, else (or if that fails) plain CMake:
@@ -36,6 +38,7 @@ PYDEPS=/tmp/fmkv-pydeps
 GGUF_MD5=a1231443440b107ff29f02bdb38c9d0a
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 CUDA_BUILD=${FMKV_CUDA_BUILD:-ON}  # OFF only to try this script on a machine without nvcc
+FULL_GRID=${FULL_GRID:-ON}  # OFF: the default grid of decode kernels (a faster build; tests of other combinations skip)
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(build tests needle demo)
@@ -65,14 +68,14 @@ skip() {
 build_pip() {
   rm -rf /tmp/fmkv-site /tmp/fmkv-skbuild
   "$PY" -m pip install --no-build-isolation --no-deps --no-index --target /tmp/fmkv-site \
-    -C cmake.define.FMKV_CUDA=$CUDA_BUILD -C cmake.define.FMKV_CUDA_FULL_GRID=ON -C build-dir=/tmp/fmkv-skbuild -C cmake.build-type=Release . || return 1
+    -C cmake.define.FMKV_CUDA=$CUDA_BUILD -C cmake.define.FMKV_CUDA_FULL_GRID=$FULL_GRID -C build-dir=/tmp/fmkv-skbuild -C cmake.build-type=Release . || return 1
   ls /tmp/fmkv-site/fmkv/_fmkv*.so >/dev/null || return 1
   rm -rf "$PKG" && mkdir -p "$PKG" && cp -r "$REPO/python/fmkv" "$PKG/" && cp /tmp/fmkv-site/fmkv/_fmkv*.so "$PKG/fmkv/"
 }
 
 build_cmake() {
   set -x
-  cmake -S "$REPO" -B /tmp/fmkv-pybuild -G Ninja -DCMAKE_BUILD_TYPE=Release -DFMKV_PYTHON=ON -DFMKV_CUDA=$CUDA_BUILD -DFMKV_CUDA_FULL_GRID=ON \
+  cmake -S "$REPO" -B /tmp/fmkv-pybuild -G Ninja -DCMAKE_BUILD_TYPE=Release -DFMKV_PYTHON=ON -DFMKV_CUDA=$CUDA_BUILD -DFMKV_CUDA_FULL_GRID=$FULL_GRID \
     -DFMKV_BUILD_TESTS=OFF -DFMKV_BUILD_CLI=OFF -DFMKV_CUDA_BENCH=OFF -DPython_EXECUTABLE="$(command -v "$PY")" || { set +x; return 1; }
   ninja -C /tmp/fmkv-pybuild -j16 _fmkv || { set +x; return 1; }
   set +x
@@ -155,7 +158,7 @@ have_gguf_pkg() {
   PYTHONPATH=$PKG:$PYDEPS "$PY" -c "import gguf"
 }
 
-export REPO OUT PY PKG PYDEPS GGUF_MD5 GGUF_NAME CUDA_BUILD
+export REPO OUT PY PKG PYDEPS GGUF_MD5 GGUF_NAME CUDA_BUILD FULL_GRID
 export -f build_pip build_cmake do_build env_report stage_gguf
 
 for s in "${STEPS[@]}"; do

@@ -1,11 +1,15 @@
-"""The device-side diagnostic scripts under tests/cuda run on ncu / cuobjdump output; here they run on
-small synthetic inputs, so a format change breaks a test and not a device session."""
+"""The device-side diagnostic scripts under tests/cuda run on ncu / cuobjdump / benchmark output; here they
+run on small synthetic inputs (ab.sh on stub benchmark binaries), so a format change breaks a test and not a
+device session."""
 import csv
 import importlib.util
 import io
 import json
+import os
 import pathlib
 import contextlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -61,6 +65,13 @@ def test_stall_by_phase_splits_the_tile_loop(tmp_path):
     assert "  45 instructions" in lines["K decode + mma"]  # the other 29 IADD3, 8 PRMT + 8 HMMA
     assert "   2 instructions" in lines["scales + softmax"]
     assert "  17 instructions" in lines["V decode + mma"]
+    # before the loop: the S2R (5 samples); after it: the EXIT (9)
+    assert "    1 instructions %5.1f%% of samples: wait" % (100 * 5 / total) in lines["prologue"]
+    assert "    1 instructions %5.1f%% of samples: wait" % (100 * 9 / total) in lines["after the loop"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _load("stall_by_phase").main(str(path), 1)
+    assert "top 1 prologue instructions" in out.getvalue() and "S2R R0, SR_TID.X" in out.getvalue()
 
 
 def _sass_kernel(name, before, after):
@@ -101,7 +112,6 @@ def test_ab_table_best_of_each_variant(tmp_path):
                                rec("old", dict(dec(40.0), kv_heads=1)), rec("new", dict(dec(10.0), kv_heads=1))]) + "\n")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        import sys
         argv, sys.argv = sys.argv, ["ab_table.py", str(path)]
         try:
             _load("ab_table").main()
@@ -168,3 +178,42 @@ def test_kv_heads_sweep_records_and_plot(tmp_path):
     png = tmp_path / "kv.png"
     cb.plot_kv_heads(recs, str(png))
     assert png.stat().st_size > 10000
+
+
+def test_ab_sh_runs_variants_patches_and_forced_settings(tmp_path):
+    """tests/cuda/ab.sh with stub benchmark binaries (AB_REUSE): a patch variant gets its own patched source,
+    an @NAME:ENV variant runs NAME's binary with ENV, case lines carry their own environment (a forced split
+    count tags the variant NAME:sN), and every variant runs every case once per round."""
+    stub = ("#!/bin/bash\n"
+            "echo '{\"kind\":\"copy\",\"gbps\":1}'\n"
+            "echo \"{\\\"kind\\\":\\\"decode\\\",\\\"k_bits\\\":3,\\\"v_bits\\\":3,\\\"batch\\\":$2,\\\"context\\\":$3,"
+            "\\\"kv_heads\\\":${FMKV_BENCH_KV_HEADS:-8},\\\"time_us\\\":$(( BASE + ${FMKV_CUDA_SPLITS:-0} )).5}\"\n")
+    for name, base in (("tree", 10), ("p", 12)):
+        d = tmp_path / ("ab_" + name)
+        d.mkdir()
+        (d / "fmkv_cuda_bench").write_text(stub.replace("BASE", str(base)))
+        (d / "fmkv_cuda_bench").chmod(0o755)
+    patch = tmp_path / "new_file.patch"  # adds a file: applies to any tree
+    patch.write_text("--- /dev/null\n+++ b/ab_patched.txt\n@@ -0,0 +1 @@\n+patched\n")
+    cases = tmp_path / "cases.txt"
+    cases.write_text("# three cases\n--only 1 4096 3 3\n\nFMKV_BENCH_KV_HEADS=1 --only 1 131072 3 3\n"
+                     "FMKV_CUDA_SPLITS=7 --only 1 4096 3 3\n")
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), AB_DIR=str(tmp_path), AB_REUSE="1")
+    res = subprocess.run(["bash", "tests/cuda/ab.sh", "-r", "2", "-c", str(cases), "tree=.",
+                          "p=" + str(patch), "s4=@tree:FMKV_CUDA_SPLITS=4"],
+                         cwd=ROOT, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert (tmp_path / "ab_src_p" / "ab_patched.txt").read_text() == "patched\n"
+    assert (tmp_path / "ab_src_p" / "src" / "cuda" / "decode_attention.cuh").exists()  # the tree, copied
+    recs = [json.loads(l) for l in (out / "ab.jsonl").read_text().splitlines()]
+    assert len(recs) == 2 * 3 * 3  # rounds x variants x cases
+    times = {(r["variant"], r["r"]["context"], r["r"]["kv_heads"]): r["r"]["time_us"] for r in recs}
+    assert times[("tree", 4096, 8)] == 10.5 and times[("p", 4096, 8)] == 12.5 and times[("s4", 4096, 8)] == 14.5
+    assert times[("tree", 131072, 1)] == 10.5  # the case's own environment
+    assert times[("tree:s7", 4096, 8)] == 17.5 and times[("s4:s7", 4096, 8)] == 17.5  # the case's count wins
+    table = [l for l in res.stdout.splitlines() if l.startswith("decode")]
+    assert len(table) == 2 and "0.840" in table[0] and "0.724" in table[0]
+    assert "0.600" in table[1]  # the tree:s7 column of the 4k case
+    bad = subprocess.run(["bash", "tests/cuda/ab.sh", "x=@tree"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a built variant" in bad.stdout

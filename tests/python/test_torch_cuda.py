@@ -12,6 +12,8 @@ reason. Checks, against the CPU backend on the same inputs:
 * the attention op captured in a torch.cuda.CUDAGraph replays to the eager result;
 * FmkvCache generate() on CUDA (tiny random Llama) agrees with the CPU cache, resident bytes.
 """
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -89,6 +91,19 @@ def assert_cuda_matches_cpu(res):
     assert reference.rel_error(gpu[3].numpy(), cpu[3].numpy()) < TOL
 
 
+@contextlib.contextmanager
+def skip_if_not_compiled():
+    """A default CUDA build compiles a grid of (head_dim, K bits, V bits) decode kernels (CMake option
+    FMKV_CUDA_FULL_GRID for all): a combination outside it fails with FMKV_ERR_UNSUPPORTED naming it,
+    which the test reports as a skip with that message (with the full grid the test runs)."""
+    try:
+        yield
+    except fmkv.FmkvError as e:
+        if "is not compiled into this build" in str(e):
+            pytest.skip(str(e))
+        raise
+
+
 CONFIGS = [
     dict(head_dim=64, num_kv_heads=2, k_bits=2, v_bits=2, page_size=16),
     dict(head_dim=128, num_kv_heads=2, k_bits=3, v_bits=3, page_size=16, sink_tokens=2, window_tokens=5),
@@ -123,7 +138,8 @@ def test_ops_match_cpu_backend(cfg, dtype, tgen):
         total = [a + b for a, b in zip(lens0, lens1)]
         # CPU reference in float32 from the same (exactly widened) q: one output rounding, the GPU's
         qd = q.to(dev) if dev != "cpu" else q.float()
-        out = torch.ops.fmkv.attention(pages, fk, fv, qd, *batch([2, 0], total, [1, 3], tables, dev), c, 5)
+        with skip_if_not_compiled():
+            out = torch.ops.fmkv.attention(pages, fk, fv, qd, *batch([2, 0], total, [1, 3], tables, dev), c, 5)
         assert out.device == torch.device(dev) and out.dtype == qd.dtype and out.shape == q.shape
         res[str(dev)] = (pages.cpu(), fk.cpu(), fv.cpu(), out.float().cpu())
     assert_cuda_matches_cpu(res)
