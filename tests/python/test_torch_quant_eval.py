@@ -47,7 +47,7 @@ def test_error_decreases_with_bits_and_rotation_helps_outliers():
 
 
 def test_plot_command(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install matplotlib): the plot is not checked")
     from fmkv.eval.cli import main
 
     rows = [{"config": c, "bytes_per_token_per_head": b, "ppl": p, "options": {"kind": k}, "model": "m",
