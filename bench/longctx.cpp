@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/half.h"
+#include "format/numbers.h"
 #include "fmkv/fmkv.hpp"
 #include "ref/quantize.h"
 

@@ -21,6 +21,7 @@ if(_fmkv_opts)
 endif()
 
 set(FMKV_CUDA_SOURCES
+  ${PROJECT_SOURCE_DIR}/src/cuda/backend.cpp
   ${PROJECT_SOURCE_DIR}/src/cuda/runtime.cu
   ${PROJECT_SOURCE_DIR}/src/cuda/append.cu
   ${PROJECT_SOURCE_DIR}/src/cuda/decode_attention.cu
@@ -35,7 +36,7 @@ set_property(TARGET fmkv PROPERTY CUDA_ARCHITECTURES ${CMAKE_CUDA_ARCHITECTURES}
 # uses explicit __f*_rn intrinsics, -fmad=false makes any remaining expression safe.
 set_source_files_properties(${PROJECT_SOURCE_DIR}/src/cuda/append.cu PROPERTIES COMPILE_OPTIONS "-fmad=false")
 target_compile_options(fmkv PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-ffp-contract=off>)
-target_compile_definitions(fmkv PRIVATE FMKV_WITH_CUDA=1)
+fmkv_register_backend(cuda)
 # Decode attention: a default build compiles a small grid of (head_dim, K bits, V bits) for every page
 # size (src/cuda/decode_attention.cuh, attn_compiled); ON compiles all 36 combinations.
 option(FMKV_CUDA_FULL_GRID "Compile the CUDA decode attention for every head_dim x K x V combination" OFF)

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "compare.h"
-#include "core/half.h"
+#include "format/numbers.h"
 #include "fmkv/fmkv.hpp"
 
 namespace fmkv::test {

@@ -5,8 +5,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "core/lloyd_max.h"
-#include "core/quant_math.h"
+#include "lloyd_max.h"
+#include "format/quantize_group.h"
 
 namespace {
 
@@ -70,12 +70,12 @@ TEST(Codebook, ThresholdsAreExactMidpoints) {
 TEST(Codebook, CommittedTableEqualsGenerator) {
   std::string tmp = ::testing::TempDir() + "/codebooks.inc";
   ASSERT_EQ(std::system((std::string(FMKV_GEN_CODEBOOKS) + " " + tmp).c_str()), 0);
-  std::ifstream a(tmp), b(std::string(FMKV_SOURCE_DIR) + "/src/core/codebooks.inc");
+  std::ifstream a(tmp), b(std::string(FMKV_SOURCE_DIR) + "/src/format/codebooks.inc");
   std::stringstream sa, sb;
   sa << a.rdbuf();
   sb << b.rdbuf();
   ASSERT_FALSE(sa.str().empty());
-  EXPECT_EQ(sa.str(), sb.str()) << "src/core/codebooks.inc is stale: run tools/gen_codebooks";
+  EXPECT_EQ(sa.str(), sb.str()) << "src/format/codebooks.inc is stale: run tools/gen_codebooks";
 }
 
 TEST(Codebook, EncodeTiesAndSigns) {

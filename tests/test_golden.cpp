@@ -6,7 +6,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "core/rotation.h"
+#include "format/rotation.h"
 #include "harness.h"
 
 namespace fmkv::test {
@@ -23,13 +23,14 @@ const GoldenCase kCases[] = {
     {256, 16, 4, 16, 1, 0, FMKV_SCALE_LSQ, 18},
 };
 
-// Deterministic approximately-Gaussian fp16 inputs (sum of 4 uniforms, scaled).
+// Deterministic approximately-Gaussian fp16 inputs (sum of 4 uniforms, scaled): uniforms from the
+// splitmix64 stream of `seed` (the rotation's generator with layer 0: output k + 1 is sign word k).
 std::vector<uint16_t> golden_values(uint64_t seed, size_t n) {
   std::vector<uint16_t> v(n);
-  uint64_t st = seed;
+  int32_t k_out = 0;
   for (auto& x : v) {
     double s = 0;
-    for (int k = 0; k < 4; ++k) s += (double)(splitmix64_next(&st) >> 11) * 0x1.0p-53 - 0.5;
+    for (int k = 0; k < 4; ++k) s += (double)(fmkv_rotation_sign_word(seed, 0, k_out++) >> 11) * 0x1.0p-53 - 0.5;
     x = f32_to_f16((float)(s * 1.7320508 * 2.0));
   }
   return v;

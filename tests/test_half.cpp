@@ -4,8 +4,8 @@
 #include <cstring>
 #include <random>
 
-#include "core/half.h"
-#include "core/lloyd_max.h"
+#include "format/numbers.h"
+#include "lloyd_max.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>

@@ -3,7 +3,7 @@
 #include <random>
 #include <set>
 
-#include "core/quant_math.h"
+#include "format/quantize_group.h"
 #include "ref/quantize.h"
 
 namespace {

@@ -3,15 +3,18 @@
 #include <cmath>
 #include <random>
 
-#include "core/rotation.h"
+#include "format/rotation.h"
 #include "ref/quantize.h"
 
 namespace {
 
 TEST(Rotation, SignGeneratorIsSplitmix64) {
-  // splitmix64 from state 0: first output 0xE220A8397B1DCDAF (Vigna's reference implementation).
-  uint64_t st = 0;
-  EXPECT_EQ(fmkv::splitmix64_next(&st), 0xE220A8397B1DCDAFull);
+  // splitmix64 from state 0: outputs 0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4 (Vigna's reference
+  // implementation); words k = 0, 1 of (seed 0, layer 0).
+  EXPECT_EQ(fmkv_rotation_sign_word(0, 0, 0), 0xE220A8397B1DCDAFull);
+  EXPECT_EQ(fmkv_rotation_sign_word(0, 0, 1), 0x6E789E6AA1B965F4ull);
+  // the layer mixes into the state: (seed ^ layer * 0xD6E8FEB86659FD93, layer 0) is (seed, layer)
+  EXPECT_EQ(fmkv_rotation_sign_word(fmkv_rotation_state(5, 7), 0, 3), fmkv_rotation_sign_word(5, 7, 3));
   uint64_t w[2];
   fmkv::rotation_sign_words(0, 0, 128, w);
   EXPECT_EQ(w[0], 0xE220A8397B1DCDAFull);
@@ -48,7 +51,7 @@ TEST(Rotation, OrthonormalAndInvertible) {
     // float32 rotation agrees with the float64 one to float rounding.
     std::vector<float> xf(d), yf(d);
     for (int i = 0; i < d; ++i) xf[i] = (float)x[i];
-    fmkv::ref::rotate(xf.data(), d, sw.data(), yf.data());
+    fmkv::rotate(xf.data(), d, sw.data(), yf.data());
     for (int i = 0; i < d; ++i) EXPECT_NEAR(yf[i], y[i], 1e-5 * (1 + std::fabs(y[i])));
   }
 }

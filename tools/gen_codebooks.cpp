@@ -1,10 +1,10 @@
-// Generates src/core/codebooks.inc: the Lloyd-Max codebooks of format v1, the only place they are
+// Generates src/format/codebooks.inc: the Lloyd-Max codebooks of format v1, the only place they are
 // computed. Usage: gen_codebooks [OUT]  (stdout when OUT is omitted). The committed file must equal
 // this program's output (tests/test_codebook.cpp checks it).
 #include <cstdio>
 #include <string>
 
-#include "../src/core/lloyd_max.h"
+#include "lloyd_max.h"
 
 int main(int argc, char** argv) {
   std::string s;

@@ -30,7 +30,10 @@ typedef enum fmkv_status {
 const char* fmkv_version(void);
 int fmkv_format_version(void);
 const char* fmkv_last_error(void);
+/* "ref", "cpu", "cuda", "metal" (FMKV_BACKEND_NAMES); "unknown" for another value. */
 const char* fmkv_backend_name(fmkv_backend b);
+/* The id named `name` into *b: 1, or 0 when no backend has that name (compiled or not). */
+int fmkv_backend_from_name(const char* name, fmkv_backend* b);
 /* 1 if compiled in and a device is usable, 0 otherwise. */
 int fmkv_backend_available(fmkv_backend b);
 /* Human-readable device name of a backend ("" when unavailable). */

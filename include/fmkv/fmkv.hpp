@@ -6,18 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "fmkv/error.hpp"
 #include "fmkv/fmkv.h"
 
 namespace fmkv {
-
-class Error : public std::runtime_error {
- public:
-  Error(int code, const std::string& msg) : std::runtime_error(msg), code_(code) {}
-  int code() const { return code_; }
-
- private:
-  int code_;
-};
 
 inline void check(fmkv_status s) {
   if (s != FMKV_OK) throw Error((int)s, fmkv_last_error());
@@ -133,7 +125,7 @@ class HostCache {
   }
   // Make sure sequence s has pages for `len` tokens (all layers share the block table).
   void reserve(int32_t s, int64_t len) {
-    int64_t comp = len - cfg_.window_tokens > cfg_.sink_tokens ? len - cfg_.window_tokens - cfg_.sink_tokens : 0;
+    int64_t comp = fmkv_compressed_end(cfg_.sink_tokens, cfg_.window_tokens, len) - cfg_.sink_tokens;
     int64_t need = (comp + cfg_.page_size - 1) / cfg_.page_size;
     if (need - (int64_t)tables_[s].size() > (int64_t)free_pages_.size())
       throw Error(FMKV_ERR_OUT_OF_RANGE, "HostCache: out of pages (" + std::to_string(free_pages_.size()) +

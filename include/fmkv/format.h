@@ -1,21 +1,27 @@
-/* fmkv compressed KV-cache format, version 2: layout arithmetic.
+/* fmkv compressed KV-cache format, version 2: constants, layout arithmetic and token regions.
  *
- * docs/FORMAT.md is normative; this header is its executable form. Every backend (reference, CPU,
- * CUDA, Metal) locates bytes only through these functions. Plain C99, no allocation, usable from
- * host C/C++ and CUDA device code (FMKV_HD).
+ * docs/FORMAT.md is normative; this header is its executable form and the public part of the one
+ * format core (src/format/ holds the rest: number formats, rotation, codebook, packing, the group
+ * quantizer). Every backend (reference, CPU, CUDA, Metal) and the Python binding locate bytes only
+ * through these functions. No allocation; the same text compiles as C99, C++, CUDA (host and device:
+ * FMKV_HD) and MSL (Apple's compiler, the type-check shim and the CPU emulator of tests/metal).
  */
 #ifndef FMKV_FORMAT_H
 #define FMKV_FORMAT_H
 
-#include <stdint.h>
+#if !defined(__METAL_VERSION__)
+#include <stdint.h> /* MSL defines the fixed-width types itself */
+#endif
 
-#if defined(__CUDACC__)
+#if defined(__METAL_VERSION__)
+#define FMKV_HD inline
+#elif defined(__CUDACC__)
 #define FMKV_HD __host__ __device__ __forceinline__
 #else
 #define FMKV_HD static inline
 #endif
 
-#ifdef __cplusplus
+#if defined(__cplusplus) && !defined(__METAL_VERSION__)
 extern "C" {
 #endif
 
@@ -24,6 +30,8 @@ extern "C" {
 #define FMKV_FP16_BITS 16  /* k_bits value meaning "K kept in fp16, unrotated" */
 #define FMKV_MIN_PAGE_SIZE 16
 #define FMKV_MAX_PAGE_SIZE 256
+#define FMKV_MAX_HEAD_DIM 256 /* largest supported head_dim */
+#define FMKV_MAX_SIGN_WORDS (FMKV_MAX_HEAD_DIM / 64) /* rotation sign words of one layer, at most */
 
 /* Scale rule (FORMAT.md "Scale"): how a group's fp16 scale is chosen. */
 enum fmkv_scale_rule {
@@ -35,6 +43,10 @@ enum fmkv_scale_rule {
 FMKV_HD int fmkv_head_dim_supported(int32_t d) { return d == 64 || d == 128 || d == 256; }
 /* Is this a supported code width (for K: 2,3,4 or 16 = fp16; for V: 2,3,4)? */
 FMKV_HD int fmkv_code_bits_supported(int32_t bits) { return bits >= 2 && bits <= 4; }
+/* Is page_size supported (a power of two in [FMKV_MIN_PAGE_SIZE, FMKV_MAX_PAGE_SIZE])? */
+FMKV_HD int fmkv_page_size_supported(int32_t p) {
+  return p >= FMKV_MIN_PAGE_SIZE && p <= FMKV_MAX_PAGE_SIZE && (p & (p - 1)) == 0;
+}
 
 FMKV_HD int32_t fmkv_groups(int32_t d) { return d / FMKV_GROUP_SIZE; }
 
@@ -104,7 +116,44 @@ FMKV_HD int32_t fmkv_field_shift(int32_t j) {
   return 8 * (2 * (i & 1) + lo) + 2 * ((i >> 1) & 3);
 }
 
-#ifdef __cplusplus
+/* ---- rotation (FORMAT.md "Rotation") ---------------------------------------------------------
+ * Head vectors are stored rotated, y = H diag(s) x / sqrt(d). The signs s of layer `layer` come from
+ * splitmix64 seeded with fmkv_rotation_state(seed, layer): output k + 1 is word k, whose bit i set
+ * means s_{64k+i} = -1. (Literals with `ul`: MSL has no long long.) */
+FMKV_HD uint64_t fmkv_rotation_state(uint64_t seed, int32_t layer) {
+  return seed ^ ((uint64_t)(uint32_t)layer * (uint64_t)0xD6E8FEB86659FD93ul);
+}
+FMKV_HD uint64_t fmkv_rotation_sign_word(uint64_t seed, int32_t layer, int32_t k) {
+  uint64_t z = fmkv_rotation_state(seed, layer) + (uint64_t)(k + 1) * (uint64_t)0x9E3779B97F4A7C15ul;
+  z = (z ^ (z >> 30)) * (uint64_t)0xBF58476D1CE4E5B9ul;
+  z = (z ^ (z >> 27)) * (uint64_t)0x94D049BB133111EBul;
+  return z ^ (z >> 31);
+}
+/* float32 nearest to 1/sqrt(d) (0x3E000000, 0x3DB504F3, 0x3D800000): the factor applied after the
+ * unnormalised FWHT. */
+FMKV_HD float fmkv_rotation_norm(int32_t d) { return d == 64 ? 0.125f : d == 128 ? 0.0883883461356163f : 0.0625f; }
+
+/* ---- token regions (FORMAT.md "Token regions") ------------------------------------------------
+ * A sequence of len tokens with S sink and W window tokens: positions [0, min(S, len)) are the fp16
+ * sink, [S, E) are compressed and [E, len) are the fp16 window, E = fmkv_compressed_end(S, W, len) =
+ * max(S, len - W). Compressed position p has compressed index p - S: page (p - S) / P of the
+ * sequence's block table, token slot (p - S) % P. The fp16 tokens of a sequence live in its region
+ * slot of the layer's fp16 arrays, [num_slots][kv_heads][S + W][head_dim] fp16: the sink at rows
+ * [0, S), the window as a ring of W rows after it (fmkv_fp16_row). */
+FMKV_HD int64_t fmkv_compressed_end(int32_t S, int32_t W, int64_t len) {
+  int64_t e = len - W;
+  return e > S ? e : (int64_t)S;
+}
+/* Row of position p inside its sequence's fp16 region: p itself in the sink, else the window ring. */
+FMKV_HD int64_t fmkv_fp16_row(int32_t S, int32_t W, int64_t p) {
+  return p < S ? p : (int64_t)S + (p - S) % W;
+}
+/* Element offset of fp16 row r of kv head h in region slot `slot` (d values per row, R = S + W rows). */
+FMKV_HD int64_t fmkv_fp16_offset(int32_t kv_heads, int32_t R, int32_t d, int64_t slot, int32_t h, int64_t r) {
+  return ((slot * kv_heads + h) * R + r) * d;
+}
+
+#if defined(__cplusplus) && !defined(__METAL_VERSION__)
 }
 #endif
 #endif /* FMKV_FORMAT_H */

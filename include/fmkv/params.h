@@ -17,8 +17,11 @@ typedef enum fmkv_backend {
   FMKV_BACKEND_REF = 0,   /* scalar reference (the oracle), host memory */
   FMKV_BACKEND_CPU = 1,   /* SIMD + threads, host memory */
   FMKV_BACKEND_CUDA = 2,  /* NVIDIA GPU, device memory, stream-ordered */
-  FMKV_BACKEND_METAL = 3  /* Apple GPU */
+  FMKV_BACKEND_METAL = 3, /* Apple GPU */
+  FMKV_BACKEND_COUNT      /* number of backend ids (compiled or not) */
 } fmkv_backend;
+/* fmkv_backend_name() of each id, in id order. */
+#define FMKV_BACKEND_NAMES {"ref", "cpu", "cuda", "metal"}
 
 /* Cache-wide format parameters (fixed for the cache's life). */
 typedef struct fmkv_config {

@@ -65,8 +65,8 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 def _flatten(path: str, seen: set) -> str:
     path = os.path.normpath(path)
-    if path in seen:  # every fmkv header is include-guarded; codebooks.inc is included once
-        return ""
+    if path in seen and not path.endswith(".inc"):  # headers are include-guarded; a table is included
+        return ""                                    # once per qualifier (src/format/codebook.h)
     seen.add(path)
     out = []
     with open(path, "r", encoding="utf-8") as f:

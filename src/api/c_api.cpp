@@ -1,111 +1,63 @@
-// The C API: validation, dispatch to a backend, exceptions turned into status codes.
+// The C API: validation, dispatch to a backend through the registry (src/core/backend.h), exceptions
+// turned into status codes (src/core/status.h).
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
-#include "../core/backends.h"
-#include "../core/quant_math.h"
-#include "../ref/append.h"
-#include "../ref/decode_attention.h"
+#include "../core/backend.h"
+#include "../core/status.h"
+#include "../format/codebook.h"
+#include "../format/numbers.h"
+#include "../format/rotation.h"
 #include "../ref/quantize.h"
 #include "fmkv/fmkv.h"
 #include "validate.h"
-#ifdef FMKV_WITH_METAL
-#include "../metal/backend.h"
-#endif
 
 namespace {
-thread_local std::string g_last_error;
+using fmkv::BackendOps;
+using fmkv::guarded;
+using fmkv::require;
 
-template <typename F>
-fmkv_status guarded(F&& f) {
-  try {
-    f();
-    g_last_error.clear();
-    return FMKV_OK;
-  } catch (const fmkv::Error& e) {
-    g_last_error = e.what();
-    return (fmkv_status)e.code();
-  } catch (const std::bad_alloc&) {
-    g_last_error = "out of host memory";
-    return FMKV_ERR_INTERNAL;
-  } catch (const std::exception& e) {
-    g_last_error = std::string("internal error: ") + e.what();
-    return FMKV_ERR_INTERNAL;
-  }
-}
-
-void require(bool ok, int code, const std::string& msg) {
-  if (!ok) throw fmkv::Error(code, msg);
-}
-
-void require_backend(fmkv_backend b) {
-  require(b >= FMKV_BACKEND_REF && b <= FMKV_BACKEND_METAL, FMKV_ERR_INVALID_ARGUMENT,
-          "unknown backend " + std::to_string((int)b));
-  require(fmkv_backend_available(b), FMKV_ERR_UNSUPPORTED,
+// The backend b, compiled and usable, or an error naming why not.
+const BackendOps& usable_backend(fmkv_backend b) {
+  const BackendOps* ops = fmkv::find_backend(b);
+  require((int)b >= 0 && (int)b < FMKV_BACKEND_COUNT, FMKV_ERR_INVALID_ARGUMENT, "unknown backend " + std::to_string((int)b));
+  require(ops && ops->available(), FMKV_ERR_UNSUPPORTED,
           std::string("backend '") + fmkv_backend_name(b) + "' is not compiled into this build or has no usable device");
+  return *ops;
 }
 }  // namespace
-
-namespace fmkv {
-void set_last_error(const std::string& msg) { g_last_error = msg; }  // used by src/io (snapshots)
-}  // namespace fmkv
 
 extern "C" {
 
 const char* fmkv_version(void) { return FMKV_VERSION; }
 int fmkv_format_version(void) { return FMKV_FORMAT_VERSION; }
-const char* fmkv_last_error(void) { return g_last_error.c_str(); }
+const char* fmkv_last_error(void) { return fmkv::last_error().c_str(); }
 
 const char* fmkv_backend_name(fmkv_backend b) {
-  switch (b) {
-    case FMKV_BACKEND_REF: return "ref";
-    case FMKV_BACKEND_CPU: return "cpu";
-    case FMKV_BACKEND_CUDA: return "cuda";
-    case FMKV_BACKEND_METAL: return "metal";
-  }
-  return "unknown";
+  static const char* const kNames[FMKV_BACKEND_COUNT] = FMKV_BACKEND_NAMES;
+  return (int)b >= 0 && (int)b < FMKV_BACKEND_COUNT ? kNames[b] : "unknown";
+}
+
+int fmkv_backend_from_name(const char* name, fmkv_backend* b) {
+  for (int i = 0; name && i < FMKV_BACKEND_COUNT; ++i)
+    if (std::strcmp(name, fmkv_backend_name((fmkv_backend)i)) == 0) {
+      if (b) *b = (fmkv_backend)i;
+      return 1;
+    }
+  return 0;
 }
 
 int fmkv_backend_available(fmkv_backend b) {
-  switch (b) {
-    case FMKV_BACKEND_REF: return 1;
-    case FMKV_BACKEND_CPU:
-#ifdef FMKV_WITH_CPU
-      return 1;
-#else
-      return 0;
-#endif
-    case FMKV_BACKEND_CUDA:
-#ifdef FMKV_WITH_CUDA
-      return fmkv::cuda::available() ? 1 : 0;
-#else
-      return 0;
-#endif
-    case FMKV_BACKEND_METAL:
-#ifdef FMKV_WITH_METAL
-      return fmkv::metal::available() ? 1 : 0;
-#else
-      return 0;
-#endif
-  }
-  return 0;
+  const BackendOps* ops = fmkv::find_backend(b);
+  return ops && ops->available() ? 1 : 0;
 }
 
 const char* fmkv_backend_device(fmkv_backend b) {
   static thread_local std::string name;
-  name.clear();
-  if (b == FMKV_BACKEND_REF) name = "host (scalar reference)";
-#ifdef FMKV_WITH_CPU
-  if (b == FMKV_BACKEND_CPU) name = fmkv::cpu::device_name();
-#endif
-#ifdef FMKV_WITH_CUDA
-  if (b == FMKV_BACKEND_CUDA && fmkv::cuda::available()) name = fmkv::cuda::device_name();
-#endif
-#ifdef FMKV_WITH_METAL
-  if (b == FMKV_BACKEND_METAL && fmkv::metal::available()) name = fmkv::metal::device_name();
-#endif
+  const BackendOps* ops = fmkv::find_backend(b);
+  name = ops && ops->available() ? ops->device_name() : "";
   return name.c_str();
 }
 
@@ -141,23 +93,11 @@ fmkv_status fmkv_append(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer
                         void* stream) {
   return guarded([&] {
     require(cfg && layer && batch && k && v, FMKV_ERR_INVALID_ARGUMENT, "fmkv_append: NULL argument");
-    require_backend(b);
+    const BackendOps& ops = usable_backend(b);
     fmkv::AppendArgs a{*cfg, *layer, *batch, *k, *v, stream};
     fmkv::validate_append_shapes(a);
-    if (b == FMKV_BACKEND_CUDA) {
-#ifdef FMKV_WITH_CUDA
-      fmkv::cuda::append(a);
-#endif
-      return;
-    }
-    fmkv::validate_append_host(a);  // ref, cpu and metal (unified memory) arrays are host-visible
-    if (b == FMKV_BACKEND_REF) fmkv::ref::append(a);
-#ifdef FMKV_WITH_METAL
-    if (b == FMKV_BACKEND_METAL) fmkv::metal::append(a);
-#endif
-#ifdef FMKV_WITH_CPU
-    if (b == FMKV_BACKEND_CPU) fmkv::cpu::append(a);
-#endif
+    if (ops.host_memory) fmkv::validate_append_host(a);
+    ops.append(a);
   });
 }
 
@@ -167,24 +107,12 @@ fmkv_status fmkv_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_la
                            size_t workspace_bytes, void* stream) {
   return guarded([&] {
     require(cfg && layer && batch && q && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_attention: NULL argument");
-    require_backend(b);
+    const BackendOps& ops = usable_backend(b);
     fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f, 0};
     fmkv::AttentionArgs a{*cfg, *layer, *batch, *q, *out, o, workspace, workspace_bytes, stream};
     fmkv::validate_attention_shapes(a);
-    if (b == FMKV_BACKEND_CUDA) {
-#ifdef FMKV_WITH_CUDA
-      fmkv::cuda::decode_attention(a);
-#endif
-      return;
-    }
-    fmkv::validate_attention_host(a);
-    if (b == FMKV_BACKEND_REF) fmkv::ref::decode_attention(a);
-#ifdef FMKV_WITH_METAL
-    if (b == FMKV_BACKEND_METAL) fmkv::metal::decode_attention(a);
-#endif
-#ifdef FMKV_WITH_CPU
-    if (b == FMKV_BACKEND_CPU) fmkv::cpu::decode_attention(a);
-#endif
+    if (ops.host_memory) fmkv::validate_attention_host(a);
+    ops.decode_attention(a);
   });
 }
 
@@ -194,19 +122,19 @@ fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const 
                                   void* workspace, size_t workspace_bytes, void* stream) {
   return guarded([&] {
     require(cfg && layer && batch && k && v && q && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_append_attention: NULL argument");
-    require_backend(b);
+    const BackendOps& ops = usable_backend(b);
     fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f, 0};
     fmkv::AppendArgs ap{*cfg, *layer, *batch, *k, *v, stream};
     fmkv::validate_append_shapes(ap);
     require(k->rows == q->rows, FMKV_ERR_INVALID_ARGUMENT,
             "fmkv_append_attention: k has " + std::to_string(k->rows) + " rows but q has " + std::to_string(q->rows) +
                 " (one query row per appended token)");
-    if (b == FMKV_BACKEND_CUDA) {
+    if (!ops.host_memory) {  // device arrays: the backend checks them (and the row limit) itself
       fmkv::AttentionArgs a{*cfg, *layer, *batch, *q, *out, o, workspace, workspace_bytes, stream};
       fmkv::validate_attention_shapes(a);
-#ifdef FMKV_WITH_CUDA
-      fmkv::cuda::append_attention(ap, a);
-#endif
+      require(ops.append_attention != nullptr, FMKV_ERR_UNSUPPORTED,
+              std::string("fmkv_append_attention: backend '") + fmkv_backend_name(b) + "' has no fused step");
+      ops.append_attention(ap, a);
       return;
     }
     // Host-visible arrays: check everything (with the lengths after the append) before writing.
@@ -225,83 +153,51 @@ fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const 
     fmkv::AttentionArgs a{*cfg, *layer, b2, *q, *out, o, workspace, workspace_bytes, stream};
     fmkv::validate_attention_shapes(a);
     fmkv::validate_attention_host(a);
-    if (b == FMKV_BACKEND_REF) {
-      fmkv::ref::append(ap);
-      fmkv::ref::decode_attention(a);
+    if (ops.append_attention) {
+      fmkv::AttentionArgs before = a;
+      before.batch = *batch;
+      ops.append_attention(ap, before);
+    } else {
+      ops.append(ap);
+      ops.decode_attention(a);
     }
-#ifdef FMKV_WITH_METAL
-    if (b == FMKV_BACKEND_METAL) {
-      fmkv::metal::append(ap);
-      fmkv::metal::decode_attention(a);
-    }
-#endif
-#ifdef FMKV_WITH_CPU
-    if (b == FMKV_BACKEND_CPU) {
-      fmkv::cpu::append(ap);
-      fmkv::cpu::decode_attention(a);
-    }
-#endif
   });
 }
 
 int64_t fmkv_attention_workspace_bytes(fmkv_backend b, const fmkv_config* cfg, int32_t q_heads,
                                        int64_t max_rows, int32_t num_seqs, int64_t max_seq_len) {
-#ifdef FMKV_WITH_CUDA
-  if (b == FMKV_BACKEND_CUDA && cfg && fmkv_config_validate(cfg) == FMKV_OK)
-    return fmkv::cuda::attention_workspace_bytes(*cfg, q_heads, max_rows, num_seqs, max_seq_len);
-#endif
-#ifdef FMKV_WITH_METAL
-  if (b == FMKV_BACKEND_METAL && cfg && fmkv_config_validate(cfg) == FMKV_OK)
-    return fmkv::metal::attention_workspace_bytes(*cfg, q_heads, max_rows, num_seqs, max_seq_len);
-#endif
-  (void)b; (void)cfg; (void)q_heads; (void)max_rows; (void)num_seqs; (void)max_seq_len;
-  return 0;
+  const BackendOps* ops = fmkv::find_backend(b);
+  if (!ops || !ops->attention_workspace_bytes || !cfg || fmkv_config_validate(cfg) != FMKV_OK) return 0;
+  return ops->attention_workspace_bytes(*cfg, q_heads, max_rows, num_seqs, max_seq_len);
 }
 
 void* fmkv_device_alloc(fmkv_backend b, size_t bytes) {
-#ifdef FMKV_WITH_CUDA
-  if (b == FMKV_BACKEND_CUDA) return fmkv_backend_available(b) ? fmkv::cuda::alloc(bytes) : nullptr;
-#endif
-#ifdef FMKV_WITH_METAL
-  if (b == FMKV_BACKEND_METAL) return fmkv_backend_available(b) ? fmkv::metal::alloc(bytes) : nullptr;
-#endif
-  return b == FMKV_BACKEND_REF || b == FMKV_BACKEND_CPU ? std::malloc(bytes ? bytes : 1) : nullptr;
+  const BackendOps* ops = fmkv::find_backend(b);
+  if (!ops || !ops->available()) return nullptr;
+  return ops->alloc ? ops->alloc(bytes) : std::malloc(bytes ? bytes : 1);
 }
 
 void fmkv_device_free(fmkv_backend b, void* p) {
-#ifdef FMKV_WITH_CUDA
-  if (b == FMKV_BACKEND_CUDA) { fmkv::cuda::free(p); return; }
-#endif
-#ifdef FMKV_WITH_METAL
-  if (b == FMKV_BACKEND_METAL) { fmkv::metal::free(p); return; }
-#endif
-  if (b == FMKV_BACKEND_REF || b == FMKV_BACKEND_CPU) std::free(p);
+  const BackendOps* ops = fmkv::find_backend(b);
+  if (!ops) return;
+  if (ops->free) ops->free(p);
+  else std::free(p);
 }
 
 fmkv_status fmkv_device_copy(fmkv_backend b, void* dst, const void* src, size_t bytes, int to_device) {
   return guarded([&] {
-    require_backend(b);
+    const BackendOps& ops = usable_backend(b);
     if (bytes == 0) return;
     require(dst && src, FMKV_ERR_INVALID_ARGUMENT, "fmkv_device_copy: NULL pointer");
-#ifdef FMKV_WITH_CUDA
-    if (b == FMKV_BACKEND_CUDA) { fmkv::cuda::copy(dst, src, bytes, to_device != 0); return; }
-#endif
-#ifdef FMKV_WITH_METAL
-    if (b == FMKV_BACKEND_METAL) { fmkv::metal::copy(dst, src, bytes, to_device != 0); return; }
-#endif
-    std::memcpy(dst, src, bytes);
+    if (ops.copy) ops.copy(dst, src, bytes, to_device != 0);
+    else std::memcpy(dst, src, bytes);
   });
 }
 
 fmkv_status fmkv_device_synchronize(fmkv_backend b) {
   return guarded([&] {
-    require_backend(b);
-#ifdef FMKV_WITH_CUDA
-    if (b == FMKV_BACKEND_CUDA) fmkv::cuda::synchronize();
-#endif
-#ifdef FMKV_WITH_METAL
-    if (b == FMKV_BACKEND_METAL) fmkv::metal::synchronize();
-#endif
+    const BackendOps& ops = usable_backend(b);
+    if (ops.synchronize) ops.synchronize();
   });
 }
 

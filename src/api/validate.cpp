@@ -9,13 +9,7 @@
 namespace fmkv {
 namespace {
 
-[[noreturn]] void fail(int code, const std::string& m) { throw Error(code, m); }
 std::string S(int64_t v) { return std::to_string(v); }
-
-bool mul_overflows(int64_t a, int64_t b) {
-  int64_t r;
-  return __builtin_mul_overflow(a, b, &r);
-}
 
 void validate_tensor(const char* name, const fmkv_tensor& t, int64_t rows, int32_t heads_req,
                      bool heads_multiple_ok, int32_t d) {
@@ -105,35 +99,6 @@ int32_t first_non_fp16(const fmkv_tensor& t, int64_t r, int32_t h) {
 }
 
 }  // namespace
-
-void validate_config(const fmkv_config& c) {
-  if (!fmkv_head_dim_supported(c.head_dim))
-    fail(kInvalidArgument, "head_dim " + S(c.head_dim) + " is not supported (format v2: 64, 128, 256)");
-  if (c.num_kv_heads < 1) fail(kInvalidArgument, "num_kv_heads must be >= 1, got " + S(c.num_kv_heads));
-  if (!fmkv_code_bits_supported(c.k_bits) && c.k_bits != FMKV_FP16_BITS)
-    fail(kInvalidArgument, "k_bits " + S(c.k_bits) + " is not supported (2, 3, 4 or 16)");
-  if (!fmkv_code_bits_supported(c.v_bits))
-    fail(kInvalidArgument, "v_bits " + S(c.v_bits) + " is not supported (2, 3 or 4)");
-  if (c.page_size < FMKV_MIN_PAGE_SIZE || c.page_size > FMKV_MAX_PAGE_SIZE || (c.page_size & (c.page_size - 1)))
-    fail(kInvalidArgument, "page_size " + S(c.page_size) + " must be a power of two in [16, 256]");
-  if (c.sink_tokens < 0 || c.window_tokens < 0 || c.sink_tokens > (1 << 20) || c.window_tokens > (1 << 20))
-    fail(kInvalidArgument, "sink_tokens and window_tokens must be in [0, 2^20]");
-  if (c.scale_rule != FMKV_SCALE_RMS && c.scale_rule != FMKV_SCALE_LSQ)
-    fail(kInvalidArgument, "scale_rule " + S(c.scale_rule) + " is not FMKV_SCALE_RMS (0) or FMKV_SCALE_LSQ (1)");
-}
-
-void validate_layer(const fmkv_config& c, const fmkv_layer_cache& l) {
-  if (l.num_pages < 0) fail(kInvalidArgument, "layer: negative num_pages");
-  if (l.num_pages > 0 && !l.pages) fail(kInvalidArgument, "layer: pages is NULL");
-  if (l.num_pages > std::numeric_limits<int32_t>::max())
-    fail(kOverflow, "layer: num_pages exceeds what a 32-bit block table can address");
-  if (mul_overflows(l.num_pages, page_bytes(c))) fail(kOverflow, "layer: page pool size overflows 64 bits");
-  if (fp16_slots(c) > 0) {
-    if (!l.fp16_k || !l.fp16_v) fail(kInvalidArgument, "layer: sink/window configured but fp16_k or fp16_v is NULL");
-    if (l.num_slots < 1) fail(kInvalidArgument, "layer: sink/window configured but num_slots < 1");
-  }
-  if (l.layer < 0) fail(kInvalidArgument, "layer: negative layer index");
-}
 
 void validate_append_shapes(const AppendArgs& a) {
   validate_config(a.cfg);

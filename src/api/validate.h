@@ -1,11 +1,9 @@
 // Argument validation shared by every backend. Throws fmkv::Error naming the problem.
 #pragma once
+#include "../core/config.h"
 #include "../core/ops.h"
 
 namespace fmkv {
-
-void validate_config(const fmkv_config& c);
-void validate_layer(const fmkv_config& c, const fmkv_layer_cache& l);
 // Shape/dtype/stride checks that need no access to the tensors' memory.
 void validate_append_shapes(const AppendArgs& a);
 void validate_attention_shapes(const AttentionArgs& a);

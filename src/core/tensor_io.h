@@ -2,7 +2,7 @@
 #pragma once
 #include <cstring>
 
-#include "half.h"
+#include "../format/numbers.h"
 #include "ops.h"
 
 namespace fmkv {

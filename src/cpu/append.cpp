@@ -12,7 +12,7 @@
 // Every byte is produced by exactly one task, so results do not depend on the thread count.
 #include <vector>
 
-#include "../core/backends.h"
+#include "backend.h"
 #include "../core/tensor_io.h"
 #include "kernels.h"
 #include "quantize.h"

@@ -13,8 +13,8 @@
 #include <memory>
 #include <vector>
 
-#include "../core/backends.h"
-#include "../core/rotation.h"
+#include "backend.h"
+#include "../format/rotation.h"
 #include "../core/tensor_io.h"
 #include "kernels.h"
 #include "quantize.h"
@@ -62,7 +62,7 @@ void decode_attention(const AttentionArgs& a) {
       float* qs = &qraw[((size_t)row * HQ + hq) * d];
       for (int32_t i = 0; i < d; ++i) qs[i] = load_f32(a.q, row, hq, i) * scale;
       for (int32_t i = 0; i < d; ++i) x[i] = qs[i];
-      rotate_f32(x, d, sw, &qrot[((size_t)row * HQ + hq) * d]);
+      rotate(x, d, sw, &qrot[((size_t)row * HQ + hq) * d]);
     }
   };
   if (rows * HQ <= 64) {  // a pool round trip costs more than this
@@ -182,7 +182,7 @@ void decode_attention(const AttentionArgs& a) {
       for (int32_t i = 0; i < d; ++i) acc[i] += sp[2 + i] * f;
     }
     K.unpermute(rot, d, nat);
-    unrotate_f32(nat, d, sw, y);
+    unrotate(nat, d, sw, y);
     const float inv = 1.0f / L;
     for (int32_t i = 0; i < d; ++i) store_f32(a.out, row, hq, i, (raw[i] + y[i]) * inv);
   };

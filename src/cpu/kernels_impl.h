@@ -5,7 +5,7 @@
 #pragma once
 #include <cstring>
 
-#include "../core/quant_math.h"
+#include "../format/quantize_group.h"
 #include "fmkv/params.h"
 #include "kernels.h"
 #include "simd.h"

@@ -14,9 +14,4 @@ void make_quant_params(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int
 // mag16[i] = codebook_mag(bits, i & (magnitude_count - 1)) (lookup table for 4-bit indices).
 void codebook_table16(int32_t bits, float* mag16);
 
-// Rotation of a query in float32 (same operation order as ref::rotate): y = FWHT(s * x) * norm.
-void rotate_f32(const float* x, int32_t d, const uint64_t* sign_words, float* y);
-// Inverse rotation in float32: x = s * FWHT(y) * norm.
-void unrotate_f32(const float* y, int32_t d, const uint64_t* sign_words, float* x);
-
 }  // namespace fmkv::cpu

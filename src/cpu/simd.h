@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "../core/half.h"
+#include "../format/numbers.h"
 
 #if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
 #include <immintrin.h>

@@ -26,7 +26,7 @@
 #include <cstring>
 #include <string>
 
-#include "../core/quant_math.h"
+#include "../format/quantize_group.h"
 #include "quantize.cuh"
 
 namespace fmkv {
@@ -73,7 +73,7 @@ __global__ void validate_seq(AppendParams p) {
   }
   if (n < 0 || len < 0 || len > INT64_MAX - n) ok = false;
   if (!ok || n == 0) return;
-  const int64_t first = dev_compressed_end(p.S, p.W, len), e_end = dev_compressed_end(p.S, p.W, len + n);
+  const int64_t first = fmkv_compressed_end(p.S, p.W, len), e_end = fmkv_compressed_end(p.S, p.W, len + n);
   if (e_end <= first) return;
   const int64_t p0 = (first - p.S) / p.P, p1 = (e_end - 1 - p.S) / p.P;
   if (p1 >= p.bt_stride) {
@@ -85,17 +85,6 @@ __global__ void validate_seq(AppendParams p) {
     int32_t pg = bt[q];
     if (pg < 0 || pg >= p.num_pages) report_error(p.err, kOutOfRange, kErrBlockTable, s, q, pg, p.num_pages);
   }
-}
-
-// Sequence of global row r: largest s with ro[s] <= r.
-__device__ __forceinline__ int find_seq(const int64_t* ro, int num_seqs, int64_t r) {
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) >> 1;
-    if (ro[mid] <= r) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
 }
 
 // Where global row r compresses to (for kv head h, K or V) and where its source vector is.
@@ -119,11 +108,11 @@ struct CompressedToken {
 };
 __device__ __forceinline__ CompressedToken compressed_token(const AppendParams& p, int64_t r) {
   CompressedToken c;
-  c.s = find_seq(p.ro, p.num_seqs, r);
+  c.s = seq_of_row(p.ro, p.num_seqs, r);
   c.row0 = p.ro[c.s];
   c.n = p.ro[c.s + 1] - c.row0;
   c.len0 = p.seq_lens[c.s];
-  c.q = dev_compressed_end(p.S, p.W, c.len0) + (r - c.row0);
+  c.q = fmkv_compressed_end(p.S, p.W, c.len0) + (r - c.row0);
   return c;
 }
 
@@ -135,7 +124,7 @@ __device__ __forceinline__ VecTask locate(const AppendParams& p, int64_t r, int3
   const int s = c.s;
   const int64_t j = r - c.row0, q = c.q;
   if (j < 0 || j >= c.n) return v;
-  if (q >= dev_compressed_end(p.S, p.W, c.len0 + c.n)) return v;
+  if (q >= fmkv_compressed_end(p.S, p.W, c.len0 + c.n)) return v;
   const int64_t ci = q - p.S;
   const int32_t pg = p.bt[(int64_t)s * p.bt_stride + (ci >> p.lgP)];
   if (pg < 0 || pg >= p.num_pages) return v;
@@ -148,7 +137,7 @@ __device__ __forceinline__ VecTask locate(const AppendParams& p, int64_t r, int3
   } else {  // aged out of the ring window: read the ring before fp16_rows<write> overwrites it
     const int32_t slot = p.slots ? p.slots[s] : 0;
     const int32_t fs = p.S + (int32_t)((q - p.S) % p.W);
-    const uint16_t* ring = (isv ? p.fp16_v : p.fp16_k) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
+    const uint16_t* ring = (isv ? p.fp16_v : p.fp16_k) + fmkv_fp16_offset(p.H, p.R, D, slot, h, fs);
     v.src = (uint64_t)(uintptr_t)ring | 1u;
   }
   return v;
@@ -387,7 +376,7 @@ __global__ void __launch_bounds__(256) fp16_rows(AppendParams p) {
     const int isv = (int)(gw & 1);
     const int32_t h = (int32_t)((gw >> 1) % p.H);
     const int64_t r = gw / (2 * (int64_t)p.H);
-    const int s = find_seq(p.ro, p.num_seqs, r);
+    const int s = seq_of_row(p.ro, p.num_seqs, r);
     const int64_t row0 = p.ro[s], n = p.ro[s + 1] - row0, len0 = p.seq_lens[s], j = r - row0;
     if (j < 0 || j >= n) continue;
     const int64_t pos = len0 + j;
@@ -409,7 +398,7 @@ __global__ void __launch_bounds__(256) fp16_rows(AppendParams p) {
         if (!f16_is_finite(x[i])) report_error(p.err, kNonFinite, kErrNonFiniteKV, isv, r, h, lane + 32 * i);
     } else {
       const int32_t slot = p.slots ? p.slots[s] : 0;
-      uint16_t* dst = (isv ? p.fp16_v : p.fp16_k) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
+      uint16_t* dst = (isv ? p.fp16_v : p.fp16_k) + fmkv_fp16_offset(p.H, p.R, D, slot, h, fs);
 #pragma unroll
       for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = x[i];
     }

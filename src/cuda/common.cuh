@@ -7,18 +7,18 @@
 
 #include <string>
 
-#include "../core/backends.h"
-#include "../core/half.h"
-#include "trace.h"
 #include "../core/ops.h"
-#include "../core/rotation.h"
+#include "../format/numbers.h"
+#include "../format/rotation.h"
+#include "backend.h"
 #include "fmkv/format.h"
+#include "trace.h"
 
 namespace fmkv {
 namespace cuda {
 namespace tab {
 #define FMKV_TABLE static __constant__
-#include "../core/codebooks.inc"
+#include "../format/codebooks.inc"
 #undef FMKV_TABLE
 }  // namespace tab
 // The same levels in global memory, for loads that must be issued at a chosen point (load_now:
@@ -26,7 +26,7 @@ namespace tab {
 namespace gtab {
 #define FMKV_TABLE static __device__ const
 #define FMKV_CODEBOOK_LEVELS_ONLY
-#include "../core/codebooks.inc"
+#include "../format/codebooks.inc"
 #undef FMKV_CODEBOOK_LEVELS_ONLY
 #undef FMKV_TABLE
 }  // namespace gtab
@@ -238,22 +238,14 @@ __device__ __forceinline__ float4 load_now(const float4* a) {
   return v;
 }
 
-// Largest compressed end: tokens [S, E) are compressed, E = max(S, len - W).
-__device__ __forceinline__ int64_t dev_compressed_end(int32_t S, int32_t W, int64_t len) {
-  int64_t e = len - W;
-  return e > S ? e : S;
-}
-
+// The rotation sign words of a layer, passed by value in kernel parameters (read with fmkv::sign_negative(s.w, i)).
 struct SignWords {
-  uint64_t w[4];
+  uint64_t w[FMKV_MAX_SIGN_WORDS];
 };
 inline SignWords make_sign_words(uint64_t seed, int32_t layer, int32_t d) {
   SignWords s{{0, 0, 0, 0}};
   rotation_sign_words(seed, layer, d, s.w);
   return s;
-}
-__device__ __forceinline__ bool sign_negative(const SignWords& s, int i) {
-  return (s.w[i >> 6] >> (i & 63)) & 1ull;
 }
 
 // ---- kernel parameter structs (host side) -------------------------------------------------------

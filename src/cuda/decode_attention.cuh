@@ -130,7 +130,7 @@ __device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int
       return false;
     }
   }
-  const int64_t E = dev_compressed_end(p.S, p.W, len);
+  const int64_t E = fmkv_compressed_end(p.S, p.W, len);
   // the tile loop counts token offsets within a split in 32 bits (vis, cnt): at most 2^30 per split
   if (E - p.S > ((int64_t)p.nsplit << 30)) {
     if (rep) report_error(p.err, kOverflow, kErrSplitSpan, s, E - p.S, p.nsplit, 0);
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   }
   const int64_t len = p.fused && n > 0 && len0 >= 0 ? len0 + n : len0;
   if (!attn_sequence_ok(p, s, h, sp, r0, n, len, slot) || n <= 0) return;
-  const int64_t E = dev_compressed_end(p.S, p.W, p.fused ? len0 : len), C = E - p.S;
+  const int64_t E = fmkv_compressed_end(p.S, p.W, p.fused ? len0 : len), C = E - p.S;
   if (sp < p.nsplit && tidx < 8)
     for (int l = 0; l < 32; ++l) s_tab[tidx][l] = tab_lo | (tab_hi << 16);
   if (sp < p.nsplit && tidx < 16) s_pow2[tidx] = 1u << tidx;
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   // tile loop out after this code, and the split CTAs' prologue ran ~1 us slower.)
   if (sp == p.nsplit || sp == p.nsplit + 1) {
     if (p.fused && sp == p.nsplit) fused_step<D, P, KB, VB>(p, s, h, len0, r0, n, smem);
-    else fp16_part<D>(p, s, h, len - n, r0, n, dev_compressed_end(p.S, p.W, len), p.fused ? len0 : len, sp, smem);
+    else fp16_part<D>(p, s, h, len - n, r0, n, fmkv_compressed_end(p.S, p.W, len), p.fused ? len0 : len, sp, smem);
     FMKV_TRACE(p, 0, 7, p.fused && sp == p.nsplit ? kTraceFused : kTraceFp16Part);
     return;
   }

@@ -60,7 +60,7 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t qpos0, int6
   const int64_t Ts = tend < p.S ? tend : p.S, Tr = tend > E ? tend - E : 0;
   const int64_t T = Ts + Tr;
   const int32_t ring0 = p.W > 0 ? (int32_t)((E - p.S) % p.W) : 0;  // ring slot offset of position E
-  const int64_t reg = (((int64_t)slot * p.H + h) * p.R) * D;
+  const int64_t reg = fmkv_fp16_offset(p.H, p.R, D, slot, h, 0);
   const uint16_t* kreg = p.fp16_k + (p.R > 0 ? reg : 0);
   const uint16_t* vreg = p.fp16_v + (p.R > 0 ? reg : 0);
   // token ti of the list -> its position and its region row

@@ -220,7 +220,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
   using FG = Fp16Geom<D>;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31;
   const int64_t len = len0 + n;
-  const int64_t E0 = dev_compressed_end(p.S, p.W, len0), E1 = dev_compressed_end(p.S, p.W, len);
+  const int64_t E0 = fmkv_compressed_end(p.S, p.W, len0), E1 = fmkv_compressed_end(p.S, p.W, len);
   const int32_t* btrow = p.bt + (int64_t)s * p.bt_stride;
   uint8_t* pages = const_cast<uint8_t*>(p.pages);  // the layer's pages are writable (fmkv_layer_cache)
   uint16_t* fk = const_cast<uint16_t*>(p.fp16_k);
@@ -281,7 +281,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
       load_f16_bits_n<NR>(src, dt, off, x);
     } else {  // aged out of the ring window (read before step 4 rewrites the ring)
       const int32_t fs = p.S + (int32_t)((q - p.S) % p.W);
-      const uint16_t* ring = (isv ? fv : fk) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
+      const uint16_t* ring = (isv ? fv : fk) + fmkv_fp16_offset(p.H, p.R, D, slot, h, fs);
 #pragma unroll
       for (int i = 0; i < NR; ++i) x[i] = ring[lane + 32 * i];
     }
@@ -336,7 +336,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
       if (pos < p.S) fs = (int32_t)pos;
       else if (p.W > 0 && pos >= len - p.W) fs = p.S + (int32_t)((pos - p.S) % p.W);
       else continue;
-      uint16_t* dst = (isv ? fv : fk) + (((int64_t)slot * p.H + h) * p.R + fs) * D;
+      uint16_t* dst = (isv ? fv : fk) + fmkv_fp16_offset(p.H, p.R, D, slot, h, fs);
       const int32_t dt = isv ? p.v_dtype : p.k_dtype;
       uint16_t x[NR];
       if (kv_staged) {  // staged element (row j, head h, i) of tensor isv: chunk order [rows][heads][D]

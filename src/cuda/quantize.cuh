@@ -1,6 +1,6 @@
 // Quantizers of the format (FORMAT.md, version 2) on the GPU. Every float op is explicitly rounded (__fadd_rn/__fmul_rn/
 // __fdiv_rn/__fsqrt_rn: no FMA contraction) and sums follow tree_sum32's order, so the bytes equal
-// the reference's (src/core/quant_math.h, src/ref/quantize.cpp) bit for bit.
+// the reference's (src/format/quantize_group.h, src/ref/quantize.cpp) bit for bit.
 //  * warp level (warp_rotate, warp_quantize_groups): one warp per head vector, lane l holds
 //    coordinates l + 32 r, so register r across the warp is scale group r.
 //  * thread level (thread_fwht, thread_quantize_group; used by append.cu): one thread owns 64
@@ -9,7 +9,8 @@
 #include <cmath>
 #include <cstring>
 
-#include "../core/quant_math.h"
+#include "../format/quantize_group.h"
+#include "../format/rows.h"
 #include "common.cuh"
 
 namespace fmkv {
@@ -23,19 +24,13 @@ __device__ __forceinline__ float warp_tree_sum32(float t) {
   return t;
 }
 
-// Per b-bit codebook (index b - 2), filled on the host from src/core/quant_math.h.
+// Per b-bit codebook (index b - 2), filled on the host from src/format/quantize_group.h.
 struct QuantTables {
   float thr[7];   // t_i = codebook_threshold(b, i): the reference's decision thresholds
   float hulp[7];  // ulp(t_i) / 2 (a power of two)
   float mag[8];   // positive levels mag_b[m] as float (exact fp16 values)
 };
 
-// fp16 scale with saturation (FORMAT.md "Scale"): cvt.rn.f16.f32 is IEEE round-to-nearest-even
-// (f16 subnormals and overflow to inf included), i.e. f32_to_f16 of half.h; then inf -> 65504.
-__device__ __forceinline__ uint16_t scale_to_f16_hw(float s) {
-  const uint16_t h = __half_as_ushort(__float2half_rn(s));
-  return (h & 0x7fffu) >= 0x7c00u ? (uint16_t)0x7bffu : h;
-}
 __device__ __forceinline__ float f16_bits_to_f32_hw(uint32_t h16) {  // exact (cvt.f32.f16)
   return __half2float(__ushort_as_half((unsigned short)h16));
 }
@@ -102,7 +97,7 @@ __device__ __forceinline__ void warp_rotate(float (&v)[D / 32], const SignWords&
   constexpr int NR = D / 32;
 #pragma unroll
   for (int r = 0; r < NR; ++r)
-    if (sign_negative(sw, lane + 32 * r)) v[r] = -v[r];
+    if (fmkv::sign_negative(sw.w, lane + 32 * r)) v[r] = -v[r];
 #pragma unroll
   for (int h = 1; h < 32; h <<= 1) {
 #pragma unroll
@@ -157,7 +152,7 @@ __device__ __forceinline__ void unrotate_scale_signs(float (&y)[N], const SignWo
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     y[k] *= rotation_norm(D);
-    if (sign_negative(sw, coord(k))) y[k] = -y[k];
+    if (fmkv::sign_negative(sw.w, coord(k))) y[k] = -y[k];
   }
 }
 
@@ -210,7 +205,7 @@ __device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], const Quant
   uint32_t sign[NR], m[NR];
 #pragma unroll
   for (int g = 0; g < NR; ++g) {
-    const uint16_t s0 = scale_to_f16_hw(__fsqrt_rn(__fmul_rn(t[g], 0.03125f)));  // t / 32, exactly
+    const uint16_t s0 = rms_scale(t[g]);
     const bool nz = s0 != 0;  // warp-uniform; a zero scale: every code 0 (FORMAT.md 5.2)
     float T[(1 << (BITS - 1)) - 1];
     group_thresholds<BITS>(q, f16_bits_to_f32_hw(s0), T);
@@ -229,7 +224,7 @@ __device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], const Quant
     warp_tree_sum32_n<NR>(den);
 #pragma unroll
     for (int g = 0; g < NR; ++g)
-      if (scale[g] != 0) scale[g] = scale_to_f16_hw(__fdiv_rn(num[g], den[g]));
+      if (scale[g] != 0) scale[g] = lsq_scale(num[g], den[g]);
   }
 #pragma unroll
   for (int g = 0; g < NR; ++g) {
@@ -285,8 +280,8 @@ __device__ __forceinline__ uint4 fwht_input_mask(const SignWords& sw, int pos) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int lo = 8 * pos + 2 * e, hi = lo + 1;
-    const uint32_t flo = (uint32_t)sign_negative(sw, lo) ^ (uint32_t)((lo >> 5) & (lo >> 6) & 1);
-    const uint32_t fhi = (uint32_t)sign_negative(sw, hi) ^ (uint32_t)((hi >> 5) & (hi >> 6) & 1);
+    const uint32_t flo = (uint32_t)fmkv::sign_negative(sw.w, lo) ^ (uint32_t)((lo >> 5) & (lo >> 6) & 1);
+    const uint32_t fhi = (uint32_t)fmkv::sign_negative(sw.w, hi) ^ (uint32_t)((hi >> 5) & (hi >> 6) & 1);
     m[e] = (flo << 15) | (fhi << 31);
   }
   return make_uint4(m[0], m[1], m[2], m[3]);
@@ -367,8 +362,7 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
   for (int step = 4; step >= 1; step >>= 1)
 #pragma unroll
     for (int j = 0; j < step; ++j) s8[j] = __fadd_rn(s8[j], s8[j + step]);
-  const float rms = __fsqrt_rn(__fmul_rn(s8[0], 0.03125f));
-  const uint16_t s0 = scale_to_f16_hw(rms);
+  const uint16_t s0 = rms_scale(s8[0]);
   const float s0f = f16_bits_to_f32_hw(s0);
   // The thresholds and the search below are the same as group_thresholds / search_magnitude, written
   // out: through the helpers ptxas scheduled compress's loop differently and the prefill ran 2-3%
@@ -440,7 +434,7 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
         num8[j] = __fadd_rn(num8[j], num8[j + step]);
         den8[j] = __fadd_rn(den8[j], den8[j + step]);
       }
-    scale = scale_to_f16_hw(__fdiv_rn(num8[0], den8[0]));
+    scale = lsq_scale(num8[0], den8[0]);
   }
   if (s0 == 0) {  // FORMAT.md 5.2: all codes 0, scale 0
 #pragma unroll

@@ -2,9 +2,8 @@
 
 #include <cstring>
 
-#include "fmkv/fmkv.h"
-#include "fmkv/format.h"
-#include "../ref/quantize.h"
+#include "../core/ops.h"
+#include "../format/pack.h"
 
 namespace fmkv::io {
 
@@ -23,7 +22,7 @@ void unpack_format1_group(const uint32_t (&w)[4], uint8_t* codes) {
 
 void upgrade_format1_pages(const fmkv_config& c, uint8_t* pages, int64_t num_pages) {
   const int32_t d = c.head_dim, P = c.page_size, G = fmkv_groups(d);
-  const int64_t pb = fmkv_config_page_bytes(&c);
+  const int64_t pb = page_bytes(c);
   for (int64_t pg = 0; pg < num_pages; ++pg)
     for (int32_t h = 0; h < c.num_kv_heads; ++h)
       for (int isv = 0; isv < 2; ++isv) {
@@ -35,7 +34,7 @@ void upgrade_format1_pages(const fmkv_config& c, uint8_t* pages, int64_t num_pag
             uint8_t codes[32];
             for (int k = 0; k < 4; ++k) std::memcpy(&w[k], sec + 4 * fmkv_code_word_index(4, P, g, k, t), 4);
             unpack_format1_group(w, codes);
-            ref::pack_group(codes, 4, nib, 1);
+            pack_group_words(codes, 4, nib);
             for (int k = 0; k < 4; ++k) std::memcpy(sec + 4 * fmkv_code_word_index(4, P, g, k, t), &nib[k], 4);
           }
       }

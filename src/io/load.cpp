@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "../api/validate.h"
+#include "../core/config.h"
 #include "../core/ops.h"
 #include "crc32c.h"
 #include "error.h"

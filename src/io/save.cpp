@@ -8,24 +8,21 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
 
-#include "../api/validate.h"
-#include "../core/half.h"
+#include "../core/config.h"
 #include "../core/ops.h"
-#include "../ref/quantize.h"
+#include "../format/codebook.h"
+#include "../format/numbers.h"
+#include "../format/pack.h"
+#include "../format/rotation.h"
 #include "crc32c.h"
 #include "error.h"
 #include "fmkv/io.h"
 #include "layout.h"
-
-namespace fmkv {
-// Weak fallback: the library's C API (src/api/c_api.cpp) provides the real one, which feeds
-// fmkv_last_error(). Without it the snapshot functions still return their status codes.
-__attribute__((weak)) void set_last_error(const std::string&) {}
-}  // namespace fmkv
 
 namespace fmkv::io {
 namespace {
@@ -222,17 +219,15 @@ void dequantize_token(const fmkv_config& c, const uint8_t* page, int32_t h, int 
     std::memcpy(out, sec + (size_t)t * d * 2, (size_t)d * 2);
     return;
   }
-  std::vector<uint8_t> codes(d);
-  std::vector<uint16_t> scales(G);
+  std::vector<double> y(d), x(d);
   for (int32_t g = 0; g < G; ++g) {
     uint32_t words[4];
     for (int32_t w = 0; w < bits; ++w) words[w] = rd32(sec + 4 * fmkv_code_word_index(bits, P, g, w, t));
-    ref::unpack_group(words, 1, bits, codes.data() + (size_t)g * FMKV_GROUP_SIZE);
-    scales[g] = rd16(sec + fmkv_scales_offset(d, bits, P) + 2 * ((int64_t)g * P + t));
+    const double scale = (double)f16_to_f32(rd16(sec + fmkv_scales_offset(d, bits, P) + 2 * ((int64_t)g * P + t)));
+    for (int32_t j = 0; j < FMKV_GROUP_SIZE; ++j)
+      y[(size_t)g * FMKV_GROUP_SIZE + j] = (double)decode_level(unpack_code(words, 1, bits, j), bits) * scale;
   }
-  std::vector<double> y(d), x(d);
-  ref::dequantize_vector(codes.data(), scales.data(), d, bits, y.data());
-  ref::unrotate_f64(y.data(), d, signs.data(), x.data());
+  unrotate_exact(y.data(), d, signs.data(), std::sqrt((double)d), x.data());
   for (int32_t i = 0; i < d; ++i) {
     float f = (float)std::max(-65504.0, std::min(65504.0, x[i]));
     out[i] = f32_to_f16(f);
@@ -259,7 +254,10 @@ void build_fp16(const Plan& p, const SeqPlan& sp, int32_t l, int is_v, std::vect
       copy_slot(r);
       continue;
     }
-    if (signs.empty()) signs = ref::sign_words(c.seed, lc.layer, d);
+    if (signs.empty()) {
+      signs.assign(FMKV_MAX_SIGN_WORDS, 0);
+      rotation_sign_words(c.seed, lc.layer, d, signs.data());
+    }
     const int64_t ci = pos - S_;
     const uint8_t* page = lc.pages + (size_t)sp.table[ci / c.page_size] * (size_t)p.page_bytes;
     for (int32_t h = 0; h < H; ++h)

@@ -1,13 +1,12 @@
-// Metal backend entry points (implemented in src/metal/backend.mm, Apple platforms only).
-// Mirrors fmkv::cuda in src/core/backends.h; the C API dispatches here for FMKV_BACKEND_METAL when
-// FMKV_WITH_METAL is defined. Memory from alloc() is MTLBuffer storage in shared (unified) mode, so
-// host validation (validate_*_host) can read batch arrays and tensors directly.
+// Metal backend entry points (implemented in src/metal/backend.mm, Apple platforms only, which also
+// defines the backend's table for the registry). Memory from alloc() is MTLBuffer storage in shared
+// (unified) mode, so host validation (validate_*_host) can read batch arrays and tensors directly.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
-#include "../core/backends.h"
+#include "../core/ops.h"
 
 namespace fmkv::metal {
 
@@ -22,6 +21,15 @@ inline int32_t attention_splits(int64_t max_len) {
   return (int32_t)(s < 1 ? 1 : s > 32 ? 32 : s);
 }
 
-// Entry points: declared with the other backends' in src/core/backends.h.
+bool available();
+std::string device_name();
+void append(const AppendArgs& a);
+void decode_attention(const AttentionArgs& a);
+void* alloc(size_t bytes);
+void free(void* p);
+void copy(void* dst, const void* src, size_t bytes, bool to_device);
+void synchronize();
+int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64_t max_rows, int32_t num_seqs,
+                                  int64_t max_seq_len);
 
 }  // namespace fmkv::metal

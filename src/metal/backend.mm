@@ -22,6 +22,8 @@
 #include <string>
 
 #include "backend.h"
+
+#include "../core/backend.h"
 #include "host_plan.h"
 
 namespace fmkv::metal {
@@ -42,12 +44,12 @@ struct Context {
   std::string error;
 };
 
-[[noreturn]] void fail(int code, const std::string& msg) { throw fmkv::Error(code, "metal: " + msg); }
+[[noreturn]] void metal_fail(int code, const std::string& msg) { throw fmkv::Error(code, "metal: " + msg); }
 
 std::string read_flattened(const std::string& path, std::set<std::string>& seen) {
   if (!seen.insert(path).second) return "";
   std::ifstream f(path);
-  if (!f) fail(kBackendError, "cannot read kernel source " + path);
+  if (!f) metal_fail(kBackendError, "cannot read kernel source " + path);
   std::string dir = path.substr(0, path.find_last_of('/') + 1), line, out;
   while (std::getline(f, line)) {
     size_t a = line.find("#include \"");
@@ -71,7 +73,7 @@ id<MTLLibrary> load_library(id<MTLDevice> dev, const char* file) {
   if (dir) {
     std::string path = std::string(dir) + "/" + file + ".metallib";
     id<MTLLibrary> l = [dev newLibraryWithURL:[NSURL fileURLWithPath:@(path.c_str())] error:&err];
-    if (!l) fail(kBackendError, "cannot load " + path + ": " + err.localizedDescription.UTF8String);
+    if (!l) metal_fail(kBackendError, "cannot load " + path + ": " + err.localizedDescription.UTF8String);
     return l;
   }
 #ifdef FMKV_METAL_SOURCE_DIR
@@ -85,21 +87,21 @@ id<MTLLibrary> load_library(id<MTLDevice> dev, const char* file) {
     opts.fastMathEnabled = NO;
   }
   id<MTLLibrary> l = [dev newLibraryWithSource:@(src.c_str()) options:opts error:&err];
-  if (!l) fail(kBackendError, std::string("compiling ") + file + ": " + err.localizedDescription.UTF8String);
+  if (!l) metal_fail(kBackendError, std::string("compiling ") + file + ": " + err.localizedDescription.UTF8String);
   return l;
 #else
   (void)file;
-  fail(kUnsupported, "no metallib directory (FMKV_METALLIB_DIR) and no kernel sources compiled in");
+  metal_fail(kUnsupported, "no metallib directory (FMKV_METALLIB_DIR) and no kernel sources compiled in");
 #endif
 }
 
 id<MTLComputePipelineState> pipeline(id<MTLDevice> dev, id<MTLLibrary> lib, NSString* name) {
   NSError* err = nil;
   id<MTLFunction> fn = [lib newFunctionWithName:name];
-  if (!fn) fail(kBackendError, std::string("kernel ") + name.UTF8String + " missing from the library");
+  if (!fn) metal_fail(kBackendError, std::string("kernel ") + name.UTF8String + " missing from the library");
   id<MTLComputePipelineState> p = [dev newComputePipelineStateWithFunction:fn error:&err];
-  if (!p) fail(kBackendError, std::string("pipeline ") + name.UTF8String + ": " + err.localizedDescription.UTF8String);
-  if (p.threadExecutionWidth != 32) fail(kUnsupported, "the kernels need 32-lane SIMD groups");
+  if (!p) metal_fail(kBackendError, std::string("pipeline ") + name.UTF8String + ": " + err.localizedDescription.UTF8String);
+  if (p.threadExecutionWidth != 32) metal_fail(kUnsupported, "the kernels need 32-lane SIMD groups");
   return p;
 }
 
@@ -130,8 +132,8 @@ Context& ctx() {
 
 Context& ready() {
   Context& c = ctx();
-  if (!c.device) fail(kUnsupported, "no Metal device");
-  if (!c.compress) fail(kBackendError, c.error);
+  if (!c.device) metal_fail(kUnsupported, "no Metal device");
+  if (!c.compress) metal_fail(kBackendError, c.error);
   return c;
 }
 
@@ -143,10 +145,10 @@ void bind(Context& c, id<MTLComputeCommandEncoder> enc, const void* p, NSUIntege
   }
   std::lock_guard<std::mutex> lock(c.mu);
   auto it = c.allocs.upper_bound((uintptr_t)p);
-  if (it == c.allocs.begin()) fail(kInvalidArgument, "pointer not allocated with fmkv_device_alloc(FMKV_BACKEND_METAL)");
+  if (it == c.allocs.begin()) metal_fail(kInvalidArgument, "pointer not allocated with fmkv_device_alloc(FMKV_BACKEND_METAL)");
   --it;
   size_t off = (uintptr_t)p - it->first;
-  if (off >= it->second.bytes) fail(kInvalidArgument, "pointer not allocated with fmkv_device_alloc(FMKV_BACKEND_METAL)");
+  if (off >= it->second.bytes) metal_fail(kInvalidArgument, "pointer not allocated with fmkv_device_alloc(FMKV_BACKEND_METAL)");
   [enc setBuffer:it->second.buffer offset:off atIndex:index];
 }
 
@@ -154,10 +156,10 @@ void run(Context& c, id<MTLCommandBuffer> cmd, const uint32_t* status) {
   [cmd commit];
   [cmd waitUntilCompleted];
   if (cmd.status != MTLCommandBufferStatusCompleted)
-    fail(kBackendError, std::string("command buffer failed: ") +
+    metal_fail(kBackendError, std::string("command buffer failed: ") +
                             (cmd.error ? cmd.error.localizedDescription.UTF8String : "unknown error"));
-  if (status[0] & FMKV_METAL_ERR_BLOCK_TABLE) fail(kOutOfRange, "a block table entry is outside [0, num_pages)");
-  if (status[1]) fail(kInternal, "kernel launch shape rejected by the kernel");
+  if (status[0] & FMKV_METAL_ERR_BLOCK_TABLE) metal_fail(kOutOfRange, "a block table entry is outside [0, num_pages)");
+  if (status[1]) metal_fail(kInternal, "kernel launch shape rejected by the kernel");
 }
 
 }  // namespace
@@ -280,4 +282,13 @@ void decode_attention(const AttentionArgs& a) {
 }
 
 }  // namespace fmkv::metal
+
+namespace fmkv {
+extern const BackendOps metal_backend = {
+    FMKV_BACKEND_METAL, /*host_memory=*/true, /*attention_rel_error=*/1e-5,  // unified memory
+    metal::available, metal::device_name,
+    metal::append, metal::decode_attention,
+    /*append_attention=*/nullptr, metal::attention_workspace_bytes,
+    metal::alloc, metal::free, metal::copy, metal::synchronize};
+}  // namespace fmkv
 #endif  // __APPLE__

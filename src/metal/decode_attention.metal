@@ -3,7 +3,7 @@
 // Split-K: pass 1 (fmkv_attention_partial) writes one partial softmax state per (query, key
 // split, SIMD group) into the workspace; pass 2 (fmkv_attention_merge) merges them, normalises
 // and rotates the output back. Thin wrappers over src/metal/kernel_core.h.
-#include "portability.h"
+#include "../format/portability.h"
 #include "params_msl.h"
 #include "kernel_core.h"
 

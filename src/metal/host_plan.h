@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "../core/ops.h"
-#include "portability.h"
+#include "../format/portability.h"
 #include "params_msl.h"
 
 namespace fmkv::metal {

@@ -1,134 +1,59 @@
-// fmkv Metal backend: single-source kernel logic (MSL, host emulator, CUDA) over src/metal/portability.h.
+// fmkv Metal backend: single-source kernel logic (MSL, host emulator, CUDA) over src/format/portability.h.
 //
 // Execution model: a SIMD group of 32 lanes owns one head vector; lane `lane` holds coordinates
 // i = g*32 + lane for g < G = d/32 (one scale group per register g). So
 //   * FWHT stages h = 1..16 are xor-shuffles between lanes, stages h = 32..d/2 are in-register, in
 //     the order h = 1, 2, 4, ... of FORMAT.md §3;
 //   * a group sum is the xor butterfly 16, 8, 4, 2, 1, which computes exactly tree_sum32 of
-//     src/core/quant_math.h in every lane (same pairwise sums; float addition is commutative);
+//     src/format/quantize_group.h in every lane (same pairwise sums; float addition is commutative);
 //   * 2/3-bit codes: 1-bit planes are one ballot each, the 2-bit field plane is built from two
 //     ballots; 4-bit codes: nibble words (format version 2) are built from four ballots;
 //   * attention decodes the code of coordinate i in lane i mod 32 from broadcast code words.
-// Every arithmetic step of the quantizer mirrors src/core/quant_math.h operation by operation
+// Every arithmetic step of the quantizer mirrors src/format/quantize_group.h operation by operation
 // (float32, no FMA: compile with fast math off / -ffp-contract=off). docs/FORMAT.md is normative;
 // tests/metal/ checks bit-exactness against src/ref in the emulator.
 #ifndef FMKV_METAL_KERNEL_CORE_H
 #define FMKV_METAL_KERNEL_CORE_H
 
-#include "portability.h"
+#include "../format/portability.h"
+// The format's rules come from the one format core (layout, regions, rotation signs, codebook, code
+// packing, number formats, the group quantizer's scale rules); this file adds only the SIMD-group
+// forms of the hot steps and the kernel bodies.
+#include "../../include/fmkv/format.h"
+#include "../format/codebook.h"
+#include "../format/numbers.h"
+#include "../format/pack.h"
+#include "../format/quantize_group.h"
+#include "../format/rotation.h"
+#include "../format/rows.h"
 #include "params_msl.h"
-
-// ---- codebook levels: the generated table, never a copy ----------------------------------------
-// codebooks.inc also carries double tables (documentation only); FMKV_CODEBOOK_LEVELS_ONLY leaves
-// them out, since MSL has no double.
-#define FMKV_CODEBOOK_LEVELS_ONLY 1
-#define FMKV_TABLE FMKV_CODEBOOK_TABLE
-#include "../core/codebooks.inc"
-#undef FMKV_TABLE
 
 #define FMKV_NEG_BIG (-3.0e38f)  // "minus infinity" of the online softmax (finite: fast-math safe)
 
-// ---- small integer helpers ------------------------------------------------------------------------
+// ---- small helpers ------------------------------------------------------------------------------------
 FMKV_INLINE fmkv_i64 fmkv_min_i64(fmkv_i64 a, fmkv_i64 b) { return a < b ? a : b; }
-FMKV_INLINE fmkv_i64 fmkv_max_i64(fmkv_i64 a, fmkv_i64 b) { return a > b ? a : b; }
 FMKV_INLINE float fmkv_max_f32(float a, float b) { return a > b ? a : b; }
 
-// ---- layout (include/fmkv/format.h, re-expressed without stdint for MSL) -------------------------
-FMKV_INLINE fmkv_i64 fmkv_m_section_bytes(fmkv_i32 d, fmkv_i32 bits, fmkv_i32 P) {
-  fmkv_i64 per_token = bits == 16 ? 2 * (fmkv_i64)d : (fmkv_i64)(d / 32) * (4 * (fmkv_i64)bits + 2);
-  return per_token * P;
-}
-FMKV_INLINE fmkv_i64 fmkv_m_section_offset(fmkv_i32 d, fmkv_i32 kb, fmkv_i32 vb, fmkv_i32 P, fmkv_i32 h,
-                                           int is_v) {
-  fmkv_i64 stride = fmkv_m_section_bytes(d, kb, P) + fmkv_m_section_bytes(d, vb, P);
-  return (fmkv_i64)h * stride + (is_v ? fmkv_m_section_bytes(d, kb, P) : 0);
-}
-FMKV_INLINE fmkv_i64 fmkv_m_code_word_index(fmkv_i32 bits, fmkv_i32 P, fmkv_i32 g, fmkv_i32 w, fmkv_i32 t) {
-  return ((fmkv_i64)g * bits + w) * P + t;
-}
-FMKV_INLINE fmkv_i64 fmkv_m_scales_offset(fmkv_i32 d, fmkv_i32 bits, fmkv_i32 P) {
-  return (fmkv_i64)(d / 32) * bits * P * 4;
-}
-FMKV_INLINE fmkv_u32 fmkv_m_field_word(fmkv_u32 j) { return (j & 15u) >> 3; }
-FMKV_INLINE fmkv_u32 fmkv_m_field_shift(fmkv_u32 j) {
-  fmkv_u32 i = j & 15u, lo = j >> 4;
-  return 8u * (2u * (i & 1u) + lo) + 2u * ((i >> 1) & 3u);
-}
-// bits == 4 (format version 2): the whole code of coordinate j is nibble j & 7 of word j >> 3.
-FMKV_INLINE fmkv_u32 fmkv_m_nibble_word(fmkv_u32 j) { return j >> 3; }
-FMKV_INLINE fmkv_u32 fmkv_m_nibble_shift(fmkv_u32 j) { return 4u * (j & 7u); }
-// Token layout: [0, S) sink, [S, E) compressed, [E, len) window; E = max(S, len - W).
-FMKV_INLINE fmkv_i64 fmkv_m_compressed_end(fmkv_i32 S, fmkv_i32 W, fmkv_i64 len) {
-  return fmkv_max_i64((fmkv_i64)S, len - W);
-}
-FMKV_INLINE fmkv_i64 fmkv_m_fp16_slot_of(fmkv_i32 S, fmkv_i32 W, fmkv_i64 p) {
-  return p < S ? p : (fmkv_i64)S + (p - S) % W;
-}
-// Sequence owning packed row r: the last s with row_offsets[s] <= r (empty sequences skipped).
-FMKV_INLINE fmkv_i32 fmkv_seq_of_row(FMKV_DEVICE const fmkv_i64* row_offsets, fmkv_i32 num_seqs, fmkv_i64 r) {
-  fmkv_i32 lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    fmkv_i32 mid = (lo + hi + 1) >> 1;
-    if (row_offsets[mid] <= r) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
-// ---- number formats ---------------------------------------------------------------------------------
-FMKV_INLINE float fmkv_f16_to_f32(fmkv_u16 h) { return FMKV_F16_TO_F32(h); }
-// fp16 scale with saturation (quant_math.h scale_to_f16): beyond the fp16 range -> 65504.
-FMKV_INLINE fmkv_u16 fmkv_scale_to_f16(float s) {
-  fmkv_u16 h = FMKV_F32_TO_F16(s);
-  return (h & 0x7fffu) >= 0x7c00u ? (fmkv_u16)0x7bffu : h;
-}
-FMKV_INLINE fmkv_u16 fmkv_f32_to_bf16(float f) {
-  fmkv_u32 x = FMKV_AS_U32(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return (fmkv_u16)((x >> 16) | 0x40u);
-  x += 0x7fffu + ((x >> 16) & 1u);
-  return (fmkv_u16)(x >> 16);
-}
-// Element idx of a tensor of dtype 0 f32 / 1 f16 / 2 bf16, as canonical fp16 bits (FORMAT.md §2).
+// Element idx of a tensor of dtype 0 f32 / 1 f16 / 2 bf16, as canonical fp16 bits (FORMAT.md "Input").
 FMKV_INLINE fmkv_u16 fmkv_load_as_f16(FMKV_DEVICE const fmkv_u8* base, fmkv_i32 dtype, fmkv_i64 idx) {
   if (dtype == 1) return ((FMKV_DEVICE const fmkv_u16*)base)[idx];
   float x = dtype == 0 ? ((FMKV_DEVICE const float*)base)[idx]
-                       : FMKV_AS_F32(((fmkv_u32)((FMKV_DEVICE const fmkv_u16*)base)[idx]) << 16);
-  return FMKV_F32_TO_F16(x);
+                       : fmkv::bf16_to_f32(((FMKV_DEVICE const fmkv_u16*)base)[idx]);
+  return fmkv::f32_to_f16(x);
 }
 FMKV_INLINE float fmkv_load_as_f32(FMKV_DEVICE const fmkv_u8* base, fmkv_i32 dtype, fmkv_i64 idx) {
   if (dtype == 0) return ((FMKV_DEVICE const float*)base)[idx];
   fmkv_u16 h = ((FMKV_DEVICE const fmkv_u16*)base)[idx];
-  return dtype == 1 ? FMKV_F16_TO_F32(h) : FMKV_AS_F32(((fmkv_u32)h) << 16);
+  return dtype == 1 ? fmkv::f16_to_f32(h) : fmkv::bf16_to_f32(h);
 }
 FMKV_INLINE void fmkv_store_f32(FMKV_DEVICE fmkv_u8* base, fmkv_i32 dtype, fmkv_i64 idx, float v) {
   if (dtype == 0) ((FMKV_DEVICE float*)base)[idx] = v;
-  else if (dtype == 1) ((FMKV_DEVICE fmkv_u16*)base)[idx] = FMKV_F32_TO_F16(v);
-  else ((FMKV_DEVICE fmkv_u16*)base)[idx] = fmkv_f32_to_bf16(v);
-}
-
-// ---- codebook ------------------------------------------------------------------------------------------
-FMKV_INLINE float fmkv_level(int bits, fmkv_u32 m) {
-  return FMKV_F16_TO_F32(fmkv_codebook_mag_f16[FMKV_CODEBOOK_OFFSET(bits) + (int)m]);
-}
-// quant_math.h encode_value: sign = (u < 0), m = number of midpoint thresholds strictly below |u|.
-FMKV_INLINE fmkv_u32 fmkv_encode(float u, int bits) {
-  fmkv_u32 sign = u < 0.0f ? 1u : 0u;
-  float a = u < 0.0f ? -u : u;
-  fmkv_u32 m = 0;
-  int nm = 1 << (bits - 1);
-  for (int i = 0; i + 1 < nm; ++i) {
-    float t = (fmkv_level(bits, (fmkv_u32)i) + fmkv_level(bits, (fmkv_u32)(i + 1))) * 0.5f;
-    m += a > t ? 1u : 0u;
-  }
-  return (sign << (bits - 1)) | m;
-}
-FMKV_INLINE float fmkv_decode_level(fmkv_u32 code, int bits) {
-  float v = fmkv_level(bits, code & ((1u << (bits - 1)) - 1u));
-  return ((code >> (bits - 1)) & 1u) ? -v : v;
+  else if (dtype == 1) ((FMKV_DEVICE fmkv_u16*)base)[idx] = fmkv::f32_to_f16(v);
+  else ((FMKV_DEVICE fmkv_u16*)base)[idx] = fmkv::f32_to_bf16(v);
 }
 
 // ---- SIMD-group primitives (all 32 lanes must call them together) ---------------------------------
-// xor butterfly 16, 8, 4, 2, 1 == tree_sum32 (quant_math.h) in every lane.
+// xor butterfly 16, 8, 4, 2, 1 == tree_sum32 (src/format/quantize_group.h) in every lane.
 FMKV_INLINE float fmkv_simd_tree_sum(float x) {
   x = x + FMKV_SHUFFLE_XOR(x, 16);
   x = x + FMKV_SHUFFLE_XOR(x, 8);
@@ -158,29 +83,11 @@ FMKV_INLINE void fmkv_fwht_lanes(FMKV_THREAD float* v, int G, fmkv_u32 lane) {
   }
 }
 
-// Rotation signs of (seed, layer): bit i of word i/64 set -> s_i = -1 (src/core/rotation.h).
-FMKV_INLINE void fmkv_sign_words(fmkv_u64 seed, fmkv_i32 layer, fmkv_i32 d, FMKV_THREAD fmkv_u64* words) {
-  fmkv_u64 state = seed ^ ((fmkv_u64)(fmkv_u32)layer * (fmkv_u64)0xD6E8FEB86659FD93ul);
-  for (int k = 0; k < d / 64; ++k) {
-    state += (fmkv_u64)0x9E3779B97F4A7C15ul;
-    fmkv_u64 z = state;
-    z = (z ^ (z >> 30)) * (fmkv_u64)0xBF58476D1CE4E5B9ul;
-    z = (z ^ (z >> 27)) * (fmkv_u64)0x94D049BB133111EBul;
-    words[k] = z ^ (z >> 31);
-  }
-}
-FMKV_INLINE bool fmkv_sign_negative(FMKV_THREAD const fmkv_u64* words, int g, fmkv_u32 lane) {
-  return ((words[g >> 1] >> ((fmkv_u32)(g & 1) * 32u + lane)) & 1u) != 0u;
-}
-// float32 nearest to 1/sqrt(d) (0x3E000000, 0x3DB504F3, 0x3D800000).
-FMKV_INLINE float fmkv_rotation_norm(fmkv_i32 d) {
-  return d == 64 ? 0.125f : d == 128 ? 0.0883883461356163f : 0.0625f;
-}
 // y = H diag(s) x / sqrt(d), bit-exact (FORMAT.md §3).
 FMKV_INLINE void fmkv_rotate_lanes(FMKV_THREAD float* v, int G, FMKV_THREAD const fmkv_u64* words, float norm,
                                    fmkv_u32 lane) {
   for (int g = 0; g < G; ++g)
-    if (fmkv_sign_negative(words, g, lane)) v[g] = -v[g];
+    if (fmkv::sign_negative(words, g * 32 + (int)lane)) v[g] = -v[g];
   fmkv_fwht_lanes(v, G, lane);
   for (int g = 0; g < G; ++g) v[g] = v[g] * norm;
 }
@@ -190,30 +97,28 @@ FMKV_INLINE void fmkv_unrotate_lanes(FMKV_THREAD float* v, int G, FMKV_THREAD co
   fmkv_fwht_lanes(v, G, lane);
   for (int g = 0; g < G; ++g) {
     v[g] = v[g] * norm;
-    if (fmkv_sign_negative(words, g, lane)) v[g] = -v[g];
+    if (fmkv::sign_negative(words, g * 32 + (int)lane)) v[g] = -v[g];
   }
 }
 
-// quant_math.h quantize_group with lane j holding y_j: returns lane j's code; *scale = fp16 bits
-// of the group's stored scale (identical in every lane).
+// quantize_group (src/format/quantize_group.h) with lane j holding y_j: returns lane j's code;
+// *scale = fp16 bits of the group's stored scale (identical in every lane).
 FMKV_INLINE fmkv_u32 fmkv_quantize_group_lane(float y, int bits, int scale_rule, FMKV_THREAD fmkv_u16* scale) {
-  float r2 = fmkv_simd_tree_sum(y * y);
-  float rms = FMKV_SQRT(r2 / 32.0f);
-  fmkv_u16 s0 = fmkv_scale_to_f16(rms);
-  float s0f = FMKV_F16_TO_F32(s0);
+  fmkv_u16 s0 = fmkv::rms_scale(fmkv_simd_tree_sum(y * y));
+  float s0f = fmkv::f16_to_f32(s0);
   if (s0f == 0.0f) {  // uniform across the SIMD group
     *scale = 0;
     return 0u;
   }
-  fmkv_u32 code = fmkv_encode(y / s0f, bits);
-  if (scale_rule == 0) {  // FMKV_SCALE_RMS
+  fmkv_u32 code = fmkv::encode_value(y / s0f, bits);
+  if (scale_rule == FMKV_SCALE_RMS) {
     *scale = s0;
     return code;
   }
-  float l = fmkv_decode_level(code, bits);
+  float l = fmkv::decode_level(code, bits);
   float num = fmkv_simd_tree_sum(y * l);
   float den = fmkv_simd_tree_sum(l * l);
-  *scale = fmkv_scale_to_f16(num / den);
+  *scale = fmkv::lsq_scale(num, den);
   return code;
 }
 
@@ -252,22 +157,13 @@ FMKV_INLINE void fmkv_pack_group_lanes(fmkv_u32 code, int bits, FMKV_THREAD fmkv
   fmkv_u32 b1 = FMKV_BALLOT(((m >> 1) & 1u) != 0u);
   fmkv_u32 f0 = 0u, f1 = 0u;
   for (fmkv_u32 j = 0; j < 32u; ++j) {
-    fmkv_u32 field = (((b0 >> j) & 1u) | (((b1 >> j) & 1u) << 1)) << fmkv_m_field_shift(j);
-    if (fmkv_m_field_word(j) == 0u) f0 |= field;
+    fmkv_u32 field = (((b0 >> j) & 1u) | (((b1 >> j) & 1u) << 1)) << fmkv_field_shift((int32_t)j);
+    if (fmkv_field_word((int32_t)j) == 0) f0 |= field;
     else f1 |= field;
   }
   w[0] = f0;
   w[1] = f1;
   w[2] = sign_plane;  // bits == 3
-}
-
-// Code of coordinate j (this lane) of a group from its code words (stride in words).
-FMKV_INLINE fmkv_u32 fmkv_unpack_code(FMKV_DEVICE const fmkv_u32* words, fmkv_i64 stride, int bits, fmkv_u32 j) {
-  if (bits == 4) return (words[fmkv_m_nibble_word(j) * stride] >> fmkv_m_nibble_shift(j)) & 15u;
-  fmkv_u32 sign = (words[(bits - 1) * stride] >> j) & 1u, m;
-  if (bits == 2) m = (words[0] >> j) & 1u;
-  else m = (words[fmkv_m_field_word(j) * stride] >> fmkv_m_field_shift(j)) & 3u;  // bits == 3
-  return (sign << (bits - 1)) | m;
 }
 
 // Dequantized rotated values (or fp16 values, bits == 16) of token slot t of a section, lane layout.
@@ -276,14 +172,14 @@ FMKV_INLINE void fmkv_load_section_lanes(FMKV_DEVICE const fmkv_u8* section, int
   int G = d / 32;
   if (bits == 16) {
     FMKV_DEVICE const fmkv_u16* vals = (FMKV_DEVICE const fmkv_u16*)section + (fmkv_i64)t * d;
-    for (int g = 0; g < G; ++g) out[g] = FMKV_F16_TO_F32(vals[g * 32 + (int)lane]);
+    for (int g = 0; g < G; ++g) out[g] = fmkv::f16_to_f32(vals[g * 32 + (int)lane]);
     return;
   }
   FMKV_DEVICE const fmkv_u32* words = (FMKV_DEVICE const fmkv_u32*)section;
-  FMKV_DEVICE const fmkv_u16* scales = (FMKV_DEVICE const fmkv_u16*)(section + fmkv_m_scales_offset(d, bits, P));
+  FMKV_DEVICE const fmkv_u16* scales = (FMKV_DEVICE const fmkv_u16*)(section + fmkv_scales_offset(d, bits, P));
   for (int g = 0; g < G; ++g) {
-    fmkv_u32 code = fmkv_unpack_code(words + fmkv_m_code_word_index(bits, P, g, 0, t), P, bits, lane);
-    out[g] = fmkv_decode_level(code, bits) * FMKV_F16_TO_F32(scales[(fmkv_i64)g * P + t]);
+    fmkv_u32 code = fmkv::unpack_code(words + fmkv_code_word_index(bits, P, g, 0, t), P, bits, (int32_t)lane);
+    out[g] = fmkv::decode_level(code, bits) * fmkv::f16_to_f32(scales[(fmkv_i64)g * P + t]);
   }
 }
 
@@ -323,9 +219,9 @@ FMKV_INLINE void fmkv_append_compress_impl(
   const int is_v = (int)(item & 1);
   const fmkv_i32 h = (fmkv_i32)((item >> 1) % H);
   const fmkv_i64 r = (item >> 1) / H;
-  const fmkv_i32 s = fmkv_seq_of_row(row_offsets, p.num_seqs, r);
+  const fmkv_i32 s = fmkv::seq_of_row(row_offsets, p.num_seqs, r);
   const fmkv_i64 row0 = row_offsets[s], n = row_offsets[s + 1] - row0, len0 = seq_lens[s];
-  const fmkv_i64 e_old = fmkv_m_compressed_end(S, W, len0), e_new = fmkv_m_compressed_end(S, W, len0 + n);
+  const fmkv_i64 e_old = fmkv_compressed_end(S, W, len0), e_new = fmkv_compressed_end(S, W, len0 + n);
   const fmkv_i64 q = e_old + (r - row0);
   if (q >= e_new) return;
   const fmkv_i64 ci = q - S;
@@ -345,30 +241,30 @@ FMKV_INLINE void fmkv_append_compress_impl(
   } else {
     FMKV_DEVICE const fmkv_u16* region = is_v ? fp16_v : fp16_k;
     const fmkv_i64 slot = p.has_slots ? slots[s] : 0;
-    const fmkv_i64 off = ((slot * H + h) * (S + W) + fmkv_m_fp16_slot_of(S, W, q)) * d;
+    const fmkv_i64 off = fmkv_fp16_offset(H, S + W, d, slot, h, fmkv_fp16_row(S, W, q));
     for (int g = 0; g < G; ++g) xh[g] = region[off + g * 32 + lane];
   }
   FMKV_DEVICE fmkv_u8* section =
-      pages + (fmkv_i64)page * p.page_bytes + fmkv_m_section_offset(d, p.k_bits, p.v_bits, P, h, is_v);
+      pages + (fmkv_i64)page * p.page_bytes + fmkv_section_offset(d, p.k_bits, p.v_bits, P, h, is_v);
   if (bits == 16) {  // K kept in fp16, unrotated
     FMKV_DEVICE fmkv_u16* dst = (FMKV_DEVICE fmkv_u16*)section + (fmkv_i64)t * d;
     for (int g = 0; g < G; ++g) dst[g * 32 + lane] = xh[g];
     return;
   }
   fmkv_u64 sw[4];
-  fmkv_sign_words(p.seed, p.layer, d, sw);
+  fmkv::rotation_sign_words(p.seed, p.layer, d, sw);
   float y[FMKV_METAL_GMAX];
-  for (int g = 0; g < G; ++g) y[g] = FMKV_F16_TO_F32(xh[g]);
+  for (int g = 0; g < G; ++g) y[g] = fmkv::f16_to_f32(xh[g]);
   fmkv_rotate_lanes(y, G, sw, fmkv_rotation_norm(d), lane);
   FMKV_DEVICE fmkv_u32* words = (FMKV_DEVICE fmkv_u32*)section;
-  FMKV_DEVICE fmkv_u16* scales = (FMKV_DEVICE fmkv_u16*)(section + fmkv_m_scales_offset(d, bits, P));
+  FMKV_DEVICE fmkv_u16* scales = (FMKV_DEVICE fmkv_u16*)(section + fmkv_scales_offset(d, bits, P));
   for (int g = 0; g < G; ++g) {
     fmkv_u16 scale;
     fmkv_u32 code = fmkv_quantize_group_lane(y[g], bits, p.scale_rule, &scale);
     fmkv_u32 w[4];
     fmkv_pack_group_lanes(code, bits, w);
     for (int b = 0; b < bits; ++b)
-      if ((int)lane == b) words[fmkv_m_code_word_index(bits, P, g, b, t)] = w[b];
+      if ((int)lane == b) words[fmkv_code_word_index(bits, P, g, b, t)] = w[b];
     if (lane == 0u) scales[(fmkv_i64)g * P + t] = scale;
   }
 }
@@ -387,18 +283,18 @@ FMKV_INLINE void fmkv_append_fp16_impl(FMKV_DEVICE const fmkv_metal_append_param
   const int is_v = (int)(rest & 1);
   const fmkv_i32 h = (fmkv_i32)((rest >> 1) % H);
   const fmkv_i64 r = (rest >> 1) / H;
-  const fmkv_i32 s = fmkv_seq_of_row(row_offsets, p.num_seqs, r);
+  const fmkv_i32 s = fmkv::seq_of_row(row_offsets, p.num_seqs, r);
   const fmkv_i64 row0 = row_offsets[s], n = row_offsets[s + 1] - row0, len0 = seq_lens[s];
   const fmkv_i64 pos = len0 + (r - row0);
   fmkv_i64 rslot;
   if (pos < S) rslot = pos;
-  else if (W > 0 && pos >= len0 + n - W) rslot = fmkv_m_fp16_slot_of(S, W, pos);
+  else if (W > 0 && pos >= len0 + n - W) rslot = fmkv_fp16_row(S, W, pos);
   else return;  // compressed (pass 1), or overwritten later in this call
   const fmkv_i64 slot = p.has_slots ? slots[s] : 0;
   FMKV_DEVICE fmkv_u16* region = is_v ? fp16_v : fp16_k;
   const fmkv_i64 src = r * (is_v ? p.v_row_stride : p.k_row_stride) +
                        (fmkv_i64)h * (is_v ? p.v_head_stride : p.k_head_stride) + i;
-  region[((slot * H + h) * (S + W) + rslot) * d + i] = fmkv_load_as_f16(is_v ? v : k, is_v ? p.v_dtype : p.k_dtype, src);
+  region[fmkv_fp16_offset(H, S + W, d, slot, h, rslot) + i] = fmkv_load_as_f16(is_v ? v : k, is_v ? p.v_dtype : p.k_dtype, src);
 }
 
 // Workspace of decode attention (floats): [NQI * parts][2] (m, l) then [NQI * parts][d] acc,
@@ -437,10 +333,10 @@ FMKV_INLINE void fmkv_attention_partial_impl(
   const fmkv_i64 nquery = n * group, qbase = (fmkv_i64)tile * FMKV_METAL_QTILE;
   if (qbase >= nquery) return;  // whole threadgroup: nothing of this tile exists
   const int nq = (int)fmkv_min_i64(FMKV_METAL_QTILE, nquery - qbase);
-  const fmkv_i64 e = fmkv_m_compressed_end(S, W, len);
+  const fmkv_i64 e = fmkv_compressed_end(S, W, len);
   const fmkv_i64 slot = p.has_slots ? slots[s] : 0;
   fmkv_u64 sw[4];
-  fmkv_sign_words(p.seed, p.layer, d, sw);
+  fmkv::rotation_sign_words(p.seed, p.layer, d, sw);
   const float norm = fmkv_rotation_norm(d);
 
   // Queries of the tile: raw and rotated, into threadgroup memory.
@@ -482,11 +378,11 @@ FMKV_INLINE void fmkv_attention_partial_impl(
       }
       t = (fmkv_i32)(ci % P);
       base = pages + (fmkv_i64)page * p.page_bytes;
-      fmkv_load_section_lanes(base + fmkv_m_section_offset(d, p.k_bits, p.v_bits, P, h, 0), p.k_bits, d, P, t, lane, kv);
+      fmkv_load_section_lanes(base + fmkv_section_offset(d, p.k_bits, p.v_bits, P, h, 0), p.k_bits, d, P, t, lane, kv);
       k_rot = p.k_bits != 16;
     } else {
-      off = ((slot * H + h) * (S + W) + fmkv_m_fp16_slot_of(S, W, kp)) * d;
-      for (int g = 0; g < G; ++g) kv[g] = FMKV_F16_TO_F32(fp16_k[off + g * 32 + lane]);
+      off = fmkv_fp16_offset(H, S + W, d, slot, h, fmkv_fp16_row(S, W, kp));
+      for (int g = 0; g < G; ++g) kv[g] = fmkv::f16_to_f32(fp16_k[off + g * 32 + lane]);
     }
     FMKV_THREADGROUP const float* qq = k_rot ? q_rot : q_raw;
     float sc[FMKV_METAL_QTILE];
@@ -498,9 +394,9 @@ FMKV_INLINE void fmkv_attention_partial_impl(
       sc[qt] = x;
     }
     if (comp) {
-      fmkv_load_section_lanes(base + fmkv_m_section_offset(d, p.k_bits, p.v_bits, P, h, 1), p.v_bits, d, P, t, lane, vv);
+      fmkv_load_section_lanes(base + fmkv_section_offset(d, p.k_bits, p.v_bits, P, h, 1), p.v_bits, d, P, t, lane, vv);
     } else {
-      for (int g = 0; g < G; ++g) vv[g] = FMKV_F16_TO_F32(fp16_v[off + g * 32 + lane]);
+      for (int g = 0; g < G; ++g) vv[g] = fmkv::f16_to_f32(fp16_v[off + g * 32 + lane]);
       fmkv_rotate_lanes(vv, G, sw, norm, lane);
     }
     for (int qt = 0; qt < nq; ++qt)
@@ -556,7 +452,7 @@ FMKV_INLINE void fmkv_attention_merge_impl(FMKV_DEVICE const fmkv_metal_attentio
   }
   for (int g = 0; g < G; ++g) o[g] = o[g] / lsum;
   fmkv_u64 sw[4];
-  fmkv_sign_words(p.seed, p.layer, d, sw);
+  fmkv::rotation_sign_words(p.seed, p.layer, d, sw);
   fmkv_unrotate_lanes(o, G, sw, fmkv_rotation_norm(d), lane);
   const fmkv_i64 row = row0 + qi / group;
   const fmkv_i32 hq = h * group + (fmkv_i32)(qi % group);

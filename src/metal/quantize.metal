@@ -3,7 +3,7 @@
 // fmkv_append_fp16, in that order (pass 2 overwrites window-ring slots that pass 1 reads).
 // Compile with fast math OFF (MTLCompileOptions.mathMode = safe / xcrun metal -fno-fast-math):
 // the bytes depend on IEEE float32 rounding without contraction.
-#include "portability.h"
+#include "../format/portability.h"
 #include "params_msl.h"
 #include "kernel_core.h"
 

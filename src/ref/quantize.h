@@ -1,14 +1,11 @@
-// Scalar reference (the oracle) of fmkv format v2: rotation, per-vector quantization, bit packing.
-// Simple loops, float32 exactly as FORMAT.md specifies for everything that produces bytes, float64
-// for everything that only measures.
+// Scalar reference (the oracle) of the fmkv format: one head vector quantized and dequantized with
+// the format core's rules (src/format/), in simple loops; float32 exactly as FORMAT.md specifies for
+// everything that produces bytes, float64 for everything that only measures.
 #pragma once
 #include <cstdint>
 #include <vector>
 
 namespace fmkv::ref {
-
-// y = fl(FWHT(s * x)) * norm: butterflies with h = 1, 2, 4, ..., d/2, each (a, b) -> (a+b, a-b).
-void rotate(const float* x, int32_t d, const uint64_t* sign_words, float* y);
 
 // x = s * H y / sqrt(d) in float64 (inverse of the rotation, exact arithmetic up to rounding).
 void unrotate_f64(const double* y, int32_t d, const uint64_t* sign_words, double* x);

@@ -1,4 +1,4 @@
-// The CUDA device's fp16 conversions (src/core/half.h: cvt.rn.f16.f32 / cvt.f32.f16 under
+// The CUDA device's fp16 conversions (src/format/numbers.h: cvt.rn.f16.f32 / cvt.f32.f16 under
 // __CUDA_ARCH__) against the portable ones (f32_to_f16_soft / f16_to_f32_soft, the functions
 // tests/test_half.cpp checks against exact double arithmetic), bit for bit, for every input: all
 // 2^32 float bit patterns and all 2^16 fp16 bit patterns (NaN payloads included). Both run on the
@@ -8,7 +8,7 @@
 
 #include <cuda_runtime.h>
 
-#include "core/half.h"
+#include "format/numbers.h"
 
 namespace {
 

@@ -27,7 +27,7 @@ if ! command -v clang++ >/dev/null 2>&1; then
 fi
 
 mkdir -p "$OUT/corpus" "$OUT/seeds" "$OUT/artifacts"
-SRCS=(src/core/lloyd_max.cpp src/ref/*.cpp src/api/*.cpp src/io/*.cpp)
+SRCS=(src/core/*.cpp src/ref/*.cpp src/api/*.cpp src/io/*.cpp)
 FLAGS=(-std=c++17 -O1 -g -ffp-contract=off -fno-fast-math -fno-omit-frame-pointer -Iinclude -Isrc)
 SAN=(-fsanitize=address,undefined -fno-sanitize-recover=undefined)
 

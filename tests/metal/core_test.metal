@@ -5,7 +5,7 @@
 //   codes / scales / words    = quantization of each group taken as rotated values y
 //                               (must equal quantize_group + pack_group),
 //   rotated                   = the vector rotated (must equal ref::rotate, bitwise).
-#include "../../src/metal/portability.h"
+#include "../../src/format/portability.h"
 #include "../../src/metal/params_msl.h"
 #include "../../src/metal/kernel_core.h"
 
@@ -43,7 +43,7 @@ kernel void fmkv_core_test(device const fmkv_core_test_params& p [[buffer(0)]],
     if (lane == 0u) scales[vec * G + g] = scale;
   }
   fmkv_u64 sw[4];
-  fmkv_sign_words(p.seed, p.layer, d, sw);
+  fmkv::rotation_sign_words(p.seed, p.layer, d, sw);
   fmkv_rotate_lanes(v, G, sw, fmkv_rotation_norm(d), lane);
   for (int g = 0; g < G; ++g) rotated[vec * d + g * 32 + lane] = v[g];
 }

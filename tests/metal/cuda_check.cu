@@ -1,5 +1,5 @@
 // Compile check (not run): the single-source kernel core of the Metal backend builds as CUDA with
-// warp = SIMD group of 32 lanes (src/metal/portability.h, __CUDACC__ branch). tests/metal/run.sh:
+// warp = SIMD group of 32 lanes (src/format/portability.h, __CUDACC__ branch). tests/metal/run.sh:
 //   nvcc -arch=sm_90 -std=c++17 -c tests/metal/cuda_check.cu
 // This proves the core stays within the common subset of MSL and CUDA C++; the CUDA backend itself
 // lives in src/cuda/.

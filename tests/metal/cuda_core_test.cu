@@ -1,9 +1,9 @@
 // Runs the Metal backend's single-source kernel core (src/metal/kernel_core.h over
-// src/metal/portability.h, __CUDACC__ branch: SIMD group = warp of 32 lanes) as CUDA kernels and
+// src/format/portability.h, __CUDACC__ branch: SIMD group = warp of 32 lanes) as CUDA kernels and
 // compares the results with the reference, like tests/metal/test_metal.cpp does with the CPU
 // emulator:
 //   * per-SIMD-group primitives (tree sum by xor butterfly, FWHT rotation by shuffles, RMS/LSQ
-//     scale, codes, plane packing by ballots) bit-exact against src/core/quant_math.h
+//     scale, codes, plane packing by ballots) bit-exact against src/format/quantize_group.h
 //     (tree_sum32, quantize_group) and src/ref (rotate, pack_group), on adversarial inputs;
 //   * an attention building block (plane-word code lookup + scale = dequantized section values,
 //     dot products with a lane-partial sum and the butterfly, online-softmax update) bit-exact
@@ -31,16 +31,12 @@
 
 #include <cuda_runtime.h>
 
-// The kernel core defines its own codebook table (static __constant__) under the same name as the
-// host one of quant_math.h: rename the device copy for this translation unit.
-#define fmkv_codebook_mag_f16 fmkv_codebook_mag_f16_device
 #include "metal/kernel_core.h"
-#undef fmkv_codebook_mag_f16
-#undef FMKV_CODEBOOK_LEVELS_ONLY
 
-#include "core/half.h"
 #include "core/ops.h"
-#include "core/quant_math.h"
+#include "format/numbers.h"
+#include "format/quantize_group.h"
+#include "format/rotation.h"
 #include "fmkv/fmkv.hpp"
 #include "metal/host_plan.h"
 #include "test_util.h"
@@ -101,7 +97,7 @@ __global__ void k_core_test(CoreTestParams p, const float* x, float* sums, float
     if (lane == 0u) scales[vec * G + g] = scale;
   }
   fmkv_u64 sw[4];
-  fmkv_sign_words(p.seed, p.layer, d, sw);
+  fmkv::rotation_sign_words(p.seed, p.layer, d, sw);
   fmkv_rotate_lanes(v, G, sw, fmkv_rotation_norm(d), lane);
   for (int g = 0; g < G; ++g) rotated[vec * d + g * 32 + lane] = v[g];
 }
@@ -410,7 +406,7 @@ void run_core_case(int d, int bits, int rule, uint32_t threads) {
   int ties = 0;
   for (int vi = 0; vi < nvec && err.empty(); ++vi) {
     std::vector<float> ry(d);
-    fmkv::ref::rotate(&x[(size_t)vi * d], d, sw.data(), ry.data());
+    fmkv::rotate(&x[(size_t)vi * d], d, sw.data(), ry.data());
     for (int i = 0; i < d && err.empty(); ++i)
       if (fmkv::f32_bits(ry[i]) != fmkv::f32_bits(rot[(size_t)vi * d + i]))
         err = "rotation differs at vector " + std::to_string(vi) + " coordinate " + std::to_string(i);

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "emulator.h"
-#include "metal/portability.h"
+#include "format/portability.h"
 #include "metal/params_msl.h"
 
 namespace emu_kernels {

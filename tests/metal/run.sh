@@ -150,7 +150,7 @@ build_emulator() {
   rm -rf "$OUT/obj" && mkdir -p "$OUT/obj"
   local s
   # The reference backend and the C API (plus src/io when present: the C API may call it).
-  for s in src/core/lloyd_max.cpp src/ref/*.cpp src/api/*.cpp $(ls src/io/*.cpp 2>/dev/null); do
+  for s in src/core/*.cpp src/ref/*.cpp src/api/*.cpp $(ls src/io/*.cpp 2>/dev/null); do
     jobs+=("$CXX $BASE -O1 -Iinclude -Isrc -c $s -o $OUT/obj/$(basename "$s").o")
   done
   jobs+=("$CXX $BASE -O2 -Iinclude -Isrc -Itests/metal -c tests/metal/emulator.cpp -o $OUT/obj/emulator.o")

@@ -19,9 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "core/half.h"
+#include "format/numbers.h"
 #include "core/ops.h"
-#include "core/quant_math.h"
+#include "format/quantize_group.h"
+#include "format/rotation.h"
 #include "ref/quantize.h"
 #include "fmkv/fmkv.hpp"
 #include "kernels_emu.h"
@@ -215,7 +216,7 @@ void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
   int ties = 0;
   for (int vi = 0; vi < nvec && err.empty(); ++vi) {
     std::vector<float> ry(d);
-    fmkv::ref::rotate(&x[(size_t)vi * d], d, sw.data(), ry.data());
+    fmkv::rotate(&x[(size_t)vi * d], d, sw.data(), ry.data());
     for (int i = 0; i < d && err.empty(); ++i)
       if (fmkv::f32_bits(ry[i]) != fmkv::f32_bits(rot[(size_t)vi * d + i]))
         err = "rotation differs at vector " + std::to_string(vi) + " coordinate " + std::to_string(i);

@@ -1,19 +1,21 @@
-// fmkv Metal backend: the thin macro layer under src/metal/kernel_core.h.
+// The dialect layer of the format core (src/format/) and of the single-source kernel core
+// (src/metal/kernel_core.h): fixed-width types, address spaces, SIMD-group intrinsics.
 //
-// The same kernel text compiles three ways:
+// The same text compiles four ways:
 //   * MSL (__METAL_VERSION__): Apple's compiler, or clang with the type-check shim
 //     tests/metal/shim/metal_stdlib (which defines __METAL_VERSION__ and address spaces).
 //   * host C++ inside the CPU emulator (FMKV_EMULATOR, set by tests/metal/emu/metal_stdlib): the
 //     MSL names (simd_shuffle_xor, simd_ballot, threadgroup_barrier, half, as_type, precise::)
 //     are provided by the emulator, which runs every thread as a fiber.
 //   * CUDA (__CUDACC__): warp = SIMD group of 32 lanes (compile check: tests/metal/cuda_check.cu).
-//   * plain host C++ (none of the above, e.g. src/metal/backend.mm): only the fixed-width types,
-//     so that params_msl.h can be shared with the host.
+//   * plain host C++ (none of the above: src/ref, src/cpu, src/io, src/metal/backend.mm): the
+//     fixed-width types and empty address-space qualifiers, so that the scalar format core and
+//     params_msl.h are shared with the host.
 // Rules for code written on top of this layer (the strictest of the three dialects): no lambdas,
 // no double, no std library, no recursion, threadgroup arrays only at kernel scope (declared with
 // FMKV_THREADGROUP_ARRAY), every pointer with an explicit address space.
-#ifndef FMKV_METAL_PORTABILITY_H
-#define FMKV_METAL_PORTABILITY_H
+#ifndef FMKV_FORMAT_PORTABILITY_H
+#define FMKV_FORMAT_PORTABILITY_H
 
 #if defined(__METAL_VERSION__) || defined(FMKV_EMULATOR)
 // ------------------------------------------------------------------------------ MSL (real or emulated)
@@ -35,7 +37,6 @@ typedef long fmkv_i64;
 // Emulator: threadgroup memory is allocated (and poisoned) per threadgroup by the emulator;
 // every thread of the group gets the same pointer.
 #define FMKV_THREADGROUP_ARRAY(T, name, n) FMKV_EMU_THREADGROUP_ARRAY(T, name, n)
-#define FMKV_CODEBOOK_TABLE static const
 #else
 #define FMKV_INLINE inline
 // (The type-check shim defines FMKV_SHIM_TG_STORAGE as `static`: clang rejects address-space
@@ -44,7 +45,6 @@ typedef long fmkv_i64;
 #define FMKV_SHIM_TG_STORAGE
 #endif
 #define FMKV_THREADGROUP_ARRAY(T, name, n) FMKV_SHIM_TG_STORAGE threadgroup T name[n]
-#define FMKV_CODEBOOK_TABLE constant
 // Bit-exact quantization needs IEEE float32 without contraction (FORMAT.md §3, §5). The host also
 // compiles with fast math off (backend.mm; MLX: math mode safe); MSL >= 3.2 can say so in source.
 #if __METAL_VERSION__ >= 320
@@ -55,14 +55,8 @@ typedef long fmkv_i64;
 #define FMKV_SHUFFLE_XOR(x, m) simd_shuffle_xor((x), (ushort)(m))
 #define FMKV_BALLOT(pred) ((fmkv_u32)(static_cast<simd_vote::vote_t>(simd_ballot((bool)(pred))) & 0xffffffffu))
 #define FMKV_TG_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
-#define FMKV_SQRT(x) precise::sqrt(x)
 #define FMKV_EXP(x) precise::exp(x)
 #define FMKV_TANH(x) precise::tanh(x)
-#define FMKV_AS_U32(x) as_type<fmkv_u32>((float)(x))
-#define FMKV_AS_F32(x) as_type<float>((fmkv_u32)(x))
-// IEEE binary16, round to nearest even (MSL float->half conversion rounds to nearest even).
-#define FMKV_F32_TO_F16(x) as_type<fmkv_u16>(half((float)(x)))
-#define FMKV_F16_TO_F32(h) ((float)as_type<half>((fmkv_u16)(h)))
 
 #elif defined(__CUDACC__)
 // ------------------------------------------------------------------------------ CUDA
@@ -77,21 +71,15 @@ typedef uint8_t fmkv_u8;
 typedef uint16_t fmkv_u16;
 typedef uint32_t fmkv_u32;
 typedef int32_t fmkv_i32;
-typedef unsigned long long fmkv_u64;
-typedef long long fmkv_i64;
+typedef uint64_t fmkv_u64;  // the format core's uint64_t / int64_t, so that its functions take these
+typedef int64_t fmkv_i64;
 #define FMKV_INLINE static __device__ __forceinline__
 #define FMKV_THREADGROUP_ARRAY(T, name, n) __shared__ T name[n]
-#define FMKV_CODEBOOK_TABLE static __constant__
 #define FMKV_SHUFFLE_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (int)(m))
 #define FMKV_BALLOT(pred) ((fmkv_u32)__ballot_sync(0xffffffffu, (int)(pred)))
 #define FMKV_TG_BARRIER() __syncthreads()
-#define FMKV_SQRT(x) __fsqrt_rn(x)
 #define FMKV_EXP(x) expf(x)
 #define FMKV_TANH(x) tanhf(x)
-#define FMKV_AS_U32(x) __float_as_uint(x)
-#define FMKV_AS_F32(x) __uint_as_float(x)
-#define FMKV_F32_TO_F16(x) __half_as_ushort(__float2half_rn(x))
-#define FMKV_F16_TO_F32(h) __half2float(__ushort_as_half(h))
 
 #else
 // ------------------------------------------------------------------------------ plain host (types only)
@@ -102,6 +90,10 @@ typedef uint32_t fmkv_u32;
 typedef int32_t fmkv_i32;
 typedef uint64_t fmkv_u64;
 typedef int64_t fmkv_i64;
+#define FMKV_DEVICE
+#define FMKV_CONSTANT
+#define FMKV_THREADGROUP
+#define FMKV_THREAD
 #endif
 
-#endif  // FMKV_METAL_PORTABILITY_H
+#endif  // FMKV_FORMAT_PORTABILITY_H

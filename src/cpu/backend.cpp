@@ -1,4 +1,4 @@
-// CPU backend identity and run-time ISA selection.
+// The CPU backend in the backend registry: identity, run-time ISA selection and its table.
 //   FMKV_CPU_ISA=scalar|avx2|avx512|neon forces a kernel set (an unsupported request falls back to
 //   the best supported one; NEON is the default on AArch64); FMKV_NUM_THREADS sets the pool size
 //   (thread_pool.h).
@@ -7,7 +7,8 @@
 #include <fstream>
 #include <string>
 
-#include "../core/backends.h"
+#include "../core/backend.h"
+#include "backend.h"
 #include "kernels.h"
 #include "thread_pool.h"
 
@@ -64,3 +65,13 @@ std::string device_name() {
 }
 
 }  // namespace fmkv::cpu
+
+namespace fmkv {
+extern const BackendOps cpu_backend = {
+    FMKV_BACKEND_CPU, /*host_memory=*/true, /*attention_rel_error=*/1e-5,
+    [] { return true; },
+    cpu::device_name,
+    cpu::append, cpu::decode_attention,
+    /*append_attention=*/nullptr, /*attention_workspace_bytes=*/nullptr,
+    /*alloc=*/nullptr, /*free=*/nullptr, /*copy=*/nullptr, /*synchronize=*/nullptr};
+}  // namespace fmkv

@@ -1,16 +1,43 @@
-// fp16 / bf16 conversions with exact IEEE round-to-nearest-even, host and CUDA device.
-// The format's bytes depend on these roundings, so every backend uses these or a hardware
+// Number formats of the format core (FORMAT.md "Input" and "Scale"): fp16 / bf16 conversions with
+// exact IEEE round-to-nearest-even, the saturated fp16 scale, the correctly rounded square root.
+// The format's bytes depend on these roundings, so every backend uses these functions or a hardware
 // instruction proven bit-identical to them (tests/test_half.cpp; CUDA device code uses cvt, checked
-// against the *_soft functions for every input by tests/cuda/half_cuda_test.cu).
-#pragma once
-#include <stdint.h>
+// against the *_soft functions for every input by tests/cuda/half_cuda_test.cu; MSL's half
+// conversion, emulated with the *_soft functions by tests/metal/emu).
+// Portable: host C++, CUDA host and device, MSL (depends on include/fmkv/format.h only, so that the
+// Metal emulator's <metal_stdlib> can include it).
+#ifndef FMKV_FORMAT_NUMBERS_H
+#define FMKV_FORMAT_NUMBERS_H
+#include "../../include/fmkv/format.h"
+#if defined(__METAL_VERSION__)
+#include <metal_stdlib>
+#else
 #include <string.h>
-#include "fmkv/format.h"
+#endif
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
 
 namespace fmkv {
 
-FMKV_HD uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-FMKV_HD float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+FMKV_HD uint32_t f32_bits(float f) {
+#if defined(__METAL_VERSION__)
+  return metal::as_type<uint32_t>(f);
+#else
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+FMKV_HD float bits_f32(uint32_t u) {
+#if defined(__METAL_VERSION__)
+  return metal::as_type<float>(u);
+#else
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+#endif
+}
 
 // float32 -> fp16 bits, round to nearest even; overflow gives +-inf, NaN gives a quiet NaN.
 FMKV_HD uint16_t f32_to_f16_soft(float f) {
@@ -49,12 +76,15 @@ FMKV_HD float f16_to_f32_soft(uint16_t h) {
 // bits by a select (the hardware gives a canonical NaN). The soft versions compile to ~20
 // instructions with branches, which made short device chains (the fused step's quantizer) slow.
 // FMKV_PORTABLE_HALF (defined before this header) keeps the portable code on the device too.
+// MSL: the language's own half conversion (round to nearest even).
 FMKV_HD uint16_t f32_to_f16(float f) {
 #if defined(__CUDA_ARCH__) && !defined(FMKV_PORTABLE_HALF)
   unsigned short h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   const uint32_t x = f32_bits(f);
   return (x & 0x7fffffffu) > 0x7f800000u ? (uint16_t)(((x >> 16) & 0x8000u) | 0x7e00u) : (uint16_t)h;
+#elif defined(__METAL_VERSION__)
+  return metal::as_type<uint16_t>(half(f));
 #else
   return f32_to_f16_soft(f);
 #endif
@@ -64,6 +94,8 @@ FMKV_HD float f16_to_f32(uint16_t h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
   return (h & 0x7fffu) > 0x7c00u ? bits_f32(((uint32_t)(h & 0x8000u) << 16) | 0x7f800000u | ((uint32_t)(h & 0x3ffu) << 13)) : f;
+#elif defined(__METAL_VERSION__)
+  return (float)metal::as_type<half>(h);
 #else
   return f16_to_f32_soft(h);
 #endif
@@ -81,4 +113,28 @@ FMKV_HD uint16_t f32_to_bf16(float f) {
 
 FMKV_HD bool f16_is_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
 
+// fp16 scale with saturation (FORMAT.md "Scale"): a value beyond the fp16 range becomes 65504, never inf.
+// (On a CUDA device the bare cvt.rn.f16.f32: a NaN saturates to 65504 whatever its fp16 bits.)
+FMKV_HD uint16_t scale_to_f16(float s) {
+#if defined(__CUDA_ARCH__)
+  const uint16_t h = __half_as_ushort(__float2half_rn(s));
+#else
+  const uint16_t h = f32_to_f16(s);
+#endif
+  return (h & 0x7fffu) >= 0x7c00u ? (uint16_t)0x7bffu : h;
+}
+
+// Correctly rounded float32 square root (IEEE): the RMS of a scale group.
+FMKV_HD float sqrt_rn(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#elif defined(__METAL_VERSION__)
+  return metal::precise::sqrt(x);
+#else
+  return __builtin_sqrtf(x);
+#endif
+}
+
 }  // namespace fmkv
+
+#endif  // FMKV_FORMAT_NUMBERS_H

@@ -1,0 +1,38 @@
+// Code packing of the format core (FORMAT.md "Code words"): the 32 codes of a scale group <-> its
+// `bits` uint32 code words (bit planes and the 2-bit field plane for 2 / 3 bits, nibble words for 4),
+// scalar form. The positions come from include/fmkv/format.h (fmkv_field_*, fmkv_nibble_*).
+// Portable: host C++, CUDA host and device, MSL. Backends that pack in parallel (CUDA and MSL
+// ballots, CPU SIMD masks) produce exactly these words.
+#ifndef FMKV_FORMAT_PACK_H
+#define FMKV_FORMAT_PACK_H
+#include "../../include/fmkv/format.h"
+#include "portability.h"
+
+namespace fmkv {
+
+// The `bits` code words of the 32 codes of one group (codes[j]: sign at bit bits-1, magnitude below).
+FMKV_HD void pack_group_words(FMKV_THREAD const uint8_t* codes, int32_t bits, FMKV_THREAD uint32_t* w) {
+  for (int32_t k = 0; k < bits; ++k) w[k] = 0;
+  for (int32_t j = 0; j < 32; ++j) {
+    const uint32_t c = codes[j], sign = c >> (bits - 1), m = c & ((1u << (bits - 1)) - 1u);
+    if (bits == 4) {  // nibble words: the whole code
+      w[fmkv_nibble_word(j)] |= c << fmkv_nibble_shift(j);
+      continue;
+    }
+    w[bits - 1] |= sign << j;  // the sign plane is the last word
+    if (bits == 2) w[0] |= m << j;
+    if (bits == 3) w[fmkv_field_word(j)] |= m << fmkv_field_shift(j);
+  }
+}
+
+// Code of coordinate j (0..31) of a group whose code words are words[0], words[stride], ...
+FMKV_HD uint32_t unpack_code(FMKV_DEVICE const uint32_t* words, int64_t stride, int32_t bits, int32_t j) {
+  if (bits == 4) return (words[fmkv_nibble_word(j) * stride] >> fmkv_nibble_shift(j)) & 15u;
+  const uint32_t sign = (words[(bits - 1) * stride] >> j) & 1u;
+  const uint32_t m = bits == 2 ? (words[0] >> j) & 1u : (words[fmkv_field_word(j) * stride] >> fmkv_field_shift(j)) & 3u;
+  return (sign << (bits - 1)) | m;
+}
+
+}  // namespace fmkv
+
+#endif  // FMKV_FORMAT_PACK_H

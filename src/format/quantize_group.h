@@ -1,0 +1,54 @@
+// Per-group quantization arithmetic of the format core (FORMAT.md "Scale" and "Codes"), scalar form.
+// Every operation is float32 with round-to-nearest and no fused multiply-add; sums over a group use
+// the fixed pairwise tree of tree_sum32 (the order a 32-lane xor-shuffle reduction produces).
+// The scale rules are stated once here (rms_scale, lsq_scale); backends that reduce in parallel
+// (CUDA warps, MSL SIMD groups, CPU vectors) feed them the same tree sums.
+// Portable: host C++, CUDA host and device, MSL.
+#ifndef FMKV_FORMAT_QUANTIZE_GROUP_H
+#define FMKV_FORMAT_QUANTIZE_GROUP_H
+#include "codebook.h"
+#include "numbers.h"
+#include "portability.h"
+
+namespace fmkv {
+
+// Sum of v[0..31]: for step 16, 8, 4, 2, 1: v[j] = v[j] + v[j + step] for j < step.
+// Destroys v. (Lane j of a xor-shuffle butterfly computes the same value by commutativity.)
+FMKV_HD float tree_sum32(FMKV_THREAD float* v) {
+  for (int step = 16; step >= 1; step >>= 1)
+    for (int j = 0; j < step; ++j) v[j] = v[j] + v[j + step];
+  return v[0];
+}
+
+// The RMS scale of a group (the whole FMKV_SCALE_RMS rule, and the first step of FMKV_SCALE_LSQ) from
+// the tree sum of its squared values: fp16 bits, saturated. A zero scale codes the group as zeros.
+FMKV_HD uint16_t rms_scale(float sum_of_squares) { return scale_to_f16(sqrt_rn(sum_of_squares / 32.0f)); }
+
+// The least-squares rescale of FMKV_SCALE_LSQ: tree sums of y_j * level_j and level_j^2 over the group
+// coded with the RMS scale.
+FMKV_HD uint16_t lsq_scale(float sum_y_level, float sum_level_sq) { return scale_to_f16(sum_y_level / sum_level_sq); }
+
+// Quantize one group of 32 rotated values y (float32): codes[32] and the fp16 scale.
+FMKV_HD uint16_t quantize_group(FMKV_THREAD const float* y, int bits, int scale_rule, FMKV_THREAD uint8_t* codes) {
+  float t[32];
+  for (int j = 0; j < 32; ++j) t[j] = y[j] * y[j];
+  const uint16_t s0 = rms_scale(tree_sum32(t));
+  const float s0f = f16_to_f32(s0);
+  if (s0f == 0.0f) {
+    for (int j = 0; j < 32; ++j) codes[j] = 0;
+    return 0;
+  }
+  for (int j = 0; j < 32; ++j) codes[j] = (uint8_t)encode_value(y[j] / s0f, bits);
+  if (scale_rule == FMKV_SCALE_RMS) return s0;
+  float num[32], den[32];
+  for (int j = 0; j < 32; ++j) {
+    const float l = decode_level(codes[j], bits);
+    num[j] = y[j] * l;
+    den[j] = l * l;
+  }
+  return lsq_scale(tree_sum32(num), tree_sum32(den));
+}
+
+}  // namespace fmkv
+
+#endif  // FMKV_FORMAT_QUANTIZE_GROUP_H
