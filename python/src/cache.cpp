@@ -1,0 +1,148 @@
+// fmkv.Cache's native part: fmkv::HostCache behind one mutex, with the host arrays' checks.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "convert.h"
+
+namespace fmkv_py {
+namespace {
+
+using namespace nb::literals;
+
+class Cache {
+ public:
+  Cache(const fmkv_config& cfg, int64_t num_layers, int64_t num_pages, int64_t max_seqs, const std::string& backend)
+      : backend_(backend_from_name(backend)),
+        cache_(checked_config(cfg), to_i32("num_layers", num_layers, 1), num_pages, to_i32("max_seqs", max_seqs, 1)) {
+    if (backend_ != FMKV_BACKEND_REF && backend_ != FMKV_BACKEND_CPU)
+      fail("backend '" + backend + "' works on device memory; fmkv.Cache holds host memory (use 'ref' or 'cpu')",
+           FMKV_ERR_UNSUPPORTED);
+    if (!fmkv_backend_available(backend_))
+      fail("backend '" + backend + "' is not compiled into this build", FMKV_ERR_UNSUPPORTED);
+  }
+
+  std::string backend() const { return fmkv_backend_name(backend_); }
+  const fmkv_config& config() const { return cache_.config(); }
+
+  int32_t add_sequence() { std::lock_guard<std::mutex> g(mu_); return cache_.add_sequence(); }
+  void remove_sequence(int64_t s) { std::lock_guard<std::mutex> g(mu_); cache_.remove_sequence(seq(s)); }
+  int64_t length(int64_t layer, int64_t s) {
+    std::lock_guard<std::mutex> g(mu_);
+    return cache_.length(check_layer(layer), seq(s));
+  }
+  std::vector<int32_t> block_table(int64_t s) { std::lock_guard<std::mutex> g(mu_); return cache_.block_table(seq(s)); }
+  int64_t free_pages() { std::lock_guard<std::mutex> g(mu_); return cache_.free_pages(); }
+  int64_t resident_bytes() { std::lock_guard<std::mutex> g(mu_); return cache_.resident_bytes(); }
+  int64_t used_bytes() { std::lock_guard<std::mutex> g(mu_); return cache_.used_bytes(); }
+  int32_t num_layers() const { return cache_.num_layers(); }
+
+  void append(int64_t layer, int64_t s, const AnyArray& k, const AnyArray& v) {
+    const fmkv_config& c = cache_.config();
+    HostTensor kt = host_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
+    HostTensor vt = host_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
+    // Shape checks up front so a malformed call reserves no pages.
+    for (const HostTensor* t : {&kt, &vt}) {
+      const char* n = t == &kt ? "k" : "v";
+      if (t->t.heads != c.num_kv_heads || t->t.dim != c.head_dim)
+        fail(std::string(n) + ": shape " + shape_str(t == &kt ? k : v) + " does not match [tokens, num_kv_heads=" +
+             std::to_string(c.num_kv_heads) + ", head_dim=" + std::to_string(c.head_dim) + "]");
+    }
+    if (kt.t.rows != vt.t.rows)
+      fail("k has " + std::to_string(kt.t.rows) + " tokens but v has " + std::to_string(vt.t.rows));
+    const int32_t l = check_layer(layer), sq = seq(s);
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> g(mu_);
+    if (kt.t.rows == 0) {  // nothing to append: only check the sequence exists
+      cache_.length(check_layer(l), sq);
+      return;
+    }
+    cache_.append(backend_, check_layer(l), sq, kt.t, vt.t);
+  }
+
+  nb::ndarray<nb::numpy, float> attention(int64_t layer, int64_t s, const AnyArray& q, nb::object softmax_scale,
+                                          double softcap, const std::string& out_dtype) {
+    const fmkv_config& c = cache_.config();
+    HostTensor qt = host_tensor("q", q, "[query_tokens, q_heads, head_dim]");
+    if (qt.t.dim != c.head_dim || qt.t.heads < c.num_kv_heads || qt.t.heads % c.num_kv_heads != 0)
+      fail("q: shape " + shape_str(q) + " does not match [query_tokens, q_heads, head_dim=" + std::to_string(c.head_dim) +
+           "] with q_heads a multiple of num_kv_heads=" + std::to_string(c.num_kv_heads));
+    fmkv_attention_opts opts{0.0f, 0.0f, 0};
+    if (!softmax_scale.is_none()) {
+      double sc = nb::cast<double>(softmax_scale);
+      if (!(sc > 0) || !std::isfinite(sc)) fail("softmax_scale must be finite and > 0 (None means 1/sqrt(head_dim))");
+      opts.softmax_scale = (float)sc;
+    }
+    if (!(softcap >= 0) || !std::isfinite(softcap)) fail("softcap must be finite and >= 0 (0 disables it)");
+    opts.softcap = (float)softcap;
+    const fmkv_dtype odt = out_dtype_from_name(out_dtype);
+    const int32_t l = check_layer(layer), sq = seq(s);
+    const size_t n = (size_t)qt.t.rows * qt.t.heads * qt.t.dim;
+    std::vector<float> out(n);
+    {
+      nb::gil_scoped_release nogil;
+      std::vector<uint16_t> half(odt == FMKV_F32 ? 0 : n);
+      void* buf = odt == FMKV_F32 ? (void*)out.data() : (void*)half.data();
+      fmkv_tensor ot = fmkv::make_tensor(buf, odt, qt.t.rows, qt.t.heads, qt.t.dim);
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        if (qt.t.rows == 0) cache_.length(check_layer(l), sq);  // no query rows: only check the sequence
+        else cache_.attention(backend_, check_layer(l), sq, qt.t, ot, opts);
+      }
+      if (odt == FMKV_F16)
+        for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(half[i]);
+      else if (odt == FMKV_BF16)
+        for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(half[i]);
+    }
+    return numpy_array(std::move(out), {(size_t)qt.t.rows, (size_t)qt.t.heads, (size_t)qt.t.dim});
+  }
+
+ private:
+  static const fmkv_config& checked_config(const fmkv_config& c) {
+    fmkv::check(fmkv_config_validate(&c));
+    return c;
+  }
+  int32_t check_layer(int64_t l) const {
+    if (l < 0 || l >= cache_.num_layers())
+      fail("layer " + std::to_string(l) + " outside [0, " + std::to_string(cache_.num_layers()) + ")", FMKV_ERR_OUT_OF_RANGE);
+    return (int32_t)l;
+  }
+  static int32_t seq(int64_t s) {
+    if (s < 0 || s > std::numeric_limits<int32_t>::max())
+      fail("sequence " + std::to_string(s) + " does not exist", FMKV_ERR_OUT_OF_RANGE);
+    return (int32_t)s;
+  }
+
+  fmkv_backend backend_;
+  fmkv::HostCache cache_;
+  std::mutex mu_;
+};
+
+}  // namespace
+
+void bind_cache(nb::module_& m) {
+  nb::class_<Cache>(m, "Cache", "fmkv::HostCache: paged compressed KV cache in host memory (fmkv.Cache wraps it)")
+      .def(nb::init<const fmkv_config&, int64_t, int64_t, int64_t, const std::string&>(), "config"_a, "num_layers"_a,
+           "num_pages"_a, "max_seqs"_a, "backend"_a)
+      .def_prop_ro("backend", &Cache::backend)
+      .def_prop_ro("raw_config", [](const Cache& c) { return c.config(); })
+      .def_prop_ro("num_layers", &Cache::num_layers)
+      .def_prop_ro("free_pages", &Cache::free_pages)
+      .def_prop_ro("resident_bytes", &Cache::resident_bytes)
+      .def_prop_ro("used_bytes", &Cache::used_bytes)
+      .def("add_sequence", &Cache::add_sequence)
+      .def("remove_sequence", &Cache::remove_sequence, "seq"_a)
+      .def("length", &Cache::length, "layer"_a, "seq"_a)
+      .def("block_table", &Cache::block_table, "seq"_a)
+      .def("append", &Cache::append, "layer"_a, "seq"_a, "k"_a, "v"_a)
+      .def("attention", &Cache::attention, "layer"_a, "seq"_a, "q"_a, "softmax_scale"_a = nb::none(),
+           "softcap"_a = 0.0, "out_dtype"_a = "float32");
+}
+
+}  // namespace fmkv_py

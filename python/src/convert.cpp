@@ -1,0 +1,155 @@
+#include "convert.h"
+
+#include <cstring>
+#include <limits>
+
+namespace fmkv_py {
+
+namespace {
+uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+}  // namespace
+
+uint16_t f32_to_f16(float f) {
+  uint32_t x = f32_bits(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return (uint16_t)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  int e = (int)(ax >> 23) - 127;
+  if (e < -25) return (uint16_t)sign;
+  uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+  if (e < -14) {
+    int sh = -(e + 1);
+    uint32_t r = m >> sh, rem = m & ((1u << sh) - 1u), half = 1u << (sh - 1);
+    if (rem > half || (rem == half && (r & 1u))) r++;
+    return (uint16_t)(sign | r);
+  }
+  if (e > 15) return (uint16_t)(sign | 0x7c00u);
+  uint32_t r = ((uint32_t)(e + 15) << 10) | ((ax & 0x7fffffu) >> 13), rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
+  return (uint16_t)(sign | r);
+}
+float f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1f) return bits_f32(sign | 0x7f800000u | (m << 13));
+  if (e == 0) {
+    if (m == 0) return bits_f32(sign);
+    float v = (float)m * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  return bits_f32(sign | ((e + 112) << 23) | (m << 13));
+}
+float bf16_to_f32(uint16_t b) { return bits_f32((uint32_t)b << 16); }
+
+std::string dtype_name(nb::dlpack::dtype dt) {
+  std::string base;
+  switch ((nb::dlpack::dtype_code)dt.code) {
+    case nb::dlpack::dtype_code::Int: base = "int"; break;
+    case nb::dlpack::dtype_code::UInt: base = "uint"; break;
+    case nb::dlpack::dtype_code::Float: base = "float"; break;
+    case nb::dlpack::dtype_code::Bfloat: base = "bfloat"; break;
+    case nb::dlpack::dtype_code::Complex: base = "complex"; break;
+    case nb::dlpack::dtype_code::Bool: return "bool";
+    default: base = "dlpack-code-" + std::to_string((int)dt.code) + "-"; break;
+  }
+  std::string s = base + std::to_string((int)dt.bits);
+  if (dt.lanes != 1) s += "x" + std::to_string((int)dt.lanes);
+  return s;
+}
+
+std::string shape_str(const AnyArray& a) {
+  std::string s = "(";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+bool is_dtype(nb::dlpack::dtype dt, nb::dlpack::dtype_code code, int bits) {
+  return dt.code == (uint8_t)code && dt.bits == bits && dt.lanes == 1;
+}
+
+// float32 / float16 / bfloat16 -> fmkv_dtype, or FmkvError naming the argument.
+fmkv_dtype float_dtype(const char* name, const AnyArray& a) {
+  nb::dlpack::dtype dt = a.dtype();
+  if (is_dtype(dt, nb::dlpack::dtype_code::Float, 32)) return FMKV_F32;
+  if (is_dtype(dt, nb::dlpack::dtype_code::Float, 16)) return FMKV_F16;
+  if (is_dtype(dt, nb::dlpack::dtype_code::Bfloat, 16)) return FMKV_BF16;
+  fail(std::string(name) + ": dtype " + dtype_name(dt) + " is not supported (expected float32, float16 or bfloat16)");
+}
+
+void require_host(const char* name, const AnyArray& a) {
+  if (a.device_type() != nb::device::cpu::value)
+    fail(std::string(name) + ": tensor is on a non-CPU device (DLPack device type " + std::to_string(a.device_type()) +
+             "); this fmkv API works on host (CPU) memory, move the tensor to the CPU first",
+         FMKV_ERR_UNSUPPORTED);
+}
+
+size_t elem_size(fmkv_dtype dt) { return dt == FMKV_F32 ? 4 : 2; }
+
+HostTensor host_tensor(const char* name, const AnyArray& a, const char* expect) {
+  require_host(name, a);
+  fmkv_dtype dt = float_dtype(name, a);
+  if (a.ndim() != 3)
+    fail(std::string(name) + ": expected a 3-D array " + expect + ", got shape " + shape_str(a));
+  const int64_t rows = (int64_t)a.shape(0);
+  if (a.shape(1) > (size_t)std::numeric_limits<int32_t>::max() || a.shape(2) > (size_t)std::numeric_limits<int32_t>::max())
+    fail(std::string(name) + ": shape " + shape_str(a) + " is too large", FMKV_ERR_OVERFLOW);
+  const int32_t heads = (int32_t)a.shape(1), dim = (int32_t)a.shape(2);
+  // Strides of size-1 dimensions are meaningless (frameworks set them freely): normalise to 0.
+  int64_t s0 = a.shape(0) > 1 ? a.stride(0) : 0, s1 = a.shape(1) > 1 ? a.stride(1) : 0,
+          s2 = a.shape(2) > 1 ? a.stride(2) : 1;
+  HostTensor h;
+  const size_t es = elem_size(dt);
+  if (s2 == 1 && s0 >= 0 && s1 >= 0) {
+    h.t = fmkv_tensor{const_cast<void*>(a.data()), (int32_t)dt, rows, heads, dim, s0, s1};
+    return h;
+  }
+  h.packed.resize((size_t)rows * heads * dim * es);
+  const uint8_t* src = (const uint8_t*)a.data();
+  uint8_t* dst = h.packed.data();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int32_t hh = 0; hh < heads; ++hh)
+      for (int32_t i = 0; i < dim; ++i, dst += es)
+        std::memcpy(dst, src + (r * s0 + hh * s1 + i * s2) * (int64_t)es, es);
+  h.t = fmkv::make_tensor(h.packed.data(), dt, rows, heads, dim);
+  return h;
+}
+
+// Element i of a 1-D float32/float16/bfloat16 array as fp16 bits (rounded like the format).
+std::vector<uint16_t> vector_f16(const char* name, const AnyArray& a) {
+  require_host(name, a);
+  fmkv_dtype dt = float_dtype(name, a);
+  if (a.ndim() != 1) fail(std::string(name) + ": expected a 1-D array [head_dim], got shape " + shape_str(a));
+  std::vector<uint16_t> out(a.shape(0));
+  const uint8_t* p = (const uint8_t*)a.data();
+  const int64_t st = a.stride(0), es = (int64_t)elem_size(dt);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const uint8_t* e = p + (int64_t)i * st * es;
+    uint16_t u16;
+    float f;
+    switch (dt) {
+      case FMKV_F32: std::memcpy(&f, e, 4); out[i] = f32_to_f16(f); break;
+      case FMKV_F16: std::memcpy(&u16, e, 2); out[i] = u16; break;
+      default: std::memcpy(&u16, e, 2); out[i] = f32_to_f16(bf16_to_f32(u16)); break;
+    }
+  }
+  return out;
+}
+
+fmkv_backend backend_from_name(const std::string& name) {
+  for (int b = FMKV_BACKEND_REF; b <= FMKV_BACKEND_METAL; ++b)
+    if (name == fmkv_backend_name((fmkv_backend)b)) return (fmkv_backend)b;
+  fail("unknown backend '" + name + "' (expected 'ref', 'cpu', 'cuda' or 'metal')");
+}
+
+fmkv_dtype out_dtype_from_name(const std::string& n) {
+  if (n == "float32") return FMKV_F32;
+  if (n == "float16") return FMKV_F16;
+  if (n == "bfloat16") return FMKV_BF16;
+  fail("out_dtype '" + n + "' is not supported (expected 'float32', 'float16' or 'bfloat16')");
+}
+
+int32_t to_i32(const char* what, int64_t v, int64_t lo) {
+  if (v < lo || v > std::numeric_limits<int32_t>::max())
+    fail(std::string(what) + " must be in [" + std::to_string(lo) + ", 2^31), got " + std::to_string(v));
+  return (int32_t)v;
+}
+
+}  // namespace fmkv_py

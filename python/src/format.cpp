@@ -1,0 +1,79 @@
+// Format primitives: RawConfig (fmkv_config), the config's sizes, bytes per token, codebooks and
+// the quantization of one head vector (host memory, reference arithmetic).
+#include <nanobind/stl/string.h>
+
+#include <vector>
+
+#include "bindings.h"
+#include "convert.h"
+
+namespace fmkv_py {
+
+using namespace nb::literals;
+
+void bind_format(nb::module_& m) {
+  nb::class_<fmkv_config>(m, "RawConfig", "fmkv_config as a plain struct (fmkv.Config wraps it)")
+      .def("__init__", [](fmkv_config* c) { new (c) fmkv_config; fmkv_config_default(c); })
+      .def_rw("head_dim", &fmkv_config::head_dim)
+      .def_rw("num_kv_heads", &fmkv_config::num_kv_heads)
+      .def_rw("k_bits", &fmkv_config::k_bits)
+      .def_rw("v_bits", &fmkv_config::v_bits)
+      .def_rw("page_size", &fmkv_config::page_size)
+      .def_rw("sink_tokens", &fmkv_config::sink_tokens)
+      .def_rw("window_tokens", &fmkv_config::window_tokens)
+      .def_rw("scale_rule", &fmkv_config::scale_rule)
+      .def_rw("seed", &fmkv_config::seed);
+  m.attr("SCALE_RMS") = (int)FMKV_SCALE_RMS;
+  m.attr("SCALE_LSQ") = (int)FMKV_SCALE_LSQ;
+  m.attr("GROUP_SIZE") = (int)FMKV_GROUP_SIZE;
+
+  m.def("config_validate", [](const fmkv_config& c) { fmkv::check(fmkv_config_validate(&c)); });
+  m.def("config_page_bytes", [](const fmkv_config& c) {
+    fmkv::check(fmkv_config_validate(&c));
+    return fmkv_config_page_bytes(&c);
+  });
+  m.def("config_fp16_slot_bytes", [](const fmkv_config& c) {
+    fmkv::check(fmkv_config_validate(&c));
+    return fmkv_config_fp16_slot_bytes(&c);
+  });
+  m.def("bytes_per_token_head", [](int32_t d, int32_t bits) {
+    if (!fmkv_head_dim_supported(d)) fail("head_dim " + std::to_string(d) + " is not supported (format v2: 64, 128, 256)");
+    if (!fmkv_code_bits_supported(bits) && bits != FMKV_FP16_BITS)
+      fail("bits " + std::to_string(bits) + " is not supported (2, 3, 4 or 16)");
+    return fmkv_bytes_per_token_head(d, bits);
+  }, "head_dim"_a, "bits"_a);
+
+  m.def("codebook", [](int32_t bits) {
+    if (bits < 1 || bits > 4) fail("bits " + std::to_string(bits) + " is not supported (codebooks exist for 1..4 bits)");
+    std::vector<float> mags((size_t)1 << (bits - 1));
+    fmkv::check(fmkv_codebook(bits, mags.data()));
+    size_t n = mags.size();
+    return numpy_array(std::move(mags), {n});
+  }, "bits"_a);
+
+  // Returns (codes uint8 [d], scale bits uint16 [d/32]); the Python layer views scales as float16.
+  m.def("quantize_vector", [](const AnyArray& x, int32_t bits, uint64_t seed, int32_t layer, int32_t scale_rule) {
+    std::vector<uint16_t> xh = vector_f16("x", x);
+    const int32_t d = (int32_t)xh.size();
+    if (!fmkv_head_dim_supported(d)) fail("x: length " + std::to_string(d) + " is not a supported head_dim (64, 128, 256)");
+    std::vector<uint8_t> codes(d);
+    std::vector<uint16_t> scales(d / FMKV_GROUP_SIZE);
+    fmkv::check(fmkv_quantize_vector(d, bits, scale_rule, seed, layer, xh.data(), codes.data(), scales.data()));
+    size_t nc = codes.size(), ns = scales.size();
+    return nb::make_tuple(numpy_array(std::move(codes), {nc}), numpy_array(std::move(scales), {ns}));
+  }, "x"_a, "bits"_a, "seed"_a = 0, "layer"_a = 0, "scale_rule"_a = (int)FMKV_SCALE_LSQ);
+
+  m.def("dequantize_vector", [](const AnyArray& codes, const AnyArray& scale_bits, int32_t bits, uint64_t seed, int32_t layer) {
+    std::vector<uint8_t> c = vector_exact<uint8_t>("codes", codes, nb::dlpack::dtype_code::UInt, "uint8");
+    std::vector<uint16_t> s = vector_exact<uint16_t>("scales", scale_bits, nb::dlpack::dtype_code::UInt, "float16 / uint16 bits");
+    const int32_t d = (int32_t)c.size();
+    if (!fmkv_head_dim_supported(d)) fail("codes: length " + std::to_string(d) + " is not a supported head_dim (64, 128, 256)");
+    if ((int32_t)s.size() != d / FMKV_GROUP_SIZE)
+      fail("scales: length " + std::to_string(s.size()) + ", expected head_dim / 32 = " + std::to_string(d / FMKV_GROUP_SIZE));
+    std::vector<float> out(d);
+    fmkv::check(fmkv_dequantize_vector(d, bits, seed, layer, c.data(), s.data(), out.data()));
+    return numpy_array(std::move(out), {(size_t)d});
+  }, "codes"_a, "scales"_a, "bits"_a, "seed"_a = 0, "layer"_a = 0);
+}
+
+}  // namespace fmkv_py
