@@ -15,7 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include "core/backend.h"  // the backend interface: times the CPU entry point without the C API's validation
+#include "core/backend.h"
+#include "format/numbers.h"  // the backend interface: times the CPU entry point without the C API's validation
 #include "fmkv/fmkv.h"
 
 namespace {
@@ -52,16 +53,6 @@ void check(fmkv_status s, const char* what) {
     std::fprintf(stderr, "%s failed: %s\n", what, fmkv_last_error());
     std::exit(1);
   }
-}
-
-uint16_t f32_to_f16_simple(float f) {  // bench data only (normal range, truncation is fine)
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  uint32_t sign = (x >> 16) & 0x8000u;
-  int e = (int)((x >> 23) & 0xff) - 127 + 15;
-  if (e <= 0) return (uint16_t)sign;
-  if (e >= 31) return (uint16_t)(sign | 0x7bffu);
-  return (uint16_t)(sign | (uint32_t)e << 10 | ((x >> 13) & 0x3ffu));
 }
 
 struct Rng {
@@ -115,7 +106,7 @@ void fill_cache(const fmkv_config& c, std::vector<uint8_t>& pages, int64_t num_p
   std::vector<uint16_t> tab(1024);
   std::mt19937 g((uint32_t)seed);
   std::normal_distribution<float> nd;
-  for (auto& h : tab) h = f32_to_f16_simple(nd(g));
+  for (auto& h : tab) h = fmkv::f32_to_f16(nd(g));
   const int32_t d = c.head_dim, P = c.page_size;
   for (int64_t pg = 0; pg < num_pages; ++pg)
     for (int32_t h = 0; h < c.num_kv_heads; ++h)

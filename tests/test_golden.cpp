@@ -1,11 +1,13 @@
 // Golden vectors of format v2 (tests/golden/v2.txt): inputs -> page bytes -> dequantized values ->
-// attention output. Every backend must reproduce the bytes bit-exactly and the output to 1e-5.
+// attention output. Every backend must reproduce the bytes bit-exactly and the output within its stated bound
+// (at least 1e-5: the file stores the output in float32).
 // Inputs come from splitmix64 (not <random>) so the file is platform independent.
 // Regenerate (only with a format version change): FMKV_WRITE_GOLDEN=1 fmkv_tests --gtest_filter=Golden.*
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 
+#include "core/backend.h"
 #include "format/rotation.h"
 #include "harness.h"
 
@@ -108,7 +110,8 @@ TEST(Golden, ReproducedByEveryBackend) {
   std::vector<std::string> lines = read_golden();
   const int n = (int)(sizeof kCases / sizeof kCases[0]);
   ASSERT_EQ((int)lines.size(), 4 * n) << "golden file missing or malformed: " << golden_path();
-  for (fmkv_backend b : {FMKV_BACKEND_REF, FMKV_BACKEND_CPU, FMKV_BACKEND_CUDA, FMKV_BACKEND_METAL}) {
+  for (int bi = 0; bi < FMKV_BACKEND_COUNT; ++bi) {
+    const fmkv_backend b = (fmkv_backend)bi;
     if (!fmkv_backend_available(b)) continue;
     for (int i = 0; i < n; ++i) {
       Produced p;
@@ -129,7 +132,7 @@ TEST(Golden, ReproducedByEveryBackend) {
         for (int k = 0; k < 4; ++k) bytes[k] = (uint8_t)std::stoul(h.substr(j * 8 + k * 2, 2), nullptr, 16);
         std::memcpy(&want[j], bytes, 4);
       }
-      EXPECT_LT(rel_error(p.out, want), b == FMKV_BACKEND_CUDA ? 4e-3 : 1e-5) << fmkv_backend_name(b) << ": " << lines[4 * i];
+      EXPECT_LT(rel_error(p.out, want), std::max(1e-5, find_backend(b)->attention_rel_error)) << fmkv_backend_name(b) << ": " << lines[4 * i];
     }
   }
 }

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import Config, FmkvError, dequantize_vector, quantize_vector
+from . import format as _format
 
 
 def to_float32(x: Any) -> np.ndarray:
@@ -35,7 +36,7 @@ def stored_values(config: Config, layer: int, x: Any, is_v: bool, seq_len: Optio
     if seq_len is None:
         seq_len = T
     bits = config.v_bits if is_v else config.k_bits
-    comp_end = max(config.sink_tokens, seq_len - config.window_tokens)
+    comp_end = _format.compressed_end(config.sink_tokens, config.window_tokens, seq_len)
     out = x16.astype(np.float64)
     if bits == 16:
         return out

@@ -29,6 +29,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import format as _format
+
 __all__ = [
     "QuantizedTensor",
     "sign_vector",
@@ -40,40 +42,22 @@ __all__ = [
     "codebook_tensor",
 ]
 
-_M64 = (1 << 64) - 1
-_GROUP = 32
-_SCALE_F16_MAX = 65504.0
-
-
-def _splitmix64_next(state: int) -> Tuple[int, int]:
-    state = (state + 0x9E3779B97F4A7C15) & _M64
-    z = state
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return state, z ^ (z >> 31)
+_GROUP = _format.GROUP_SIZE
 
 
 @functools.lru_cache(maxsize=None)
-def _sign_list(seed: int, layer: int, d: int) -> Tuple[float, ...]:
-    state = (int(seed) ^ ((int(layer) & 0xFFFFFFFF) * 0xD6E8FEB86659FD93)) & _M64
-    out = []
-    for _ in range(d // 64):
-        state, w = _splitmix64_next(state)
-        out.extend(-1.0 if (w >> i) & 1 else 1.0 for i in range(64))
-    return tuple(out)
+def _sign_array(seed: int, layer: int, d: int):
+    return _format.rotation_signs(seed, layer, d)
 
 
 def sign_vector(seed: int, layer: int, d: int, device=None) -> torch.Tensor:
-    """The rotation signs s (float32 +-1, length d) of (seed, layer) per FORMAT.md section 3."""
-    if d not in (64, 128, 256):
-        raise ValueError(f"head_dim {d} is not supported (64, 128 or 256)")
-    return torch.tensor(_sign_list(int(seed), int(layer), int(d)), dtype=torch.float32, device=device)
+    """The rotation signs s (float32 +-1, length d) of (seed, layer) per FORMAT.md section 3 (from the library)."""
+    return torch.as_tensor(_sign_array(int(seed), int(layer), int(d)), dtype=torch.float32).to(device)
 
 
 def _norm(d: int) -> torch.Tensor:
-    # float32 nearest to 1/sqrt(d): 0x3E000000, 0x3DB504F3, 0x3D800000.
-    bits = {64: 0x3E000000, 128: 0x3DB504F3, 256: 0x3D800000}[d]
-    return torch.tensor([bits], dtype=torch.int32).view(torch.float32)[0]
+    # float32 nearest to 1/sqrt(d), from the library (include/fmkv/format.h).
+    return torch.tensor(_format.rotation_norm(d), dtype=torch.float32)
 
 
 def _fwht(v: torch.Tensor) -> torch.Tensor:
@@ -106,7 +90,7 @@ def unrotate(y: torch.Tensor, seed: int = 0, layer: int = 0) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _codebook_cpu(bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    import fmkv  # the library's generated table (src/core/codebooks.inc)
+    import fmkv  # the library's generated table (src/format/codebooks.inc)
 
     mags = torch.as_tensor(fmkv.codebook(int(bits)), dtype=torch.float32).clone()
     thr = (mags[:-1] + mags[1:]) * 0.5  # midpoints, exact in float32
@@ -158,7 +142,7 @@ def _to_f16_saturating(x: torch.Tensor) -> torch.Tensor:
     h = x.to(torch.float16)
     bad = ~torch.isfinite(h)
     if bool(bad.any()):
-        h = torch.where(bad, torch.full_like(h, _SCALE_F16_MAX), h)
+        h = torch.where(bad, torch.full_like(h, torch.finfo(torch.float16).max), h)
     return h
 
 

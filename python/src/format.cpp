@@ -43,6 +43,26 @@ void bind_format(nb::module_& m) {
     return fmkv_bytes_per_token_head(d, bits);
   }, "head_dim"_a, "bits"_a);
 
+  // The rotation (FORMAT.md "Rotation") and the token regions, for the Python layers that need them
+  // (fmkv.torch_quant, fmkv.hf, fmkv.reference): the numbers come from include/fmkv/format.h.
+  m.def("rotation_sign_words", [](uint64_t seed, int32_t layer, int32_t head_dim) {
+    if (!fmkv_head_dim_supported(head_dim)) fail("head_dim " + std::to_string(head_dim) + " is not supported (format v2: 64, 128, 256)");
+    std::vector<uint64_t> w((size_t)head_dim / 64);
+    for (int32_t k = 0; k < head_dim / 64; ++k) w[(size_t)k] = fmkv_rotation_sign_word(seed, layer, k);
+    size_t n = w.size();
+    return numpy_array(std::move(w), {n});
+  }, "seed"_a, "layer"_a, "head_dim"_a, "Rotation sign words of (seed, layer): bit i of word i // 64 set means s_i = -1.");
+  m.def("layer_seed", [](uint64_t seed, int32_t layer) { return fmkv_rotation_state(seed, layer); }, "seed"_a, "layer"_a,
+        "The seed whose layer-0 rotation equals (seed, layer)'s (a one-layer cache holding layer `layer`).");
+  m.def("rotation_norm", [](int32_t head_dim) {
+    if (!fmkv_head_dim_supported(head_dim)) fail("head_dim " + std::to_string(head_dim) + " is not supported (format v2: 64, 128, 256)");
+    return fmkv_rotation_norm(head_dim);
+  }, "head_dim"_a, "The float32 nearest 1/sqrt(head_dim), applied after the unnormalised FWHT.");
+  m.def("compressed_end", [](int32_t sink, int32_t window, int64_t length) {
+    return fmkv_compressed_end(sink, window, length);
+  }, "sink"_a, "window"_a, "length"_a, "E = max(sink, length - window): tokens [sink, E) of a sequence are compressed.");
+  m.attr("FP16_BITS") = (int)FMKV_FP16_BITS;
+
   m.def("codebook", [](int32_t bits) {
     if (bits < 1 || bits > 4) fail("bits " + std::to_string(bits) + " is not supported (codebooks exist for 1..4 bits)");
     std::vector<float> mags((size_t)1 << (bits - 1));

@@ -15,12 +15,6 @@ namespace {
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// scale_to_f16 of quant_math.h with the ISA's float -> fp16 conversion (same rounding).
-template <class T>
-inline uint16_t scale_h(float s) {
-  const uint16_t h = T::h_from_f(s);
-  return (h & 0x7fffu) >= 0x7c00u ? (uint16_t)0x7bffu : h;
-}
 
 // Lane order of V accumulators (all V widths): lane u (0..31) of a group holds coordinate pi(u), the
 // coordinate whose 2-bit field sits in field word u >> 4 at shift 2 * (u & 15). With this order a
@@ -100,8 +94,7 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
     for (int k = 0; k < K; ++k) tt[k] = T::mul(yg[k], yg[k]);
     for (int s = K / 2; s >= 1; s >>= 1)
       for (int k = 0; k < s; ++k) tt[k] = T::add(tt[k], tt[k + s]);
-    const float rms = __builtin_sqrtf(T::tree_reduce(tt[0]) / 32.0f);
-    const uint16_t s0 = scale_h<T>(rms);
+    const uint16_t s0 = rms_scale(T::tree_reduce(tt[0]));
     const float s0f = T::f_from_h(s0);
     uint32_t w[4] = {0, 0, 0, 0};
     uint16_t sc = 0;
@@ -152,7 +145,7 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
             dd[k] = T::add(dd[k], dd[k + s]);
           }
         const float num = T::tree_reduce(nn[0]), den = T::tree_reduce(dd[0]);
-        sc = scale_h<T>(num / den);
+        sc = lsq_scale(num, den);
       }
     }
     for (int wi = 0; wi < B; ++wi) words[((int64_t)g * B + wi) * P + t] = w[wi];

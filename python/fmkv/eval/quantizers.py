@@ -73,7 +73,9 @@ class KVQuantizer:
         if self.kind == "fp16" or bits == 16:
             return 2.0 * d
         if self.kind == "fmkv":
-            return (d // 32) * (4 * bits + 2)
+            import fmkv  # the format's bytes (include/fmkv/format.h), for any width the layout defines
+
+            return float(fmkv.bytes_per_token_head(d, bits))
         if self.kind == "quanto":
             return d * bits / 8 + (d / self.group) * 4
         if self.kind == "kivi":
