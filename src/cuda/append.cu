@@ -19,7 +19,7 @@
 // successful append rewrites them (FORMAT.md section 2).
 // The portable fp16 conversions of half.h (not cvt): this file converts only on rare paths (f32 / bf16
 // input, error reports), and with cvt there ptxas scheduled compress's quantizer loop differently:
-// prefill 2-3% slower (stop 19, docs/results/cuda_ab_stop19_quant.jsonl).
+// prefill 2-3% slower (stop 19, docs/history/results/cuda_ab_append_cvt.jsonl).
 #define FMKV_PORTABLE_HALF 1
 #include <cmath>
 #include <cstdint>

@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         // Scaled and summed from the last group to the first: group 0's accumulator is consumed
         // last, so every group's mma pair has its own registers and the pairs overlap (consumed in
         // mma order, ptxas reused one accumulator and each group's mma waited for the previous
-        // group's result; stop 19: 1.010-1.019x, docs/results/cuda_ab_stop19_kacc.jsonl)
+        // group's result; stop 19: 1.010-1.019x, docs/history/results/cuda_ab_k_accumulators.jsonl)
 #pragma unroll
         for (int g = G - 1; g >= 0; --g) {
           const uint32_t s2 = ks[g * 8];
