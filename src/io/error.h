@@ -8,7 +8,7 @@
 
 namespace fmkv {
 // Sets the thread-local message returned by fmkv_last_error(). Defined in src/api/c_api.cpp
-// (a weak fallback in src/io/snapshot.cpp keeps the library linking without it).
+// (a weak fallback in src/io/save.cpp keeps the library linking without it).
 void set_last_error(const std::string& msg);
 }  // namespace fmkv
 
