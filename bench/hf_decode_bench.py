@@ -1,7 +1,7 @@
 """Per-token decode latency of a Hugging Face model with fmkv's cache, against transformers' fp16 cache.
 
     python3 bench/hf_decode_bench.py --contexts 4096,32768 --steps 32 --out docs/results/hf_decode.jsonl
-    python3 bench/hf_decode_bench.py --plot docs/results/hf_decode_ab_stop21.jsonl docs/results/hf_decode.png
+    python3 bench/hf_decode_bench.py --plot docs/results/hf_decode_registration_ab.jsonl docs/results/hf_decode.png
 
 A randomly initialised Llama with the attention shape of the issue (32 q / 8 kv heads, head_dim 128,
 hidden 4096) and a small MLP (--intermediate, default 1024) so that attention and the cache are a

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Timeline of one short decode call from the CUDA latency trace (tests/cuda/trace.sh ->
-docs/results/cuda_trace.jsonl): per CTA role, the median time of each phase stacked from the role's
+"""Timeline of one short decode call from the CUDA latency trace (the JSON lines of
+tests/cuda/trace.sh): per CTA role, the median time of each phase stacked from the role's
 median entry, for the attention call and the fused decode step of one (batch, context).
 
-    python3 bench/plot_trace.py docs/results/cuda_trace.jsonl --batch 1 --context 4096 --out docs/results/cuda_trace_4k.png
+    python3 bench/plot_trace.py docs/history/results/cuda_trace_56cfcc1.jsonl --batch 1 --context 4096 --out docs/history/results/cuda_trace_4k_56cfcc1.png
 """
 import argparse
 import json

@@ -11,7 +11,7 @@ namespace {
 
 const SplitDevice kH200{132, 4};
 const SplitDevice kH200d256{132, 2};  // d = 256: 2 CTAs per SM
-const SplitDevice kH200r3{132, 4, 3};  // d <= 128 since stop 27: planned as 4 per SM, 3 resident (396)
+const SplitDevice kH200r3{132, 4, 3};  // d <= 128 since f2c759d: planned as 4 per SM, 3 resident (396)
 const SplitDevice kNone{};
 
 TEST(SplitCount, UsefulSplitsFollowTheLength) {
@@ -99,7 +99,7 @@ TEST(SplitCount, Rule) {
       {2, 8, 32, 2, 1, kH200r3, 131072, 64, "B = 2: more than one wave of the plan, unchanged"},
       {64, 8, 32, 64, 1, kH200r3, 32768, 3, "B = 64: unchanged"},
       // small batches: a bounded short call of several waves trims to 2 CTAs per SM where trim_pays says so,
-      // to at least kMinTrimmedSplits (stop 27)
+      // to at least kMinTrimmedSplits (ff7539c, docs/history/cuda-split-count.md)
       {2, 8, 32, 2, 1, kH200r3, 4096, 15, "B = 2 at 4k: 64 -> 264 / 16 - 1"},
       {2, 8, 32, 2, 1, kH200r3, 8192, 15, "B = 2 at 8k: 2 tiles per warp at 64 (6 at the resident wave)"},
       {2, 8, 32, 2, 1, kH200, 16384 + 64, 64, "B = 2 above 16k, 4 CTAs per SM resident: the trim does not pay"},
@@ -112,7 +112,7 @@ TEST(SplitCount, Rule) {
       {16, 8, 32, 16, 1, kH200, 4096, 9, "B = 16 at 4k, 4 per SM: the trim would leave 1 split (< kMinTrimmedSplits)"},
       {64, 8, 32, 64, 1, kH200r3, 512, 3, "B = 64 at 512 tokens: unchanged"},
       {2, 8, 32, 34, 1, kH200r3, 4096, 64, "B = 2 with 17 rows per sequence: not a decode call"},
-      // ... and with 3 resident per SM, cut to one resident wave where its warps take 10-72 tiles (stop 28)
+      // ... and with 3 resident per SM, cut to one resident wave where its warps take 10-72 tiles (5a0426e)
       {2, 8, 32, 2, 1, kH200r3, 16384, 23, "B = 2 at 16k: 396 / 16 - 1, 12 tiles per warp (over the trim)"},
       {2, 8, 32, 2, 1, kH200r3, 32768, 23, "B = 2 at 32k: 23 tiles per warp (1.20x over 64)"},
       {2, 8, 32, 2, 1, kH200r3, 65536, 23, "B = 2 at 64k: 45"},

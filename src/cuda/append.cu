@@ -19,7 +19,7 @@
 // successful append rewrites them (FORMAT.md section 2).
 // The portable fp16 conversions of half.h (not cvt): this file converts only on rare paths (f32 / bf16
 // input, error reports), and with cvt there ptxas scheduled compress's quantizer loop differently:
-// prefill 2-3% slower (stop 19, docs/results/cuda_ab_stop19_quant.jsonl).
+// prefill 2-3% slower (docs/history/cuda-quantize.md, f5c839f; docs/history/results/cuda_ab_append_cvt.jsonl).
 #define FMKV_PORTABLE_HALF 1
 #include <cmath>
 #include <cstdint>
@@ -251,7 +251,7 @@ constexpr int kCompressSmem = kCompressWarps * kCompressStages * 256 * 16;
 // One kernel per (K width, V width, scale rule): KB in {2, 3, 4, 16} (16: K kept in fp16, copied),
 // VB in {2, 3, 4}. A kernel holds at most two quantizers (one when KB == VB), so its hot loop stays in
 // the instruction cache (a runtime switch over all six was 175 KB of code: a one-token k4v2 append in a
-// CUDA-graph decode step took ~21 us through it, ~12 us now; stop 18, docs/CUDA-NOTES.md).
+// CUDA-graph decode step took ~21 us through it, ~12 us now; docs/history/cuda-quantize.md, d6d8e90).
 template <int D, int KB, int VB, bool LSQ>
 __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
   constexpr int NT = D / 64, VPW = 32 / NT, CPV = D / 8;
@@ -269,8 +269,8 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
   // (one decision per CTA: another CTA may set the word meanwhile)
   if (__syncthreads_or(error_set(p.err) ? 1 : 0)) return;
   // Task order: every K task (row group major, kv head minor), then every V task. With K and V of
-  // different widths an SM then runs one quantizer at a time, not both at once (measured at stop 18:
-  // interleaved K and V tasks thrash the instruction cache).
+  // different widths an SM then runs one quantizer at a time, not both at once (measured at 10b828f:
+  // interleaved K and V tasks thrash the instruction cache; k4v2 1.25x, docs/history/cuda-quantize.md).
   const uint32_t H = (uint32_t)p.H, half = p.items / 2u, stride = gridDim.x * (uint32_t)kCompressWarps;
   // Task `it` (if it exists): this lane's vector located and, unless it is k16, its tile copies
   // issued into `stage`; one cp.async group per call either way.

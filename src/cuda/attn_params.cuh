@@ -49,10 +49,11 @@ struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared me
   explicit operator bool() const { return fn != nullptr; }
 };
 
-// CTAs per SM the register allocation must allow for head_dim <= 128 (3, since stop 27: up to 168 registers;
-// 4: 128, 0.4-16% slower at stop 27; 5: 96 registers with spills; 2: 255 registers, B = 1 up to 3% faster but
-// B = 64 4% slower) -- a tuning knob, see docs/CUDA-NOTES.md. With 3 the split count plans 4 slots per SM and
-// cuts one-wave grids to the 3 resident (split_device, decode_attention.cu; SplitDevice, split_count.h).
+// CTAs per SM the register allocation must allow for head_dim <= 128 (3, since f2c759d: up to 168 registers;
+// 4: 128, 0.4-16% slower there; 5: 96 registers with spills; 2: 255 registers, B = 1 up to 3% faster but
+// B = 64 4% slower) -- a tuning knob, see docs/history/cuda-occupancy.md. With 3 the split count plans 4
+// slots per SM and cuts one-wave grids to the 3 resident (split_device, decode_attention.cu; SplitDevice,
+// split_count.h).
 #ifndef FMKV_ATTN_MIN_BLOCKS
 #define FMKV_ATTN_MIN_BLOCKS 3
 #endif

@@ -2,8 +2,8 @@
 // cores. Grid (kv heads, sequences, nraw + nsplit): blockIdx.z < nraw are the raw-domain CTAs (sp = nsplit +
 // blockIdx.z), the rest the splits (sp = blockIdx.z - nraw), so that CTAs are dispatched (in linear block order)
 // raw-domain first, then split 0 of every (sequence, kv head) pair, split 1, ...: a fused step's append never
-// waits for a second wave (stop 28). CTA (split sp < nsplit, sequence s, kv head h) takes
-// a contiguous range of 16-token tiles of the compressed tokens, for up to 8 query vectors at a time
+// waits for a second wave (c2f2a77, docs/history/cuda-split-count.md). CTA (split sp < nsplit, sequence s,
+// kv head h) takes a contiguous range of 16-token tiles of the compressed tokens, for up to 8 query vectors at a time
 // (all q heads of the GQA group x query rows), so every K/V byte is read once per 8 query vectors.
 // CTA sp == nsplit does the fp16 sink + window tokens in the raw domain (fp16_part) or, for a fused
 // step, the append and the attention over the step's own tokens (fused_step); a fused step with fp16
@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
         // Scaled and summed from the last group to the first: group 0's accumulator is consumed
         // last, so every group's mma pair has its own registers and the pairs overlap (consumed in
         // mma order, ptxas reused one accumulator and each group's mma waited for the previous
-        // group's result; stop 19: 1.010-1.019x, docs/results/cuda_ab_stop19_kacc.jsonl)
+        // group's result; 7accf3b: 1.010-1.019x, docs/history/cuda-decode-tile-loop.md)
 #pragma unroll
         for (int g = G - 1; g >= 0; --g) {
           const uint32_t s2 = ks[g * 8];

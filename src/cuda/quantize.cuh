@@ -366,7 +366,8 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
   const float s0f = f16_bits_to_f32_hw(s0);
   // The thresholds and the search below are the same as group_thresholds / search_magnitude, written
   // out: through the helpers ptxas scheduled compress's loop differently and the prefill ran 2-3%
-  // slower (stop 19; as written, append.cu compiles to the same SASS as before the helpers existed).
+  // slower (docs/history/cuda-quantize.md, f5c839f; as written, append.cu compiles to the same SASS as
+  // before the helpers existed).
   float T[M - 1];
 #pragma unroll
   for (int i = 0; i < M - 1; ++i) T[i] = __fadd_rd(__fmul_rn(q.thr[i], s0f), __fmul_rn(q.hulp[i], s0f));

@@ -1,5 +1,6 @@
 // Split count of the CUDA decode attention: host arithmetic only (no CUDA headers), so the rule is
-// unit-tested by the CPU test suite (tests/test_split_count.cpp). docs/CUDA-NOTES.md "Split count".
+// unit-tested by the CPU test suite (tests/test_split_count.cpp). docs/CUDA-NOTES.md "Split count"; the
+// measurements behind each rule, by the commit named: docs/history/cuda-split-count.md.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -49,25 +50,25 @@ inline int64_t warp_rounds(int64_t tiles, int64_t n) {
 //    than a tile);
 //  * one pass, u <= kTrimMaxRounds: while it at most doubles the busiest warp's tiles (a warp at 2 CTAs per
 //    SM runs a tile in about half the time it takes at 4);
-//  * beyond (the long loop wants 4 CTAs per SM, stop 23: 128k 0.94x), and for several passes beyond
+//  * beyond (the long loop wants 4 CTAs per SM, e32caa1: 128k 0.94x), and for several passes beyond
 //    kTrimAlwaysRounds (each pass streams the tiles again, as a longer context would): it does not.
-// Measured (stop 24, fused step with a 64-token window: nraw = 2, 31 splits, against 64): 4k 1 vs 3 tiles
+// Measured (8ddabdb, fused step with a 64-token window: nraw = 2, 31 splits, against 64): 4k 1 vs 3 tiles
 // per warp 1.16x, 8k 2 vs 5 1.07x, 16k 4 vs 9 1.02x, 32k 8 vs 17 0.97x; without a window (32 splits) 32k
-// 8 vs 16 1.03x (stop 23); 4-16 rows per sequence at 32k (u = 8, 2-8 passes) 0.95-0.98x.
+// 8 vs 16 1.03x (e32caa1); 4-16 rows per sequence at 32k (u = 8, 2-8 passes) 0.95-0.98x.
 constexpr int64_t kTrimAlwaysRounds = 4, kTrimMaxRounds = 8;
 // A plan of several waves (B >= 2 with 8 kv heads) is trimmed only to at least kMinTrimmedSplits splits, the
-// range measured at stop 27 (B = 2 / 4 / 8: 15 / 7 / 3 splits); B = 16 at 4k would get 1 (0.79x measured).
+// range measured at ff7539c (B = 2 / 4 / 8: 15 / 7 / 3 splits); B = 16 at 4k would get 1 (0.79x measured).
 constexpr int64_t kMinTrimmedSplits = 3;
 inline bool trim_pays(int64_t tiles, int64_t usual, int64_t trimmed, int64_t passes) {
   const int64_t u = warp_rounds(tiles, usual);
   if (u <= kTrimAlwaysRounds) return true;
   return passes == 1 && u <= kTrimMaxRounds && warp_rounds(tiles, trimmed) <= 2 * u;
 }
-// Small batches at mid lengths (stop 28): a bounded one-pass call of several waves on a device whose kernel is
+// Small batches at mid lengths (5a0426e): a bounded one-pass call of several waves on a device whose kernel is
 // resident at fewer CTAs per SM than planned (SplitDevice::resident) is cut to one resident wave when its warps
 // then take between kResidentCutMinRounds and kResidentCutMaxRounds tiles (warp_rounds), the count being at
 // least kMinCutSplits. Shorter, the 2-per-SM trim (or the usual count) stays: its short CTAs cost less than
-// the wave's; longer, several waves of the usual count balance the SMs better. 0: no cut. Measured (stop 28,
+// the wave's; longer, several waves of the usual count balance the SMs better. 0: no cut. Measured (5a0426e,
 // k3v3, 8 kv heads, against the usual count): B = 2 / 3 / 4 / 6 / 8 at 32k / 16k / 16k / 8k / 8k (23 / 15 / 11
 // / 7 / 5 splits, 12-26 tiles per warp) 1.19 / 1.24 / 1.15 / 1.24 / 1.16x; B = 2 64k 1.07x, B = 3 32k 1.16x,
 // B = 6 16k 1.11x; over the trim: B = 6 / 8 at 4k (10 / 13 tiles) 1.06x, B = 3 at 8k (9 tiles) 0.98x; beyond
@@ -95,26 +96,26 @@ inline int64_t resident_cut(int64_t tiles, int64_t pairs, int64_t nraw, const Sp
 //  * A decode call (at most 16 query rows per sequence on average: the workspace grows with rows x
 //    splits) whose usual grid fits in one wave is sized to 2 CTAs per SM, which reach the tile loop's
 //    per-SM rate (docs/CUDA-NOTES.md "Split count"):
-//      - few pairs, usual grid <= 1 CTA per SM: filled up (stop 22): B = 1 with 1 kv head 64 -> 254
+//      - few pairs, usual grid <= 1 CTA per SM: filled up (bfa95f7): B = 1 with 1 kv head 64 -> 254
 //        splits, 2 kv heads 64 -> 131;
 //      - otherwise, for a short call (a length bound is known) where the trim pays (trim_pays), trimmed
-//        down (stop 23): B = 1 with 8 kv heads 64 -> 32 splits up to 32k tokens (4k 1.16x, 16k 1.09x, 32k
+//        down (e32caa1): B = 1 with 8 kv heads 64 -> 32 splits up to 32k tokens (4k 1.16x, 16k 1.09x, 32k
 //        1.02x faster: half the CTAs per SM, half the partials to merge; at 128k / 1M 32 splits are 0.94x /
 //        0.89x); a fused step with fp16 regions (nraw = 2) gets 31 splits up to 16k but keeps 64 at 32k,
 //        and a call of several passes (more than kSplitVectors query vectors per (sequence, kv head), e.g.
-//        4 rows of 4 q heads per kv head in speculative verification) trims only up to 16k (stop 24: at
+//        4 rows of 4 q heads per kv head in speculative verification) trims only up to 16k (77e7f81: at
 //        4k 1.07-1.17x for 2-16 rows, 16k 1.01-1.08x; at 32k 2 rows (one pass) 1.01x, 4 / 8 / 16 rows 0.98
 //        / 0.96 / 0.95x); never above the usual count (4 kv heads stay at 64: 65 would take the wide
-//        merge, 0.967x at stop 22).
+//        merge, 0.967x at bfa95f7).
 //      - a bounded decode call of several waves (small batches) trims the same way where it pays, to at
-//        least kMinTrimmedSplits (stop 27: B = 2 / 4 / 8 with 8 kv heads at 4k 64 / 33 / 17 -> 15 / 7 / 3
+//        least kMinTrimmedSplits (ff7539c: B = 2 / 4 / 8 with 8 kv heads at 4k 64 / 33 / 17 -> 15 / 7 / 3
 //        splits, 1.74x / 1.50x / 1.20x). trim_pays stops it above 16k / 8k / 4.3k tokens;
 //      - ... unless, with fewer CTAs resident per SM than planned, one resident wave leaves each warp 10-72
-//        tiles (resident_cut, stop 28): then that wave (B = 2 at 16k-64k 15 / 64 -> 23 splits, 1.01-1.19x; B = 8
+//        tiles (resident_cut, 5a0426e): then that wave (B = 2 at 16k-64k 15 / 64 -> 23 splits, 1.01-1.19x; B = 8
 //        at 4k-16k 3 / 17 -> 5, 1.03-1.16x), or for B = 9-16 one planned wave up to 24 tiles per warp (2k-4k:
 //        1.10-1.40x); longer calls and B >= 17 keep the usual count;
 //      - then, with fewer CTAs resident per SM than planned (SplitDevice::resident), a grid beyond the
-//        resident slots is cut to them (stop 27): B = 1 with 8 kv heads at 3 per SM 64 -> 48 splits.
+//        resident slots is cut to them (f2c759d): B = 1 with 8 kv heads at 3 per SM 64 -> 48 splits.
 //  * A known length bound (`compressed` >= 0: the most compressed tokens any sequence of the call has,
 //    from fmkv_attention_opts.max_seq_len) caps the count at useful_splits(compressed): a short call
 //    launches no empty splits (they cost ~1-1.7 us at 4k with 1-2 kv heads).
@@ -134,7 +135,7 @@ inline int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int32_t q_he
     else if (compressed >= 0 && (one_wave || two_per_sm >= kMinTrimmedSplits) &&
              trim_pays(tiles_of(compressed), ns, two_per_sm, passes))
       ns = std::min(ns, two_per_sm);
-    // fewer resident CTAs than planned (stop 27, 3 per SM): a grid beyond them runs its last CTAs of an SM
+    // fewer resident CTAs than planned (f2c759d, 3 per SM): a grid beyond them runs its last CTAs of an SM
     // after the others; one resident wave instead (B = 1, 8 kv heads: 64 -> 48 splits, 47 with nraw = 2;
     // 128k 1.049x, 1M 1.021x, a 32k fused step with a window 1.33x, 4 rows at 32k 1.14x)
     if (one_wave && dev.resident > 0 && (ns + nraw) * pairs > dev.resident_wave())

@@ -13,8 +13,9 @@
 #                    counts: s48=@tree:FMKV_CUDA_SPLITS=48
 # The first NAME is the table's base. Cases: one per line of CASEFILE, "[VAR=value ...] <fmkv_cuda_bench
 # arguments>", "#" comments (a case's own FMKV_CUDA_SPLITS=n tags its lines NAME:sn, a column of the table: forced
-# counts per case); without -c the set below (the cases of the stop 25-27 A/Bs). A round starts only while
-# fewer than SECONDS (default 420) have passed since the script started. AB_REUSE=1 keeps an existing
+# counts per case); without -c the set below (the cases of the 0c3fbe5-f2c759d A/Bs,
+# docs/history/cuda-occupancy.md). A round starts only while fewer than SECONDS (default 420) have passed
+# since the script started. AB_REUSE=1 keeps an existing
 # $AB_DIR/ab_NAME/fmkv_cuda_bench instead of building (a second call on a warm machine); AB_DIR: /tmp.
 set -u
 ROUNDS=3 SECONDS_MAX=420 CASEFILE=""

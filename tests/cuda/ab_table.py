@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Same-run A/B table of fmkv_cuda_bench results (the docs/results/cuda_ab_*.jsonl files written by
+"""Same-run A/B table of fmkv_cuda_bench results (the docs/history/results/cuda_ab_*.jsonl files written by
 tests/cuda/ab.sh): one line per case, best (minimum) time per variant, and base / variant ratios.
 
-    python3 tests/cuda/ab_table.py docs/results/cuda_ab_stop20_window.jsonl [--base VARIANT]
+    python3 tests/cuda/ab_table.py docs/history/results/cuda_ab_window_second_cta.jsonl [--base VARIANT]
 
 Input lines: {"variant": name, "r": <a "decode" or "step" line of fmkv_cuda_bench>}. A step line gives
 two cases (fused and separate). The base is the first variant seen unless --base names one.

@@ -10,9 +10,9 @@ local-memory operations (LDL/STL: register spills) and where the loop starts in 
 tile loop touches local memory: every kernel shares its 128-register budget with the cold paths (fp16
 part, fused step), and a change there can make ptxas spill inside the hot loop (seen while developing
 the fused-step validation: 3-6 spill loads/stores per tile from unrelated code); or if a tile loop
-starts after the first half of its kernel's instructions (--max-loop-position): at stop 20 a one-line
+starts after the first half of its kernel's instructions (--max-loop-position): at f04ef89 a one-line
 change of the sink/window dispatch made ptxas place the loop after ~11k instructions of cold code, with
-the loop's own SASS unchanged, and every decode step measured 7-9% slower (docs/CUDA-NOTES.md).
+the loop's own SASS unchanged, and every decode step measured 7-9% slower (docs/history/cuda-fused-step.md).
 
     python3 tests/cuda/tile_loop_check.py build/CMakeFiles/fmkv.dir/src/cuda/decode_k*.cu.o
 """

@@ -14,7 +14,7 @@ sink/window CTA. Patches the FMKV_TRACE marks of a COPY of the source tree (neve
        copies issued (the query loads were issued just before), 4 = query values landed, 5 = queries
        checked, rotated and stored, 6 = after the barrier (exit - 6 = first tile + tile loop + combine)
 
-On the device (stop 12 used these; results in docs/CUDA-NOTES.md "Latency trace"):
+On the device (used from 52ade48 on; results in docs/history/cuda-fused-step.md):
     mkdir /tmp/dA && cp -r CMakeLists.txt cmake include src bench tests python cli tools /tmp/dA/
     python3 tests/cuda/trace_diag.py A /tmp/dA
     cmake -S /tmp/dA -B /tmp/btA -G Ninja -DFMKV_CUDA=ON -DFMKV_CUDA_TRACE=ON -DFMKV_BUILD_TESTS=OFF \

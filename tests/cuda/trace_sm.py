@@ -10,7 +10,8 @@ phases in us from the CTA's entry) and prints, for the split CTAs of each traced
 the spread within an SM against the spread between SMs, the SMs whose last CTA left last, and the
 slowest SM pairs (TPCs). Answers whether the spread of equal-work CTAs is per SM (placement, a slower
 SM: dynamic tile scheduling would balance it) or within each SM (the SM's issue rate shared unevenly
-by its CTAs: then the time follows the largest number of CTAs any SM holds). Stop 21: the latter.
+by its CTAs: then the time follows the largest number of CTAs any SM holds). At 59a4426 the latter
+(docs/history/cuda-split-count.md).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Research codebooks for a possible format v2 (docs/CUDA-NOTES.md, next step 1): positive levels that
+"""Research codebooks for a possible format v2 (docs/history/cuda-decode-layouts.md): positive levels that
 are a common factor times values representable in fp8 e5m2 (1, 1.25, 1.5, 1.75 times a power of two),
 i.e. fp16 values whose low byte is zero once the factor is folded into the group scale. With such
 levels one byte permute yields a signed fp16 pair on the GPU, which would roughly halve the integer

@@ -4,8 +4,9 @@ Non-overlapping windows of ``ctx`` tokens. In every window, every attention laye
 quantized-then-dequantized K and V of EVERY context token (including the query's own token), the
 way llama.cpp's perplexity runs over a quantized KV cache; configs with an fp16 residual window or
 sink tokens read fp16 K/V for those tokens instead. Dequantize-then-attend is mathematically the
-attention the fused kernels compute on the compressed cache (tests/python/test_eval_equivalence
-checks this against ``fmkv.Cache.attention`` token by token).
+attention the fused kernels compute on the compressed cache (tests/python/test_eval_smoke.py's
+``test_fused_kernel_path_equals_dequantize_then_attend`` checks this against ``fmkv.Cache.attention``
+token by token).
 """
 from __future__ import annotations
 
