@@ -30,7 +30,7 @@ if(FMKV_METAL_FOUND EQUAL 0 AND FMKV_METAL_COMPILER)
       COMMAND xcrun -sdk macosx metallib ${FMKV_METALLIB_DIR}/${k}.air -o ${FMKV_METALLIB_DIR}/${k}.metallib
       DEPENDS ${PROJECT_SOURCE_DIR}/src/metal/${k}.metal ${PROJECT_SOURCE_DIR}/src/metal/kernel_core.h
               ${PROJECT_SOURCE_DIR}/src/format/portability.h ${PROJECT_SOURCE_DIR}/src/metal/params_msl.h
-              ${PROJECT_SOURCE_DIR}/src/core/codebooks.inc
+              ${PROJECT_SOURCE_DIR}/src/format/codebooks.inc
       COMMENT "metal (fast math off): ${k}.metal")
     list(APPEND FMKV_METALLIBS ${FMKV_METALLIB_DIR}/${k}.metallib)
   endforeach()

@@ -1,7 +1,7 @@
 """Vectorised torch implementation of the fmkv quantizer (docs/FORMAT.md sections 3-5: codes and scales).
 
 Quantizes / dequantizes whole ``[..., d]`` tensors (e.g. ``[tokens, heads, d]``) with exactly the
-float32 roundings of the reference (``src/core/quant_math.h``, ``src/ref/quantize.cpp``):
+float32 roundings of the reference (``src/format/quantize_group.h``, ``src/format/rotation.h``):
 
 * canonical fp16 input, rotation signs from splitmix64(seed, layer), FWHT stages h = 1, 2, ..., d/2,
   multiplication by the float32 constant nearest 1/sqrt(d);

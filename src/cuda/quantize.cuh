@@ -35,7 +35,7 @@ __device__ __forceinline__ float f16_bits_to_f32_hw(uint32_t h16) {  // exact (c
   return __half2float(__ushort_as_half((unsigned short)h16));
 }
 
-// Thresholds of quant_math.h and the facts the division-free code search relies on: <= 13 significant
+// Thresholds of src/format/codebook.h and the facts the division-free code search relies on: <= 13 significant
 // bits and an even significand (checked once per width; constants of the format, unchanged since v1).
 // bits 2, 3, 4; host side.
 inline const QuantTables& quant_tables(int bits) {
@@ -332,7 +332,7 @@ __device__ __forceinline__ void thread_fwht(float (&r)[64], int lane) {
   }
 }
 
-// Quantize one group of 32 rotated values y[0..31] (FORMAT.md 4-6, quant_math.h quantize_group):
+// Quantize one group of 32 rotated values y[0..31] (FORMAT.md 4-6, src/format/quantize_group.h quantize_group):
 // returns the fp16 scale, w[0..BITS-1] the packed words. Equivalences used (all exact):
 //  * tree_sum32(t) / 32 == t * 2^-5 (both the rounding of the same real number);
 //  * code magnitude: fl(|y| / s) > t_i  <=>  |y| > T_i = RD(t_i*s + hulp_i*s). t_i has <= 13

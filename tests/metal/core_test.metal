@@ -4,7 +4,7 @@
 //   sums[(v*G + g)*32 + lane] = group sum of group g in every lane (must equal tree_sum32),
 //   codes / scales / words    = quantization of each group taken as rotated values y
 //                               (must equal quantize_group + pack_group),
-//   rotated                   = the vector rotated (must equal ref::rotate, bitwise).
+//   rotated                   = the vector rotated (must equal fmkv::rotate, bitwise).
 #include "../../src/format/portability.h"
 #include "../../src/metal/params_msl.h"
 #include "../../src/metal/kernel_core.h"

@@ -522,7 +522,7 @@ void run_attn_block_case(int d, int kb, int vb, int rule) {
   CK_LAUNCH();
   const auto kdeq = dkdeq.download(), sc = dsc.download(), ex = dexp.download(), ml = dml.download(),
              acc = dacc.download();
-  // Host mirror: dequantize with ref::unpack_group + quant_math decode_level (reference arithmetic).
+  // Host mirror: dequantize with ref::unpack_group + src/format/codebook.h decode_level (reference arithmetic).
   auto deq = [&](const std::vector<uint8_t>& sec, int bits, int t, std::vector<float>& out) {
     out.assign(d, 0.0f);
     if (bits == 16) {

@@ -170,7 +170,7 @@ void run_attention_case(const AttentionCase& ac) {
 }
 
 // Per-SIMD-group primitives of kernel_core.h (tests/metal/core_test.metal) against the scalar
-// definitions (quant_math.h tree_sum32 / quantize_group, ref pack_group / rotate), bit for bit, on
+// definitions (src/format: tree_sum32 / quantize_group, pack_group_words, rotate), bit for bit, on
 // adversarial inputs: wide dynamic range (summation order shows), values exactly on decision
 // thresholds (ties), zero / -0 / subnormal / overflowing groups (saturating scales).
 void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {

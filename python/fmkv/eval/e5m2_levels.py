@@ -46,7 +46,7 @@ def gaussian_mse(levels: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _search(bits: int, steps: int = 512) -> Tuple[Tuple[float, ...], float, float, float]:
-    import fmkv  # the format's codebook (src/core/codebooks.inc)
+    import fmkv  # the format's codebook (src/format/codebooks.inc)
 
     ref = [float(m) for m in fmkv.codebook(int(bits))]
     ref_mse = float(gaussian_mse(torch.tensor([ref], dtype=torch.float64))[0])
