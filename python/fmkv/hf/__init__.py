@@ -12,6 +12,10 @@ or load the model with ``attn_implementation="fmkv"`` (registered in transformer
 Modules:
 * ``cache``: :class:`FmkvCache` / :class:`FmkvLayer`, the dynamic cache for eager use (the host
   tracks each layer's length; unpadded batches).
+* ``static_cache``: :class:`FmkvStaticCache` / :class:`FmkvStaticLayer`, static shapes allocated up
+  front, lengths on the device: the decode step is capturable in one CUDA graph (torch.compile
+  ``mode="reduce-overhead"``, transformers' compiled generation, ``torch.cuda.CUDAGraph``);
+  left-padded batches of prompts of different lengths.
 * ``attention``: the "fmkv" attention function and its registration.
 * ``compat``: names that differ between transformers versions (:data:`CACHE_KWARG`,
   :func:`cache_kwargs`, :func:`output_cache`).
@@ -24,8 +28,9 @@ from __future__ import annotations
 from .attention import ATTN_NAME, fmkv_attention, register, use_fmkv_attention
 from .cache import DEFAULT_WINDOW_TOKENS, FmkvCache, FmkvLayer, layer_seed, pages_per_sequence
 from .compat import CACHE_KWARG, cache_kwargs, output_cache
+from .static_cache import FmkvStaticCache, FmkvStaticLayer
 
-__all__ = ["FmkvCache", "FmkvLayer", "fmkv_attention", "register", "ATTN_NAME", "CACHE_KWARG", "cache_kwargs",
+__all__ = ["FmkvCache", "FmkvLayer", "FmkvStaticCache", "FmkvStaticLayer", "fmkv_attention", "register", "ATTN_NAME", "CACHE_KWARG", "cache_kwargs",
            "output_cache", "DEFAULT_WINDOW_TOKENS", "layer_seed", "use_fmkv_attention", "pages_per_sequence"]
 
 register()

@@ -48,7 +48,15 @@ def _eager(module, query, key, value, attention_mask, scaling=None, softcap=None
 def fmkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
                    **kwargs):
     """Attention function registered as "fmkv": fused kernel on the compressed cache for layers of an
-    FmkvCache (decode / chunks with a past), the fallback implementation for everything else."""
+    FmkvCache or FmkvStaticCache (decode / chunks with a past), the fallback implementation for
+    everything else (and for a first chunk attended at full precision)."""
+    static = getattr(key, "_fmkv_static", None)
+    if static is not None:
+        out = static.attention(query, key, value, attention_mask, scaling, softcap)
+        if out is not None:
+            return out, None
+        return _fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                         softcap=softcap, **kwargs)
     tag = getattr(key, "_fmkv_layer", None)
     if tag is None:
         return _fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
