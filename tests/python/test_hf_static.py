@@ -173,8 +173,11 @@ def test_gemma3_sliding_layers_static():
 
 
 def _prefill(model, cache, ids, mask=None):
+    """Eager prefill (left-padded prompts at their own positions, as generate() places them); the first
+    decode token and position per sequence."""
+    positions = None if mask is None else (mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
-        out = model(ids, attention_mask=mask, use_cache=True, **fhf.cache_kwargs(cache))
+        out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True, **fhf.cache_kwargs(cache))
     pos = (mask.sum(1, keepdim=True) if mask is not None else torch.full((ids.shape[0], 1), ids.shape[1])).to(ids.device)
     return out.logits[:, -1:].argmax(-1), pos
 
@@ -317,6 +320,16 @@ def test_write_then_decode_equals_prefill_compressed():
     for x, y in zip(_layer_bytes(layer_a), _layer_bytes(layer_b)):
         assert torch.equal(x, y)
     assert int(layer_a.get_seq_length()) == 30 and layer_a.filled
+    # written one sequence at a time: the same bytes
+    layer_c = fhf.FmkvStaticLayer(0, max_cache_len=64, k_bits=4, v_bits=3, page_size=16, window_tokens=8)
+    layer_c.lazy_initialization(k, v)  # allocate for the batch of 2
+    layer_c.write(k[1:], v[1:], first_seq=1)
+    assert layer_c.lengths() == [0, 30] and int(layer_c.get_seq_length()) == 30
+    layer_c.write(k[:1], v[:1], first_seq=0)
+    for x, y in zip(_layer_bytes(layer_a), _layer_bytes(layer_c)):
+        assert torch.equal(x, y)
+    with pytest.raises(fmkv.FmkvError, match="at sequence 2"):
+        layer_c.write(k, v, first_seq=2)
 
 
 def test_errors():

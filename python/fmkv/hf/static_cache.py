@@ -269,20 +269,28 @@ class FmkvStaticLayer(CacheLayerMixin):
         out.index_copy_(0, sel, rows_out)
         return out.view(b, n, hq, d)
 
-    def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append [b, h, n, d] K/V to every sequence (a prefill without the model: benchmarks, restoring a
-        cache). Advances the lengths and the timeline; later chunks and steps read them compressed."""
+    def write(self, keys: torch.Tensor, values: torch.Tensor, first_seq: int = 0) -> None:
+        """Append K/V [b, h, n, d] to sequences first_seq .. first_seq + b - 1 without running the model (a
+        prefill of known K/V: benchmarks, restoring a cache), through the same append op as a prompt chunk.
+        Advances their lengths and the timeline (to the longest sequence); later chunks and decode steps
+        read them compressed."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
-        self._check_chunk(keys)
-        b, _, n, _ = keys.shape
+        b, h, n, d = keys.shape
+        if (h, d) != (self.num_heads, self.head_dim) or not 0 <= first_seq <= self.batch_size - b:
+            raise fmkv.FmkvError(
+                f"FmkvStaticCache layer {self.layer_idx}: write of [batch {b}, kv heads {h}, head_dim {d}] at "
+                f"sequence {first_seq} into a cache of [{self.batch_size}, {self.num_heads}, {self.head_dim}]")
+        if keys.device != self.device:
+            raise fmkv.FmkvError(f"FmkvStaticCache layer {self.layer_idx}: K/V on '{keys.device}' but the cache "
+                                 f"lives on '{self.device}'")
+        seqs = slice(first_seq, first_seq + b)
+        offsets = torch.arange(b + 1, dtype=torch.int64, device=self.device) * n
         with torch.no_grad():
-            torch.ops.fmkv.append(self.pages, self.fp16_k, self.fp16_v, _rows(keys), _rows(values), self.slots,
-                                  self.lens, self._offsets[n] if n < len(self._offsets) else
-                                  torch.arange(b + 1, dtype=torch.int64, device=self.device) * n,
-                                  self.block_table, self._cfg, 0, self.backend_name)
-            self.lens.add_(n)
-            self.cumulative_length.add_(n)
+            torch.ops.fmkv.append(self.pages, self.fp16_k, self.fp16_v, _rows(keys), _rows(values), self.slots[seqs],
+                                  self.lens[seqs], offsets, self.block_table[seqs], self._cfg, 0, self.backend_name)
+            self.lens[seqs].add_(n)
+            torch.maximum(self.cumulative_length, self.lens.max(), out=self.cumulative_length)
         self.filled = True
 
     def get_mask_sizes(self, query_length: int) -> tuple:
@@ -395,13 +403,13 @@ class FmkvStaticCache(Cache):
     def fmkv_layers(self) -> List[FmkvStaticLayer]:
         return [layer for layer in self.layers if isinstance(layer, FmkvStaticLayer)]
 
-    def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append K/V [b, h, n, d] to layer ``layer_idx`` of every sequence without running the model
-        (FmkvStaticLayer.write)."""
+    def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, first_seq: int = 0) -> None:
+        """Append K/V [b, h, n, d] to layer ``layer_idx`` of sequences first_seq .. first_seq + b - 1 without
+        running the model (FmkvStaticLayer.write)."""
         layer = self.layers[layer_idx]
         if not isinstance(layer, FmkvStaticLayer):
             raise fmkv.FmkvError(f"FmkvStaticCache.write: layer {layer_idx} is not an fmkv layer")
-        layer.write(keys, values)
+        layer.write(keys, values, first_seq)
 
     def check(self) -> None:
         """Raise the first error fmkv's CUDA kernels detected on this cache's device since the last check
