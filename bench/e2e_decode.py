@@ -2,7 +2,7 @@
 """End-to-end decode of a Llama-3-8B-geometry model, graph-captured: transformers' fp16 StaticCache
 against fmkv.hf.FmkvStaticCache (k4v4 / k3v3 with the default 64-token fp16 window).
 
-    python3 bench/e2e_decode.py --out docs/results/e2e_decode.jsonl      # H200, one call (~4-6 min)
+    python3 bench/e2e_decode.py --out docs/results/e2e_decode.jsonl      # H200, one call (bounded by --time-budget)
     python3 bench/e2e_decode.py --quick --time-budget 300 ...             # fewer steps, no compiled rows
     python3 bench/e2e_decode.py --device cpu --tiny --out /tmp/e2e.jsonl  # the whole script on a CPU, tiny geometry
     python3 bench/e2e_decode.py --plot docs/results/e2e_decode.jsonl      # redraw the PNG + table from a file
@@ -109,9 +109,16 @@ def build_model(geo, dtype, device):
                                    intermediate_size=geo["mlp"], num_hidden_layers=geo["layers"],
                                    num_attention_heads=geo["heads"], num_key_value_heads=geo["kv_heads"],
                                    head_dim=geo["head_dim"], max_position_embeddings=1 << 18, rope_theta=500000.0)
-    with torch.device(device):  # random weights initialised where they live
+    with torch.device(device):  # built where it runs: no host copy of 16 GB
         model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
     model.eval().requires_grad_(False)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():  # the weights, explicitly: N(0, 0.02) matrices (transformers' init), unit norms
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=g)
+            else:
+                p.fill_(1.0)
     return model
 
 
@@ -220,9 +227,12 @@ class Captured:
         if self.graph is not None:
             self.graph.replay()
         else:
-            import torch
-            with torch.no_grad():
-                self.step()
+            self.eager()
+
+    def eager(self):
+        import torch
+        with torch.no_grad():
+            self.step()
 
     def close(self):
         if self.graph is not None:
@@ -385,7 +395,7 @@ def decode_case(a, ctx_, model, geo, name, batch, ctx, compiled=False):
         if not a.no_profile:
             split, seen = profile_split(run, a.profile_steps, cuda, med)
             if cuda and not seen and not compiled:  # the profiler saw no kernel inside the graph: the eager step's
-                split, _ = profile_split(cap.step, 2, cuda, med)
+                split, _ = profile_split(cap.eager, 2, cuda, med)
                 split["split_source"] = "eager_step_kernels"
             rec.update(split)
         if hasattr(cache, "check"):
@@ -447,7 +457,9 @@ def capacity_case(a, ctx_, model, geo, name, ctx):
             rec.update(decode_case(a, ctx_, model, geo, name, batch, ctx))
             rec.update(batch=batch, tried=tried)
             return rec
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # (an OOM inside a graph capture is a RuntimeError)
+            if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e):
+                raise
             free_memory(cuda)
             batch = max(1, int(batch * 0.95))
     raise RuntimeError(f"out of memory at batches {tried}")
@@ -500,6 +512,10 @@ def plan(a):
     else:
         fixed = [(1, 4096), (1, 32768), (1, 131072), (16, 32768)]
         cap_ctx, pre_ctx, chunks, comp = 32768, 32768, [4096, 32768], (1, 32768)
+    if a.fixed:
+        fixed = [tuple(int(x) for x in bc.split(":")) for bc in a.fixed.split(",") if bc]
+    if a.prefill_chunks:
+        chunks = [int(c) for c in a.prefill_chunks.split(",") if c]
     caches = [c for c in a.caches.split(",") if c]
     only = set(k for k in a.only.split(",") if k) or {"fixed", "capacity", "prefill", "compiled"}
     cases = []
@@ -670,6 +686,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="timed steps per case (default 30, --quick 10)")
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--fixed", default="", help="fixed cases as B:context,... (default: 1:4096,1:32768,1:131072,16:32768)")
+    ap.add_argument("--prefill-chunks", default="", help="prefill chunk sizes (default: 4096,32768)")
     ap.add_argument("--only", default="", help="comma-separated case kinds to run: fixed, capacity, prefill, compiled")
     ap.add_argument("--skip-capacity", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")

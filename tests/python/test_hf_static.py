@@ -193,6 +193,7 @@ def _decode(step, tok, pos, n):
     toks = []
     with torch.no_grad():
         for _ in range(n):
+            torch.compiler.cudagraph_mark_step_begin()  # (a new step for cudagraph trees; no-op otherwise)
             tok = step(tok, pos).clone()
             pos = pos + 1
             toks.append(tok)
@@ -374,24 +375,30 @@ def test_cuda_graph_capture_replays_eager_tokens():
             toks = _decode(step, tok, pos, n)
         else:
             tok_buf, pos_buf = tok.clone(), pos.clone()
-            hist = torch.zeros(2, n + 1, dtype=torch.long, device="cuda")
+            hist = torch.zeros(2, n, dtype=torch.long, device="cuda")
 
             def one():
                 nxt = step(tok_buf, pos_buf)
                 tok_buf.copy_(nxt)
                 pos_buf.add_(1)
             with torch.no_grad():
-                # one eager step first (the first CUDA call allocates fmkv's error word), recorded as token 0
-                one()
-                hist[:, 0:1].copy_(tok_buf)
+                # two eager steps on a side stream first (lazy initialisation, fmkv's device error word),
+                # recorded as tokens 0 and 1, then the capture of one step and n - 2 replays
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for i in range(2):
+                        one()
+                        hist[:, i:i + 1].copy_(tok_buf)
+                torch.cuda.current_stream().wait_stream(s)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     one()
                 torch.cuda.set_sync_debug_mode("error")
                 try:
-                    for i in range(n - 1):
+                    for i in range(2, n):
                         g.replay()
-                        hist[:, i + 1:i + 2].copy_(tok_buf)
+                        hist[:, i:i + 1].copy_(tok_buf)
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
             toks = hist[:, :n]
