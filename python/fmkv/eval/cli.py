@@ -190,7 +190,8 @@ def cmd_needle(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    """Greedy generation with an fp16 DynamicCache and with fmkv.hf.FmkvCache; cache bytes."""
+    """Greedy generation with an fp16 DynamicCache and with fmkv.hf.FmkvCache (--static: FmkvStaticCache;
+    on CUDA with transformers' compiled decoding, each step a CUDA graph); cache bytes."""
     import torch
 
     import fmkv.hf as fhf
@@ -199,9 +200,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    model, tok = P.load_model(a.model)
+    cuda = a.device.startswith("cuda")
+    model, tok = P.load_model(a.model, device=a.device, dtype=torch.float16 if cuda else torch.float32)
     with open(a.text, encoding="utf-8") as f:
-        ids = tok(f.read(200000), return_tensors="pt").input_ids[:, :a.prompt_tokens]
+        ids = tok(f.read(200000), return_tensors="pt").input_ids[:, :a.prompt_tokens].to(a.device)
+    gen_kw = {}
+    if a.static and cuda:
+        from transformers import CompileConfig
+        gen_kw["compile_config"] = CompileConfig(fullgraph=True)  # mode "reduce-overhead": CUDA graphs
     with torch.no_grad():
         t0 = time.time()
         ref = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False)
@@ -212,12 +218,20 @@ def cmd_generate(a: argparse.Namespace) -> int:
             w = 0
             if "-w" in v:
                 v, w = v.split("-w")
-            cache = fhf.FmkvCache(model.config, k_bits=int(k), v_bits=int(v), window_tokens=int(w),
-                                  max_cache_len=ids.shape[1] + a.new_tokens)
+            make = fhf.FmkvStaticCache if a.static else fhf.FmkvCache
+            cache = make(model.config, k_bits=int(k), v_bits=int(v), window_tokens=int(w),
+                         max_cache_len=ids.shape[1] + a.new_tokens)
+            kw = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False, **gen_kw,
+                      **fhf.cache_kwargs(cache))
+            if gen_kw:  # the first call compiles and captures the decode step; time the second
+                model.generate(ids, **kw)
+                cache.reset()
             t0 = time.time()
-            out = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
-                                 do_sample=False, **fhf.cache_kwargs(cache))
+            out = model.generate(ids, **kw)
+            if cuda:
+                torch.cuda.synchronize()
             dt = time.time() - t0
+            cache.check()
             new, rnew = out[0, ids.shape[1]:], ref[0, ids.shape[1]:]
             same = int((new == rnew).cumprod(0).sum())
             print(f"{spec}: {dt:.1f}s  first {same}/{len(new)} tokens identical to fp16; "
@@ -266,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--new-tokens", type=int, default=32)
     g.add_argument("--configs", default="k4v4,k3v3,k4v4-w32")
     g.add_argument("--threads", type=int, default=0)
+    g.add_argument("--device", default="cpu", help="cpu, or cuda (the model in float16)")
+    g.add_argument("--static", action="store_true",
+                   help="fmkv.hf.FmkvStaticCache instead of FmkvCache; on CUDA with compiled decoding (CUDA graphs)")
     g.set_defaults(func=cmd_generate)
     n = sub.add_parser("needle", help="kernel-level needle retrieval through fmkv.Cache")
     n.add_argument("--max-ctx", type=int, default=131072)
