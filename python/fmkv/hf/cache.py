@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 import fmkv
+from fmkv import format as _format
 
 from .attention import use_fmkv_attention
 from .compat import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, layer_types, text_config
@@ -48,16 +49,15 @@ __all__ = ["FmkvCache", "FmkvLayer", "DEFAULT_WINDOW_TOKENS", "layer_seed", "pag
 # targets (k4v4 with 64 lies between w32 +0.91% and w128 +0.58%) and costs 64 fp16 tokens per
 # sequence per layer, amortised to nothing at long context.
 DEFAULT_WINDOW_TOKENS = 64
-_M64 = (1 << 64) - 1
-_LAYER_MUL = 0xD6E8FEB86659FD93
 
 
 def layer_seed(seed: int, layer: int) -> int:
-    """Seed whose layer-0 rotation signs equal those of (seed, layer) (FORMAT.md section 3).
+    """Seed whose layer-0 rotation signs equal those of (seed, layer) (FORMAT.md section 3; the
+    library's rule, fmkv.format.layer_seed).
 
     Each FmkvLayer owns a one-layer fmkv.Cache; this keeps its bytes identical to a
     multi-layer cache with ``seed`` (and to fmkv.torch_quant with (seed, layer))."""
-    return (int(seed) ^ ((int(layer) & 0xFFFFFFFF) * _LAYER_MUL)) & _M64
+    return _format.layer_seed(seed, layer)
 
 
 class FmkvLayer(CacheLayerMixin):
