@@ -1,4 +1,6 @@
 // The C API: validation, dispatch to a backend, exceptions turned into status codes.
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -13,6 +15,9 @@
 #include "validate.h"
 #ifdef FMKV_WITH_METAL
 #include "../metal/backend.h"
+#endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
 #endif
 
 namespace {
@@ -107,6 +112,27 @@ const char* fmkv_backend_device(fmkv_backend b) {
   if (b == FMKV_BACKEND_METAL && fmkv::metal::available()) name = fmkv::metal::device_name();
 #endif
   return name.c_str();
+}
+
+int64_t fmkv_host_memory_bytes(void) {
+  int64_t bytes = 0;
+#if defined(__unix__) || defined(__APPLE__)
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0 && pages <= INT64_MAX / page) bytes = (int64_t)pages * page;
+#endif
+#if defined(__linux__)
+  // A cgroup limit below the physical memory is where the OOM killer acts (v2, then v1).
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    if (FILE* f = std::fopen(path, "r")) {
+      long long v = 0;
+      const bool ok = std::fscanf(f, "%lld", &v) == 1;  // "max" (no limit) does not parse
+      std::fclose(f);
+      if (ok && v > 0 && (bytes == 0 || v < bytes)) bytes = v;
+      break;
+    }
+  }
+#endif
+  return bytes;
 }
 
 void fmkv_config_default(fmkv_config* c) {
