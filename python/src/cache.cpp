@@ -96,7 +96,18 @@ class Cache {
         else cache_.attention(backend_, check_layer(l), sq, qt.t, ot, opts);
       }
       if (odt == FMKV_F16)
-        for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(half[i]);
+        for (size_t i = 0; i < n; ++i) {
+          // Refused rather than returned as inf: the output is a convex combination of cached V rows,
+          // which the decompression can push past the fp16 range when V holds values near +-65504.
+          if ((half[i] & 0x7c00u) == 0x7c00u) {
+            const size_t hd = (size_t)qt.t.heads * qt.t.dim;
+            fail("attention output [" + std::to_string(i / hd) + "][" + std::to_string(i % hd / qt.t.dim) + "][" +
+                     std::to_string(i % qt.t.dim) + "] overflows float16 (|x| > 65504): use out_dtype='float32' "
+                     "(or 'bfloat16') for this data",
+                 FMKV_ERR_NON_FINITE);
+          }
+          out[i] = f16_to_f32(half[i]);
+        }
       else if (odt == FMKV_BF16)
         for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(half[i]);
     }
