@@ -27,7 +27,9 @@ or load the model with ``attn_implementation="fmkv"`` (registered in transformer
   ``boundary_v_bits``), ``scale_rule`` ('lsq' default, or 'rms'), rotation ``seed``, ``backend``
   (default: the device's), ``device``.
 * On CUDA, errors only the device can detect surface at ``fmkv.cuda_check()`` (or
-  ``FmkvCache.check()``), not at the step that caused them.
+  ``FmkvCache.check()``), not at the step that caused them; the cache's contents are then
+  undefined and ``cache.reset()`` empties it (storage kept: no need to rebuild it). On the CPU a
+  failed step raises at once and leaves the cache as it was.
 
 Limits: batches must not be padded (the kernel takes no padding mask), no beam search / cache
 cropping; page pools are allocated up front for ``max_cache_len`` tokens per sequence.
@@ -199,7 +201,11 @@ class FmkvLayer(CacheLayerMixin):
         if self._pending is not None:
             k_rows, v_rows, n = self._pending
             self._pending = None
-            self._append(k_rows, v_rows, n)
+            try:
+                self._append(k_rows, v_rows, n)
+            except BaseException:
+                self.length -= n  # update() counted the kept chunk; the failed append left the cache as it was
+                raise
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
@@ -237,10 +243,14 @@ class FmkvLayer(CacheLayerMixin):
             if self._pending is not None:  # fused decode step: append the kept K/V and attend, one call
                 k_rows, v_rows, _ = self._pending
                 self._pending = None
-                out = torch.ops.fmkv.append_attention(self.pages, self.fp16_k, self.fp16_v, k_rows, v_rows,
-                                                      self._rows(query), self.slots, self.lens, self._row_offsets(n),
-                                                      self.block_table, self._cfg, 0, scale, cap, self.backend_name,
-                                                      self.length)
+                try:
+                    out = torch.ops.fmkv.append_attention(self.pages, self.fp16_k, self.fp16_v, k_rows, v_rows,
+                                                          self._rows(query), self.slots, self.lens,
+                                                          self._row_offsets(n), self.block_table, self._cfg, 0, scale,
+                                                          cap, self.backend_name, self.length)
+                except BaseException:
+                    self.length -= n  # the fused step appended nothing: back to the length before update()
+                    raise
                 self.lens.add_(n)
             else:
                 out = torch.ops.fmkv.attention(self.pages, self.fp16_k, self.fp16_v, self._rows(query), self.slots,
