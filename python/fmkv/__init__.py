@@ -138,16 +138,16 @@ class Config:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.scale_rule not in _SCALE_RULES:
+        if not isinstance(self.scale_rule, str) or self.scale_rule not in _SCALE_RULES:
             raise FmkvError(f"scale_rule {self.scale_rule!r} is not supported (expected 'lsq' or 'rms')")
-        for f in ("head_dim", "num_kv_heads", "k_bits", "v_bits", "page_size", "sink_tokens", "window_tokens"):
+        for f in ("head_dim", "num_kv_heads", "k_bits", "v_bits", "page_size", "sink_tokens", "window_tokens", "seed"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not -(2**31) <= int(v) < 2**31:
-                raise FmkvError(f"{f} must be a 32-bit integer, got {v!r}")
+            lo, hi, what = (0, 2**64 - 1, "an integer in [0, 2^64)") if f == "seed" else (-(2**31), 2**31 - 1, "a 32-bit integer")
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise _args.error(f"{f} must be {what}, got {type(v).__name__} {v!r}", cls=FmkvTypeError)
+            if not lo <= int(v) <= hi:
+                raise _args.error(f"{f} must be {what}, got {v!r}")
             object.__setattr__(self, f, int(v))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not 0 <= int(self.seed) < 2**64:
-            raise FmkvError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
-        object.__setattr__(self, "seed", int(self.seed))
         _fmkv.config_validate(self._raw())
 
     def _raw(self) -> "_fmkv.RawConfig":

@@ -216,11 +216,6 @@ class TorchCache:
                 if not self._reading[s]:
                     del self._reading[s]
 
-    def _seq(self, s: int) -> int:  # kept for callers of the old private helper
-        with self._lock:
-            self._live(s)
-        return s
-
     # ---- public calls ---------------------------------------------------------------------------
     def add_sequence(self) -> int:
         """Claim a free sequence slot (length 0 in every layer); returns its id."""
