@@ -75,6 +75,9 @@ class Cache {
            "] with q_heads a multiple of num_kv_heads=" + std::to_string(c.num_kv_heads));
     fmkv_attention_opts opts{0.0f, 0.0f, 0};
     if (!softmax_scale.is_none()) {
+      if (!nb::isinstance<nb::float_>(softmax_scale) && !nb::isinstance<nb::int_>(softmax_scale))
+        fail_type("softmax_scale must be a real number or None, got " +
+                  std::string(nb::type_name(softmax_scale.type()).c_str()));
       double sc = nb::cast<double>(softmax_scale);
       if (!(sc > 0) || !std::isfinite(sc)) fail("softmax_scale must be finite and > 0 (None means 1/sqrt(head_dim))");
       opts.softmax_scale = (float)sc;

@@ -136,12 +136,12 @@ std::vector<uint16_t> vector_f16(const char* name, const AnyArray& a) {
       case FMKV_F16: std::memcpy(&u16, e, 2); out[i] = u16; continue;
       default: std::memcpy(&u16, e, 2); f = bf16_to_f32(u16); break;
     }
-    // A finite value that rounds to fp16 infinity is named as such (NaN / Inf are the library's).
-    if (std::isfinite(f) && std::fabs(f) >= 65520.0f)
-      fail(std::string(name) + "[" + std::to_string(i) + "] = " + g_str(f) +
-               " is beyond the fp16 range (|x| >= 65520 rounds to infinity; inputs are rounded to fp16 first)",
-           FMKV_ERR_NON_FINITE);
     out[i] = f32_to_f16(f);
+    // A finite value that rounds to fp16 infinity is named as such (NaN / Inf are the library's).
+    if (std::isfinite(f) && (out[i] & 0x7fffu) == 0x7c00u)
+      fail(std::string(name) + "[" + std::to_string(i) + "] = " + g_str(f) +
+               " is beyond the fp16 range (it rounds to infinity; inputs are rounded to fp16 first)",
+           FMKV_ERR_NON_FINITE);
   }
   return out;
 }
