@@ -223,3 +223,62 @@ def test_thread_pool_in_fork_and_spawn_children(tmp_path):
     assert r.returncode == 0 and "fork-ok" in r.stdout, r.stdout + r.stderr
     REPORT.append("thread pool: 6 forked children (3 with the parent's pool busy in another thread) and 1 spawned "
                   "child ran attention bit-identical to the parent")
+
+
+def test_torch_cache_refuses_a_second_call_on_a_busy_sequence(rng, monkeypatch):
+    """Deterministic version of the overlap: an append held inside its op (after the pages were
+    reserved) makes every other change of that sequence, and an attention on it, an error; other
+    sequences proceed; the held append then completes and the bookkeeping is whole."""
+    import torch
+    config = fmkv.Config(head_dim=D, num_kv_heads=H, page_size=PAGE, seed=int(rng.integers(2**63)))
+    tc = make("TorchCache", config, 8, 2)
+    s, other = tc.add_sequence(), tc.add_sequence()
+    k = torch.from_numpy(random_kv(rng, 40, H, D))
+    tc.append(0, s, k[:20], k[:20])
+    inside, release = threading.Event(), threading.Event()
+    store = tc._store_table
+
+    def held_store(seq, first, new):  # runs inside append, outside the lock, with the pages reserved
+        if seq == s and threading.current_thread().name == "holder":
+            inside.set()
+            release.wait(30)
+        store(seq, first, new)
+
+    monkeypatch.setattr(tc, "_store_table", held_store)
+    t = threading.Thread(target=tc.append, args=(0, s, k[20:], k[20:]), name="holder")
+    t.start()
+    assert inside.wait(30)
+    q = torch.from_numpy(rng.standard_normal((1, H, D)).astype(np.float32))
+    for call in (lambda: tc.append(0, s, k[:1], k[:1]), lambda: tc.reset_sequence(s),
+                 lambda: tc.remove_sequence(s), lambda: tc.attention(0, s, q)):
+        with pytest.raises(fmkv.FmkvError, match=rf"sequence {s} is in use by another thread"):
+            call()
+    tc.append(0, other, k, k)  # another sequence is not held up
+    tc.attention(0, other, q)
+    release.set()
+    t.join(30)
+    assert not t.is_alive()
+    assert tc.length(0, s) == 40 and tc.length(0, other) == 40
+    check_pages(tc, [s, other], 8, config)
+    # attentions on one sequence may overlap: one held inside its op does not block another
+    inside.clear()
+    release.clear()
+    attention_op = torch.ops.fmkv.attention
+
+    def held_attention(*a):
+        if threading.current_thread().name == "reader":
+            inside.set()
+            release.wait(30)
+        return attention_op(*a)
+
+    monkeypatch.setattr(torch.ops.fmkv, "attention", held_attention)
+    r = threading.Thread(target=tc.attention, args=(0, s, q), name="reader")
+    r.start()
+    assert inside.wait(30)
+    out = tc.attention(0, s, q)  # a second reader of the same sequence
+    with pytest.raises(fmkv.FmkvError, match="in use by another thread"):
+        tc.append(0, s, k[:1], k[:1])  # but no writer while it reads
+    release.set()
+    r.join(30)
+    monkeypatch.undo()
+    assert torch.equal(out, tc.attention(0, s, q))
