@@ -1,5 +1,7 @@
 // The fmkv command: info, spec, capacity, demo. Uses only the public C/C++ API.
 #include <algorithm>
+#include <cctype>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -7,6 +9,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -14,58 +17,131 @@
 
 namespace {
 
+// Exit codes: 0 success; 1 the library failed while running a valid command (fmkv error);
+// 2 a usage error (unknown command or option, missing or malformed value, value out of range).
+// On a usage error nothing is written to stdout: every option is checked before the first line.
+constexpr int kExitOk = 0, kExitError = 1, kExitUsage = 2;
+
+const char* kUsage =
+    "usage: fmkv <command> [options]\n"
+    "  info                      version, format version, backends and devices\n"
+    "  spec [--head-dims 64,128,256]\n"
+    "                            bytes per token per head and compression for each bit width\n"
+    "  capacity [--preset NAME] [--layers N --kv-heads N --head-dim D] --memory 141GB\n"
+    "           [--weights 16GB] [--batch B] [--page-size P] [--sink S] [--window W]\n"
+    "                            maximum context per format (presets: llama-3-8b, qwen2.5-7b,\n"
+    "                            smollm2-135m, gemma-3-270m; sizes: B, KB, MB, GB, TB, KiB..TiB)\n"
+    "  demo [--context N] [--backend ref|cpu] [--formats k4v4,k3v3,...]\n"
+    "                            compress a synthetic KV cache, run attention, report\n"
+    "                            compression, error vs fp16 attention and time (formats kXvY:\n"
+    "                            X in 2,3,4,16, Y in 2,3,4)\n"
+    "exit status: 0 success, 1 error while running, 2 bad command line";
+
+// A bad command line: reported with the usage line, exit status 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 using Args = std::map<std::string, std::string>;
 
-void usage() {
-  std::puts(
-      "usage: fmkv <command> [options]\n"
-      "  info                      version, format version, backends and devices\n"
-      "  spec [--head-dims 64,128,256]\n"
-      "                            bytes per token per head and compression for each bit width\n"
-      "  capacity [--preset NAME] [--layers N --kv-heads N --head-dim D] --memory 141GB\n"
-      "           [--weights 16GB] [--batch B] [--page-size P] [--sink S] [--window W]\n"
-      "                            maximum context per format (presets: llama-3-8b, qwen2.5-7b,\n"
-      "                            smollm2-135m, gemma-3-270m)\n"
-      "  demo [--context N] [--backend ref|cpu|cuda] [--formats k4v4,k3v3,...]\n"
-      "                            compress a synthetic KV cache, run attention, report\n"
-      "                            compression, error vs fp16 attention and time");
-}
-
-Args parse(int argc, char** argv, int first) {
+// --name value or --name=value; each option at most once, only the command's own options.
+Args parse(int argc, char** argv, int first, const std::string& cmd, const std::vector<std::string>& allowed) {
   Args a;
   for (int i = first; i < argc; ++i) {
-    std::string k = argv[i];
-    if (k.rfind("--", 0) != 0) throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, "unexpected argument '" + k + "'");
-    if (i + 1 >= argc) throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, "option " + k + " needs a value");
-    a[k.substr(2)] = argv[++i];
+    std::string k = argv[i], v;
+    if (k.rfind("--", 0) != 0 || k.size() == 2) throw UsageError("unexpected argument '" + k + "'");
+    const size_t eq = k.find('=');
+    if (eq != std::string::npos) {
+      v = k.substr(eq + 1);
+      k = k.substr(0, eq);
+    }
+    const std::string name = k.substr(2);
+    if (std::find(allowed.begin(), allowed.end(), name) == allowed.end())
+      throw UsageError("unknown option " + k + " for '" + cmd + "'" +
+                       (allowed.empty() ? " (it takes no options)" : ""));
+    if (eq == std::string::npos) {
+      if (i + 1 >= argc) throw UsageError("option " + k + " needs a value");
+      v = argv[++i];
+    }
+    if (!a.emplace(name, v).second) throw UsageError("option " + k + " given twice");
   }
   return a;
 }
 
-int64_t to_int(const std::string& s, const char* what) {
-  char* end = nullptr;
-  long long v = std::strtoll(s.c_str(), &end, 10);
-  if (s.empty() || *end) throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, std::string(what) + ": '" + s + "' is not an integer");
-  return v;
+// The one number parser of the CLI. Integer: optional '-', decimal digits, nothing else.
+// Size: a finite decimal number (digits, optional fraction and exponent; no inf, nan or hex) and an
+// optional unit B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), any
+// case, rounded to whole bytes. Both are range-checked into [lo, hi]; the message quotes the text.
+enum class Number { Integer, Size };
+
+int64_t parse_number(const std::string& flag, const std::string& s, Number kind, int64_t lo, int64_t hi) {
+  const std::string range = " (expected " + std::to_string(lo) + " to " + std::to_string(hi) + ")";
+  if (kind == Number::Integer) {
+    int64_t v = 0;
+    const char* b = s.data();
+    const char* e = s.data() + s.size();
+    const auto r = std::from_chars(b, e, v);
+    if (s.empty() || r.ptr != e || (r.ec != std::errc() && r.ec != std::errc::result_out_of_range))
+      throw UsageError(flag + ": '" + s + "' is not an integer");
+    if (r.ec == std::errc::result_out_of_range || v < lo || v > hi) throw UsageError(flag + ": " + s + " is out of range" + range);
+    return v;
+  }
+  size_t i = 0, digits = 0;
+  while (i < s.size() && std::isdigit((unsigned char)s[i])) ++i, ++digits;
+  if (i < s.size() && s[i] == '.') {
+    ++i;
+    while (i < s.size() && std::isdigit((unsigned char)s[i])) ++i, ++digits;
+  }
+  if (digits && i < s.size() && (s[i] == 'e' || s[i] == 'E')) {
+    size_t j = i + 1;
+    if (j < s.size() && (s[j] == '+' || s[j] == '-')) ++j;
+    size_t exp_digits = 0;
+    while (j < s.size() && std::isdigit((unsigned char)s[j])) ++j, ++exp_digits;
+    if (exp_digits) i = j;
+  }
+  std::string unit = s.substr(i);
+  for (auto& c : unit) c = (char)std::toupper((unsigned char)c);
+  const long double m = unit.empty() || unit == "B" ? 1.0L : unit == "KB" ? 1e3L : unit == "MB" ? 1e6L : unit == "GB" ? 1e9L
+                      : unit == "TB" ? 1e12L : unit == "KIB" ? 1024.0L : unit == "MIB" ? 1048576.0L
+                      : unit == "GIB" ? 1073741824.0L : unit == "TIB" ? 1099511627776.0L : -1.0L;
+  if (!digits || m < 0)
+    throw UsageError(flag + ": size '" + s + "' not understood (a number and a unit, e.g. 141GB, 16GiB, 512MB, 1e9)");
+  const long double bytes = std::strtold(s.substr(0, i).c_str(), nullptr) * m;
+  if (!std::isfinite(bytes) || bytes > (long double)hi + 0.5L || bytes < (long double)lo - 0.5L)
+    throw UsageError(flag + ": " + s + " is out of range (expected " + std::to_string(lo) + " to " + std::to_string(hi) + " bytes)");
+  return (int64_t)std::llroundl(bytes);
 }
 
-// "141GB", "16GiB", "512MB", "1e9" -> bytes (GB = 1e9, GiB = 2^30).
-double to_bytes(const std::string& s) {
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  std::string u = end;
-  for (auto& c : u) c = (char)std::toupper(c);
-  double m = u.empty() || u == "B" ? 1 : u == "KB" ? 1e3 : u == "MB" ? 1e6 : u == "GB" ? 1e9 : u == "TB" ? 1e12
-           : u == "KIB" ? 1024.0 : u == "MIB" ? 1048576.0 : u == "GIB" ? 1073741824.0 : u == "TIB" ? 1099511627776.0 : -1;
-  if (end == s.c_str() || m < 0 || v < 0) throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, "memory size '" + s + "' not understood (e.g. 141GB, 16GiB)");
-  return v * m;
+int64_t int_option(const Args& a, const char* name, int64_t dflt, int64_t lo, int64_t hi) {
+  auto it = a.find(name);
+  return it == a.end() ? dflt : parse_number(std::string("--") + name, it->second, Number::Integer, lo, hi);
+}
+
+constexpr int64_t kMaxBytes = (int64_t)1 << 62;  // 4 EiB: no memory size the CLI accepts is larger
+constexpr int64_t kI32Max = 2147483647;
+
+int64_t size_option(const Args& a, const char* name, int64_t dflt, int64_t lo) {
+  auto it = a.find(name);
+  return it == a.end() ? dflt : parse_number(std::string("--") + name, it->second, Number::Size, lo, kMaxBytes);
+}
+
+// Overflow-checked arithmetic of the capacity table (byte counts are int64).
+int64_t mul(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r)) throw fmkv::Error(FMKV_ERR_OVERFLOW, "cache size overflows 64-bit byte counts");
+  return r;
+}
+int64_t add(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r)) throw fmkv::Error(FMKV_ERR_OVERFLOW, "cache size overflows 64-bit byte counts");
+  return r;
 }
 
 std::string fmt_bytes(double b) {
   char buf[64];
-  const char* u[] = {"B", "KB", "MB", "GB", "TB"};
+  const char* u[] = {"B", "KB", "MB", "GB", "TB", "PB", "EB"};
   int i = 0;
-  while (b >= 1000 && i < 4) { b /= 1000; ++i; }
+  while (b >= 1000 && i < 6) { b /= 1000; ++i; }
   std::snprintf(buf, sizeof buf, "%.2f %s", b, u[i]);
   return buf;
 }
@@ -78,22 +154,36 @@ std::string fmt_tokens(int64_t t) {
   return buf;
 }
 
-// "k3v3" -> (3, 3); "fp16" -> (16, 16).
-std::pair<int, int> parse_format(const std::string& f) {
-  if (f == "fp16") return {16, 16};
-  int k = 0, v = 0;
-  if (std::sscanf(f.c_str(), "k%dv%d", &k, &v) != 2)
-    throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, "format '" + f + "' is not fp16 or kXvY (e.g. k3v3, k16v4)");
-  return {k, v};
+// "k3v3" -> (3, 3), strictly 'k' digits 'v' digits; "fp16" -> (16, 16) where allowed.
+std::pair<int, int> parse_format(const std::string& flag, const std::string& f, bool allow_fp16) {
+  if (f == "fp16") {
+    if (allow_fp16) return {16, 16};
+    throw UsageError(flag + ": 'fp16' is the uncompressed baseline the table compares against, not a cache format "
+                            "(formats are kXvY with X in 2, 3, 4, 16 and Y in 2, 3, 4, e.g. k3v3, k16v4)");
+  }
+  const size_t v = f.find('v');
+  const std::string bad = flag + ": format '" + f + "' is not kXvY (X in 2, 3, 4, 16; Y in 2, 3, 4; e.g. k3v3, k16v4)";
+  if (f.size() < 4 || f[0] != 'k' || v == std::string::npos || v == 1 || v + 1 == f.size()) throw UsageError(bad);
+  auto digits = [&](const std::string& x) {
+    if (x.size() > 2 || !std::all_of(x.begin(), x.end(), [](char c) { return c >= '0' && c <= '9'; })) throw UsageError(bad);
+    return std::stoi(x);
+  };
+  const int k = digits(f.substr(1, v - 1)), vb = digits(f.substr(v + 1));
+  if ((k != 2 && k != 3 && k != 4 && k != 16) || (vb != 2 && vb != 3 && vb != 4)) throw UsageError(bad);
+  return {k, vb};
 }
 
-std::vector<std::string> split(const std::string& s) {
+// A comma-separated list with no empty items, and at least one item.
+std::vector<std::string> split_list(const std::string& flag, const std::string& s) {
   std::vector<std::string> out;
   size_t p = 0;
-  while (p <= s.size()) {
+  for (;;) {
     size_t q = s.find(',', p);
     if (q == std::string::npos) q = s.size();
-    if (q > p) out.push_back(s.substr(p, q - p));
+    if (q == p) throw UsageError(flag + ": empty item in list '" + s + "' (expected e.g. " +
+                                 (flag == "--formats" ? "k4v4,k3v3" : "64,128") + ")");
+    out.push_back(s.substr(p, q - p));
+    if (q == s.size()) break;
     p = q + 1;
   }
   return out;
@@ -114,20 +204,23 @@ int cmd_info() {
   std::printf("%-8s %-10s %s\n", "backend", "usable", "device");
   for (fmkv_backend b : {FMKV_BACKEND_REF, FMKV_BACKEND_CPU, FMKV_BACKEND_CUDA, FMKV_BACKEND_METAL})
     std::printf("%-8s %-10s %s\n", fmkv_backend_name(b), fmkv_backend_available(b) ? "yes" : "no", fmkv_backend_device(b));
-  return 0;
+  return kExitOk;
 }
 
 int cmd_spec(const Args& a) {
   std::vector<int> dims = {64, 128, 256};
   if (a.count("head-dims")) {
     dims.clear();
-    for (auto& s : split(a.at("head-dims"))) dims.push_back((int)to_int(s, "--head-dims"));
+    for (auto& s : split_list("--head-dims", a.at("head-dims"))) {
+      const int64_t d = parse_number("--head-dims", s, Number::Integer, 1, kI32Max);
+      if (!fmkv_head_dim_supported((int32_t)d)) throw UsageError("--head-dims: head_dim " + s + " is not supported (64, 128, 256)");
+      dims.push_back((int)d);
+    }
   }
   std::printf("fmkv format v%d: group %d, fp16 scale per group, Lloyd-Max codes, randomized Hadamard rotation\n",
               fmkv_format_version(), FMKV_GROUP_SIZE);
   std::printf("%-8s %-5s %12s %12s %14s %10s\n", "head_dim", "bits", "codes B", "scales B", "B/token/head", "vs fp16");
   for (int d : dims) {
-    if (!fmkv_head_dim_supported(d)) throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, "head_dim " + std::to_string(d) + " is not supported (64, 128, 256)");
     for (int b : {2, 3, 4, 16}) {
       int64_t total = fmkv_bytes_per_token_head(d, b);
       int64_t scales = b == 16 ? 0 : 2 * fmkv_groups(d);
@@ -136,91 +229,118 @@ int cmd_spec(const Args& a) {
     }
   }
   std::puts("(per K or per V; a kXvY cache stores both: e.g. k3v3 at d=128 = 112 B per token per kv head)");
-  return 0;
+  return kExitOk;
 }
 
-struct Preset { const char* name; int layers, kv_heads, head_dim; double weights; };
+struct Preset { const char* name; int layers, kv_heads, head_dim; int64_t weights; };
 const Preset kPresets[] = {
-    {"llama-3-8b", 32, 8, 128, 16.06e9},
-    {"qwen2.5-7b", 28, 4, 128, 15.23e9},
-    {"smollm2-135m", 30, 3, 64, 0.27e9},
-    {"gemma-3-270m", 18, 1, 256, 0.54e9},
+    {"llama-3-8b", 32, 8, 128, 16060000000},
+    {"qwen2.5-7b", 28, 4, 128, 15230000000},
+    {"smollm2-135m", 30, 3, 64, 270000000},
+    {"gemma-3-270m", 18, 1, 256, 540000000},
 };
 
 int cmd_capacity(const Args& a) {
-  int layers = 0, kv = 0, d = 0;
-  double weights = 0;
+  int64_t layers = 0, kv = 0, d = 0, weights = 0;
   if (a.count("preset")) {
     const Preset* p = nullptr;
     for (auto& x : kPresets) if (a.at("preset") == x.name) p = &x;
-    if (!p) throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, "unknown preset '" + a.at("preset") + "'");
+    if (!p) throw UsageError("--preset: unknown preset '" + a.at("preset") + "' (llama-3-8b, qwen2.5-7b, smollm2-135m, gemma-3-270m)");
     layers = p->layers; kv = p->kv_heads; d = p->head_dim; weights = p->weights;
   }
-  if (a.count("layers")) layers = (int)to_int(a.at("layers"), "--layers");
-  if (a.count("kv-heads")) kv = (int)to_int(a.at("kv-heads"), "--kv-heads");
-  if (a.count("head-dim")) d = (int)to_int(a.at("head-dim"), "--head-dim");
-  if (a.count("weights")) weights = to_bytes(a.at("weights"));
-  if (!a.count("memory")) throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, "--memory is required (e.g. --memory 141GB)");
-  if (layers < 1 || kv < 1 || !d) throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, "need --layers, --kv-heads, --head-dim (or --preset)");
-  const double memory = to_bytes(a.at("memory"));
-  const int64_t batch = a.count("batch") ? to_int(a.at("batch"), "--batch") : 1;
+  layers = int_option(a, "layers", layers, 1, 65536);
+  kv = int_option(a, "kv-heads", kv, 1, 65536);
+  d = int_option(a, "head-dim", d, 1, kI32Max);
+  weights = size_option(a, "weights", weights, 0);
+  if (!a.count("memory")) throw UsageError("--memory is required (e.g. --memory 141GB)");
+  if (!layers || !kv || !d) throw UsageError("need --layers, --kv-heads and --head-dim (or --preset)");
+  if (!fmkv_head_dim_supported((int32_t)d)) throw UsageError("--head-dim: " + std::to_string(d) + " is not supported (64, 128, 256)");
+  const int64_t memory = size_option(a, "memory", 0, 1);
+  const int64_t batch = int_option(a, "batch", 1, 1, kI32Max);
   fmkv_config c;
   fmkv_config_default(&c);
-  c.head_dim = d;
-  c.num_kv_heads = kv;
-  c.page_size = a.count("page-size") ? (int)to_int(a.at("page-size"), "--page-size") : 64;
-  c.sink_tokens = a.count("sink") ? (int)to_int(a.at("sink"), "--sink") : 0;
-  c.window_tokens = a.count("window") ? (int)to_int(a.at("window"), "--window") : 0;
-  if (batch < 1) throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, "--batch must be >= 1");
-  const double avail = memory - weights;
-  if (avail <= 0) throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, "weights do not leave any memory for the cache");
-  std::printf("%d layers x %d kv heads x d=%d, batch %lld, page %d tokens, sink %d, window %d\n", layers, kv, d,
-              (long long)batch, c.page_size, c.sink_tokens, c.window_tokens);
-  std::printf("memory %s - weights %s = %s for the KV cache\n", fmt_bytes(memory).c_str(), fmt_bytes(weights).c_str(), fmt_bytes(avail).c_str());
-  std::printf("%-6s %10s %14s %16s %12s %16s\n", "format", "B/tok", "page bytes", "max context/seq", "tokens", "cache bytes");
+  c.head_dim = (int32_t)d;
+  c.num_kv_heads = (int32_t)kv;
+  c.page_size = (int32_t)int_option(a, "page-size", 64, 1, kI32Max);
+  c.sink_tokens = (int32_t)int_option(a, "sink", 0, 0, 1 << 20);
+  c.window_tokens = (int32_t)int_option(a, "window", 0, 0, 1 << 20);
+  if (fmkv_config_validate(&c) != FMKV_OK) throw UsageError(std::string("--page-size / --sink / --window: ") + fmkv_last_error());
+  if (weights >= memory)
+    throw UsageError("--weights " + fmt_bytes((double)weights) + " leave nothing of --memory " + fmt_bytes((double)memory) + " for the cache");
+  const int64_t avail = memory - weights, per_seq = avail / batch;
+
+  // Every row is computed (and every config validated) before the first line is printed.
+  std::vector<std::string> rows;
+  int64_t fp16_need = 0;  // bytes of one sequence's fp16 sink + window regions when they do not fit
+  char line[256];
   for (const char* f : {"fp16", "k4v4", "k4v3", "k3v3", "k4v2", "k3v2", "k2v2", "k16v4", "k16v3"}) {
-    auto [kb, vb] = parse_format(f);
-    int64_t per_tok = (int64_t)layers * kv * (fmkv_bytes_per_token_head(d, kb) + fmkv_bytes_per_token_head(d, vb == 16 ? 16 : vb));
-    int64_t max_ctx, used;
-    double per_seq = avail / (double)batch;
+    auto [kb, vb] = parse_format("format", f, true);
+    const int64_t per_tok = mul(mul(layers, kv), fmkv_bytes_per_token_head((int32_t)d, kb) + fmkv_bytes_per_token_head((int32_t)d, vb));
     if (kb == 16 && vb == 16) {  // plain fp16 cache, contiguous (no pages)
-      max_ctx = (int64_t)(per_seq / per_tok);
-      used = max_ctx * per_tok * batch;
-      std::printf("%-6s %10lld %14s %16s %12lld %16lld\n", f, (long long)per_tok, "-", fmt_tokens(max_ctx).c_str(),
-                  (long long)max_ctx, (long long)used);
+      const int64_t max_ctx = per_seq / per_tok, used = mul(mul(max_ctx, per_tok), batch);
+      std::snprintf(line, sizeof line, "%-6s %10lld %14s %16s %12lld %16lld", f, (long long)per_tok, "-",
+                    fmt_tokens(max_ctx).c_str(), (long long)max_ctx, (long long)used);
+      rows.push_back(line);
       continue;
     }
     c.k_bits = kb;
     c.v_bits = vb;
     fmkv::check(fmkv_config_validate(&c));
-    // Per sequence: fp16 sink+window region per layer, then whole pages (every layer).
-    int64_t page = fmkv_config_page_bytes(&c), fp16 = fmkv_config_fp16_slot_bytes(&c);
-    double for_pages = per_seq - (double)layers * fp16;
-    int64_t pages = for_pages > 0 ? (int64_t)(for_pages / ((double)layers * page)) : 0;
-    max_ctx = for_pages > 0 ? c.sink_tokens + c.window_tokens + pages * c.page_size : 0;
-    used = batch * layers * (pages * page + fp16);
-    std::printf("%-6s %10lld %14lld %16s %12lld %16lld\n", f, (long long)per_tok, (long long)page, fmt_tokens(max_ctx).c_str(),
-                (long long)max_ctx, (long long)used);
+    // Per sequence: the fp16 sink+window region of every layer, then whole pages (every layer).
+    const int64_t page = fmkv_config_page_bytes(&c), fp16 = mul(layers, fmkv_config_fp16_slot_bytes(&c));
+    int64_t pages = 0, max_ctx = 0, used = 0;
+    if (fp16 <= per_seq) {
+      pages = (per_seq - fp16) / mul(layers, page);
+      max_ctx = add(c.sink_tokens + (int64_t)c.window_tokens, mul(pages, c.page_size));
+      used = mul(batch, add(mul(mul(layers, pages), page), fp16));
+    } else {
+      fp16_need = fp16;
+    }
+    std::snprintf(line, sizeof line, "%-6s %10lld %14lld %16s %12lld %16lld", f, (long long)per_tok, (long long)page,
+                  fmt_tokens(max_ctx).c_str(), (long long)max_ctx, (long long)used);
+    rows.push_back(line);
   }
+  std::printf("%lld layers x %lld kv heads x d=%lld, batch %lld, page %d tokens, sink %d, window %d\n", (long long)layers,
+              (long long)kv, (long long)d, (long long)batch, c.page_size, c.sink_tokens, c.window_tokens);
+  std::printf("memory %s - weights %s = %s for the KV cache\n", fmt_bytes((double)memory).c_str(), fmt_bytes((double)weights).c_str(),
+              fmt_bytes((double)avail).c_str());
+  std::printf("%-6s %10s %14s %16s %12s %16s\n", "format", "B/tok", "page bytes", "max context/seq", "tokens", "cache bytes");
+  for (const auto& r : rows) std::puts(r.c_str());
   std::puts("B/tok: K+V bytes per token over all layers and kv heads (scales included); context rounded down to whole pages.");
-  return 0;
+  if (fp16_need)
+    std::printf("compressed formats: no context fits: the fp16 sink + window regions of one sequence take %s over all\n"
+                "layers, more than the %s per sequence\n", fmt_bytes((double)fp16_need).c_str(), fmt_bytes((double)per_seq).c_str());
+  return kExitOk;
 }
 
 // ---------------------------------------------------------------------------------------------
 // demo: synthetic keys with log-normal channel scales and a mean offset (as real
 // keys have), Gaussian values, queries giving logits of standard deviation ~2.5.
 int cmd_demo(const Args& a) {
-  const int64_t ctx = a.count("context") ? to_int(a.at("context"), "--context") : 8192;
+  const int64_t ctx = int_option(a, "context", 8192, 16, 1 << 22);
   const int H = 8, HQ = 32, d = 128, qrows = 1;
-  if (ctx < 16 || ctx > (1 << 22)) throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, "--context must be in [16, 4194304]");
   fmkv_backend be = fmkv_backend_available(FMKV_BACKEND_CPU) ? FMKV_BACKEND_CPU : FMKV_BACKEND_REF;
   if (a.count("backend")) {
-    std::string b = a.at("backend");
-    be = b == "ref" ? FMKV_BACKEND_REF : b == "cpu" ? FMKV_BACKEND_CPU : b == "cuda" ? FMKV_BACKEND_CUDA : (fmkv_backend)-1;
-    if ((int)be < 0) throw fmkv::Error(FMKV_ERR_INVALID_ARGUMENT, "unknown backend '" + b + "'");
+    const std::string b = a.at("backend");
+    if (b == "cuda" || b == "metal")
+      throw UsageError("--backend " + b + ": demo runs host caches (ref or cpu); bench/ has the device benchmarks");
+    if (b != "ref" && b != "cpu") throw UsageError("--backend: unknown backend '" + b + "' (ref or cpu)");
+    be = b == "ref" ? FMKV_BACKEND_REF : FMKV_BACKEND_CPU;
+    if (!fmkv_backend_available(be)) throw UsageError("--backend cpu: the cpu backend is not compiled into this build");
   }
-  if (be == FMKV_BACKEND_CUDA) throw fmkv::Error(FMKV_ERR_UNSUPPORTED, "demo runs host caches; use bench/cuda_bench.py for CUDA");
-  std::vector<std::string> formats = split(a.count("formats") ? a.at("formats") : "k4v4,k3v3,k4v2,k2v2,k16v3");
+  std::vector<fmkv_config> configs;
+  const std::vector<std::string> formats = split_list("--formats", a.count("formats") ? a.at("formats") : "k4v4,k3v3,k4v2,k2v2,k16v3");
+  for (const std::string& f : formats) {
+    auto [kb, vb] = parse_format("--formats", f, false);
+    fmkv_config c;
+    fmkv_config_default(&c);
+    c.num_kv_heads = H;
+    c.k_bits = kb;
+    c.v_bits = vb;
+    c.seed = 42;
+    fmkv::check(fmkv_config_validate(&c));
+    configs.push_back(c);
+  }
   std::printf("fmkv demo: synthetic Llama-3-8B-like layer, %lld tokens, %d kv heads, %d q heads, d=%d, backend %s (%s)\n",
               (long long)ctx, H, HQ, d, fmkv_backend_name(be), fmkv_backend_device(be));
   std::mt19937_64 rng(1234);
@@ -250,15 +370,9 @@ int cmd_demo(const Args& a) {
   }
   double fp16_bytes = (double)ctx * H * d * 2 * 2;
   std::printf("\n%-7s %12s %9s %12s %12s %12s\n", "format", "cache bytes", "vs fp16", "rel. error", "append ms", "attn ms");
-  for (const std::string& f : formats) {
-    auto [kb, vb] = parse_format(f);
-    fmkv_config c;
-    fmkv_config_default(&c);
-    c.num_kv_heads = H;
-    c.k_bits = kb;
-    c.v_bits = vb;
-    c.seed = 42;
-    fmkv::check(fmkv_config_validate(&c));
+  for (size_t fi = 0; fi < formats.size(); ++fi) {
+    const std::string& f = formats[fi];
+    const fmkv_config& c = configs[fi];
     int64_t pages = (ctx + c.page_size - 1) / c.page_size;
     fmkv::HostCache cache(c, 1, pages, 1);
     int32_t s = cache.add_sequence();
@@ -288,28 +402,38 @@ int cmd_demo(const Args& a) {
   std::printf("\nfp16 cache: %s. rel. error: ||out - exact|| / ||exact|| of the attention output against float64\n"
               "attention over the fp16 cache. Times are this machine's wall clock (one run, not a benchmark).\n",
               fmt_bytes(fp16_bytes).c_str());
-  return 0;
+  return kExitOk;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2 || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "--help")) {
-    usage();
-    return argc < 2 ? 2 : 0;
+  for (int i = 1; i < argc; ++i)
+    if (!std::strcmp(argv[i], "-h") || !std::strcmp(argv[i], "--help")) {
+      std::puts(kUsage);
+      return kExitOk;
+    }
+  if (argc < 2) {
+    std::fprintf(stderr, "%s\n", kUsage);
+    return kExitUsage;
   }
+  const std::string cmd = argv[1];
   try {
-    std::string cmd = argv[1];
-    Args a = parse(argc, argv, 2);
-    if (cmd == "info") return cmd_info();
-    if (cmd == "spec") return cmd_spec(a);
-    if (cmd == "capacity") return cmd_capacity(a);
-    if (cmd == "demo") return cmd_demo(a);
-    std::fprintf(stderr, "fmkv: unknown command '%s'\n", cmd.c_str());
-    usage();
-    return 2;
+    if (cmd == "info") {
+      parse(argc, argv, 2, cmd, {});
+      return cmd_info();
+    }
+    if (cmd == "spec") return cmd_spec(parse(argc, argv, 2, cmd, {"head-dims"}));
+    if (cmd == "capacity")
+      return cmd_capacity(parse(argc, argv, 2, cmd,
+                                {"preset", "layers", "kv-heads", "head-dim", "memory", "weights", "batch", "page-size", "sink", "window"}));
+    if (cmd == "demo") return cmd_demo(parse(argc, argv, 2, cmd, {"context", "backend", "formats"}));
+    throw UsageError("unknown command '" + cmd + "'");
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "fmkv: error: %s\n%s\n", e.what(), kUsage);
+    return kExitUsage;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fmkv: error: %s\n", e.what());
-    return 1;
+    return kExitError;
   }
 }

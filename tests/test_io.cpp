@@ -825,5 +825,36 @@ TEST(IoReject, LoadArgumentErrors) {
   EXPECT_EQ(fmkv_snapshot_get_sequence(snap.get(), -1, &q), FMKV_ERR_OUT_OF_RANGE);
 }
 
+// Values the file stores unsigned are quoted as stored (a corrupted u64 is never shown negative).
+TEST(IoReject, UnsignedFieldsQuotedUnsigned) {
+  Fixture f;
+  auto edit64 = [&](uint64_t at, uint64_t v) {
+    auto t = f.img;
+    wr64(&t[at], v);
+    io::refresh_checksums(t.data(), t.size());
+    return t;
+  };
+  auto message = [](const std::vector<uint8_t>& img) {
+    fmkv_snapshot* s = nullptr;
+    EXPECT_NE(fmkv_load_memory(img.data(), img.size(), nullptr, &s), FMKV_OK);
+    return std::string(fmkv_last_error());
+  };
+  std::string m = message(edit64(io::kOffPagesPerLayer, ~0ull));
+  EXPECT_NE(m.find("pages per layer 18446744073709551615"), std::string::npos) << m;
+  m = message(edit64(io::kOffPageBytes, 1ull << 63));
+  EXPECT_NE(m.find("page_bytes 9223372036854775808"), std::string::npos) << m;
+  m = message(edit64(f.sec_off(1), 1ull << 63));  // sequence 0's token count
+  EXPECT_NE(m.find("token count 9223372036854775808"), std::string::npos) << m;
+  auto t = f.img;
+  ASSERT_GE(t.size(), (size_t)io::kHeaderBytes);
+  wr32(t.data() + io::kOffNumLayers, 0xFFFFFFFFu);
+  io::refresh_checksums(t.data(), t.size());
+  m = message(t);
+  EXPECT_NE(m.find("num_layers 4294967295"), std::string::npos) << m;
+  const uint64_t e3 = io::kHeaderBytes + 3 * io::kSectionEntryBytes;
+  m = message(edit64(e3 + 8, ~0ull - 5));
+  EXPECT_NE(m.find("18446744073709551610"), std::string::npos) << m;
+}
+
 }  // namespace
 }  // namespace fmkv::test

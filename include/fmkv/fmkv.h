@@ -39,6 +39,10 @@ int fmkv_backend_available(fmkv_backend b);
 /* Human-readable device name of a backend ("" when unavailable). */
 const char* fmkv_backend_device(fmkv_backend b);
 
+/* Bytes of memory this process may use on the host: the physical memory, or the cgroup memory limit
+ * when lower (Linux); 0 when unknown. HostCache refuses a cache larger than this. */
+int64_t fmkv_host_memory_bytes(void);
+
 /* Defaults: head_dim 128, 8 kv heads, k3v3, page 64, no sink/window, LSQ scales, seed 0. */
 void fmkv_config_default(fmkv_config* cfg);
 fmkv_status fmkv_config_validate(const fmkv_config* cfg);

@@ -5,7 +5,10 @@ Tensors may be numpy arrays or any DLPack-capable CPU tensor (torch tensors incl
 float32, float16 or bfloat16 (:class:`Cache` holds host memory). CUDA tensors go through
 ``fmkv.torch_ops`` (torch custom ops, ``TorchCache``) and ``fmkv.hf.FmkvCache`` on the 'cuda'
 backend; device-detected errors of those surface at :func:`synchronize` / :func:`cuda_check`. Every error raised by the library, or detected here (shape, dtype,
-device), is an :class:`FmkvError` (a ``ValueError``) with ``.code`` / ``.status`` set.
+device), is an :class:`FmkvError` (a ``ValueError``) with ``.code`` / ``.status`` set; an argument
+of the wrong type (a float or string for an integer, a numpy array for a torch tensor) is an
+:class:`FmkvTypeError`, both an FmkvError and a ``TypeError``. Guarantees (all-or-nothing calls,
+thread and fork safety): docs/RELIABILITY.md.
 """
 from __future__ import annotations
 
@@ -14,12 +17,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import _fmkv
-from ._fmkv import FmkvError
+from . import _args, _fmkv
+from ._args import UINT64_MAX
+from ._fmkv import FmkvError, FmkvTypeError
 
 __all__ = [
     "__version__",
     "FmkvError",
+    "FmkvTypeError",
     "Config",
     "Cache",
     "format_version",
@@ -65,7 +70,7 @@ def synchronize(backend: str = "cuda") -> None:
     reads and clears it. The ops themselves never synchronise (they can be captured in a CUDA
     graph), so such errors surface here, not at the op. Reads the calling thread's current CUDA
     device. A no-op for the host backends ('ref', 'cpu'), whose ops raise at once."""
-    _fmkv.synchronize(str(backend))
+    _fmkv.synchronize(_args.string("backend", backend))
 
 
 def cuda_check() -> None:
@@ -75,7 +80,15 @@ def cuda_check() -> None:
 
 def bytes_per_token_head(head_dim: int, bits: int) -> int:
     """Bytes of one token of one kv head for K or V at ``bits`` (2, 3, 4; 16 = fp16 K)."""
-    return _fmkv.bytes_per_token_head(int(head_dim), int(bits))
+    return _fmkv.bytes_per_token_head(_args.integer("head_dim", head_dim), _args.integer("bits", bits))
+
+
+def _seq(seq: Any) -> int:
+    return _args.index("seq", seq, "sequence")
+
+
+def _layer(layer: Any) -> int:
+    return _args.index("layer", layer, "layer")
 
 
 def _as_array(x: Any, dtype: Any = None) -> Any:
@@ -125,16 +138,16 @@ class Config:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.scale_rule not in _SCALE_RULES:
+        if not isinstance(self.scale_rule, str) or self.scale_rule not in _SCALE_RULES:
             raise FmkvError(f"scale_rule {self.scale_rule!r} is not supported (expected 'lsq' or 'rms')")
-        for f in ("head_dim", "num_kv_heads", "k_bits", "v_bits", "page_size", "sink_tokens", "window_tokens"):
+        for f in ("head_dim", "num_kv_heads", "k_bits", "v_bits", "page_size", "sink_tokens", "window_tokens", "seed"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not -(2**31) <= int(v) < 2**31:
-                raise FmkvError(f"{f} must be a 32-bit integer, got {v!r}")
+            lo, hi, what = (0, 2**64 - 1, "an integer in [0, 2^64)") if f == "seed" else (-(2**31), 2**31 - 1, "a 32-bit integer")
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise _args.error(f"{f} must be {what}, got {type(v).__name__} {v!r}", cls=FmkvTypeError)
+            if not lo <= int(v) <= hi:
+                raise _args.error(f"{f} must be {what}, got {v!r}")
             object.__setattr__(self, f, int(v))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not 0 <= int(self.seed) < 2**64:
-            raise FmkvError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
-        object.__setattr__(self, "seed", int(self.seed))
         _fmkv.config_validate(self._raw())
 
     def _raw(self) -> "_fmkv.RawConfig":
@@ -178,7 +191,7 @@ class Config:
 
 def codebook(bits: int) -> np.ndarray:
     """The 2^(bits-1) positive Lloyd-Max levels (ascending, fp16 values as float32) for bits 1..4."""
-    return _fmkv.codebook(int(bits))
+    return _fmkv.codebook(_args.integer("bits", bits))
 
 
 def quantize_vector(x: Any, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq") -> Tuple[np.ndarray, np.ndarray]:
@@ -187,9 +200,11 @@ def quantize_vector(x: Any, bits: int, seed: int = 0, layer: int = 0, scale_rule
     Returns ``(codes, scales)``: codes uint8 [head_dim] (sign-magnitude, in rotated order),
     scales float16 [head_dim / 32].
     """
-    if scale_rule not in _SCALE_RULES:
+    if not isinstance(scale_rule, str) or scale_rule not in _SCALE_RULES:
         raise FmkvError(f"scale_rule {scale_rule!r} is not supported (expected 'lsq' or 'rms')")
-    codes, scale_bits = _fmkv.quantize_vector(_as_array(x, np.float32), int(bits), int(seed), int(layer), _SCALE_RULES[scale_rule])
+    codes, scale_bits = _fmkv.quantize_vector(_as_array(x, np.float32), _args.integer("bits", bits),
+                                              _args.integer("seed", seed, 0, UINT64_MAX),
+                                              _args.integer("layer", layer), _SCALE_RULES[scale_rule])
     return codes, scale_bits.view(np.float16)
 
 
@@ -207,7 +222,8 @@ def dequantize_vector(codes: Any, scales: Any, bits: int, seed: int = 0, layer: 
         except Exception as e:  # noqa: BLE001
             raise FmkvError(f"scales: cannot read tensor ({e}); pass a numpy float16 array") from None
         return dequantize_vector(codes, scales, bits, seed, layer)
-    return _fmkv.dequantize_vector(codes, scales, int(bits), int(seed), int(layer))
+    return _fmkv.dequantize_vector(codes, scales, _args.integer("bits", bits), _args.integer("seed", seed, 0, UINT64_MAX),
+                                   _args.integer("layer", layer))
 
 
 class Cache:
@@ -216,14 +232,21 @@ class Cache:
     ``num_pages`` pages per layer are shared by up to ``max_seqs`` sequences; all layers of a
     sequence share one block table. Append K/V token rows per (layer, sequence), then run
     attention of the last query rows (causal) over that layer.
+
+    Every call is all-or-nothing: after an error the pages, lengths, block tables and sequence
+    slots are as they were. The allocation (pages, fp16 regions, bookkeeping) is made up front and
+    refused when larger than the host's memory (``FmkvError`` OUT_OF_RANGE). Thread-safe: calls
+    may come from any thread; the calls on one cache are serialised by a mutex (held with the GIL
+    released), so concurrent calls -- on different sequences or the same one -- each run whole.
     """
 
     def __init__(self, config: Config, num_layers: int, num_pages: int, max_seqs: int, backend: Optional[str] = None):
         if not isinstance(config, Config):
-            raise FmkvError(f"config must be an fmkv.Config, got {type(config).__name__}")
+            raise _args.type_error("config", "an fmkv.Config", config)
         self._config = config
-        self._impl = _fmkv.Cache(config._raw(), int(num_layers), int(num_pages), int(max_seqs),
-                                 default_backend() if backend is None else str(backend))
+        self._impl = _fmkv.Cache(config._raw(), _args.integer("num_layers", num_layers),
+                                 _args.integer("num_pages", num_pages), _args.integer("max_seqs", max_seqs),
+                                 default_backend() if backend is None else _args.string("backend", backend))
 
     def __repr__(self) -> str:
         return (f"fmkv.Cache(num_layers={self.num_layers}, free_pages={self.free_pages}, "
@@ -261,22 +284,22 @@ class Cache:
 
     def remove_sequence(self, seq: int) -> None:
         """Release a sequence and its pages."""
-        self._impl.remove_sequence(int(seq))
+        self._impl.remove_sequence(_seq(seq))
 
     def length(self, layer: int, seq: int) -> int:
         """Tokens appended so far to ``seq`` in ``layer``."""
-        return self._impl.length(int(layer), int(seq))
+        return self._impl.length(_layer(layer), _seq(seq))
 
     def block_table(self, seq: int) -> List[int]:
         """Pages (indices into each layer's pool) holding the compressed tokens of ``seq``."""
-        return self._impl.block_table(int(seq))
+        return self._impl.block_table(_seq(seq))
 
     def append(self, layer: int, seq: int, k: Any, v: Any) -> None:
         """Append token rows ``k``, ``v`` of shape [tokens, num_kv_heads, head_dim].
 
         Values are rounded to fp16 and compressed. On error nothing is appended.
         """
-        self._impl.append(int(layer), int(seq), _as_array(k, np.float32), _as_array(v, np.float32))
+        self._impl.append(_layer(layer), _seq(seq), _as_array(k, np.float32), _as_array(v, np.float32))
 
     def attention(self, layer: int, seq: int, q: Any, softmax_scale: Optional[float] = None,
                   softcap: float = 0.0, out_dtype: Any = "float32") -> np.ndarray:
@@ -285,8 +308,10 @@ class Cache:
         q: [query_tokens, q_heads, head_dim] with q_heads a multiple of num_kv_heads (GQA).
         softmax_scale: None for 1/sqrt(head_dim). softcap > 0 applies cap * tanh(score / cap).
         out_dtype: precision the kernel writes (float32, float16 or bfloat16); the result is
-        always returned as a float32 numpy array [query_tokens, q_heads, head_dim].
+        always returned as a float32 numpy array [query_tokens, q_heads, head_dim]. An output that
+        overflows float16 (V values near +-65504, pushed past the range by the decompression) is
+        refused with an FmkvError (NON_FINITE) naming the element, never returned as inf.
         """
-        return self._impl.attention(int(layer), int(seq), _as_array(q, np.float32),
-                                    None if softmax_scale is None else float(softmax_scale),
-                                    float(softcap), _dtype_name(out_dtype))
+        return self._impl.attention(_layer(layer), _seq(seq), _as_array(q, np.float32),
+                                    None if softmax_scale is None else _args.real("softmax_scale", softmax_scale, False),
+                                    _args.real("softcap", softcap, False), _dtype_name(out_dtype))

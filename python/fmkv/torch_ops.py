@@ -32,6 +32,16 @@ written the token slots it was filling, past the sequence's length -- and later 
 and raised by :func:`cuda_check` (``fmkv.synchronize('cuda')``), which waits for the device.
 Shape, dtype and device errors are raised by the op itself.
 
+**Output precision.** The output has q's dtype. With float16 it is +-inf where the exact value
+exceeds the fp16 range (|x| > 65504), as for any float16 torch op: that happens only when the
+cached V holds values near +-65504 (the decompression can push them past it). Checking would cost a
+device synchronisation, so the ops do not; :class:`fmkv.Cache` (host memory) refuses such an output.
+
+**Raw bookkeeping.** The ops trust ``seq_lens``, ``slots`` and the block table: they are the
+caller's. A length beyond the tokens actually written reads whatever the pages hold (host backends
+check every block-table entry and slot against the storage; CUDA records such errors for
+:func:`cuda_check`). :class:`TorchCache` keeps these arrays consistent itself.
+
 :class:`TorchCache` (``fmkv.torch_cache``, importable from here as ``fmkv.torch_ops.TorchCache``)
 manages those tensors (page allocation, block tables, lengths) for ``num_layers`` layers, like
 :class:`fmkv.Cache` but with torch-owned storage on a CPU or CUDA device.
@@ -41,7 +51,7 @@ Importing this module registers the ops (it needs torch; fmkv itself does not).
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 try:
     import torch
@@ -49,7 +59,7 @@ try:
 except ImportError as _e:  # pragma: no cover
     raise ImportError("fmkv.torch_ops needs PyTorch (pip install torch); the rest of fmkv does not") from _e
 
-from . import Config, FmkvError, _fmkv, default_backend
+from . import Config, FmkvError, _args, _fmkv, default_backend
 
 __all__ = ["append", "attention", "append_attention", "FUSED_MAX_ROWS", "config_to_list", "TorchCache", "backend_for_device", "cuda_check",
            "attention_workspace_bytes"]
@@ -133,7 +143,7 @@ def _check_device(op: str, fake: bool, **tensors: Tensor) -> torch.device:
     dev, first = None, None
     for name, t in tensors.items():
         if not isinstance(t, Tensor):
-            raise FmkvError(f"fmkv::{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise _args.type_error(f"fmkv::{op}: {name}", "a torch.Tensor", t)
         if dev is None:
             dev, first = t.device, name
         elif t.device != dev:
@@ -180,7 +190,11 @@ def _dense_last(t: Tensor) -> Tensor:
 
 def attention_workspace_bytes(config: Config, q_heads: int, max_rows: int, num_seqs: int, backend: str = "cuda") -> int:
     """Bytes of the workspace ``fmkv_attention`` needs on ``backend`` (0 for host backends)."""
-    return int(_fmkv.attention_workspace_bytes(backend, config._raw(), int(q_heads), int(max_rows), int(num_seqs), 0))
+    if not isinstance(config, Config):
+        raise _args.type_error("config", "an fmkv.Config", config)
+    return int(_fmkv.attention_workspace_bytes(_args.string("backend", backend), config._raw(),
+                                               _args.integer("q_heads", q_heads), _args.integer("max_rows", max_rows),
+                                               _args.integer("num_seqs", num_seqs), 0))
 
 
 def cuda_check(device=None) -> None:
@@ -325,11 +339,29 @@ for _name, (_schema, _impl, _fake) in _OPS.items():
     torch.library.register_fake(f"fmkv::{_name}", _fake, lib=_LIB)
 
 
+def _check_call(op: str, tensors: Dict[str, Any], config: Any, layer: Any, backend: Any, softmax_scale: Any = 0.0,
+                softcap: Any = 0.0, max_seq_len: Any = 0) -> None:
+    """The non-tensor arguments of an op wrapper (torch's schema would reject them with its own error
+    types, or convert them silently)."""
+    _check_device(op, True, **tensors)
+    if not isinstance(config, (list, tuple)) or len(config) != 9:
+        raise _args.type_error(f"fmkv::{op}: config", "the 9 ints of fmkv.torch_ops.config_to_list", config)
+    for i, x in enumerate(config):
+        _args.integer(f"fmkv::{op}: config[{i}]", x)
+    _args.integer(f"fmkv::{op}: layer", layer, 0, _args.INT32_MAX)
+    _args.string(f"fmkv::{op}: backend", backend)
+    _args.real(f"fmkv::{op}: softmax_scale", softmax_scale)
+    _args.real(f"fmkv::{op}: softcap", softcap)
+    _args.integer(f"fmkv::{op}: max_seq_len", max_seq_len, 0)
+
+
 def append(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v: Tensor, slots: Tensor, seq_lens: Tensor,
            row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int, backend: str = "") -> None:
     """``torch.ops.fmkv.append``: compress rows of k / v ([rows, num_kv_heads, head_dim]) into one
     layer's pages / fp16 regions, in place. seq_lens: tokens already cached per sequence (not updated
     here). backend "" follows the tensors' device (CPU: host backend, CUDA: 'cuda')."""
+    _check_call("append", dict(pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, k=k, v=v, slots=slots, seq_lens=seq_lens,
+                               row_offsets=row_offsets, block_table=block_table), config, layer, backend)
     torch.ops.fmkv.append(pages, fp16_k, fp16_v, k, v, slots, seq_lens, row_offsets, block_table, config, layer,
                           backend)
 
@@ -341,7 +373,14 @@ def attention(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor, slots: T
     of each sequence) over one layer. seq_lens include the query tokens. Returns a new tensor shaped
     and typed like q, on q's device. softmax_scale 0 means 1/sqrt(head_dim). backend "" follows the
     tensors' device. max_seq_len > 0: no sequence is longer (an error otherwise; on CUDA raised by
-    :func:`cuda_check`); CUDA plans the call for it (fewer splits at short contexts). 0: no bound."""
+    :func:`cuda_check`); CUDA plans the call for it (fewer splits at short contexts). 0: no bound.
+
+    The op trusts ``seq_lens`` and the block table (they are the caller's bookkeeping): a length
+    beyond the tokens actually written reads whatever those pages hold. On the host backends every
+    block-table entry is checked against the pool; :class:`TorchCache` passes lengths it tracks itself."""
+    _check_call("attention", dict(pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots, seq_lens=seq_lens,
+                                  row_offsets=row_offsets, block_table=block_table), config, layer, backend,
+                softmax_scale, softcap, max_seq_len)
     return torch.ops.fmkv.attention(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, block_table, config,
                                     layer, softmax_scale, softcap, backend, max_seq_len)
 
@@ -356,6 +395,9 @@ def append_attention(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v
     the same as :func:`append` followed by :func:`attention` with seq_lens + rows, in one call (one
     attention launch on CUDA). seq_lens: tokens cached per sequence BEFORE the append (not updated).
     max_seq_len as in :func:`attention`, a bound on the lengths after the append."""
+    _check_call("append_attention", dict(pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, k=k, v=v, q=q, slots=slots,
+                                         seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table),
+                config, layer, backend, softmax_scale, softcap, max_seq_len)
     return torch.ops.fmkv.append_attention(pages, fp16_k, fp16_v, k, v, q, slots, seq_lens, row_offsets,
                                            block_table, config, layer, softmax_scale, softcap, backend, max_seq_len)
 

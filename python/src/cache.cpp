@@ -75,6 +75,9 @@ class Cache {
            "] with q_heads a multiple of num_kv_heads=" + std::to_string(c.num_kv_heads));
     fmkv_attention_opts opts{0.0f, 0.0f, 0};
     if (!softmax_scale.is_none()) {
+      if (!nb::isinstance<nb::float_>(softmax_scale) && !nb::isinstance<nb::int_>(softmax_scale))
+        fail_type("softmax_scale must be a real number or None, got " +
+                  std::string(nb::type_name(softmax_scale.type()).c_str()));
       double sc = nb::cast<double>(softmax_scale);
       if (!(sc > 0) || !std::isfinite(sc)) fail("softmax_scale must be finite and > 0 (None means 1/sqrt(head_dim))");
       opts.softmax_scale = (float)sc;
@@ -96,7 +99,18 @@ class Cache {
         else cache_.attention(backend_, check_layer(l), sq, qt.t, ot, opts);
       }
       if (odt == FMKV_F16)
-        for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(half[i]);
+        for (size_t i = 0; i < n; ++i) {
+          // Refused rather than returned as inf: the output is a convex combination of cached V rows,
+          // which the decompression can push past the fp16 range when V holds values near +-65504.
+          if ((half[i] & 0x7c00u) == 0x7c00u) {
+            const size_t hd = (size_t)qt.t.heads * qt.t.dim;
+            fail("attention output [" + std::to_string(i / hd) + "][" + std::to_string(i % hd / qt.t.dim) + "][" +
+                     std::to_string(i % qt.t.dim) + "] overflows float16 (|x| > 65504): use out_dtype='float32' "
+                     "(or 'bfloat16') for this data",
+                 FMKV_ERR_NON_FINITE);
+          }
+          out[i] = f16_to_f32(half[i]);
+        }
       else if (odt == FMKV_BF16)
         for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(half[i]);
     }

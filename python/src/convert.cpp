@@ -1,5 +1,7 @@
 #include "convert.h"
 
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
@@ -8,6 +10,11 @@ namespace fmkv_py {
 namespace {
 uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+std::string g_str(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
 }  // namespace
 
 uint16_t f32_to_f16(float f) {
@@ -125,10 +132,16 @@ std::vector<uint16_t> vector_f16(const char* name, const AnyArray& a) {
     uint16_t u16;
     float f;
     switch (dt) {
-      case FMKV_F32: std::memcpy(&f, e, 4); out[i] = f32_to_f16(f); break;
-      case FMKV_F16: std::memcpy(&u16, e, 2); out[i] = u16; break;
-      default: std::memcpy(&u16, e, 2); out[i] = f32_to_f16(bf16_to_f32(u16)); break;
+      case FMKV_F32: std::memcpy(&f, e, 4); break;
+      case FMKV_F16: std::memcpy(&u16, e, 2); out[i] = u16; continue;
+      default: std::memcpy(&u16, e, 2); f = bf16_to_f32(u16); break;
     }
+    out[i] = f32_to_f16(f);
+    // A finite value that rounds to fp16 infinity is named as such (NaN / Inf are the library's).
+    if (std::isfinite(f) && (out[i] & 0x7fffu) == 0x7c00u)
+      fail(std::string(name) + "[" + std::to_string(i) + "] = " + g_str(f) +
+               " is beyond the fp16 range (it rounds to infinity; inputs are rounded to fp16 first)",
+           FMKV_ERR_NON_FINITE);
   }
   return out;
 }
@@ -144,6 +157,11 @@ fmkv_dtype out_dtype_from_name(const std::string& n) {
   if (n == "float16") return FMKV_F16;
   if (n == "bfloat16") return FMKV_BF16;
   fail("out_dtype '" + n + "' is not supported (expected 'float32', 'float16' or 'bfloat16')");
+}
+
+int32_t narrow_i32(const char* what, int64_t v) {
+  if (!fits_i32(v)) fail(std::string(what) + " " + std::to_string(v) + " is not supported (outside the 32-bit range)");
+  return (int32_t)v;
 }
 
 int32_t to_i32(const char* what, int64_t v, int64_t lo) {

@@ -89,5 +89,8 @@ const T* index_array(const char* name, const A& a, size_t ndim, const char* what
 fmkv_backend backend_from_name(const std::string& name);
 fmkv_dtype out_dtype_from_name(const std::string& n);
 int32_t to_i32(const char* what, int64_t v, int64_t lo);
+inline bool fits_i32(int64_t v) { return v >= INT32_MIN && v <= INT32_MAX; }
+// v as int32, or FmkvError "<what> <v> is not supported (outside the 32-bit range)".
+int32_t narrow_i32(const char* what, int64_t v);
 
 }  // namespace fmkv_py

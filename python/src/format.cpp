@@ -36,11 +36,12 @@ void bind_format(nb::module_& m) {
     fmkv::check(fmkv_config_validate(&c));
     return fmkv_config_fp16_slot_bytes(&c);
   });
-  m.def("bytes_per_token_head", [](int32_t d, int32_t bits) {
-    if (!fmkv_head_dim_supported(d)) fail("head_dim " + std::to_string(d) + " is not supported (format v2: 64, 128, 256)");
-    if (!fmkv_code_bits_supported(bits) && bits != FMKV_FP16_BITS)
+  m.def("bytes_per_token_head", [](int64_t d, int64_t bits) {
+    if (!fits_i32(d) || !fmkv_head_dim_supported((int32_t)d))
+      fail("head_dim " + std::to_string(d) + " is not supported (format v2: 64, 128, 256)");
+    if (!fits_i32(bits) || (!fmkv_code_bits_supported((int32_t)bits) && bits != FMKV_FP16_BITS))
       fail("bits " + std::to_string(bits) + " is not supported (2, 3, 4 or 16)");
-    return fmkv_bytes_per_token_head(d, bits);
+    return fmkv_bytes_per_token_head((int32_t)d, (int32_t)bits);
   }, "head_dim"_a, "bits"_a);
 
   // The rotation (FORMAT.md "Rotation") and the token regions, for the Python layers that need them
@@ -63,27 +64,28 @@ void bind_format(nb::module_& m) {
   }, "sink"_a, "window"_a, "length"_a, "E = max(sink, length - window): tokens [sink, E) of a sequence are compressed.");
   m.attr("FP16_BITS") = (int)FMKV_FP16_BITS;
 
-  m.def("codebook", [](int32_t bits) {
+  m.def("codebook", [](int64_t bits) {
     if (bits < 1 || bits > 4) fail("bits " + std::to_string(bits) + " is not supported (codebooks exist for 1..4 bits)");
     std::vector<float> mags((size_t)1 << (bits - 1));
-    fmkv::check(fmkv_codebook(bits, mags.data()));
+    fmkv::check(fmkv_codebook((int32_t)bits, mags.data()));
     size_t n = mags.size();
     return numpy_array(std::move(mags), {n});
   }, "bits"_a);
 
   // Returns (codes uint8 [d], scale bits uint16 [d/32]); the Python layer views scales as float16.
-  m.def("quantize_vector", [](const AnyArray& x, int32_t bits, uint64_t seed, int32_t layer, int32_t scale_rule) {
+  m.def("quantize_vector", [](const AnyArray& x, int64_t bits, uint64_t seed, int64_t layer, int32_t scale_rule) {
     std::vector<uint16_t> xh = vector_f16("x", x);
     const int32_t d = (int32_t)xh.size();
     if (!fmkv_head_dim_supported(d)) fail("x: length " + std::to_string(d) + " is not a supported head_dim (64, 128, 256)");
     std::vector<uint8_t> codes(d);
     std::vector<uint16_t> scales(d / FMKV_GROUP_SIZE);
-    fmkv::check(fmkv_quantize_vector(d, bits, scale_rule, seed, layer, xh.data(), codes.data(), scales.data()));
+    fmkv::check(fmkv_quantize_vector(d, narrow_i32("bits", bits), scale_rule, seed, narrow_i32("layer", layer), xh.data(),
+                                     codes.data(), scales.data()));
     size_t nc = codes.size(), ns = scales.size();
     return nb::make_tuple(numpy_array(std::move(codes), {nc}), numpy_array(std::move(scales), {ns}));
   }, "x"_a, "bits"_a, "seed"_a = 0, "layer"_a = 0, "scale_rule"_a = (int)FMKV_SCALE_LSQ);
 
-  m.def("dequantize_vector", [](const AnyArray& codes, const AnyArray& scale_bits, int32_t bits, uint64_t seed, int32_t layer) {
+  m.def("dequantize_vector", [](const AnyArray& codes, const AnyArray& scale_bits, int64_t bits, uint64_t seed, int64_t layer) {
     std::vector<uint8_t> c = vector_exact<uint8_t>("codes", codes, nb::dlpack::dtype_code::UInt, "uint8");
     std::vector<uint16_t> s = vector_exact<uint16_t>("scales", scale_bits, nb::dlpack::dtype_code::UInt, "float16 / uint16 bits");
     const int32_t d = (int32_t)c.size();
@@ -91,7 +93,8 @@ void bind_format(nb::module_& m) {
     if ((int32_t)s.size() != d / FMKV_GROUP_SIZE)
       fail("scales: length " + std::to_string(s.size()) + ", expected head_dim / 32 = " + std::to_string(d / FMKV_GROUP_SIZE));
     std::vector<float> out(d);
-    fmkv::check(fmkv_dequantize_vector(d, bits, seed, layer, c.data(), s.data(), out.data()));
+    fmkv::check(fmkv_dequantize_vector(d, narrow_i32("bits", bits), seed, narrow_i32("layer", layer), c.data(), s.data(),
+                                       out.data()));
     return numpy_array(std::move(out), {(size_t)d});
   }, "codes"_a, "scales"_a, "bits"_a, "seed"_a = 0, "layer"_a = 0);
 }

@@ -30,6 +30,8 @@ NB_MODULE(_fmkv, m) {
   fmkv_py::bind_errors(m);
   m.def("version", [] { return std::string(fmkv_version()); });
   m.def("format_version", &fmkv_format_version);
+  m.def("host_memory_bytes", &fmkv_host_memory_bytes,
+        "Bytes of memory this process may use on the host (physical memory or a lower cgroup limit; 0: unknown)");
   m.def("backends", [] {
     nb::dict d;
     for (int b = FMKV_BACKEND_REF; b <= FMKV_BACKEND_METAL; ++b) {

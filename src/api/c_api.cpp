@@ -1,5 +1,7 @@
 // The C API: validation, dispatch to a backend through the registry (src/core/backend.h), exceptions
 // turned into status codes (src/core/status.h).
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -13,6 +15,9 @@
 #include "../ref/quantize.h"
 #include "fmkv/fmkv.h"
 #include "validate.h"
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
 
 namespace {
 using fmkv::BackendOps;
@@ -59,6 +64,27 @@ const char* fmkv_backend_device(fmkv_backend b) {
   const BackendOps* ops = fmkv::find_backend(b);
   name = ops && ops->available() ? ops->device_name() : "";
   return name.c_str();
+}
+
+int64_t fmkv_host_memory_bytes(void) {
+  int64_t bytes = 0;
+#if defined(__unix__) || defined(__APPLE__)
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0 && pages <= INT64_MAX / page) bytes = (int64_t)pages * page;
+#endif
+#if defined(__linux__)
+  // A cgroup limit below the physical memory is where the OOM killer acts (v2, then v1).
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    if (FILE* f = std::fopen(path, "r")) {
+      long long v = 0;
+      const bool ok = std::fscanf(f, "%lld", &v) == 1;  // "max" (no limit) does not parse
+      std::fclose(f);
+      if (ok && v > 0 && (bytes == 0 || v < bytes)) bytes = v;
+      break;
+    }
+  }
+#endif
+  return bytes;
 }
 
 void fmkv_config_default(fmkv_config* c) {

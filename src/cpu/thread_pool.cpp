@@ -1,17 +1,50 @@
 #include "thread_pool.h"
 
 #include <cstdlib>
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#define FMKV_HAVE_ATFORK 1
+#endif
 
 namespace fmkv::cpu {
+namespace {
+
+int configured_threads() {
+  const char* e = std::getenv("FMKV_NUM_THREADS");
+  int n = e ? std::atoi(e) : 0;
+  if (n < 1) n = (int)std::thread::hardware_concurrency();
+  return n < 1 ? 1 : n > 256 ? 256 : n;
+}
+
+// The process's pool. Never destroyed: worker threads block on its condition variable until the
+// process exits, and a pool abandoned by fork() must not be touched (its threads are the parent's).
+std::atomic<ThreadPool*> g_pool{nullptr};
+std::mutex g_pool_mutex;  // creation only; held across fork() so the child's copy is consistent
+
+#ifdef FMKV_HAVE_ATFORK
+void before_fork() { g_pool_mutex.lock(); }
+void after_fork_parent() { g_pool_mutex.unlock(); }
+void after_fork_child() {
+  g_pool.store(nullptr, std::memory_order_relaxed);  // the parent's pool has no threads here
+  g_pool_mutex.unlock();
+}
+#endif
+
+}  // namespace
 
 ThreadPool& ThreadPool::instance() {
-  static ThreadPool pool([] {
-    const char* e = std::getenv("FMKV_NUM_THREADS");
-    int n = e ? std::atoi(e) : 0;
-    if (n < 1) n = (int)std::thread::hardware_concurrency();
-    return n < 1 ? 1 : n > 256 ? 256 : n;
-  }());
-  return pool;
+  if (ThreadPool* p = g_pool.load(std::memory_order_acquire)) return *p;
+  std::lock_guard<std::mutex> g(g_pool_mutex);
+  ThreadPool* p = g_pool.load(std::memory_order_acquire);
+  if (!p) {
+#ifdef FMKV_HAVE_ATFORK
+    static const bool registered = pthread_atfork(before_fork, after_fork_parent, after_fork_child) == 0;
+    (void)registered;
+#endif
+    p = new ThreadPool(configured_threads());
+    g_pool.store(p, std::memory_order_release);
+  }
+  return *p;
 }
 
 ThreadPool::ThreadPool(int threads) {

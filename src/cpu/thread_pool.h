@@ -2,6 +2,9 @@
 // dynamically; callers make results independent of the thread count by giving every index its own
 // output and merging in index order afterwards.
 // Size: FMKV_NUM_THREADS (>= 1) if set, else std::thread::hardware_concurrency().
+// Fork-safe: a forked child (multiprocessing's default on Linux) has none of the parent's workers,
+// so instance() builds a fresh pool there (pthread_atfork); the parent's pool object is left
+// untouched in the child (its threads do not exist there and its locks may be held).
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -16,7 +19,7 @@ namespace fmkv::cpu {
 
 class ThreadPool {
  public:
-  static ThreadPool& instance();
+  static ThreadPool& instance();  // the process's pool, created on first use (per process after fork)
   int num_threads() const { return (int)workers_.size() + 1; }
   // fn(i) for every i in [0, n); the calling thread takes part. Rethrows the first exception.
   // A call made while another is running (from another thread) runs serially in the caller.

@@ -26,6 +26,8 @@ namespace fmkv::io {
 namespace {
 
 std::string S(int64_t v) { return std::to_string(v); }
+// Values stored unsigned in the file are shown as the file holds them (a corrupted u64 is never printed negative).
+std::string U(uint64_t v) { return std::to_string(v); }
 std::string hex32(uint32_t v) {
   char b[16];
   std::snprintf(b, sizeof b, "0x%08x", v);
@@ -71,7 +73,7 @@ struct Source {
     while (n > 0) {
       ssize_t r = ::pread(fd, d, n, (off_t)off);
       if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) fail(kInvalidArgument, name + ": read failed at offset " + S((int64_t)off) + ": " + (r == 0 ? "unexpected end of file" : std::strerror(errno)));
+      if (r <= 0) fail(kInvalidArgument, name + ": read failed at offset " + U(off) + ": " + (r == 0 ? "unexpected end of file" : std::strerror(errno)));
       d += r;
       n -= (size_t)r;
       off += (uint64_t)r;
@@ -147,7 +149,7 @@ Header parse_header(const Source& src, const fmkv_load_options& o) {
   if (std::memcmp(h, kMagic, std::min<size_t>(have, 8)) != 0)
     fail(kInvalidArgument, nm + ": not an fmkv snapshot (bad magic)");
   if (have < kHeaderBytes)
-    fail(kInvalidArgument, nm + ": truncated: " + S((int64_t)src.size) + " bytes, shorter than the " + S(kHeaderBytes) + "-byte header");
+    fail(kInvalidArgument, nm + ": truncated: " + U(src.size) + " bytes, shorter than the " + S(kHeaderBytes) + "-byte header");
   Header H;
   H.file_version = rd32(h + kOffFileVersion);
   if (H.file_version != FMKV_FILE_VERSION)
@@ -189,25 +191,25 @@ Header parse_header(const Source& src, const fmkv_load_options& o) {
   }
   H.num_layers = (int32_t)rd32(h + kOffNumLayers);
   H.num_seqs = (int32_t)rd32(h + kOffNumSeqs);
-  if (H.num_layers < 1) fail(kInvalidArgument, nm + ": num_layers " + S(H.num_layers) + " in header, need >= 1");
+  if (H.num_layers < 1) fail(kInvalidArgument, nm + ": num_layers " + U((uint32_t)H.num_layers) + " in header, need 1 to 2^31 - 1");
   if (o.expect_num_layers > 0 && H.num_layers != o.expect_num_layers)
-    fail(kInvalidArgument, nm + ": geometry mismatch: file has " + S(H.num_layers) + " layers (expected " + S(o.expect_num_layers) + ")");
-  if (H.num_seqs < 1) fail(kInvalidArgument, nm + ": num_seqs " + S(H.num_seqs) + " in header, need >= 1");
+    fail(kInvalidArgument, nm + ": geometry mismatch: file has " + U((uint32_t)H.num_layers) + " layers (expected " + S(o.expect_num_layers) + ")");
+  if (H.num_seqs < 1) fail(kInvalidArgument, nm + ": num_seqs " + U((uint32_t)H.num_seqs) + " in header, need 1 to 2^31 - 1");
   H.pages_per_layer = (int64_t)rd64(h + kOffPagesPerLayer);
   if (H.pages_per_layer < 0 || H.pages_per_layer > INT32_MAX)
-    fail(kInvalidArgument, nm + ": pages per layer " + S(H.pages_per_layer) + " outside [0, 2^31)");
+    fail(kInvalidArgument, nm + ": pages per layer " + U((uint64_t)H.pages_per_layer) + " outside [0, 2^31)");
   H.page_bytes = (int64_t)rd64(h + kOffPageBytes);
   if (H.page_bytes != page_bytes(c))
-    fail(kInvalidArgument, nm + ": page_bytes " + S(H.page_bytes) + " does not match the config's " + S(page_bytes(c)));
+    fail(kInvalidArgument, nm + ": page_bytes " + U((uint64_t)H.page_bytes) + " does not match the config's " + S(page_bytes(c)));
   H.fp16_seq_bytes = (int64_t)rd64(h + kOffFp16SeqBytes);
   const int64_t want_fp16 = 2LL * c.num_kv_heads * fp16_slots(c) * c.head_dim;
   if (H.fp16_seq_bytes != want_fp16)
-    fail(kInvalidArgument, nm + ": fp16 region bytes " + S(H.fp16_seq_bytes) + " do not match the config's " + S(want_fp16));
+    fail(kInvalidArgument, nm + ": fp16 region bytes " + U((uint64_t)H.fp16_seq_bytes) + " do not match the config's " + S(want_fp16));
   H.file_size = rd64(h + kOffFileSize);
   if (src.size < H.file_size)
-    fail(kInvalidArgument, nm + ": truncated: " + S((int64_t)src.size) + " bytes, the header says " + S((int64_t)H.file_size));
+    fail(kInvalidArgument, nm + ": truncated: " + U(src.size) + " bytes, the header says " + U(H.file_size));
   if (src.size > H.file_size)
-    fail(kInvalidArgument, nm + ": " + S((int64_t)(src.size - H.file_size)) + " trailing bytes after the " + S((int64_t)H.file_size) +
+    fail(kInvalidArgument, nm + ": " + U(src.size - H.file_size) + " trailing bytes after the " + U(H.file_size) +
                                " the header declares");
   H.num_sections = rd32(h + kOffNumSections);
   H.table_crc = rd32(h + kOffTableCrc);
@@ -255,7 +257,7 @@ fmkv_snapshot* load_impl(const Source& src, const fmkv_load_options& o, int fd_f
   if (!canonical_layout(H.num_layers, H.num_seqs, H.pages_per_layer, H.page_bytes, H.fp16_seq_bytes, H.file_size, &lay, &why))
     fail(kInvalidArgument, nm + ": inconsistent header: " + why);
   if (lay.file_size != H.file_size)
-    fail(kInvalidArgument, nm + ": file size " + S((int64_t)H.file_size) + " in header, its geometry gives " + S((int64_t)lay.file_size));
+    fail(kInvalidArgument, nm + ": file size " + U(H.file_size) + " in header, its geometry gives " + U(lay.file_size));
   if (H.num_sections != lay.sections.size())
     fail(kInvalidArgument, nm + ": " + S(H.num_sections) + " sections in header, its geometry gives " + S((int64_t)lay.sections.size()));
   std::vector<uint8_t> table(lay.sections.size() * kSectionEntryBytes);
@@ -272,13 +274,13 @@ fmkv_snapshot* load_impl(const Source& src, const fmkv_load_options& o, int fd_f
     const uint64_t off = rd64(e + 8), size = rd64(e + 16);
     const std::string sn = "section " + S((int64_t)i) + " (" + section_name(want.kind, want.layer) + ")";
     if (kind != want.kind || layer != want.layer)
-      fail(kInvalidArgument, nm + ": " + sn + " has kind " + S(kind) + " layer " + S((int32_t)layer) + ", expected kind " + S(want.kind));
+      fail(kInvalidArgument, nm + ": " + sn + " has kind " + U(kind) + " layer " + U(layer) + ", expected kind " + S(want.kind));
     if (off > H.file_size || size > H.file_size - off)
-      fail(kInvalidArgument, nm + ": " + sn + " [" + S((int64_t)off) + ", +" + S((int64_t)size) + ") lies outside the " +
-                                 S((int64_t)H.file_size) + "-byte file");
+      fail(kInvalidArgument, nm + ": " + sn + " [" + U(off) + ", +" + U(size) + ") lies outside the " +
+                                 U(H.file_size) + "-byte file");
     if (off != want.offset || size != want.size)
-      fail(kInvalidArgument, nm + ": " + sn + " at offset " + S((int64_t)off) + " size " + S((int64_t)size) + ", expected offset " +
-                                 S((int64_t)want.offset) + " size " + S((int64_t)want.size));
+      fail(kInvalidArgument, nm + ": " + sn + " at offset " + U(off) + " size " + U(size) + ", expected offset " +
+                                 U(want.offset) + " size " + U(want.size));
     if (rd32(e + 28) != 0) fail(kInvalidArgument, nm + ": " + sn + ": reserved field is not zero");
     want.crc = rd32(e + 24);
     if (!src.zero(prev_end, want.offset - prev_end))
@@ -302,7 +304,7 @@ fmkv_snapshot* load_impl(const Source& src, const fmkv_load_options& o, int fd_f
   std::vector<int32_t> layer_ids(H.num_layers);
   for (int32_t l = 0; l < H.num_layers; ++l) {
     layer_ids[l] = (int32_t)rd32(&lb[4 * (size_t)l]);
-    if (layer_ids[l] < 0) fail(kInvalidArgument, nm + ": layer " + S(l) + " has negative layer index " + S(layer_ids[l]));
+    if (layer_ids[l] < 0) fail(kInvalidArgument, nm + ": layer " + S(l) + " has negative layer index (stored as " + U((uint32_t)layer_ids[l]) + ", more than 2^31 - 1)");
   }
   std::vector<SeqRec> recs(H.num_seqs);
   int64_t expect_first = 0, max_pages = 0;
@@ -315,16 +317,16 @@ fmkv_snapshot* load_impl(const Source& src, const fmkv_load_options& o, int fd_f
     q.first = (int64_t)rd64(r + 16);
     q.dequantized = (int32_t)rd32(r + 24);
     const std::string sq = nm + ": sequence " + S(i) + ": ";
-    if (q.n < 0 || q.n > ((int64_t)1 << 48)) fail(kInvalidArgument, sq + "token count " + S(q.n) + " out of range");
+    if (q.n < 0 || q.n > ((int64_t)1 << 48)) fail(kInvalidArgument, sq + "token count " + U((uint64_t)q.n) + " out of range (at most 2^48)");
     const int64_t comp = std::max<int64_t>(0, q.n - c.sink_tokens - c.window_tokens);
     const int64_t want_pages = (comp + c.page_size - 1) / c.page_size;
     if (q.pages != want_pages)
-      fail(kInvalidArgument, sq + S(q.pages) + " pages recorded, " + S(q.n) + " tokens need " + S(want_pages));
+      fail(kInvalidArgument, sq + U((uint64_t)q.pages) + " pages recorded, " + S(q.n) + " tokens need " + S(want_pages));
     if (q.first != expect_first)
-      fail(kInvalidArgument, sq + "first block-table entry " + S(q.first) + ", expected " + S(expect_first));
+      fail(kInvalidArgument, sq + "first block-table entry " + U((uint64_t)q.first) + ", expected " + S(expect_first));
     const int64_t win = std::max<int64_t>(0, q.n - compressed_end(c, q.n));
     if (q.dequantized < 0 || q.dequantized > win)
-      fail(kInvalidArgument, sq + S(q.dequantized) + " dequantized window tokens, its window holds " + S(win));
+      fail(kInvalidArgument, sq + U((uint32_t)q.dequantized) + " dequantized window tokens, its window holds " + S(win));
     if (rd32(r + 28) != 0) fail(kInvalidArgument, sq + "reserved field is not zero");
     if (q.dequantized > 0) dq_flag = 1;
     expect_first += q.pages;
@@ -342,7 +344,7 @@ fmkv_snapshot* load_impl(const Source& src, const fmkv_load_options& o, int fd_f
     for (int64_t j = 0; j < H.pages_per_layer; ++j) {
       int32_t v = (int32_t)rd32(&tb[4 * (size_t)j]);
       if (v < 0 || v >= H.pages_per_layer)
-        fail(kOutOfRange, nm + ": block table entry " + S(j) + " = " + S(v) + " outside [0, " + S(H.pages_per_layer) + ")");
+        fail(kOutOfRange, nm + ": block table entry " + S(j) + " = " + U((uint32_t)v) + " outside [0, " + S(H.pages_per_layer) + ")");
       if (seen[(size_t)v]) fail(kInvalidArgument, nm + ": page " + S(v) + " appears twice in the block table");
       seen[(size_t)v] = 1;
       flat[(size_t)j] = v;

@@ -33,3 +33,14 @@ def random_kv(rng, tokens, heads, head_dim, outlier_scale=1.0, dtype=np.float32)
     """Gaussian rows with heavy-tailed per-channel scales, like real keys."""
     chan = 1.0 + outlier_scale * np.abs(rng.standard_normal(head_dim))
     return (rng.standard_normal((tokens, heads, head_dim)) * chan).astype(dtype)
+
+
+# Lines a test wants in the run's summary (the reliability tests' step and invariant counts).
+REPORT = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    if REPORT:
+        terminalreporter.section("fmkv reliability counts")
+        for line in REPORT:
+            terminalreporter.write_line(line)

@@ -255,3 +255,134 @@ def test_out_of_slots_and_pages(cache, rng):
     cache.remove_sequence(a)
     cache.append(0, b, k[:40], v[:40])
     assert cache.length(0, b) == 40
+
+
+# ---- argument types, allocation limits, the fp16 range (docs/RELIABILITY.md) -----------------
+def test_integers_are_never_converted_from_floats_or_strings(cache, rng):
+    s = cache.add_sequence()
+    k, v = kv(rng)
+    cases = [
+        lambda: cache.append(0, 1.5, k, v), lambda: cache.append("0", s, k, v), lambda: cache.append(True, s, k, v),
+        lambda: cache.length(0, float(s)), lambda: cache.remove_sequence("0"), lambda: cache.block_table(0.0),
+        lambda: cache.attention(0, s, np.ones((1, H, D), np.float32), softmax_scale="0.1"),
+        lambda: cache.attention(0, s, np.ones((1, H, D), np.float32), softcap="1"),
+        lambda: fmkv.codebook(3.0), lambda: fmkv.bytes_per_token_head("64", 3),
+        lambda: fmkv.quantize_vector(np.ones(D, np.float32), 3, seed=1.0),
+        lambda: fmkv.quantize_vector(np.ones(D, np.float32), 3, layer="1"),
+        lambda: fmkv.Cache(cache.config, "2", 4, 2), lambda: fmkv.Cache(cache.config, 2, 4.0, 2),
+        lambda: fmkv.Cache(cache.config, 2, 4, 2, backend=1), lambda: fmkv.synchronize(3),
+        lambda: fmkv.Cache({"head_dim": 64}, 1, 4, 1),
+    ]
+    for f in cases:
+        with expect("INVALID_ARGUMENT", r"must be (an integer|a real number|a string|an fmkv.Config), got"):
+            f()
+        with pytest.raises(fmkv.FmkvTypeError):
+            f()
+        with pytest.raises(TypeError):  # FmkvTypeError is both an FmkvError and a TypeError
+            f()
+    assert cache.length(0, s) == 0 and cache.free_pages == 4
+    with pytest.raises(fmkv.FmkvTypeError, match="softmax_scale must be a real number or None, got str"):
+        cache._impl.attention(0, s, np.ones((1, H, D), np.float32), "0.1", 0.0, "float32")  # the binding's own check
+    # numpy integers and other __index__ types are integers
+    cache.append(np.int64(0), np.int32(s), k, v)
+    assert cache.length(np.uint8(0), s) == 3
+
+
+def test_integers_beyond_the_binding_types(cache, rng):
+    q = np.ones((1, H, D), np.float32)
+    with expect("OUT_OF_RANGE", r"sequence 1180591620717411303424 does not exist"):
+        cache.attention(0, 2**70, q)
+    with expect("OUT_OF_RANGE", r"layer -1180591620717411303424 does not exist"):
+        cache.length(-2**70, 0)
+    with expect("INVALID_ARGUMENT", r"seed must be in \[0, 18446744073709551615\], got -1"):
+        fmkv.quantize_vector(np.ones(D, np.float32), 3, seed=-1)
+    with expect("INVALID_ARGUMENT", r"bits 1099511627776 is not supported"):
+        fmkv.codebook(2**40)
+    with expect("INVALID_ARGUMENT", r"head_dim 1099511627776 is not supported"):
+        fmkv.bytes_per_token_head(2**40, 3)
+    with expect("INVALID_ARGUMENT", r"bits 4294967298 is not supported"):
+        fmkv.quantize_vector(np.ones(D, np.float32), 2**32 + 2)
+    with expect("INVALID_ARGUMENT", r"layer 2147483648 is not supported"):
+        fmkv.dequantize_vector(np.zeros(D, np.uint8), np.ones(2, np.float16), 3, layer=2**31)
+    with expect("INVALID_ARGUMENT", r"max_seqs must be in \[1, 2\^31\), got 4294967296"):
+        fmkv.Cache(cache.config, 1, 4, 2**32)
+
+
+def test_allocation_sized_up_front(backend):
+    c = fmkv.Config(head_dim=D, num_kv_heads=H, page_size=16)
+    import time
+    t0 = time.time()
+    with expect("OUT_OF_RANGE", r"1000000000 sequences need \d+ bytes of host memory, more than this host's \d+"):
+        fmkv.Cache(c, 1, 1, 10**9, backend=backend)  # ~32 GB of bookkeeping: refused, not attempted
+    with expect("OUT_OF_RANGE", r"bytes of host memory"):
+        fmkv.Cache(c, 64, 2**31 - 1, 1, backend=backend)
+    with expect("OVERFLOW", r"num_pages 2147483648 exceeds what a 32-bit block table can address"):
+        fmkv.Cache(c, 1, 2**31, 1, backend=backend)
+    assert time.time() - t0 < 5  # nothing was allocated (or touched) on the way
+
+
+def test_failed_append_returns_its_pages(backend, rng):
+    """The issue's case: 900 rows with a NaN in the last row took 57 of 63 pages for good."""
+    c = fmkv.Config(head_dim=D, num_kv_heads=1, page_size=16, seed=3)
+    cache = fmkv.Cache(c, 1, 63, 2, backend=backend)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    k, v = random_kv(rng, 900, 1, D), random_kv(rng, 900, 1, D)
+    k[899, 0, 5] = np.nan
+    with expect("NON_FINITE", r"k\[899\]\[0\]\[5\]"):
+        cache.append(0, a, k, v)
+    assert cache.free_pages == 63 and cache.block_table(a) == [] and cache.length(0, a) == 0
+    full = random_kv(rng, 63 * 16, 1, D)
+    cache.append(0, b, full, full)  # the whole pool is still there for another sequence
+    assert cache.free_pages == 0 and sorted(cache.block_table(b)) == list(range(63))
+
+
+def test_quantize_vector_names_values_beyond_fp16():
+    x = np.ones(D, np.float32)
+    x[7] = 1e6
+    with expect("NON_FINITE", r"x\[7\] = 1e\+06 is beyond the fp16 range \(it rounds to infinity"):
+        fmkv.quantize_vector(x, 3)
+    x[7] = 65519.0  # rounds to 65504: fine
+    fmkv.quantize_vector(x, 3)
+    x[7] = np.nan
+    with expect("NON_FINITE", r"x\[7\] is NaN or Inf"):
+        fmkv.quantize_vector(x, 3)
+
+
+def test_float16_output_overflow_is_refused(backend):
+    """V values near the fp16 limit: the decompressed row exceeds 65504, so a float16 output would
+    be inf. fmkv.Cache refuses it (float32 and bfloat16 return the finite value)."""
+    search = np.random.default_rng(0)  # the format is bit-exact: a fixed search finds the same row
+    for _ in range(400):
+        x = np.clip(search.standard_normal(D) * 20000, -65504, 65504).astype(np.float32)
+        x[search.integers(D)] = 65504.0
+        codes, scales = fmkv.quantize_vector(x, 2)
+        if np.abs(fmkv.dequantize_vector(codes, scales, 2)).max() > 65520:
+            break
+    else:
+        pytest.fail("no V row found whose 2-bit reconstruction exceeds the fp16 range")
+    c = fmkv.Config(head_dim=D, num_kv_heads=1, k_bits=2, v_bits=2, page_size=16)
+    cache = fmkv.Cache(c, 1, 2, 1, backend=backend)
+    s = cache.add_sequence()
+    cache.append(0, s, np.zeros((1, 1, D), np.float32), x[None, None])
+    q = np.zeros((1, 1, D), np.float32)
+    out = cache.attention(0, s, q)
+    assert np.all(np.isfinite(out)) and np.abs(out).max() > 65504
+    assert np.all(np.isfinite(cache.attention(0, s, q, out_dtype="bfloat16")))
+    with expect("NON_FINITE", r"attention output \[0\]\[0\]\[\d+\] overflows float16 .* use out_dtype='float32'"):
+        cache.attention(0, s, q, out_dtype="float16")
+
+
+def test_eval_cli_rejects_bad_arguments(capsys):
+    pytest.importorskip("torch", reason="torch is not installed: fmkv-eval needs it")
+    from fmkv.eval import cli
+    for argv, msg in [(["ppl", "--configs", "k9v9"], "k_bits must be 2, 3, 4 or 16"),
+                      (["ppl", "--configs", ","], "--configs: empty list"),
+                      (["ppl", "--configs", "k3v3-zz"], "unknown modifier 'zz'"),
+                      (["ppl", "--ctx", "-5"], "--ctx: -5 is out of range"),
+                      (["ppl", "--tokens", "x"], "--tokens: 'x' is not an integer"),
+                      (["ppl", "--max-minutes", "nan"], "--max-minutes: nan is out of range"),
+                      (["needle", "--trials", "0"], "--trials: 0 is out of range")]:
+        with pytest.raises(SystemExit) as ei:
+            cli.main(argv)
+        assert ei.value.code == 2
+        assert msg in capsys.readouterr().err

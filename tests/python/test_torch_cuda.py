@@ -228,6 +228,44 @@ def test_torch_cache_on_cuda(tgen):
     assert tc.free_pages == 12 - len(tc.block_table(seqs[1][0]))
 
 
+def test_torch_cache_device_error_marks_changed_sequences_failed(tgen):
+    """The CUDA contract of TorchCache (docs/RELIABILITY.md): a NaN in K is detected on the device,
+    surfaces at tc.check(); every sequence changed since the previous check is then marked failed
+    (its calls raise until reset), the others stay valid, and reset_sequence recovers the failed
+    one without rebuilding the cache."""
+    config = fmkv.Config(head_dim=128, num_kv_heads=2, page_size=16, window_tokens=8)
+    tc = torch_ops.TorchCache(config, 1, 16, 3, device="cuda")
+    host = torch_ops.TorchCache(config, 1, 16, 3)
+    a, b, c = (tc.add_sequence() for _ in range(3))
+    ha = host.add_sequence()
+    k = torch.randn(40, 2, 128, generator=tgen)
+    tc.append(0, a, k.to(DEV), (-k).to(DEV))
+    host.append(0, ha, k, -k)
+    tc.check()  # a is settled
+    bad = k.clone()
+    bad[7, 1, 3] = float("nan")
+    tc.append(0, b, bad.to(DEV), k.to(DEV))  # no error here: the device sees the NaN
+    tc.append(0, c, k[:20].to(DEV), k[:20].to(DEV))  # enqueued after the failing op: skipped on the device
+    with pytest.raises(fmkv.FmkvError) as ei:
+        tc.check()
+    assert ei.value.status == "NON_FINITE"
+    assert set(tc.failed_sequences) == {b, c}
+    for s in (b, c):
+        with pytest.raises(fmkv.FmkvError, match=rf"sequence {s} failed on the device"):
+            tc.attention(0, s, torch.randn(1, 4, 128, generator=tgen).to(DEV))
+        with pytest.raises(fmkv.FmkvError, match="failed on the device"):
+            tc.append(0, s, k[:1].to(DEV), k[:1].to(DEV))
+    q = torch.randn(2, 4, 128, generator=tgen)
+    assert reference.rel_error(tc.attention(0, a, q.to(DEV)).cpu().numpy(), host.attention(0, ha, q).numpy()) < TOL
+    tc.reset_sequence(b)
+    tc.remove_sequence(c)
+    assert tc.failed_sequences == {} and tc.length(0, b) == 0
+    assert tc.free_pages == 16 - len(tc.block_table(a))
+    tc.append(0, b, k.to(DEV), (-k).to(DEV))
+    tc.check()
+    assert reference.rel_error(tc.attention(0, b, q.to(DEV)).cpu().numpy(), host.attention(0, ha, q).numpy()) < TOL
+
+
 def test_device_backend_mismatch_errors(tgen):
     config = fmkv.Config(head_dim=64, num_kv_heads=2, page_size=16)
     c = torch_ops.config_to_list(config)

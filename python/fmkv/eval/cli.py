@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +17,45 @@ import time
 from typing import List, Optional
 
 DEFAULT_TEXT = "/work/shared/data/wikitext-2-raw/wiki.test.raw"
+
+
+def _int_at_least(lo: int):
+    """argparse type: a decimal integer >= lo (a clear error, not a traceback, for '-5' or 'x')."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v} is out of range (must be >= {lo})")
+        return v
+    return parse
+
+
+def _finite_at_least(lo: float):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v < lo:
+            raise argparse.ArgumentTypeError(f"{text} is out of range (must be finite and >= {lo})")
+        return v
+    return parse
+
+
+def _check_configs(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Every --configs name parses (before any model is loaded)."""
+    from .quantizers import parse_config
+
+    names = [c for c in a.configs.split(",") if c.strip()]
+    if not names:
+        p.error("--configs: empty list (e.g. --configs fp16,k4v4,k3v3)")
+    for c in names:
+        try:
+            parse_config(c, seed=a.seed)
+        except (ValueError, IndexError) as e:
+            p.error(f"--configs: {e}")
 
 
 def _commit() -> str:
@@ -252,11 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated config names (fmkv.eval.quantizers); fp16 is always added")
     q.add_argument("--ids", default="", help="pre-tokenized text (torch.save of a 1-D id tensor); "
                    "--text then only names it in the results")
-    q.add_argument("--ctx", type=int, default=2048)
-    q.add_argument("--tokens", type=int, default=65536, help="tokens of text to evaluate (whole windows)")
+    q.add_argument("--ctx", type=_int_at_least(1), default=2048)
+    q.add_argument("--tokens", type=_int_at_least(1), default=65536, help="tokens of text to evaluate (whole windows)")
     q.add_argument("--device", default="cpu")
-    q.add_argument("--threads", type=int, default=0)
-    q.add_argument("--seed", type=int, default=0, help="rotation seed")
+    q.add_argument("--threads", type=_int_at_least(0), default=0)
+    q.add_argument("--seed", type=_int_at_least(0), default=0, help="rotation seed")
     q.add_argument("--out", default="docs/results/ppl.jsonl")
     q.add_argument("--append", action="store_true")
     q.add_argument("--plot", default=None,
@@ -264,10 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'' for none)")
     q.add_argument("--commit", default="", help="commit to record (default: git rev-parse HEAD)")
     q.add_argument("--plot-configs", default="", help="configs to plot (default: all)")
-    q.add_argument("--max-minutes", type=float, default=0.0, help="stop after the window exceeding this")
+    q.add_argument("--max-minutes", type=_finite_at_least(0.0), default=0.0, help="stop after the window exceeding this")
     q.add_argument("--log-partial", default="", help="append running summaries (jsonl) here")
     q.add_argument("--no-progress", action="store_true")
-    q.set_defaults(func=cmd_ppl)
+    q.set_defaults(func=cmd_ppl, check=_check_configs)
     pl = sub.add_parser("plot", help="plot a ppl.jsonl")
     pl.add_argument("jsonl")
     pl.add_argument("--out", default="docs/results/ppl.png")
@@ -276,20 +316,20 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="greedy generation through FmkvCache vs fp16; cache bytes")
     g.add_argument("--model", default="smollm2-135m")
     g.add_argument("--text", default=DEFAULT_TEXT)
-    g.add_argument("--prompt-tokens", type=int, default=1024)
-    g.add_argument("--new-tokens", type=int, default=32)
+    g.add_argument("--prompt-tokens", type=_int_at_least(1), default=1024)
+    g.add_argument("--new-tokens", type=_int_at_least(1), default=32)
     g.add_argument("--configs", default="k4v4,k3v3,k4v4-w32")
-    g.add_argument("--threads", type=int, default=0)
+    g.add_argument("--threads", type=_int_at_least(0), default=0)
     g.add_argument("--device", default="cpu", help="cpu, or cuda (the model in float16)")
     g.add_argument("--static", action="store_true",
                    help="fmkv.hf.FmkvStaticCache instead of FmkvCache; on CUDA with compiled decoding (CUDA graphs)")
     g.set_defaults(func=cmd_generate)
     n = sub.add_parser("needle", help="kernel-level needle retrieval through fmkv.Cache")
-    n.add_argument("--max-ctx", type=int, default=131072)
+    n.add_argument("--max-ctx", type=_int_at_least(1), default=131072)
     n.add_argument("--bits", default="2,3,4")
-    n.add_argument("--trials", type=int, default=8)
-    n.add_argument("--margin", type=float, default=3.0, help="needle score margin in units of score std")
-    n.add_argument("--head-dim", type=int, default=128)
+    n.add_argument("--trials", type=_int_at_least(1), default=8)
+    n.add_argument("--margin", type=_finite_at_least(0.0), default=3.0, help="needle score margin in units of score std")
+    n.add_argument("--head-dim", type=_int_at_least(1), default=128)
     n.add_argument("--out", default="docs/results/needle.jsonl")
     n.add_argument("--backend", default=None)
     n.add_argument("--device", default=None,
@@ -301,7 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    a = build_parser().parse_args(argv)
+    p = build_parser()
+    a = p.parse_args(argv)
+    if getattr(a, "check", None):
+        a.check(p, a)
     return a.func(a)
 
 

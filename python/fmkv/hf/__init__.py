@@ -21,7 +21,9 @@ Modules:
   :func:`cache_kwargs`, :func:`output_cache`).
 
 On CUDA, errors only the device can detect surface at ``fmkv.cuda_check()`` (or the cache's
-``check()``), not at the step that caused them.
+``check()``), not at the step that caused them; the cache's contents are then undefined and
+``cache.reset()`` empties it (storage kept: no need to rebuild it). On the CPU a failed step raises at
+once and leaves the cache as it was.
 """
 from __future__ import annotations
 

@@ -171,7 +171,11 @@ class FmkvLayer(CacheLayerMixin):
         if self._pending is not None:
             k_rows, v_rows, n = self._pending
             self._pending = None
-            self._append(k_rows, v_rows, n)
+            try:
+                self._append(k_rows, v_rows, n)
+            except BaseException:
+                self.length -= n  # update() counted the kept chunk; the failed append left the cache as it was
+                raise
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
@@ -209,10 +213,14 @@ class FmkvLayer(CacheLayerMixin):
             if self._pending is not None:  # fused decode step: append the kept K/V and attend, one call
                 k_rows, v_rows, _ = self._pending
                 self._pending = None
-                out = torch.ops.fmkv.append_attention(self.pages, self.fp16_k, self.fp16_v, k_rows, v_rows,
-                                                      self._rows(query), self.slots, self.lens, self._row_offsets(n),
-                                                      self.block_table, self._cfg, 0, scale, cap, self.backend_name,
-                                                      self.length)
+                try:
+                    out = torch.ops.fmkv.append_attention(self.pages, self.fp16_k, self.fp16_v, k_rows, v_rows,
+                                                          self._rows(query), self.slots, self.lens, self._row_offsets(n),
+                                                          self.block_table, self._cfg, 0, scale, cap, self.backend_name,
+                                                          self.length)
+                except BaseException:
+                    self.length -= n  # the fused step appended nothing: back to the length before update()
+                    raise
                 self.lens.add_(n)
             else:
                 out = torch.ops.fmkv.attention(self.pages, self.fp16_k, self.fp16_v, self._rows(query), self.slots,
