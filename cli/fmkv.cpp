@@ -202,8 +202,10 @@ void progress(const char* what, int64_t done, int64_t total) {
 int cmd_info() {
   std::printf("fmkv %s (format v%d)\n", fmkv_version(), fmkv_format_version());
   std::printf("%-8s %-10s %s\n", "backend", "usable", "device");
-  for (fmkv_backend b : {FMKV_BACKEND_REF, FMKV_BACKEND_CPU, FMKV_BACKEND_CUDA, FMKV_BACKEND_METAL})
+  for (int bi = 0; bi < FMKV_BACKEND_COUNT; ++bi) {
+    const fmkv_backend b = (fmkv_backend)bi;
     std::printf("%-8s %-10s %s\n", fmkv_backend_name(b), fmkv_backend_available(b) ? "yes" : "no", fmkv_backend_device(b));
+  }
   return kExitOk;
 }
 

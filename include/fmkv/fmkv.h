@@ -100,6 +100,12 @@ fmkv_status fmkv_quantize_vector(int32_t head_dim, int32_t bits, int32_t scale_r
                                  uint16_t* scales);
 fmkv_status fmkv_dequantize_vector(int32_t head_dim, int32_t bits, uint64_t seed, int32_t layer,
                                    const uint8_t* codes, const uint16_t* scales, float* x_out);
+/* The format's number conversions (FORMAT.md "Input") of n values: float32 -> fp16 bits rounded to
+ * nearest even (overflow gives +-inf, NaN stays NaN), fp16 / bf16 bits -> float32 (exact). */
+void fmkv_f32_to_f16(const float* x, uint16_t* out, int64_t n);
+void fmkv_f16_to_f32(const uint16_t* x, float* out, int64_t n);
+void fmkv_bf16_to_f32(const uint16_t* x, float* out, int64_t n);
+
 /* The 2^(bits-1) positive levels of the b-bit codebook (fp16 values as float), ascending. */
 fmkv_status fmkv_codebook(int32_t bits, float* mags);
 

@@ -8,8 +8,6 @@
 namespace fmkv_py {
 
 namespace {
-uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 std::string g_str(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", v);
@@ -17,34 +15,22 @@ std::string g_str(double v) {
 }
 }  // namespace
 
+// The format's conversions, from the C library (one definition: src/format/numbers.h).
 uint16_t f32_to_f16(float f) {
-  uint32_t x = f32_bits(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return (uint16_t)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
-  int e = (int)(ax >> 23) - 127;
-  if (e < -25) return (uint16_t)sign;
-  uint32_t m = (ax & 0x7fffffu) | 0x800000u;
-  if (e < -14) {
-    int sh = -(e + 1);
-    uint32_t r = m >> sh, rem = m & ((1u << sh) - 1u), half = 1u << (sh - 1);
-    if (rem > half || (rem == half && (r & 1u))) r++;
-    return (uint16_t)(sign | r);
-  }
-  if (e > 15) return (uint16_t)(sign | 0x7c00u);
-  uint32_t r = ((uint32_t)(e + 15) << 10) | ((ax & 0x7fffffu) >> 13), rem = ax & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
-  return (uint16_t)(sign | r);
+  uint16_t h;
+  fmkv_f32_to_f16(&f, &h, 1);
+  return h;
 }
 float f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0x1f) return bits_f32(sign | 0x7f800000u | (m << 13));
-  if (e == 0) {
-    if (m == 0) return bits_f32(sign);
-    float v = (float)m * 5.9604644775390625e-8f;
-    return sign ? -v : v;
-  }
-  return bits_f32(sign | ((e + 112) << 23) | (m << 13));
+  float f;
+  fmkv_f16_to_f32(&h, &f, 1);
+  return f;
 }
-float bf16_to_f32(uint16_t b) { return bits_f32((uint32_t)b << 16); }
+float bf16_to_f32(uint16_t b) {
+  float f;
+  fmkv_bf16_to_f32(&b, &f, 1);
+  return f;
+}
 
 std::string dtype_name(nb::dlpack::dtype dt) {
   std::string base;
@@ -147,9 +133,11 @@ std::vector<uint16_t> vector_f16(const char* name, const AnyArray& a) {
 }
 
 fmkv_backend backend_from_name(const std::string& name) {
-  for (int b = FMKV_BACKEND_REF; b <= FMKV_BACKEND_METAL; ++b)
-    if (name == fmkv_backend_name((fmkv_backend)b)) return (fmkv_backend)b;
-  fail("unknown backend '" + name + "' (expected 'ref', 'cpu', 'cuda' or 'metal')");
+  fmkv_backend b;
+  if (fmkv_backend_from_name(name.c_str(), &b)) return b;
+  std::string known;
+  for (int i = 0; i < FMKV_BACKEND_COUNT; ++i) known += std::string(i ? ", '" : "'") + fmkv_backend_name((fmkv_backend)i) + "'";
+  fail("unknown backend '" + name + "' (expected one of " + known + ")");
 }
 
 fmkv_dtype out_dtype_from_name(const std::string& n) {

@@ -34,7 +34,7 @@ NB_MODULE(_fmkv, m) {
         "Bytes of memory this process may use on the host (physical memory or a lower cgroup limit; 0: unknown)");
   m.def("backends", [] {
     nb::dict d;
-    for (int b = FMKV_BACKEND_REF; b <= FMKV_BACKEND_METAL; ++b) {
+    for (int b = 0; b < FMKV_BACKEND_COUNT; ++b) {
       nb::dict e;
       e["available"] = nb::bool_(fmkv_backend_available((fmkv_backend)b) != 0);
       e["device"] = nb::str(fmkv_backend_device((fmkv_backend)b));

@@ -257,6 +257,16 @@ fmkv_status fmkv_dequantize_vector(int32_t d, int32_t bits, uint64_t seed, int32
   });
 }
 
+void fmkv_f32_to_f16(const float* x, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fmkv::f32_to_f16(x[i]);
+}
+void fmkv_f16_to_f32(const uint16_t* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fmkv::f16_to_f32(x[i]);
+}
+void fmkv_bf16_to_f32(const uint16_t* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fmkv::bf16_to_f32(x[i]);
+}
+
 fmkv_status fmkv_codebook(int32_t bits, float* mags) {
   return guarded([&] {
     require(mags != nullptr, FMKV_ERR_INVALID_ARGUMENT, "mags is NULL");
