@@ -2,9 +2,9 @@
 # Same-run A/B of CUDA decode builds, for one device call: builds every variant's fmkv_cuda_bench (default grid,
 # in parallel, under $AB_DIR, default /tmp), runs the cases in rounds (every variant once per round, so drift
 # hits all alike) and prints tests/cuda/ab_table.py's table (best of the rounds, base / variant ratios). Lines
-# go to $OUT/ab.jsonl as {"variant": NAME, "r": <a "decode" or "step" line of fmkv_cuda_bench>}.
+# go to $OUT/ab.jsonl as {"variant": NAME, "r": <a "decode", "step" or "quantize" line of fmkv_cuda_bench>}.
 #
-#   OUT=$OUT bash tests/cuda/ab.sh [-r ROUNDS] [-t SECONDS] [-c CASEFILE] NAME=SPEC ...
+#   OUT=$OUT bash tests/cuda/ab.sh [-r ROUNDS] [-t SECONDS] [-c CASEFILE] NAME=SPEC ...   (-p: print the cases, exit)
 #
 # SPEC: .            the working tree
 #       FILE.tar     a `git archive` of another commit (carry it, e.g. in .devtmp/)
@@ -18,12 +18,12 @@
 # since the script started. AB_REUSE=1 keeps an existing
 # $AB_DIR/ab_NAME/fmkv_cuda_bench instead of building (a second call on a warm machine); AB_DIR: /tmp.
 set -u
-ROUNDS=3 SECONDS_MAX=420 CASEFILE=""
-while getopts "r:t:c:" o; do
-  case $o in r) ROUNDS=$OPTARG ;; t) SECONDS_MAX=$OPTARG ;; c) CASEFILE=$OPTARG ;; *) exit 2 ;; esac
+ROUNDS=3 SECONDS_MAX=420 CASEFILE="" PRINT_CASES=""
+while getopts "r:t:c:p" o; do
+  case $o in r) ROUNDS=$OPTARG ;; t) SECONDS_MAX=$OPTARG ;; c) CASEFILE=$OPTARG ;; p) PRINT_CASES=1 ;; *) exit 2 ;; esac
 done
 shift $((OPTIND - 1))
-[ $# -ge 1 ] || { sed -n '2,20p' "$0"; exit 2; }
+[ $# -ge 1 ] || [ -n "$PRINT_CASES" ] || { sed -n '2,20p' "$0"; exit 2; }
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 REPO=$(pwd); T0=$(date +%s); el() { echo "$(( $(date +%s) - T0 )) s"; }
 ABD=${AB_DIR:-/tmp}  # builds in $ABD/ab_NAME, patched sources in $ABD/ab_src_NAME
@@ -42,6 +42,7 @@ DEFAULT_CASES='--only 1 4096 3 3 --step
 FMKV_BENCH_KV_HEADS=1 --only 1 131072 3 3
 FMKV_BENCH_Q_LEN=4 --only 1 32768 3 3'
 if [ -n "$CASEFILE" ]; then CASES=$(grep -v '^[[:space:]]*\(#\|$\)' "$CASEFILE"); else CASES=$DEFAULT_CASES; fi
+[ -z "$PRINT_CASES" ] || { echo "$CASES"; exit 0; }  # -p: print the cases (a case file to extend) and exit
 
 # variants: NAMES in order; BIN_OF / ENV_OF per name; builds for the ones with a source
 NAMES=(); declare -A BIN_OF ENV_OF SRC_OF
@@ -92,7 +93,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
       while [ $# -gt 0 ] && [[ $1 =~ ^[A-Z_][A-Z0-9_]*= ]]; do
         envs+=("$1"); [[ $1 == FMKV_CUDA_SPLITS=* ]] && tag="$n:s${1#*=}"; shift
       done
-      env ${ENV_OF[$n]} "${envs[@]}" timeout 60 "${BIN_OF[$n]}" "$@" < /dev/null | grep -E '"kind":"(decode|step)"' |
+      env ${ENV_OF[$n]} "${envs[@]}" timeout 60 "${BIN_OF[$n]}" "$@" < /dev/null | grep -E '"kind":"(decode|step|quantize)"' |
         sed "s/^/{\"variant\":\"$tag\",\"r\":/; s/\$/}/" >> "$F"
     done <<< "$CASES"
   done

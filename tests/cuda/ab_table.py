@@ -4,8 +4,9 @@ tests/cuda/ab.sh): one line per case, best (minimum) time per variant, and base 
 
     python3 tests/cuda/ab_table.py docs/history/results/cuda_ab_window_second_cta.jsonl [--base VARIANT]
 
-Input lines: {"variant": name, "r": <a "decode" or "step" line of fmkv_cuda_bench>}. A step line gives
-two cases (fused and separate). The base is the first variant seen unless --base names one.
+Input lines: {"variant": name, "r": <a "decode", "step" or "quantize" line of fmkv_cuda_bench>}. A step
+line gives two cases (fused and separate); a quantize line (a prefill chunk's quantize-append) is keyed by
+its token count. The base is the first variant seen unless --base names one.
 """
 import argparse
 import collections
@@ -22,6 +23,9 @@ def cases(path):
         v, r = rec["variant"], rec["r"]
         if v not in order:
             order.append(v)
+        if r["kind"] == "quantize":
+            table[("quantize", "k%dv%d" % (r["k_bits"], r["v_bits"]), r["tokens"], r.get("head_dim", 128))][v].append(r["time_us"])
+            continue
         key = (r["kind"], "k%dv%d" % (r["k_bits"], r["v_bits"]), r["batch"], r["context"], r.get("window", 0))
         if r.get("kv_heads", 8) != 8:  # FMKV_BENCH_KV_HEADS runs (the default shape has 8)
             key += ("kv%d" % r["kv_heads"],)

@@ -111,7 +111,11 @@ def test_ab_table_best_of_each_variant(tmp_path):
     path = tmp_path / "ab.jsonl"
     path.write_text("\n".join([rec("old", dec(16.0)), rec("new", dec(12.5)), rec("old", dec(15.0)),
                                rec("new", step(10.0, 20.0)), rec("old", step(12.0, 18.0)),
-                               rec("old", dict(dec(40.0), kv_heads=1)), rec("new", dict(dec(10.0), kv_heads=1))]) + "\n")
+                               rec("old", dict(dec(40.0), kv_heads=1)), rec("new", dict(dec(10.0), kv_heads=1)),
+                               rec("old", {"kind": "quantize", "k_bits": 3, "v_bits": 3, "tokens": 32768, "head_dim": 128,
+                                           "time_us": 120.0}),
+                               rec("new", {"kind": "quantize", "k_bits": 3, "v_bits": 3, "tokens": 32768, "head_dim": 128,
+                                           "time_us": 100.0})]) + "\n")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         argv, sys.argv = sys.argv, ["ab_table.py", str(path)]
@@ -125,6 +129,7 @@ def test_ab_table_best_of_each_variant(tmp_path):
     assert lines["step k4v4 1 4096 64 fused"][-3:] == ["12.00", "10.00", "1.200"]
     assert lines["step k4v4 1 4096 64 separate"][-3:] == ["18.00", "20.00", "0.900"]
     assert lines["decode k3v3 1 4096 0 kv1"][-3:] == ["40.00", "10.00", "4.000"]  # other kv head counts apart
+    assert lines["quantize k3v3 32768 128"][-3:] == ["120.00", "100.00", "1.200"]  # a prefill chunk's quantize-append
 
 
 def test_trace_sm_groups_calls_and_ctas_by_sm(tmp_path):
