@@ -6,7 +6,9 @@
 //   * host C++ inside the CPU emulator (FMKV_EMULATOR, set by tests/metal/emu/metal_stdlib): the
 //     MSL names (simd_shuffle_xor, simd_ballot, threadgroup_barrier, half, as_type, precise::)
 //     are provided by the emulator, which runs every thread as a fiber.
-//   * CUDA (__CUDACC__): warp = SIMD group of 32 lanes (compile check: tests/metal/cuda_check.cu).
+//   * CUDA (__CUDACC__): warp = SIMD group of 32 lanes, compiled by nvcc (tests/metal/cuda_check.cu,
+//     cuda_core_test.cu) or by NVRTC at run time (__CUDACC_RTC__: MLX's mx.fast.cuda_kernel, whose
+//     generated source includes only CUDA's own headers, no C library).
 //   * plain host C++ (none of the above, e.g. src/metal/backend.mm): only the fixed-width types,
 //     so that params_msl.h can be shared with the host.
 // Rules for code written on top of this layer (the strictest of the three dialects): no lambdas,
@@ -60,23 +62,25 @@ typedef long fmkv_i64;
 #define FMKV_TANH(x) precise::tanh(x)
 #define FMKV_AS_U32(x) as_type<fmkv_u32>((float)(x))
 #define FMKV_AS_F32(x) as_type<float>((fmkv_u32)(x))
+// a * b rounded to float32, never fused with a following add (contraction is off, see above).
+#define FMKV_MUL_RN(a, b) ((a) * (b))
 // IEEE binary16, round to nearest even (MSL float->half conversion rounds to nearest even).
 #define FMKV_F32_TO_F16(x) as_type<fmkv_u16>(half((float)(x)))
 #define FMKV_F16_TO_F32(h) ((float)as_type<half>((fmkv_u16)(h)))
 
 #elif defined(__CUDACC__)
 // ------------------------------------------------------------------------------ CUDA
-#include <cuda_fp16.h>
-#include <stdint.h>
+#include <cuda_fp16.h>  // NVRTC finds it on the include path its caller passes (MLX: the CUDA toolkit's)
 #define FMKV_CUDA_CORE 1
 #define FMKV_DEVICE
 #define FMKV_CONSTANT
 #define FMKV_THREADGROUP
 #define FMKV_THREAD
-typedef uint8_t fmkv_u8;
-typedef uint16_t fmkv_u16;
-typedef uint32_t fmkv_u32;
-typedef int32_t fmkv_i32;
+// Built-in types (the same as <stdint.h>'s on every CUDA platform): NVRTC has no C library headers.
+typedef unsigned char fmkv_u8;
+typedef unsigned short fmkv_u16;
+typedef unsigned int fmkv_u32;
+typedef int fmkv_i32;
 typedef unsigned long long fmkv_u64;
 typedef long long fmkv_i64;
 #define FMKV_INLINE static __device__ __forceinline__
@@ -90,6 +94,9 @@ typedef long long fmkv_i64;
 #define FMKV_TANH(x) tanhf(x)
 #define FMKV_AS_U32(x) __float_as_uint(x)
 #define FMKV_AS_F32(x) __uint_as_float(x)
+// a * b rounded to float32 and never contracted into an FMA: nvcc and NVRTC contract a*b + c by
+// default (-fmad=true; MLX's NVRTC call passes no option to turn it off), __fmul_rn is exempt.
+#define FMKV_MUL_RN(a, b) __fmul_rn((a), (b))
 #define FMKV_F32_TO_F16(x) __half_as_ushort(__float2half_rn(x))
 #define FMKV_F16_TO_F32(h) __half2float(__ushort_as_half(h))
 
