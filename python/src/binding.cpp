@@ -192,18 +192,23 @@ struct HostTensor {
   std::vector<uint8_t> packed;
 };
 
-HostTensor host_tensor(const char* name, const AnyArray& a, const char* expect) {
+// heads_major: a 4-D [1, heads, tokens, dim] array (the attention layout of mlx-lm and Hugging Face,
+// one sequence) is accepted as the [tokens, heads, dim] view it is (the raw ops; no copy).
+HostTensor host_tensor(const char* name, const AnyArray& a, const char* expect, bool heads_major = false) {
   require_host(name, a);
   fmkv_dtype dt = float_dtype(name, a);
-  if (a.ndim() != 3)
-    fail(std::string(name) + ": expected a 3-D array " + expect + ", got shape " + shape_str(a));
-  const int64_t rows = (int64_t)a.shape(0);
-  if (a.shape(1) > (size_t)std::numeric_limits<int32_t>::max() || a.shape(2) > (size_t)std::numeric_limits<int32_t>::max())
+  const bool bhld = heads_major && a.ndim() == 4 && a.shape(0) == 1;
+  if (a.ndim() != 3 && !bhld)
+    fail(std::string(name) + ": expected a 3-D array " + expect + (heads_major ? " (or [1, heads, tokens, head_dim])" : "") +
+         ", got shape " + shape_str(a));
+  const size_t d_rows = bhld ? 2 : 0, d_heads = 1, d_dim = bhld ? 3 : 2;
+  const int64_t rows = (int64_t)a.shape(d_rows);
+  if (a.shape(d_heads) > (size_t)std::numeric_limits<int32_t>::max() || a.shape(d_dim) > (size_t)std::numeric_limits<int32_t>::max())
     fail(std::string(name) + ": shape " + shape_str(a) + " is too large", FMKV_ERR_OVERFLOW);
-  const int32_t heads = (int32_t)a.shape(1), dim = (int32_t)a.shape(2);
+  const int32_t heads = (int32_t)a.shape(d_heads), dim = (int32_t)a.shape(d_dim);
   // Strides of size-1 dimensions are meaningless (frameworks set them freely): normalise to 0.
-  int64_t s0 = a.shape(0) > 1 ? a.stride(0) : 0, s1 = a.shape(1) > 1 ? a.stride(1) : 0,
-          s2 = a.shape(2) > 1 ? a.stride(2) : 1;
+  int64_t s0 = a.shape(d_rows) > 1 ? a.stride(d_rows) : 0, s1 = a.shape(d_heads) > 1 ? a.stride(d_heads) : 0,
+          s2 = a.shape(d_dim) > 1 ? a.stride(d_dim) : 1;
   HostTensor h;
   const size_t es = elem_size(dt);
   if (s2 == 1 && s0 >= 0 && s1 >= 0) {
@@ -533,8 +538,8 @@ void raw_append(const std::string& backend, const fmkv_config& cfg, int64_t laye
     fmkv::check(fmkv_append(b, &cfg, &L.lc, &B.b, &kt, &vt, stream_ptr(stream)));
     return;
   }
-  HostTensor kt = host_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
-  HostTensor vt = host_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
+  HostTensor kt = host_tensor("k", k, "[tokens, num_kv_heads, head_dim]", true);
+  HostTensor vt = host_tensor("v", v, "[tokens, num_kv_heads, head_dim]", true);
   nb::gil_scoped_release nogil;
   fmkv::check(fmkv_append(b, &cfg, &L.lc, &B.b, &kt.t, &vt.t, nullptr));
 }
@@ -567,7 +572,7 @@ void raw_attention_args(RawAttention& r, bool cuda, int32_t num_seqs, const AnyA
   if (cuda) {
     r.q = device_tensor("q", q, "[query_tokens, q_heads, head_dim]");
   } else {
-    r.q_host = host_tensor("q", q, "[query_tokens, q_heads, head_dim]");
+    r.q_host = host_tensor("q", q, "[query_tokens, q_heads, head_dim]", true);
     r.q = r.q_host.t;
   }
   if (out.ndim() != 3 || (int64_t)out.shape(0) != r.q.rows || (int64_t)out.shape(1) != r.q.heads || (int64_t)out.shape(2) != r.q.dim)
@@ -613,8 +618,8 @@ void attention_call(const std::string& backend, const fmkv_config& cfg, int64_t 
     kt = device_tensor("k", kv->first, "[tokens, num_kv_heads, head_dim]");
     vt = device_tensor("v", kv->second, "[tokens, num_kv_heads, head_dim]");
   } else {
-    kh = host_tensor("k", kv->first, "[tokens, num_kv_heads, head_dim]");
-    vh = host_tensor("v", kv->second, "[tokens, num_kv_heads, head_dim]");
+    kh = host_tensor("k", kv->first, "[tokens, num_kv_heads, head_dim]", true);
+    vh = host_tensor("v", kv->second, "[tokens, num_kv_heads, head_dim]", true);
     kt = kh.t;
     vt = vh.t;
   }

@@ -2,9 +2,9 @@
 
 For MLX on its CPU device (``mlx[cpu]`` on Linux, or ``mx.cpu`` anywhere). The storage of a layer
 (pages, fp16 regions) is MLX arrays that the library writes in place through their buffers, and K, V,
-Q are passed as they are -- the binding imports an MLX array through DLPack / the buffer protocol
-with its strides, so the [1, heads, n, d] arrays of an mlx-lm model are read without a copy; only a
-batch of several sequences is packed first (MLX has no strided view for it). Each call evaluates
+Q are passed as they are -- the binding imports an MLX array through DLPack with its strides and
+reads the [1, heads, n, d] arrays of an mlx-lm model (any strides) without a copy or an MLX op; only
+a batch of several sequences is packed first (MLX has no strided view for it). Each call evaluates
 its inputs (an MLX graph cannot call into the library lazily) and runs at once; errors raise
 :class:`fmkv.FmkvError` before any byte is written, as with :class:`fmkv.Cache`.
 """
@@ -27,10 +27,11 @@ def _dl(x):
 
 
 def _rows(x):
-    """[B, heads, n, d] -> [B * n, heads, d]: a strided view when B == 1 (no copy)."""
+    """[B, heads, n, d] -> what the raw ops read as [B * n, heads, d] rows: the array itself when
+    B == 1 (the binding takes [1, heads, n, d] as that view), else a packed copy."""
     B, Hh, n, d = x.shape
     if B == 1:
-        return x[0].transpose(1, 0, 2)
+        return x
     return x.transpose(0, 2, 1, 3).reshape(B * n, Hh, d)
 
 
