@@ -85,6 +85,7 @@ def base_row(op: str, impl: str, **kw) -> Dict:
              mlx_device="gpu" if mx.default_device().type == mx.gpu else "cpu")
     if op != "ppl":
         r["dtype"] = str(DTYPE).rsplit(".", 1)[-1]
+        r["loadavg_1min"] = round(os.getloadavg()[0], 2)  # the machine's load when the case was measured
     r.update(kw)
     return r
 
