@@ -112,6 +112,49 @@ def fmkv_config(d: int, kv_heads: int, kb: int = 4, vb: int = 4, window: int = 0
     return fmkv.Config(head_dim=d, num_kv_heads=kv_heads, k_bits=kb, v_bits=vb, page_size=64, window_tokens=window)
 
 
+# ----------------------------------------------------------------------------------- torch op peer
+def torch_op_available() -> bool:
+    """fmkv's own CUDA backend through its torch op, on this machine (a CUDA build of the extension)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and fmkv.backends()["cuda"]["available"]
+
+
+def torch_op_times(ctx: Optional[int], reps: int) -> float:
+    """Eager wall time per call of fmkv's torch op on CUDA (synchronised each call, as the MLX rows
+    evaluate each call): attention at ``ctx`` (k4v4, fp16), or with ctx None the 32-layer append of
+    one token."""
+    import torch
+    from fmkv import torch_ops
+
+    H, HQ, d, L = GEOM["kv_heads"], GEOM["q_heads"], GEOM["head_dim"], GEOM["layers"]
+    cfg = fmkv_config(d, H)
+    if ctx is None:
+        tc = torch_ops.TorchCache(cfg, num_layers=L, num_pages=4, max_seqs=1, backend="cuda")
+        s = tc.add_sequence()
+        k = torch.randn(1, H, d, dtype=torch.float16, device="cuda")
+
+        def f():
+            for layer in range(L):
+                tc.append(layer, s, k, k)
+            torch.cuda.synchronize()
+
+        return timed(f, reps)
+    tc = torch_ops.TorchCache(cfg, num_layers=1, num_pages=-(-ctx // cfg.page_size), max_seqs=1, backend="cuda")
+    s = tc.add_sequence()
+    k = torch.randn(ctx, H, d, dtype=torch.float16, device="cuda")
+    tc.append(0, s, k, k)
+    q = torch.randn(1, HQ, d, dtype=torch.float16, device="cuda")
+
+    def g():
+        tc.attention(0, s, q)
+        torch.cuda.synchronize()
+
+    return timed(g, reps)
+
+
 # ----------------------------------------------------------------------------------- quantize
 def bench_quantize(args, rows: List[Dict]) -> None:
     from mlx_lm.models.cache import QuantizedKVCache
@@ -153,11 +196,16 @@ def bench_quantize(args, rows: List[Dict]) -> None:
 
     t = timed(fstep, T)
     [lay.check() for lay in layers]
+    extra = {}
+    if args.torch_op and torch_op_available():
+        top = torch_op_times(None, T)
+        extra = dict(torch_op_time_us=round(top, 2), ratio_to_torch_op=round(t / top, 3))
+        print(f"quantize  fmkv torch op (CUDA, eager): {top:9.1f} us per token (32 layers)", flush=True)
     rows.append(base_row("quantize_per_token_32_layers", "fmkv", runtime=layers[0].runtime, layers=L, kv_heads=H,
                          head_dim=d, k_bits=4, v_bits=4, time_us=round(t, 2),
                          bytes_per_token_per_head=cfg.bytes_per_token_per_head,
                          baseline="mlx_lm_int4", baseline_time_us=round(results["mlx_lm_int4"], 2),
-                         speedup=round(results["mlx_lm_int4"] / t, 3)))
+                         speedup=round(results["mlx_lm_int4"] / t, 3), **extra))
     print(f"quantize  fmkv k4v4 ({layers[0].runtime}): {t:9.1f} us per token (32 layers), "
           f"{results['mlx_lm_int4'] / t:.2f}x mlx-lm int4", flush=True)
 
@@ -214,6 +262,10 @@ def bench_decode(args, rows: List[Dict]) -> None:
             rows.append(base_row("decode_attention", impl, batch=1, q_len=1, context=ctx, q_heads=HQ, kv_heads=H,
                                  head_dim=d, layers=1, time_us=round(times[impl], 2), bytes_per_token_per_head=b))
         extra = {} if plan is None else dict(plan="default", splits=plan[1], simdgroups=plan[2])
+        if args.torch_op and torch_op_available():
+            top = torch_op_times(ctx, args.reps)
+            extra.update(torch_op_time_us=round(top, 2), ratio_to_torch_op=round(times["fmkv"] / top, 3))
+            print(f"decode {ctx:>7}: fmkv torch op (CUDA, eager) {top:9.1f} us", flush=True)
         rows.append(base_row("decode_attention", "fmkv", runtime=layer.runtime, batch=1, q_len=1, context=ctx,
                              q_heads=HQ, kv_heads=H, head_dim=d, layers=1, k_bits=4, v_bits=4,
                              time_us=round(times["fmkv"], 2), bytes_per_token_per_head=cfg.bytes_per_token_per_head,
@@ -447,6 +499,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "which computes float16 an order of magnitude slower)")
     p.add_argument("--quantize-tokens", type=int, default=50, help="timed tokens of the quantize benchmark")
     p.add_argument("--sweep", action="store_true", help="GPU: also sweep the fmkv plan (key splits x SIMD groups)")
+    p.add_argument("--torch-op", action="store_true",
+                   help="also time fmkv's torch op on CUDA in the same run (needs a CUDA build of the extension): "
+                        "fields torch_op_time_us and ratio_to_torch_op of the fmkv rows")
     p.add_argument("--data", default=os.environ.get("FMKV_DATA", "/work/shared/data/wikitext-2-raw"))
     p.add_argument("--ppl-ctx", type=int, default=2048)
     p.add_argument("--ppl-windows", type=int, default=8)

@@ -29,7 +29,9 @@
 #   tests    pytest tests/python/test_mlx_gpu.py test_mlx_host.py test_mlx_lm.py test_mlx_kernels.py
 #            (GPU: mx.fast.cuda_kernel pages bit-exact vs the reference backend, attention within
 #            1e-5 / 2e-3 / 1.2e-2 relative, errors; the mlx-lm cache on the GPU runtime)
-#   bench    bench/mlx_baseline.py --device gpu --only quantize,decode --sweep, contexts 4k..128k
+#   bench    bench/mlx_baseline.py --device gpu --only quantize,decode --sweep --torch-op, contexts 4k..128k
+#            (--torch-op times fmkv's own CUDA torch op in the same run when the extension has CUDA, i.e.
+#            when run_device_cuda.sh's build left /tmp/fmkv-pkg on this machine; otherwise it is skipped)
 # Outputs in $OUT (default /tmp/fmkv-out): env.log install.log build.log pytest_mlx.log
 #   mlx_baseline_cuda.jsonl mlx_baseline_cuda.png bench.log summary.txt
 set -u
@@ -153,7 +155,7 @@ for s in "${STEPS[@]}"; do
         tail -30 "$OUT/pytest_mlx.log"
       else
         rm -f "$OUT/mlx_baseline_cuda.jsonl"
-        step bench 240 "$PY" bench/mlx_baseline.py --device gpu --only quantize,decode --sweep --reps 30 \
+        step bench 240 "$PY" bench/mlx_baseline.py --device gpu --only quantize,decode --sweep --torch-op --reps 30 \
           --contexts 4096,8192,16384,32768,65536,131072 --out "$OUT/mlx_baseline_cuda.jsonl" \
           --plot "$OUT/mlx_baseline_cuda.png" > "$OUT/bench.log" 2>&1
         cat "$OUT/bench.log"
