@@ -471,7 +471,6 @@ def plot(rows: List[Dict], path: str) -> None:
                 ax.annotate(r["config"], (r["bytes_per_token_per_head"], r["ppl_ratio"]), fontsize=6)
         ax.set_xlabel("bytes per token per kv head (K+V)")
         ax.set_ylabel("ppl / fp16 ppl")
-        ax.set_yscale("log")
         ax.set_title("SmolLM2-135M, WikiText-2 (o: torch model, x: MLX caches)")
     fig.suptitle(f"fmkv.mlx vs mlx-lm quantized KV cache -- {rows[0]['device']}, MLX {rows[0]['mlx_version']}",
                  fontsize=10)
