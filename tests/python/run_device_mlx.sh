@@ -21,8 +21,9 @@
 # (mlx-lm's other requirements -- transformers, numpy, pyyaml, jinja2 -- are on the image; it is
 # installed --no-deps: sentencepiece / protobuf are only needed by tokenizers fmkv does not use).
 #
-# Steps (default: install build tests bench; each runs under a timeout, the script goes on after
-# a failure, the last line is the summary; < 9 minutes in all):
+# Steps (default: install build tests bench; each runs under a timeout and the script stops starting
+# steps at DEADLINE (default 530 s), so it ends within 9 minutes; it goes on after a failure, the last
+# line is the summary):
 #   install  mlx + mlx-cuda-13 + mlx-lm into /tmp/mlx-site (pip --no-index --no-deps --target)
 #   build    the fmkv extension CPU-only into /tmp/fmkv-mlx-pkg (the reference backend, the host
 #            runtime), unless /tmp/fmkv-pkg (run_device_cuda.sh's CUDA build) already exists
@@ -49,9 +50,18 @@ STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(install build tests bench)
 SUMMARY=()
 
-step() {  # step NAME TIMEOUT_S COMMAND...
+DEADLINE=${DEADLINE:-530}  # seconds for the whole script (a device call may run 600): steps get what is left
+
+step() {  # step NAME TIMEOUT_S COMMAND...: at most TIMEOUT_S, and never past DEADLINE
   local name=$1 t=$2
   shift 2
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -le 5 ]; then
+    echo "=== step $name: SKIPPED (the ${DEADLINE}s deadline is reached) ==="
+    SUMMARY+=("$name skipped: deadline")
+    return 1
+  fi
+  [ "$t" -gt "$left" ] && t=$left
   echo "=== step $name: $* (timeout ${t}s) ==="
   local t0=$SECONDS
   if declare -F "$1" >/dev/null; then timeout "$t" bash -c '"$@"' _ "$@"; else timeout "$t" "$@"; fi
@@ -148,7 +158,7 @@ for s in "${STEPS[@]}"; do
       export PYTHONPATH="$PKG:$SITE" LD_LIBRARY_PATH="$(nvidia_libs):${LD_LIBRARY_PATH:-}"
       if [ ! -f "$OUT/env.log" ]; then step env 120 env_report > "$OUT/env.log" 2>&1; cat "$OUT/env.log"; fi
       if [ "$s" = tests ]; then
-        (cd /tmp && step pytest-mlx 300 "$PY" -m pytest -q -rs -p no:cacheprovider "$REPO/tests/python/test_mlx_gpu.py" \
+        (cd /tmp && step pytest-mlx 330 "$PY" -m pytest -q -rs -p no:cacheprovider "$REPO/tests/python/test_mlx_gpu.py" \
           "$REPO/tests/python/test_mlx_host.py" "$REPO/tests/python/test_mlx_lm.py" "$REPO/tests/python/test_mlx_kernels.py") \
           > "$OUT/pytest_mlx.log" 2>&1
         SUMMARY+=("$(grep -E '^=== step pytest-mlx: rc=' "$OUT/pytest_mlx.log" | tail -1)")
