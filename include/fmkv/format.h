@@ -4,13 +4,17 @@
  * format core (src/format/ holds the rest: number formats, rotation, codebook, packing, the group
  * quantizer). Every backend (reference, CPU, CUDA, Metal) and the Python binding locate bytes only
  * through these functions. No allocation; the same text compiles as C99, C++, CUDA (host and device:
- * FMKV_HD) and MSL (Apple's compiler, the type-check shim and the CPU emulator of tests/metal).
+ * FMKV_HD; nvcc and NVRTC) and MSL (Apple's compiler, the type-check shim and the CPU emulator of tests/metal).
  */
 #ifndef FMKV_FORMAT_H
 #define FMKV_FORMAT_H
 
-#if !defined(__METAL_VERSION__)
-#include <stdint.h> /* MSL defines the fixed-width types itself */
+#if defined(__METAL_VERSION__)
+/* MSL defines the fixed-width types itself */
+#elif defined(__CUDACC_RTC__)
+#include <cuda/std/cstdint> /* NVRTC (MLX's cuda_kernel): no C library; libcu++'s fixed-width types */
+#else
+#include <stdint.h>
 #endif
 
 #if defined(__METAL_VERSION__)

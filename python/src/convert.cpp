@@ -76,18 +76,23 @@ void require_host(const char* name, const AnyArray& a) {
 
 size_t elem_size(fmkv_dtype dt) { return dt == FMKV_F32 ? 4 : 2; }
 
-HostTensor host_tensor(const char* name, const AnyArray& a, const char* expect) {
+HostTensor host_tensor(const char* name, const AnyArray& a, const char* expect, bool heads_major) {
   require_host(name, a);
   fmkv_dtype dt = float_dtype(name, a);
-  if (a.ndim() != 3)
-    fail(std::string(name) + ": expected a 3-D array " + expect + ", got shape " + shape_str(a));
-  const int64_t rows = (int64_t)a.shape(0);
-  if (a.shape(1) > (size_t)std::numeric_limits<int32_t>::max() || a.shape(2) > (size_t)std::numeric_limits<int32_t>::max())
+  // heads_major: a 4-D [1, heads, tokens, dim] array (the attention layout of mlx-lm and Hugging Face,
+  // one sequence) is accepted as the [tokens, heads, dim] view it is (the raw ops; no copy).
+  const bool bhld = heads_major && a.ndim() == 4 && a.shape(0) == 1;
+  if (a.ndim() != 3 && !bhld)
+    fail(std::string(name) + ": expected a 3-D array " + expect + (heads_major ? " (or [1, heads, tokens, head_dim])" : "") +
+         ", got shape " + shape_str(a));
+  const size_t d_rows = bhld ? 2 : 0, d_heads = 1, d_dim = bhld ? 3 : 2;
+  const int64_t rows = (int64_t)a.shape(d_rows);
+  if (a.shape(d_heads) > (size_t)std::numeric_limits<int32_t>::max() || a.shape(d_dim) > (size_t)std::numeric_limits<int32_t>::max())
     fail(std::string(name) + ": shape " + shape_str(a) + " is too large", FMKV_ERR_OVERFLOW);
-  const int32_t heads = (int32_t)a.shape(1), dim = (int32_t)a.shape(2);
+  const int32_t heads = (int32_t)a.shape(d_heads), dim = (int32_t)a.shape(d_dim);
   // Strides of size-1 dimensions are meaningless (frameworks set them freely): normalise to 0.
-  int64_t s0 = a.shape(0) > 1 ? a.stride(0) : 0, s1 = a.shape(1) > 1 ? a.stride(1) : 0,
-          s2 = a.shape(2) > 1 ? a.stride(2) : 1;
+  int64_t s0 = a.shape(d_rows) > 1 ? a.stride(d_rows) : 0, s1 = a.shape(d_heads) > 1 ? a.stride(d_heads) : 0,
+          s2 = a.shape(d_dim) > 1 ? a.stride(d_dim) : 1;
   HostTensor h;
   const size_t es = elem_size(dt);
   if (s2 == 1 && s0 >= 0 && s1 >= 0) {

@@ -30,7 +30,7 @@ struct HostTensor {
   fmkv_tensor t{};
   std::vector<uint8_t> packed;
 };
-HostTensor host_tensor(const char* name, const AnyArray& a, const char* expect);
+HostTensor host_tensor(const char* name, const AnyArray& a, const char* expect, bool heads_major = false);
 
 // Element i of a 1-D float32/float16/bfloat16 array as fp16 bits (rounded like the format).
 std::vector<uint16_t> vector_f16(const char* name, const AnyArray& a);

@@ -125,8 +125,8 @@ void raw_append(const std::string& backend, const fmkv_config& cfg, int64_t laye
     fmkv::check(fmkv_append(b, &cfg, &L.lc, &B.b, &kt, &vt, stream_ptr(stream)));
     return;
   }
-  HostTensor kt = host_tensor("k", k, "[tokens, num_kv_heads, head_dim]");
-  HostTensor vt = host_tensor("v", v, "[tokens, num_kv_heads, head_dim]");
+  HostTensor kt = host_tensor("k", k, "[tokens, num_kv_heads, head_dim]", true);
+  HostTensor vt = host_tensor("v", v, "[tokens, num_kv_heads, head_dim]", true);
   nb::gil_scoped_release nogil;
   fmkv::check(fmkv_append(b, &cfg, &L.lc, &B.b, &kt.t, &vt.t, nullptr));
 }
@@ -159,7 +159,7 @@ void raw_attention_args(RawAttention& r, bool cuda, int32_t num_seqs, const AnyA
   if (cuda) {
     r.q = device_tensor("q", q, "[query_tokens, q_heads, head_dim]");
   } else {
-    r.q_host = host_tensor("q", q, "[query_tokens, q_heads, head_dim]");
+    r.q_host = host_tensor("q", q, "[query_tokens, q_heads, head_dim]", true);
     r.q = r.q_host.t;
   }
   if (out.ndim() != 3 || (int64_t)out.shape(0) != r.q.rows || (int64_t)out.shape(1) != r.q.heads || (int64_t)out.shape(2) != r.q.dim)
@@ -205,8 +205,8 @@ void attention_call(const std::string& backend, const fmkv_config& cfg, int64_t 
     kt = device_tensor("k", kv->first, "[tokens, num_kv_heads, head_dim]");
     vt = device_tensor("v", kv->second, "[tokens, num_kv_heads, head_dim]");
   } else {
-    kh = host_tensor("k", kv->first, "[tokens, num_kv_heads, head_dim]");
-    vh = host_tensor("v", kv->second, "[tokens, num_kv_heads, head_dim]");
+    kh = host_tensor("k", kv->first, "[tokens, num_kv_heads, head_dim]", true);
+    vh = host_tensor("v", kv->second, "[tokens, num_kv_heads, head_dim]", true);
     kt = kh.t;
     vt = vh.t;
   }

@@ -15,7 +15,7 @@ namespace fmkv {
 #define FMKV_TABLE constant
 #include "codebooks.inc"
 #undef FMKV_TABLE
-#else
+#elif !defined(__CUDACC_RTC__)  // (NVRTC compiles device code only: the constant-memory copy below)
 #define FMKV_TABLE static const
 #include "codebooks.inc"
 #undef FMKV_TABLE
@@ -36,7 +36,7 @@ FMKV_HD int magnitude_count(int bits) { return 1 << (bits - 1); }
 
 // fp16 bits of positive level m of a b-bit codebook (these fp16 values ARE the format's levels).
 FMKV_HD uint16_t codebook_mag_f16(int bits, int m) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(__CUDACC_RTC__)
   return dev::fmkv_codebook_mag_f16[FMKV_CODEBOOK_OFFSET(bits) + m];
 #else
   return fmkv_codebook_mag_f16[FMKV_CODEBOOK_OFFSET(bits) + m];

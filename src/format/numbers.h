@@ -11,8 +11,8 @@
 #include "../../include/fmkv/format.h"
 #if defined(__METAL_VERSION__)
 #include <metal_stdlib>
-#else
-#include <string.h>
+#elif !defined(__CUDACC_RTC__)
+#include <string.h>  // (NVRTC has no C library: device code reinterprets with intrinsics)
 #endif
 #if defined(__CUDACC__)
 #include <cuda_fp16.h>
@@ -23,6 +23,8 @@ namespace fmkv {
 FMKV_HD uint32_t f32_bits(float f) {
 #if defined(__METAL_VERSION__)
   return metal::as_type<uint32_t>(f);
+#elif defined(__CUDACC_RTC__)
+  return __float_as_uint(f);
 #else
   uint32_t u;
   memcpy(&u, &f, 4);
@@ -32,6 +34,8 @@ FMKV_HD uint32_t f32_bits(float f) {
 FMKV_HD float bits_f32(uint32_t u) {
 #if defined(__METAL_VERSION__)
   return metal::as_type<float>(u);
+#elif defined(__CUDACC_RTC__)
+  return __uint_as_float(u);
 #else
   float f;
   memcpy(&f, &u, 4);

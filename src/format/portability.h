@@ -7,7 +7,9 @@
 //   * host C++ inside the CPU emulator (FMKV_EMULATOR, set by tests/metal/emu/metal_stdlib): the
 //     MSL names (simd_shuffle_xor, simd_ballot, threadgroup_barrier, half, as_type, precise::)
 //     are provided by the emulator, which runs every thread as a fiber.
-//   * CUDA (__CUDACC__): warp = SIMD group of 32 lanes (compile check: tests/metal/cuda_check.cu).
+//   * CUDA (__CUDACC__): warp = SIMD group of 32 lanes, compiled by nvcc (tests/metal/cuda_check.cu,
+//     cuda_core_test.cu) or by NVRTC at run time (__CUDACC_RTC__: MLX's mx.fast.cuda_kernel, whose
+//     generated source includes only CUDA's own headers, no C library).
 //   * plain host C++ (none of the above: src/ref, src/cpu, src/io, src/metal/backend.mm): the
 //     fixed-width types and empty address-space qualifiers, so that the scalar format core and
 //     params_msl.h are shared with the host.
@@ -57,21 +59,27 @@ typedef long fmkv_i64;
 #define FMKV_TG_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define FMKV_EXP(x) precise::exp(x)
 #define FMKV_TANH(x) precise::tanh(x)
+// a * b rounded to float32, never fused with a following add (contraction is off, see above).
+#define FMKV_MUL_RN(a, b) ((a) * (b))
 
 #elif defined(__CUDACC__)
 // ------------------------------------------------------------------------------ CUDA
-#include <cuda_fp16.h>
-#include <stdint.h>
+#include <cuda_fp16.h>  // NVRTC finds it on the include path its caller passes (MLX: the CUDA toolkit's)
 #define FMKV_CUDA_CORE 1
 #define FMKV_DEVICE
 #define FMKV_CONSTANT
 #define FMKV_THREADGROUP
 #define FMKV_THREAD
-typedef uint8_t fmkv_u8;
+#if defined(__CUDACC_RTC__)
+#include <cuda/std/cstdint>  // NVRTC: no C library; libcu++'s fixed-width types (include/fmkv/format.h too)
+#else
+#include <stdint.h>
+#endif
+typedef uint8_t fmkv_u8;  // the format core's fixed-width types, so that its functions take these
 typedef uint16_t fmkv_u16;
 typedef uint32_t fmkv_u32;
 typedef int32_t fmkv_i32;
-typedef uint64_t fmkv_u64;  // the format core's uint64_t / int64_t, so that its functions take these
+typedef uint64_t fmkv_u64;
 typedef int64_t fmkv_i64;
 #define FMKV_INLINE static __device__ __forceinline__
 #define FMKV_THREADGROUP_ARRAY(T, name, n) __shared__ T name[n]
@@ -80,6 +88,9 @@ typedef int64_t fmkv_i64;
 #define FMKV_TG_BARRIER() __syncthreads()
 #define FMKV_EXP(x) expf(x)
 #define FMKV_TANH(x) tanhf(x)
+// a * b rounded to float32 and never contracted into an FMA: nvcc and NVRTC contract a*b + c by
+// default (-fmad=true; MLX's NVRTC call passes no option to turn it off), __fmul_rn is exempt.
+#define FMKV_MUL_RN(a, b) __fmul_rn((a), (b))
 
 #else
 // ------------------------------------------------------------------------------ plain host (types only)

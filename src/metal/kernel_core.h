@@ -102,9 +102,10 @@ FMKV_INLINE void fmkv_unrotate_lanes(FMKV_THREAD float* v, int G, FMKV_THREAD co
 }
 
 // quantize_group (src/format/quantize_group.h) with lane j holding y_j: returns lane j's code;
-// *scale = fp16 bits of the group's stored scale (identical in every lane).
+// *scale = fp16 bits of the group's stored scale (identical in every lane). The products are rounded
+// before the butterfly adds them (FMKV_MUL_RN: never an FMA), as in tree_sum32.
 FMKV_INLINE fmkv_u32 fmkv_quantize_group_lane(float y, int bits, int scale_rule, FMKV_THREAD fmkv_u16* scale) {
-  fmkv_u16 s0 = fmkv::rms_scale(fmkv_simd_tree_sum(y * y));
+  fmkv_u16 s0 = fmkv::rms_scale(fmkv_simd_tree_sum(FMKV_MUL_RN(y, y)));
   float s0f = fmkv::f16_to_f32(s0);
   if (s0f == 0.0f) {  // uniform across the SIMD group
     *scale = 0;
@@ -116,8 +117,8 @@ FMKV_INLINE fmkv_u32 fmkv_quantize_group_lane(float y, int bits, int scale_rule,
     return code;
   }
   float l = fmkv::decode_level(code, bits);
-  float num = fmkv_simd_tree_sum(y * l);
-  float den = fmkv_simd_tree_sum(l * l);
+  float num = fmkv_simd_tree_sum(FMKV_MUL_RN(y, l));
+  float den = fmkv_simd_tree_sum(FMKV_MUL_RN(l, l));
   *scale = fmkv::lsq_scale(num, den);
   return code;
 }
@@ -194,25 +195,31 @@ FMKV_INLINE void fmkv_softmax_update(FMKV_THREAD float* m, FMKV_THREAD float* l,
 }
 
 // ================================================================================================
-// Whole-kernel bodies. The .metal kernels (and the MLX bodies in python/fmkv/mlx.py, and the CUDA
-// compile check) are thin wrappers: they declare threadgroup arrays and pass thread ids.
+// Whole-kernel bodies. The .metal kernels (and the MLX bodies in python/fmkv/mlx/kernels.py, and the
+// CUDA tests) are thin wrappers: they declare threadgroup arrays and pass thread ids.
+// The SIMD-group kernels come in two forms: fmkv_*_spec takes head_dim D and the bit widths KB, VB
+// as arguments that the caller may pass as compile-time constants (the MLX bodies pass template
+// arguments: loops over groups and queries then unroll and per-lane arrays stay in registers); a
+// launch whose constants differ from the parameter block refuses to run (FMKV_METAL_ERR_LAUNCH).
+// fmkv_*_impl passes the parameter block's own values.
 // ================================================================================================
 
 // quantize-append, pass 1: compress the tokens that enter [S, E) in this call. One SIMD group per
 // (packed row r, kv head h, K|V): row r = row0 + j of sequence s compresses position E_old + j
 // when that is < E_new; its source is the new row itself (position >= len0) or the fp16 window
 // ring slot (position < len0; pass 2 overwrites the ring afterwards). Needs full SIMD groups.
-FMKV_INLINE void fmkv_append_compress_impl(
+FMKV_INLINE void fmkv_append_compress_spec(
     FMKV_DEVICE const fmkv_metal_append_params& p, FMKV_DEVICE fmkv_u8* pages,
     FMKV_DEVICE const fmkv_u16* fp16_k, FMKV_DEVICE const fmkv_u16* fp16_v, FMKV_DEVICE const fmkv_u8* k,
     FMKV_DEVICE const fmkv_u8* v, FMKV_DEVICE const fmkv_i64* seq_lens, FMKV_DEVICE const fmkv_i64* row_offsets,
     FMKV_DEVICE const fmkv_i32* block_table, FMKV_DEVICE const fmkv_i32* slots, FMKV_DEVICE fmkv_u32* status,
-    fmkv_u32 tg, fmkv_u32 sg, fmkv_u32 nsg, fmkv_u32 lane, fmkv_u32 threads) {
-  if ((threads & 31u) != 0u) {
+    fmkv_u32 tg, fmkv_u32 sg, fmkv_u32 nsg, fmkv_u32 lane, fmkv_u32 threads, const fmkv_i32 D, const int KB,
+    const int VB) {
+  if ((threads & 31u) != 0u || D != p.head_dim || KB != p.k_bits || VB != p.v_bits) {
     status[1] = FMKV_METAL_ERR_LAUNCH;
     return;
   }
-  const fmkv_i32 H = p.num_kv_heads, d = p.head_dim, G = d / 32, S = p.sink_tokens, W = p.window_tokens,
+  const fmkv_i32 H = p.num_kv_heads, d = D, G = d / 32, S = p.sink_tokens, W = p.window_tokens,
                  P = p.page_size;
   const fmkv_i64 item = (fmkv_i64)tg * nsg + sg;
   if (item >= p.total_rows * H * 2) return;
@@ -231,7 +238,7 @@ FMKV_INLINE void fmkv_append_compress_impl(
     return;
   }
   const fmkv_i32 t = (fmkv_i32)(ci % P);
-  const int bits = is_v ? p.v_bits : p.k_bits;
+  const int bits = is_v ? VB : KB;
   fmkv_u16 xh[FMKV_METAL_GMAX];
   if (q >= len0) {
     FMKV_DEVICE const fmkv_u8* src = is_v ? v : k;
@@ -245,7 +252,7 @@ FMKV_INLINE void fmkv_append_compress_impl(
     for (int g = 0; g < G; ++g) xh[g] = region[off + g * 32 + lane];
   }
   FMKV_DEVICE fmkv_u8* section =
-      pages + (fmkv_i64)page * p.page_bytes + fmkv_section_offset(d, p.k_bits, p.v_bits, P, h, is_v);
+      pages + (fmkv_i64)page * p.page_bytes + fmkv_section_offset(d, KB, VB, P, h, is_v);
   if (bits == 16) {  // K kept in fp16, unrotated
     FMKV_DEVICE fmkv_u16* dst = (FMKV_DEVICE fmkv_u16*)section + (fmkv_i64)t * d;
     for (int g = 0; g < G; ++g) dst[g * 32 + lane] = xh[g];
@@ -267,6 +274,15 @@ FMKV_INLINE void fmkv_append_compress_impl(
       if ((int)lane == b) words[fmkv_code_word_index(bits, P, g, b, t)] = w[b];
     if (lane == 0u) scales[(fmkv_i64)g * P + t] = scale;
   }
+}
+FMKV_INLINE void fmkv_append_compress_impl(
+    FMKV_DEVICE const fmkv_metal_append_params& p, FMKV_DEVICE fmkv_u8* pages,
+    FMKV_DEVICE const fmkv_u16* fp16_k, FMKV_DEVICE const fmkv_u16* fp16_v, FMKV_DEVICE const fmkv_u8* k,
+    FMKV_DEVICE const fmkv_u8* v, FMKV_DEVICE const fmkv_i64* seq_lens, FMKV_DEVICE const fmkv_i64* row_offsets,
+    FMKV_DEVICE const fmkv_i32* block_table, FMKV_DEVICE const fmkv_i32* slots, FMKV_DEVICE fmkv_u32* status,
+    fmkv_u32 tg, fmkv_u32 sg, fmkv_u32 nsg, fmkv_u32 lane, fmkv_u32 threads) {
+  fmkv_append_compress_spec(p, pages, fp16_k, fp16_v, k, v, seq_lens, row_offsets, block_table, slots, status, tg,
+                            sg, nsg, lane, threads, p.head_dim, p.k_bits, p.v_bits);
 }
 
 // quantize-append, pass 2 (after pass 1): write the new tokens' fp16 sink / window-ring entries.
@@ -308,18 +324,18 @@ FMKV_INLINE fmkv_i64 fmkv_attention_items(FMKV_DEVICE const fmkv_metal_attention
 // (m, l, acc) number c * nsg + w of each query of the tile. Scores use the rotated query for
 // rotated keys and the raw query for fp16 keys; values are accumulated in the rotated domain
 // (fp16 window / sink values are rotated on load). q_rot, q_raw: threadgroup [QTILE * 256].
-FMKV_INLINE void fmkv_attention_partial_impl(
+FMKV_INLINE void fmkv_attention_partial_spec(
     FMKV_DEVICE const fmkv_metal_attention_params& p, FMKV_DEVICE const fmkv_u8* pages,
     FMKV_DEVICE const fmkv_u16* fp16_k, FMKV_DEVICE const fmkv_u16* fp16_v, FMKV_DEVICE const fmkv_u8* q,
     FMKV_DEVICE const fmkv_i64* seq_lens, FMKV_DEVICE const fmkv_i64* row_offsets,
     FMKV_DEVICE const fmkv_i32* block_table, FMKV_DEVICE const fmkv_i32* slots, FMKV_DEVICE float* ws,
     FMKV_DEVICE fmkv_u32* status, FMKV_THREADGROUP float* q_rot, FMKV_THREADGROUP float* q_raw, fmkv_u32 tg,
-    fmkv_u32 sg, fmkv_u32 nsg, fmkv_u32 lane, fmkv_u32 threads) {
-  if ((threads & 31u) != 0u) {
+    fmkv_u32 sg, fmkv_u32 nsg, fmkv_u32 lane, fmkv_u32 threads, const fmkv_i32 D, const int KB, const int VB) {
+  if ((threads & 31u) != 0u || D != p.head_dim || KB != p.k_bits || VB != p.v_bits) {
     status[1] = FMKV_METAL_ERR_LAUNCH;
     return;
   }
-  const fmkv_i32 H = p.num_kv_heads, d = p.head_dim, G = d / 32, S = p.sink_tokens, W = p.window_tokens,
+  const fmkv_i32 H = p.num_kv_heads, d = D, G = d / 32, S = p.sink_tokens, W = p.window_tokens,
                  P = p.page_size, group = p.q_heads / p.num_kv_heads;
   fmkv_i64 rest = tg;
   const fmkv_i32 c = (fmkv_i32)(rest % p.num_splits);
@@ -378,15 +394,17 @@ FMKV_INLINE void fmkv_attention_partial_impl(
       }
       t = (fmkv_i32)(ci % P);
       base = pages + (fmkv_i64)page * p.page_bytes;
-      fmkv_load_section_lanes(base + fmkv_section_offset(d, p.k_bits, p.v_bits, P, h, 0), p.k_bits, d, P, t, lane, kv);
-      k_rot = p.k_bits != 16;
+      fmkv_load_section_lanes(base + fmkv_section_offset(d, KB, VB, P, h, 0), KB, d, P, t, lane, kv);
+      k_rot = KB != 16;
     } else {
       off = fmkv_fp16_offset(H, S + W, d, slot, h, fmkv_fp16_row(S, W, kp));
       for (int g = 0; g < G; ++g) kv[g] = fmkv::f16_to_f32(fp16_k[off + g * 32 + lane]);
     }
     FMKV_THREADGROUP const float* qq = k_rot ? q_rot : q_raw;
     float sc[FMKV_METAL_QTILE];
-    for (int qt = 0; qt < nq; ++qt) {
+    for (int qt = 0; qt < FMKV_METAL_QTILE; ++qt) {  // constant trip count: sc, m, l, acc in registers
+      sc[qt] = 0.0f;
+      if (qt >= nq) continue;  // uniform per SIMD group
       float part = 0.0f;
       for (int g = 0; g < G; ++g) part = part + qq[qt * 256 + g * 32 + (int)lane] * kv[g];
       float x = fmkv_simd_tree_sum(part) * p.softmax_scale;
@@ -394,18 +412,19 @@ FMKV_INLINE void fmkv_attention_partial_impl(
       sc[qt] = x;
     }
     if (comp) {
-      fmkv_load_section_lanes(base + fmkv_section_offset(d, p.k_bits, p.v_bits, P, h, 1), p.v_bits, d, P, t, lane, vv);
+      fmkv_load_section_lanes(base + fmkv_section_offset(d, KB, VB, P, h, 1), VB, d, P, t, lane, vv);
     } else {
       for (int g = 0; g < G; ++g) vv[g] = fmkv::f16_to_f32(fp16_v[off + g * 32 + lane]);
       fmkv_rotate_lanes(vv, G, sw, norm, lane);
     }
-    for (int qt = 0; qt < nq; ++qt)
-      if (kp <= qpos[qt]) fmkv_softmax_update(&m[qt], &l[qt], acc[qt], vv, G, sc[qt]);
+    for (int qt = 0; qt < FMKV_METAL_QTILE; ++qt)
+      if (qt < nq && kp <= qpos[qt]) fmkv_softmax_update(&m[qt], &l[qt], acc[qt], vv, G, sc[qt]);
   }
   const fmkv_i64 nqi = fmkv_attention_items(p);
   const fmkv_i64 item0 = (((fmkv_i64)s * H + h) * p.tiles + tile) * FMKV_METAL_QTILE;
   const fmkv_i32 part = c * (fmkv_i32)nsg + (fmkv_i32)sg;
-  for (int qt = 0; qt < nq; ++qt) {
+  for (int qt = 0; qt < FMKV_METAL_QTILE; ++qt) {
+    if (qt >= nq) continue;
     const fmkv_i64 idx = (item0 + qt) * p.parts + part;
     if (lane == 0u) {
       ws[idx * 2] = m[qt];
@@ -415,18 +434,29 @@ FMKV_INLINE void fmkv_attention_partial_impl(
     for (int g = 0; g < G; ++g) a[g * 32 + lane] = acc[qt][g];
   }
 }
+FMKV_INLINE void fmkv_attention_partial_impl(
+    FMKV_DEVICE const fmkv_metal_attention_params& p, FMKV_DEVICE const fmkv_u8* pages,
+    FMKV_DEVICE const fmkv_u16* fp16_k, FMKV_DEVICE const fmkv_u16* fp16_v, FMKV_DEVICE const fmkv_u8* q,
+    FMKV_DEVICE const fmkv_i64* seq_lens, FMKV_DEVICE const fmkv_i64* row_offsets,
+    FMKV_DEVICE const fmkv_i32* block_table, FMKV_DEVICE const fmkv_i32* slots, FMKV_DEVICE float* ws,
+    FMKV_DEVICE fmkv_u32* status, FMKV_THREADGROUP float* q_rot, FMKV_THREADGROUP float* q_raw, fmkv_u32 tg,
+    fmkv_u32 sg, fmkv_u32 nsg, fmkv_u32 lane, fmkv_u32 threads) {
+  fmkv_attention_partial_spec(p, pages, fp16_k, fp16_v, q, seq_lens, row_offsets, block_table, slots, ws, status,
+                              q_rot, q_raw, tg, sg, nsg, lane, threads, p.head_dim, p.k_bits, p.v_bits);
+}
 
 // decode attention, pass 2: one SIMD group per query item merges its `parts` partial states,
 // normalises, rotates back and stores out[row][hq] in the output dtype. Needs full SIMD groups.
-FMKV_INLINE void fmkv_attention_merge_impl(FMKV_DEVICE const fmkv_metal_attention_params& p,
+FMKV_INLINE void fmkv_attention_merge_spec(FMKV_DEVICE const fmkv_metal_attention_params& p,
                                            FMKV_DEVICE const fmkv_i64* row_offsets, FMKV_DEVICE const float* ws,
                                            FMKV_DEVICE fmkv_u8* out, FMKV_DEVICE fmkv_u32* status, fmkv_u32 tg,
-                                           fmkv_u32 sg, fmkv_u32 nsg, fmkv_u32 lane, fmkv_u32 threads) {
-  if ((threads & 31u) != 0u) {
+                                           fmkv_u32 sg, fmkv_u32 nsg, fmkv_u32 lane, fmkv_u32 threads,
+                                           const fmkv_i32 D) {
+  if ((threads & 31u) != 0u || D != p.head_dim) {
     status[1] = FMKV_METAL_ERR_LAUNCH;
     return;
   }
-  const fmkv_i32 H = p.num_kv_heads, d = p.head_dim, G = d / 32, group = p.q_heads / p.num_kv_heads;
+  const fmkv_i32 H = p.num_kv_heads, d = D, G = d / 32, group = p.q_heads / p.num_kv_heads;
   const fmkv_i64 nqi = fmkv_attention_items(p), item = (fmkv_i64)tg * nsg + sg;
   if (item >= nqi) return;
   fmkv_i64 rest = item;
@@ -458,6 +488,12 @@ FMKV_INLINE void fmkv_attention_merge_impl(FMKV_DEVICE const fmkv_metal_attentio
   const fmkv_i32 hq = h * group + (fmkv_i32)(qi % group);
   for (int g = 0; g < G; ++g)
     fmkv_store_f32(out, p.out_dtype, row * p.out_row_stride + (fmkv_i64)hq * p.out_head_stride + g * 32 + lane, o[g]);
+}
+FMKV_INLINE void fmkv_attention_merge_impl(FMKV_DEVICE const fmkv_metal_attention_params& p,
+                                           FMKV_DEVICE const fmkv_i64* row_offsets, FMKV_DEVICE const float* ws,
+                                           FMKV_DEVICE fmkv_u8* out, FMKV_DEVICE fmkv_u32* status, fmkv_u32 tg,
+                                           fmkv_u32 sg, fmkv_u32 nsg, fmkv_u32 lane, fmkv_u32 threads) {
+  fmkv_attention_merge_spec(p, row_offsets, ws, out, status, tg, sg, nsg, lane, threads, p.head_dim);
 }
 
 #endif  // FMKV_METAL_KERNEL_CORE_H

@@ -4,7 +4,8 @@
 // fmkv_tensor (include/fmkv/params.h); the arrays themselves (pages, fp16 regions, tensors, block
 // table, lengths, row offsets, slots) are bound as separate buffers (see the buffer index lists
 // below). Every field sits at its natural alignment with no implicit padding, so the C++ host, MSL
-// and python/fmkv/mlx.py (struct.pack) agree on the layout; tests check the offsets.
+// and python/fmkv/mlx/kernels.py (struct.pack, with the field lists it reads from this file) agree
+// on the layout; tests check the offsets.
 // Include src/format/portability.h first.
 #ifndef FMKV_METAL_PARAMS_MSL_H
 #define FMKV_METAL_PARAMS_MSL_H

@@ -300,7 +300,7 @@ void run_error_cases() {
          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
-// The parameter blocks must have the layout python/fmkv/mlx.py packs (no implicit padding).
+// The parameter blocks must have the layout python/fmkv/mlx/kernels.py packs (no implicit padding).
 void run_layout_case() {
   bool ok = sizeof(fmkv_metal_append_params) == 128 && sizeof(fmkv_metal_attention_params) == 160 &&
             offsetof(fmkv_metal_append_params, seed) == 32 && offsetof(fmkv_metal_append_params, page_bytes) == 120 &&
@@ -313,7 +313,7 @@ void run_layout_case() {
 }
 
 // Parameter blocks of a fixed configuration as hex, for tests/metal/run.sh to compare with
-// python/fmkv/mlx.py's packing.
+// python/fmkv/mlx/kernels.py's packing.
 int dump_params() {
   fmkv_config c = make_config(128, 3, 4, 2, 16, 2, 8, FMKV_SCALE_RMS);
   c.seed = 0x1234567890abcdefull;
