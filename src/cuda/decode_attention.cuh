@@ -1,17 +1,23 @@
-// CUDA decode attention on the compressed cache (issue 4, kernel 2): flash-decoding with tensor
-// cores. Grid (kv heads, sequences, nraw + nsplit): blockIdx.z < nraw are the raw-domain CTAs (sp = nsplit +
-// blockIdx.z), the rest the splits (sp = blockIdx.z - nraw), so that CTAs are dispatched (in linear block order)
-// raw-domain first, then split 0 of every (sequence, kv head) pair, split 1, ...: a fused step's append never
-// waits for a second wave (c2f2a77, docs/history/cuda-split-count.md). CTA (split sp < nsplit, sequence s,
-// kv head h) takes a contiguous range of 16-token tiles of the compressed tokens, for up to 8 query vectors at a time
-// (all q heads of the GQA group x query rows), so every K/V byte is read once per 8 query vectors.
-// CTA sp == nsplit does the fp16 sink + window tokens in the raw domain (fp16_part) or, for a fused
-// step, the append and the attention over the step's own tokens (fused_step); a fused step with fp16
-// regions has a second one (sp == nsplit + 1, nraw = 2) for the sink and window tokens before the step.
+// CUDA decode attention on the compressed cache: flash-decoding with tensor cores. One kernel,
+// attn_kernel, whose CTAs take one of three roles. Grid (kv heads, sequences, nraw + nsplit):
+// blockIdx.z < nraw are the raw-domain CTAs (sp = nsplit + blockIdx.z), the rest the split CTAs
+// (sp = blockIdx.z - nraw), so that CTAs are dispatched (in linear block order) raw-domain first, then
+// split 0 of every (sequence, kv head) pair, split 1, ...: a fused step's append never waits for a second
+// wave (docs/history/cuda-split-count.md). Roles of CTA (sp, sequence s, kv head h):
+//   split CTA, sp < nsplit: a contiguous range of 16-token tiles of the sequence's compressed tokens, for up
+//     to kQV = 8 query vectors per pass (all q heads of the GQA group x query rows), so every K/V byte is
+//     read once per 8 query vectors; partial slot sp.
+//   fp16_part (fp16_part.cuh), sp == nsplit of an attention call or sp == nsplit + 1 of a fused step with
+//     fp16 regions (nraw = 2): the fp16 sink and window tokens (a fused step's: those before the step);
+//     partial slot sp.
+//   fused_step (fused_step.cuh), sp == nsplit of a fused step: the append, then the attention over the
+//     step's own tokens (fresh_part); partial slot nsplit.
+// Every partial (m, l, acc) is in the raw domain; merge_kernel (decode_attention.cu) adds them with their
+// weights (no rotation).
 //
-// Per warp and 16-token tile (staged in shared memory by cp.async, 2-3 tiles ahead; branch-free
-// issue: a missing tile or a bad page entry zero-fills its stage, the entry error is reported after
-// the loop):
+// Split CTA, per warp and 16-token tile (staged in shared memory by cp.async NST - 1 tiles ahead of the
+// one computed, NST = 3 stages per warp, 2 where 3 do not fit 64 KB; branch-free issue: a missing tile or a
+// bad page entry zero-fills its stage, the entry error is reported after the loop):
 //   S = K Q^T     mma.m16n8k16 (m = 16 tokens, n = 8 q vectors, k = 16 coordinates), two per group;
 //                 the K fragment is decoded in registers: field word -> selector-form bytes -> one
 //                 64-bit multiply-add for two byte-permute selectors -> one prmt per fp16 pair from
@@ -20,7 +26,8 @@
 //                 index a signed 4-entry table instead (make_x2s): no sign work. 4-bit codes are nibbles
 //                 (format version 2): a half-word of 4 codes is the selector of two byte permutes (low /
 //                 high bytes of the levels), a sign-replicating permute ORs the signs into the high
-//                 bytes, two permutes interleave them into 2 fp16 pairs (nibble_bytes).
+//                 bytes, two permutes interleave them into 2 fp16 pairs (nibble_bytes). fp16 K: the
+//                 pairs straight from the staged rows.
 //                 Coordinates are permuted consistently in Q and K (the dot product does not care);
 //                 the Q fragments are read from shared memory per tile (registers for occupancy).
 //                 Per-group fp16 scales are applied in fp32 to each group's mma result.
@@ -30,10 +37,10 @@
 //                 pairs two tokens of one coordinate; P is multiplied by the token's V scale in fp32
 //                 (p <= 1, |scale| <= 65504: the fp16 operand cannot overflow) and transposed into
 //                 the B operand by movmatrix.
-// Q is rotated once per CTA (in registers, a warp per query vector) and normalised to max |q| = 1
-// before fp16 rounding. A split CTA combines its 4 warps, applies the inverse rotation once (half a warp
-// per query vector) and writes its partial (m, l, acc in the raw domain) to the workspace; merge_kernel
-// combines the splits' and the fp16 part's partials (a weighted sum, no rotation).
+// Q is rotated once per pass (in registers, a warp per query vector; fp16 K is stored unrotated, so its Q
+// is not) and normalised to max |q| = 1 before fp16 rounding. After the tile loop the split CTA combines
+// its 4 warps, applies the inverse rotation once per vector (half a warp per query vector) and writes its
+// partial to the workspace.
 #pragma once
 #include "attn_params.cuh"
 #include "fp16_part.cuh"
@@ -156,7 +163,8 @@ struct TileGeom {
   static constexpr int vbytes = G * VB * 64 + G * 32;
   static constexpr int bytes = kbytes + vbytes;
   static constexpr int chunks = bytes / 16;
-  // per-warp pipeline depth: 3 tiles in flight when the CTA's stages fit in 64 KB, else 2
+  // per-warp pipeline depth: 3 stages (the tile computed and 2 in flight) when the CTA's stages fit
+  // in 64 KB, else 2
   static constexpr int stages = kAttnWarps * 3 * bytes <= 64 * 1024 ? 3 : 2;
   static constexpr int stage_bytes = kAttnWarps * stages * bytes;
   static constexpr int combine_bytes = kAttnWarps * kQV * D * 4;  // sm_acc; sq (kQV x D floats) is smaller
@@ -173,15 +181,17 @@ struct TileGeom {
 // mma row / k index r of the tile stands for token pi(r) = 2r (r < 8), 2(r - 8) + 1 (r >= 8), so that
 // the two tokens of a lane are adjacent words of a staged plane row (one 8- or 16-byte load):
 //   K (mma A operand, 16 tokens x 16 coordinates): tokens 2gID, 2gID + 1; of each group g and chunk
-//     c in {0, 1} the coordinates i0, i0+16 (a0/a1) and i0+1, i0+17 (a2/a3), i0 = 8c + 2 tid.
+//     c in {0, 1}, 3-bit and fp16 K: the coordinates i0, i0+16 (a0/a1) and i0+1, i0+17 (a2/a3),
+//     i0 = 8c + 2 tid; 2-bit: (i0, i0+1) and (i0+16, i0+17); 4-bit: 8 tid + 4c .. + 3 (the B operand's
+//     comment below).
 //   Q (mma B operand): query vector gID, the same coordinates.   S (C fragment): tokens 2gID, 2gID+1
 //     x query vectors 2 tid, 2 tid + 1, so the softmax state of a lane is that of queries 2tid, 2tid+1.
 //   P -> B operand of the V mma (k = 2tid, 2tid+1, 2tid+8, 2tid+9, i.e. tokens 4tid, 4tid+2, 4tid+1,
 //     4tid+3, x query gID) by movmatrix.trans, after the per-token V scale of group g has been folded
 //     into P (fp32, before fp16 rounding).
-//   V (mma A operand, 16 coordinates x 16 tokens): coordinates 2gID (+16, +1, +17) of each group, tokens
-//     4tid .. 4tid + 3 (pairs (4tid, 4tid+2), (4tid+1, 4tid+3)).   O (C fragment): those coordinates x
-//     queries 2tid, 2tid+1.
+//   V (mma A operand, 16 coordinates x 16 tokens): coordinates 2gID (+16, +1, +17) of each group (4-bit V:
+//     4gID .. 4gID + 3), tokens 4tid .. 4tid + 3 (pairs (4tid, 4tid+2), (4tid+1, 4tid+3)).   O (C fragment):
+//     those coordinates x queries 2tid, 2tid+1.
 template <int D, int KB, int VB, int P>
 __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn_kernel(AttnParams p) {
   constexpr int G = D / 32;
