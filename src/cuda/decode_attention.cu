@@ -23,12 +23,13 @@ namespace {
 // Thread -> data: every warp forms the weights itself from all (m, l) (lane c: partials c + 32 k;
 // shuffles, no barrier; the wide variants stage the (m, l) through shared memory, one load each);
 // thread t takes the float4 of coordinates 4 (t % (D/4)) .. +3 of the partials i = t / (D/4) + k *
-// (NT / (D/4)) (i / 32 is warp-uniform, so a weight is one shuffle). The first kFirst partials (all of
-// them without the wide variant) are requested with every other load of the kernel (error word
-// included) before the first is used -- one L2 round trip -- then the weighted slices are summed in
-// shared memory (one barrier) and thread c < D stores coordinate c. Partials >= kFirst (wide): requested
-// once the weights are known, only where the weight is non-zero and up to the last such partial, so a
-// short sequence (its splits >= 64 empty) costs no second round trip.
+// (NT / (D/4)) (i / 32 is warp-uniform, so a weight is one shuffle). The first KE x SL >= kFirst
+// partials (all of them without the wide variant) are requested with every other load of the kernel
+// (error word included) before the first is used -- one L2 round trip -- then the weighted slices are
+// summed in shared memory (one barrier; the wide variant by 8-row groups first, a second one) and thread
+// c < D stores coordinate c. Partials from KE x SL on (wide): requested once the weights are known, only
+// where the weight is non-zero and up to the last such partial, so a short sequence (its splits >= 64
+// empty) costs no second round trip.
 constexpr int kMergeThreads = 256;  // up to 64 splits
 constexpr int merge_threads_wide(int d) { return d > 128 ? 512 : 1024; }
 template <int D, int NT>

@@ -1,17 +1,23 @@
-// CUDA decode attention on the compressed cache (issue 4, kernel 2): flash-decoding with tensor
-// cores. Grid (kv heads, sequences, nraw + nsplit): blockIdx.z < nraw are the raw-domain CTAs (sp = nsplit +
-// blockIdx.z), the rest the splits (sp = blockIdx.z - nraw), so that CTAs are dispatched (in linear block order)
-// raw-domain first, then split 0 of every (sequence, kv head) pair, split 1, ...: a fused step's append never
-// waits for a second wave (c2f2a77, docs/history/cuda-split-count.md). CTA (split sp < nsplit, sequence s,
-// kv head h) takes a contiguous range of 16-token tiles of the compressed tokens, for up to 8 query vectors at a time
-// (all q heads of the GQA group x query rows), so every K/V byte is read once per 8 query vectors.
-// CTA sp == nsplit does the fp16 sink + window tokens in the raw domain (fp16_part) or, for a fused
-// step, the append and the attention over the step's own tokens (fused_step); a fused step with fp16
-// regions has a second one (sp == nsplit + 1, nraw = 2) for the sink and window tokens before the step.
+// CUDA decode attention on the compressed cache: flash-decoding with tensor cores. One kernel,
+// attn_kernel, whose CTAs take one of three roles. Grid (kv heads, sequences, nraw + nsplit):
+// blockIdx.z < nraw are the raw-domain CTAs (sp = nsplit + blockIdx.z), the rest the split CTAs
+// (sp = blockIdx.z - nraw), so that CTAs are dispatched (in linear block order) raw-domain first, then
+// split 0 of every (sequence, kv head) pair, split 1, ...: a fused step's append never waits for a second
+// wave (docs/history/cuda-split-count.md). Roles of CTA (sp, sequence s, kv head h):
+//   split_cta, sp < nsplit: a contiguous range of 16-token tiles of the sequence's compressed tokens, for up
+//     to kQV = 8 query vectors per pass (all q heads of the GQA group x query rows), so every K/V byte is
+//     read once per 8 query vectors; partial slot sp.
+//   fp16_part (fp16_part.cuh), sp == nsplit of an attention call or sp == nsplit + 1 of a fused step with
+//     fp16 regions (nraw = 2): the fp16 sink and window tokens (a fused step's: those before the step);
+//     partial slot sp.
+//   fused_step (fused_step.cuh), sp == nsplit of a fused step: the append, then the attention over the
+//     step's own tokens (fresh_part); partial slot nsplit.
+// Every partial (m, l, acc) is in the raw domain; merge_kernel (decode_attention.cu) adds them with their
+// weights (no rotation).
 //
-// Per warp and 16-token tile (staged in shared memory by cp.async, 2-3 tiles ahead; branch-free
-// issue: a missing tile or a bad page entry zero-fills its stage, the entry error is reported after
-// the loop):
+// Split CTA, per warp and 16-token tile (staged in shared memory by cp.async NST - 1 tiles ahead of the
+// one computed, NST = 3 stages per warp, 2 where 3 do not fit 64 KB; branch-free issue: a missing tile or a
+// bad page entry zero-fills its stage, the entry error is reported after the loop):
 //   S = K Q^T     mma.m16n8k16 (m = 16 tokens, n = 8 q vectors, k = 16 coordinates), two per group;
 //                 the K fragment is decoded in registers: field word -> selector-form bytes -> one
 //                 64-bit multiply-add for two byte-permute selectors -> one prmt per fp16 pair from
@@ -20,7 +26,8 @@
 //                 index a signed 4-entry table instead (make_x2s): no sign work. 4-bit codes are nibbles
 //                 (format version 2): a half-word of 4 codes is the selector of two byte permutes (low /
 //                 high bytes of the levels), a sign-replicating permute ORs the signs into the high
-//                 bytes, two permutes interleave them into 2 fp16 pairs (nibble_bytes).
+//                 bytes, two permutes interleave them into 2 fp16 pairs (nibble_bytes). fp16 K: the
+//                 pairs straight from the staged rows.
 //                 Coordinates are permuted consistently in Q and K (the dot product does not care);
 //                 the Q fragments are read from shared memory per tile (registers for occupancy).
 //                 Per-group fp16 scales are applied in fp32 to each group's mma result.
@@ -30,10 +37,13 @@
 //                 pairs two tokens of one coordinate; P is multiplied by the token's V scale in fp32
 //                 (p <= 1, |scale| <= 65504: the fp16 operand cannot overflow) and transposed into
 //                 the B operand by movmatrix.
-// Q is rotated once per CTA (in registers, a warp per query vector) and normalised to max |q| = 1
-// before fp16 rounding. A split CTA combines its 4 warps, applies the inverse rotation once (half a warp
-// per query vector) and writes its partial (m, l, acc in the raw domain) to the workspace; merge_kernel
-// combines the splits' and the fp16 part's partials (a weighted sum, no rotation).
+// Q is rotated once per pass (in registers, a warp per query vector; fp16 K is stored unrotated, so its Q
+// is not) and normalised to max |q| = 1 before fp16 rounding. After the tile loop the split CTA combines
+// its 4 warps, applies the inverse rotation once per vector (half a warp per query vector) and writes its
+// partial to the workspace.
+// Split CTA functions, in call order: split_cta (tile range, copy plan, the warp's tiles; per pass:)
+// split_q_request, split_q_rotate, tile_lane_setup, split_tile_loop (tile_scores, tile_softmax, tile_pv),
+// split_combine_store.
 #pragma once
 #include "attn_params.cuh"
 #include "fp16_part.cuh"
@@ -156,7 +166,8 @@ struct TileGeom {
   static constexpr int vbytes = G * VB * 64 + G * 32;
   static constexpr int bytes = kbytes + vbytes;
   static constexpr int chunks = bytes / 16;
-  // per-warp pipeline depth: 3 tiles in flight when the CTA's stages fit in 64 KB, else 2
+  // per-warp pipeline depth: 3 stages (the tile computed and 2 in flight) when the CTA's stages fit
+  // in 64 KB, else 2
   static constexpr int stages = kAttnWarps * 3 * bytes <= 64 * 1024 ? 3 : 2;
   static constexpr int stage_bytes = kAttnWarps * stages * bytes;
   static constexpr int combine_bytes = kAttnWarps * kQV * D * 4;  // sm_acc; sq (kQV x D floats) is smaller
@@ -166,39 +177,694 @@ struct TileGeom {
   static constexpr int smem_total = split_bytes > Fp16Geom<D>::bytes ? split_bytes : Fp16Geom<D>::bytes;
 };
 
-// Decode attention main kernel (see the file header). Template: head_dim D, K/V bits, page size P
-// (compile-time, so every load of a tile is a constant offset from one tile pointer).
-//
-// Thread -> data mapping of one warp and 16-token tile [t0, t0 + 16) of a page (lane = 4 gID + tid).
-// mma row / k index r of the tile stands for token pi(r) = 2r (r < 8), 2(r - 8) + 1 (r >= 8), so that
-// the two tokens of a lane are adjacent words of a staged plane row (one 8- or 16-byte load):
-//   K (mma A operand, 16 tokens x 16 coordinates): tokens 2gID, 2gID + 1; of each group g and chunk
-//     c in {0, 1} the coordinates i0, i0+16 (a0/a1) and i0+1, i0+17 (a2/a3), i0 = 8c + 2 tid.
-//   Q (mma B operand): query vector gID, the same coordinates.   S (C fragment): tokens 2gID, 2gID+1
-//     x query vectors 2 tid, 2 tid + 1, so the softmax state of a lane is that of queries 2tid, 2tid+1.
-//   P -> B operand of the V mma (k = 2tid, 2tid+1, 2tid+8, 2tid+9, i.e. tokens 4tid, 4tid+2, 4tid+1,
-//     4tid+3, x query gID) by movmatrix.trans, after the per-token V scale of group g has been folded
-//     into P (fp32, before fp16 rounding).
-//   V (mma A operand, 16 coordinates x 16 tokens): coordinates 2gID (+16, +1, +17) of each group, tokens
-//     4tid .. 4tid + 3 (pairs (4tid, 4tid+2), (4tid+1, 4tid+3)).   O (C fragment): those coordinates x
-//     queries 2tid, 2tid+1.
+// ---- Split CTAs. Warp w of split sp takes the tiles tb + w + 4k of the split's range [tb, te) (the warp
+// steps kTokensPerStep = 64 tokens per tile), lane = 4 gID + tid. Mapping of one warp and 16-token tile
+// (mma.m16n8k16 fragments): mma row / k index r of the tile stands for token pi(r) = 2r (r < 8),
+// 2(r - 8) + 1 (r >= 8), so that a lane's two K tokens are adjacent words of a staged plane row (one 8-byte
+// load) and its four V tokens one 16-byte load:
+//   K (A operand, 16 tokens x 16 coordinates): tokens 2 gID (a0, a2) and 2 gID + 1 (a1, a3); coordinates:
+//     tile_scores.   Q (B operand): query vector gID, the same coordinates (tile_lane_setup packs them).
+//   S (C fragment): tokens 2 gID, 2 gID + 1 x query vectors 2 tid, 2 tid + 1: a lane's softmax state is that
+//     of queries 2 tid, 2 tid + 1 (tile_softmax).
+//   P -> B operand of the V mma (k = 2 tid, 2 tid + 1, 2 tid + 8, 2 tid + 9, i.e. tokens 4 tid, 4 tid + 2,
+//     4 tid + 1, 4 tid + 3, x query gID) by movmatrix.trans, after the token's V scale has been folded into
+//     P (fp32, before fp16 rounding).
+//   V (A operand, 16 coordinates x 16 tokens): tokens 4 tid .. 4 tid + 3 (pairs (4 tid, 4 tid + 2),
+//     (4 tid + 1, 4 tid + 3)); coordinates of each group: 2 gID, 2 gID + 16 (mma 0) and 2 gID + 1,
+//     2 gID + 17 (mma 1), 4-bit V: 4 gID, 4 gID + 1 (mma 0) and 4 gID + 2, 4 gID + 3 (mma 1).
+//   O^T (C fragment of the V mma): those coordinates x queries 2 tid, 2 tid + 1.
+constexpr uint32_t kTokensPerStep = 16 * kAttnWarps;  // a warp's consecutive tiles are this many tokens apart
+constexpr int kQVPerWarp = kQV / kAttnWarps;          // query vectors a warp loads and rotates per pass
+static_assert(kQV % kAttnWarps == 0, "whole query vectors per warp");
+
+// The split CTA's static shared memory (declared in attn_kernel; the kernel's prologue fills tab and pow2).
+template <int D>
+struct SplitShared {
+  float (&qmax)[kQV];                            // max |q| of the pass's vectors
+  uint32_t (&tab)[8][32];                        // K (rows 0..3) and V (4..7) level tables, a copy per lane
+  uint32_t (&pow2)[16];                          // 1 << i (the multipliers of TileLane::kmul, vmul)
+  uint2 (&qb)[kAttnWarps][D / 32][2][32];        // each warp's copy of its lanes' Q fragments (B operand)
+  float (&m)[kAttnWarps][kQV], (&l)[kAttnWarps][kQV];  // each warp's (m, l) for the combine
+  int64_t (&vpos)[kQV], (&vpart)[kQV];           // the pass's vectors: position (causal limit), partial index
+};
+
+// Where lane `lane`'s cp.async chunks of a tile come from: chunk c = lane + 32 i of the tile (TileGeom
+// order) lands at byte 16 c of the stage; its source is the page's head base + ch_off[i] + t0 ch_mul[i]
+// (t0 = the tile's first token in its page); ch_off[i] = -1: the lane has no chunk i.
+template <int D, int KB, int VB, int P, int NCH>
+__device__ __forceinline__ void tile_copy_plan(const AttnParams& p, int lane, int (&ch_off)[NCH], int (&ch_mul)[NCH]) {
+  using TG = TileGeom<D, KB, VB>;
+  constexpr int G = D / 32;
+  constexpr bool K16 = KB == FMKV_FP16_BITS;
+#pragma unroll
+  for (int i = 0; i < NCH; ++i) {
+    const int c = lane + 32 * i;
+    ch_off[i] = -1;
+    ch_mul[i] = 0;
+    if (c < TG::chunks) {
+      int off = 16 * c, sec = 0, sec_page_off = 0, bits = KB;
+      if (off >= TG::kbytes) { off -= TG::kbytes; sec = 1; sec_page_off = (int)p.ksec_bytes; bits = VB; }
+      if (sec == 0 && K16) {
+        ch_off[i] = off;
+        ch_mul[i] = 2 * D;
+      } else if (off < G * bits * 64) {  // code plane row r, part q
+        ch_off[i] = sec_page_off + (off / 64) * P * 4 + off % 64;
+        ch_mul[i] = 4;
+      } else {  // scale row
+        off -= G * bits * 64;
+        ch_off[i] = sec_page_off + G * bits * P * 4 + (off / 32) * P * 2 + off % 32;
+        ch_mul[i] = 2;
+      }
+    }
+  }
+}
+
+// Q of a pass, requested: warp w loads query vectors vb + w + 4 u (u < kQVPerWarp; lane: coordinates
+// lane + 32 r) into xq[u] (0 past the call's vectors: load_elems skips offset -1) and lane 0 records each
+// vector's position and partial index (-1 past the call's vectors) in sh.vpos / sh.vpart.
+template <int D>
+__device__ __forceinline__ void split_q_request(const AttnParams& p, int h, int64_t r0, int64_t n, int64_t len,
+                                                int64_t vb, int64_t nqv, int warp, int lane, const SplitShared<D>& sh,
+                                                float (&xq)[kQVPerWarp][D / 32], int64_t (&qrow)[kQVPerWarp],
+                                                int (&qhead)[kQVPerWarp]) {
+  constexpr int NR = D / 32;
+  int64_t qoff[kQVPerWarp * NR];
+#pragma unroll
+  for (int u = 0; u < kQVPerWarp; ++u) {
+    const int i = warp + u * kAttnWarps;
+    const int64_t v = vb + i;
+    int64_t vr;  // query row (within the sequence) and q head of vector v (warp-uniform)
+    int vh;
+    split_vector(v, p.gq, vr, vh);
+    qrow[u] = r0 + vr;
+    qhead[u] = h * p.gq + vh;
+    if (lane == 0) {  // this vector's position and partial index, for the softmax mask and the combine
+      sh.vpos[i] = v < nqv ? len - n + vr : -1;
+      sh.vpart[i] = v < nqv ? (qrow[u] * p.HQ + qhead[u]) * (p.nsplit + kRawParts) : -1;
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) qoff[u * NR + r] = v < nqv ? qrow[u] * p.q_rs + qhead[u] * p.q_hs + lane + 32 * r : -1;
+  }
+  load_elems<kQVPerWarp * NR>(p.q, p.q_dtype, qoff, reinterpret_cast<float(&)[kQVPerWarp * NR]>(xq));
+}
+
+// Q of a pass, prepared (same mapping as split_q_request): each value checked (NaN / Inf: reported, used as
+// 0), the vector rotated in the warp's registers (signs, FWHT, 1/sqrt(D); not for fp16 K, which the cache
+// holds unrotated) and stored to sq[i] (i = w + 4 u), its max |q| to sh.qmax[i].
+template <int D, bool K16>
+__device__ __forceinline__ void split_q_rotate(const AttnParams& p, int warp, int lane, float (&xq)[kQVPerWarp][D / 32],
+                                               const int64_t (&qrow)[kQVPerWarp], const int (&qhead)[kQVPerWarp],
+                                               float (*sq)[D], const SplitShared<D>& sh) {
+  constexpr int NR = D / 32;
+#pragma unroll
+  for (int u = 0; u < kQVPerWarp; ++u) {
+    const int i = warp + u * kAttnWarps;
+    float(&x)[NR] = xq[u];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+      if (!isfinite(x[r])) {
+        report_error(p.err, kNonFinite, kErrNonFiniteQ, 0, qrow[u], qhead[u], lane + 32 * r);
+        x[r] = 0.0f;
+      }
+    if (!K16) warp_rotate<D>(x, p.sw, lane);  // signs, FWHT, 1/sqrt(D)
+    float m = 0.0f;
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      sq[i][lane + 32 * r] = x[r];
+      m = fmaxf(m, fabsf(x[r]));
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) sh.qmax[i] = m;
+  }
+}
+
+// A lane's loop-invariant values of the tile loop (tile_lane_setup).
+struct TileLane {
+  uint32_t TK[4], TV[4];   // fp16x2 level tables T[k] = level 2k | level 2k + 1 << 16 (2-bit: T[1] negated T[0])
+  NibbleTables NK, NV;     // 4-bit codes: the same levels as byte tables (nibble_bytes)
+  uint32_t k16, vsel;      // 16 (the sign move of nibble_bytes); 4-bit V: the byte interleave of two tokens
+  bool softcapped;
+  float inv_cap, fac2[2];  // 1 / softcap; score factor of queries 2 tid + j (max |q| x scale, log2 units)
+  uint32_t kmul[2], vmul;  // multipliers that move sign / magnitude-bit planes into bits 15 / 31
+  int vlim[2], tlim;       // visibility thresholds on a tile's token offset (tile_softmax, tile_pv)
+};
+
+// Before the tile loop of a pass (after the barrier that publishes sq, sh.qmax and sh.tab): this lane's
+// TileLane, and this warp's Q fragments (B operand, query vector gID normalised to max |q| = 1, fp16) to
+// qb = sh.qb[warp], in the coordinate order the K decode of tile_scores pairs. ci_first: the warp's first
+// compressed token; C: the sequence's compressed tokens.
+template <int D, int KB, int VB>
+__device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, int gID, int tid, const SplitShared<D>& sh,
+                                                const float (*sq)[D], uint2 (&qb)[D / 32][2][32], uint64_t ci_first,
+                                                int64_t C, TileLane& L) {
+  constexpr int G = D / 32;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    L.TK[k] = sh.tab[k][lane];
+    L.TV[k] = sh.tab[4 + k][lane];
+  }
+  if (KB == 2) L.TK[1] = L.TK[0] ^ kSignMask;  // 2-bit: the signed table of make_x2s
+  if (VB == 2) L.TV[1] = L.TV[0] ^ kSignMask;
+  L.NK = nibble_tables(L.TK);  // 4-bit codes (used only then)
+  L.NV = nibble_tables(L.TV);
+  L.k16 = sh.pow2[4];
+  // 4-bit K: this lane's nibbles are word tid of the group, half-word c for chunk c (coordinates
+  // 8 tid + 4 c .. + 3); 4-bit V: half-word gID & 1 of word gID >> 1 (coordinates 4 gID .. + 3),
+  // the two tokens' bytes interleaved first (selector vsel)
+  L.vsel = (gID & 1) ? 0x7362u : 0x5140u;
+  // B operand: query vector gID, normalised to max |q| = 1; kept in shared memory and read per tile
+  // (ld.volatile: not hoisted into 16 registers, which would cost occupancy)
+  {
+    const float qmax = sh.qmax[gID], qinv = qmax > 0.0f ? 1.0f / qmax : 0.0f;
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        // k pairs (2 tid, 2 tid + 1) and (2 tid + 8, 2 tid + 9) hold the coordinates the K decode pairs:
+        // 3 bits and fp16 K: (b, b + 16), (b + 1, b + 17) with b = 32 g + 8 c + 2 tid; 2 bits (make_x2s order):
+        // (b, b + 1), (b + 16, b + 17); 4 bits (nibbles): (b, b + 1), (b + 2, b + 3) with b = 32 g + 8 tid + 4 c
+        const int b = KB == 4 ? 32 * g + 8 * tid + 4 * c : 32 * g + 8 * c + 2 * tid;
+        const int o1 = KB == 2 || KB == 4 ? 1 : 16, o2 = KB == 2 ? 16 : KB == 4 ? 2 : 1, o3 = KB == 4 ? 3 : 17;
+        qb[g][c][lane] = make_uint2(pack_half2(sq[gID][b] * qinv, sq[gID][b + o1] * qinv),
+                                    pack_half2(sq[gID][b + o2] * qinv, sq[gID][b + o3] * qinv));
+      }
+  }
+  // this lane's softmax rows: query vectors 2 tid + j
+  L.softcapped = p.softcap > 0.0f;
+  L.inv_cap = L.softcapped ? 1.0f / p.softcap : 0.0f;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float fac = sh.qmax[2 * tid + j] * p.sm_scale;
+    // scores are kept in log2 units (x log2 e) inside the tile loop; m is converted back at the end
+    L.fac2[j] = p.softcap > 0.0f ? fac : fac * kLog2e;
+  }
+  // Sign (and 4-bit magnitude bit 2) planes are moved into bits 15 / 31 by multiplying with per-lane
+  // powers of two: IMAD issues to the FMA pipe, a shift (SHF) to the integer ALU pipe, the tile
+  // loop's busiest (CUDA-NOTES "Floors"). K: coordinate 8c + 2 tid -> bit 15; V: coordinate 2 gID.
+  // Read from shared memory: a multiplier ptxas knows to be a power of two becomes a shift again.
+  L.kmul[0] = sh.pow2[15 - 2 * tid];
+  L.kmul[1] = sh.pow2[7 - 2 * tid];
+  L.vmul = sh.pow2[15 - 2 * gID];
+  // Per-lane thresholds on koff (tile k's first token offset from the warp's first token, 64 k): this
+  // lane's token 2 gID + e of the tile is visible to query 2 tid + j iff koff + e <= vlim[j] (causal
+  // limit and last token, relative to the lane's token 2 gID), and exists iff koff + e < tlim. In 32
+  // bits: offsets are clamped to 2^30, beyond every token of the warp's tiles (attn_sequence_ok
+  // rejects a split of more than 2^30 tokens).
+  const int64_t rel0 = (int64_t)p.S + (int64_t)ci_first, crem = (int64_t)C - (int64_t)ci_first;
+  const int cnt = crem > (1 << 30) ? (1 << 30) : (int)crem;  // tokens from the warp's first one
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int64_t pj = sh.vpos[2 * tid + j], r = pj < 0 ? -1 : pj - rel0;  // causal limit (-1: none)
+    const int lim = r < cnt - 1 ? (int)r : cnt - 1;
+    L.vlim[j] = lim - 2 * gID;
+  }
+  L.tlim = cnt - 2 * gID;
+}
+
+// S = K Q^T of one staged tile: sc[k] (zero on entry) += score of token 2 gID + (k >> 1) and query
+// 2 tid + (k & 1), in units of the normalised Q (tile_softmax applies max |q| x scale). The lane decodes
+// tokens a = 2 gID, b = 2 gID + 1 (ka: their fp16 K rows; else kw: their words of code plane 0 of group 0,
+// ks: their scales of group 0) and, of each group g and chunk c (an mma each): 3 bits and fp16 K
+// coordinates (i0, i0 + 16) (a0 / a1) and (i0 + 1, i0 + 17) (a2 / a3) with i0 = 8 c + 2 tid; 2 bits
+// (i0, i0 + 1) and (i0 + 16, i0 + 17); 4 bits the nibbles of half-word c of word tid (coordinates
+// 8 tid + 4 c .. + 3) -- the pairs qb (this warp's Q fragments) holds Q in. Each group's mma result (its
+// own accumulator) is multiplied by the token's fp16 scale in fp32.
+template <int D, int KB>
+__device__ __forceinline__ void tile_scores(const uint16_t* ka, const uint32_t* kw, const uint32_t* ks,
+                                            const uint2 (&qb)[D / 32][2][32], int lane, int tid, const TileLane& L,
+                                            float (&sc)[4]) {
+  constexpr int G = D / 32;
+  constexpr bool K16 = KB == FMKV_FP16_BITS;
+  constexpr int KW = K16 ? 1 : KB;  // code words per group and token (K)
+  if constexpr (K16) {
+    const uint16_t* kb = ka + D;
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int b = 32 * g + 8 * c + 2 * tid;
+        const uint32_t a0 = (uint32_t)ka[b] | ((uint32_t)ka[b + 16] << 16);
+        const uint32_t a1 = (uint32_t)kb[b] | ((uint32_t)kb[b + 16] << 16);
+        const uint32_t a2 = (uint32_t)ka[b + 1] | ((uint32_t)ka[b + 17] << 16);
+        const uint32_t a3 = (uint32_t)kb[b + 1] | ((uint32_t)kb[b + 17] << 16);
+        const uint2 qf = load_shared_u2(&qb[g][c][lane]);
+        mma16816(sc, a0, a1, a2, a3, qf.x, qf.y);
+      }
+  } else {
+    float c4g[G][4];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float(&c4)[4] = c4g[g];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) c4[i] = 0.0f;
+      if constexpr (KB == 4) {  // nibbles: two pairs per token from one half-word, no sign work after
+        const uint2 w2 = *(const uint2*)(kw + (g * 4 + tid) * 16);  // word tid of tokens a, b
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          uint32_t la, ha, lb, hb;
+          nibble_bytes(c ? w2.x >> 16 : w2.x, L.k16, L.NK, la, ha);
+          nibble_bytes(c ? w2.y >> 16 : w2.y, L.k16, L.NK, lb, hb);
+          const uint2 qf = load_shared_u2(&qb[g][c][lane]);
+          mma16816(c4, prmt(la, ha, 0x5140u), prmt(lb, hb, 0x5140u), prmt(la, ha, 0x7362u), prmt(lb, hb, 0x7362u),
+                   qf.x, qf.y);
+        }
+      } else {  // planes: the group's words of tokens a (2 gID) and b (2 gID + 1)
+        uint32_t wa[KW], wb[KW];
+#pragma unroll
+        for (int k = 0; k < KW; ++k) {
+          const uint2 w2 = *(const uint2*)(kw + (g * KB + k) * 16);
+          wa[k] = w2.x;
+          wb[k] = w2.y;
+        }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int i0 = 8 * c + 2 * tid;
+          const uint32_t m0 = L.kmul[c], m1 = L.kmul[c] >> 1;  // x m0 (m1): coordinate i0 (+1) -> bit 15
+          const uint2 sa = pair_selectors(KB == 2 ? make_x2s(wa[0], wa[1], i0) : make_x(wa[c], i0));
+          const uint2 sb = pair_selectors(KB == 2 ? make_x2s(wb[0], wb[1], i0) : make_x(wb[c], i0));
+          uint32_t a0, a1, a2, a3;
+          if (KB == 2) {  // signed table: (i0, i0 + 1) and (i0 + 16, i0 + 17) of tokens a, b
+            a0 = lookup(sa.x, L.TK);
+            a1 = lookup(sb.x, L.TK);
+            a2 = lookup(sa.y, L.TK);
+            a3 = lookup(sb.y, L.TK);
+          } else {
+            a0 = lookup(sa.x, L.TK) ^ ((wa[KW - 1] * m0) & kSignMask);
+            a1 = lookup(sb.x, L.TK) ^ ((wb[KW - 1] * m0) & kSignMask);
+            a2 = lookup(sa.y, L.TK) ^ ((wa[KW - 1] * m1) & kSignMask);
+            a3 = lookup(sb.y, L.TK) ^ ((wb[KW - 1] * m1) & kSignMask);
+          }
+          const uint2 qf = load_shared_u2(&qb[g][c][lane]);
+          mma16816(c4, a0, a1, a2, a3, qf.x, qf.y);
+        }
+      }
+    }
+    // Scaled and summed from the last group to the first: group 0's accumulator is consumed
+    // last, so every group's mma pair has its own registers and the pairs overlap (consumed in
+    // mma order, ptxas reused one accumulator and each group's mma waited for the previous
+    // group's result: 1.010-1.019x, docs/history/cuda-decode-tile-loop.md)
+#pragma unroll
+    for (int g = G - 1; g >= 0; --g) {
+      const uint32_t s2 = ks[g * 8];
+      const float fa = h_lo(s2), fb = h_hi(s2);
+      sc[0] += c4g[g][0] * fa;
+      sc[1] += c4g[g][1] * fa;
+      sc[2] += c4g[g][2] * fb;
+      sc[3] += c4g[g][3] * fb;
+    }
+  }
+}
+
+// Online softmax of the lane's queries 2 tid + j over its tokens 2 gID + e of the tile (koff: the tile's
+// first token from the warp's first; the 8 lanes of equal tid share a query): pr[k] = exp2(score - m_run)
+// of token 2 gID + (k >> 1), query 2 tid + (k & 1) (0 where not visible); m_run (log2 units) and l_run
+// updated, acc (O of the same queries) rescaled when the running max moves.
+template <int G>
+__device__ __forceinline__ void tile_softmax(const AttnParams& p, const float (&sc)[4], int koff, const TileLane& L,
+                                             float (&m_run)[2], float (&l_run)[2], float (&acc)[G][2][4],
+                                             float (&pr)[4]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) pr[k] = sc[k] * L.fac2[k & 1];
+  if (L.softcapped) {  // uniform branch
+#pragma unroll
+    for (int k = 0; k < 4; ++k) pr[k] = p.softcap * tanhf(pr[k] * L.inv_cap) * kLog2e;
+  }
+  // Lazy running max: m_run (uniform over the 8 lanes of a query) moves only when a score of the
+  // tile exceeds it. Then (a uniform branch; per tile 1 - 1/(k + 1) of iid tiles skip it) the max
+  // over the 8 lanes, the factor, and l and O rescaled; else P uses m_run as it is -- the same
+  // values as an update every tile (m_new == m_run, factor 1), without its shuffles and ex2.
+  float lm[2] = {-INFINITY, -INFINITY};  // this lane's max of query 2 tid + j over its 2 tokens
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int e = k >> 1, j = k & 1;  // token 2 gID + e, query 2 tid + j
+    pr[k] = koff + e <= L.vlim[j] ? pr[k] : -INFINITY;
+    lm[j] = fmaxf(lm[j], pr[k]);
+  }
+  if (__any_sync(0xffffffffu, lm[0] > m_run[0] || lm[1] > m_run[1])) {
+    float corr[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int o = 4; o <= 16; o <<= 1) lm[j] = fmaxf(lm[j], __shfl_xor_sync(0xffffffffu, lm[j], o));
+      const float m_new = fmaxf(m_run[j], lm[j]);
+      corr[j] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[j] - m_new);
+      l_run[j] *= corr[j];
+      m_run[j] = m_new;
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[g][mt][k] *= corr[k & 1];
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float ms = m_run[j] == -INFINITY ? 0.0f : m_run[j];  // all masked so far: p = exp2(-inf) = 0
+    pr[j] = fast_exp2(pr[j] - ms);
+    pr[j + 2] = fast_exp2(pr[j + 2] - ms);
+    l_run[j] += pr[j] + pr[j + 2];
+  }
+}
+
+// O^T += V^T P^T of one staged tile: the lane's V coordinates of each group (the V mapping above) x its
+// tokens 4 tid .. 4 tid + 3 (vw: their words of code plane 0 of group 0; vs: the V scales of tokens 2 gID,
+// 2 gID + 1 of group 0), P (pr, tile_softmax's C-fragment layout) times the tokens' V scales (0 from
+// token offset tlim on), rounded to fp16 and transposed into the B operand.
+template <int D, int VB>
+__device__ __forceinline__ void tile_pv(const uint32_t* vw, const uint32_t* vs, const float (&pr)[4], int koff, int tlim,
+                                        int gID, const TileLane& L, float (&acc)[D / 32][2][4]) {
+  constexpr int G = D / 32;
+  const int i0v = 2 * gID, fwv = gID >> 2;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    // P x token scale (fp32, then fp16: p <= 1 and |scale| <= 65504 cannot overflow), transposed
+    // (tokens past the end get scale 0: their bytes may be uninitialised, and 0 x Inf is NaN)
+    const uint32_t vs2 = vs[g * 8];
+    const float sa = koff < tlim ? h_lo(vs2) : 0.0f, sb = koff + 1 < tlim ? h_hi(vs2) : 0.0f;
+    uint32_t pb0 = pack_half2(pr[0] * sa, pr[1] * sa), pb1 = pack_half2(pr[2] * sb, pr[3] * sb);
+    pb0 = movmatrix_trans(pb0);
+    pb1 = movmatrix_trans(pb1);
+    uint32_t aA0, aA1, aA2, aA3, aB0, aB1, aB2, aB3;
+    if constexpr (VB == 4) {
+      // nibbles of tokens (a, b), (c, d) interleaved bytewise, then per half-word two fp16 pairs
+      // (coordinate n; token pair): aA = n0, n1 = 4 gID, 4 gID + 1, aB = n2, n3
+      const uint4 n4 = *(const uint4*)(vw + (g * 4 + (gID >> 1)) * 16);
+      const uint32_t zab = prmt(n4.x, n4.z, L.vsel), zcd = prmt(n4.y, n4.w, L.vsel);
+      auto pairs = [&](uint32_t z, uint32_t& p0, uint32_t& p1) {
+        uint32_t lo, hi;
+        nibble_bytes(z, L.k16, L.NV, lo, hi);
+        p0 = prmt(lo, hi, 0x6240u);
+        p1 = prmt(lo, hi, 0x7351u);
+      };
+      pairs(zab, aA0, aA1);
+      pairs(zcd, aA2, aA3);
+      pairs(zab >> 16, aB0, aB1);
+      pairs(zcd >> 16, aB2, aB3);
+    } else {
+      const int wi = (g * VB + (VB == 2 ? 0 : fwv)) * 16, si = (g * VB + VB - 1) * 16;
+      // token pairs (a, b) = (4 tid, 4 tid + 2), (c, d) = (4 tid + 1, 4 tid + 3)
+      const uint4 f4 = *(const uint4*)(vw + wi), g4 = *(const uint4*)(vw + si);
+      const uint2 fab = make_uint2(f4.x, f4.z), fcd = make_uint2(f4.y, f4.w);
+      const uint2 gab = make_uint2(g4.x, g4.z), gcd = make_uint2(g4.y, g4.w);
+      const uint32_t m0 = L.vmul, m1 = L.vmul >> 1;  // x m0 (m1): coordinate i0v (+1) -> bit 15
+      if (VB == 2) {  // signed table (make_x2s): no sign planes to pair or apply
+        const uint32_t xa = make_x2s(fab.x, gab.x, i0v), xb = make_x2s(fab.y, gab.y, i0v);
+        const uint32_t xc = make_x2s(fcd.x, gcd.x, i0v), xd = make_x2s(fcd.y, gcd.y, i0v);
+        // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (s1), i0+1 | i0+17 (s2)
+        const uint2 s1ab = pair_selectors(prmt(xa, xb, 0x6240u)), s2ab = pair_selectors(prmt(xa, xb, 0x7351u));
+        const uint2 s1cd = pair_selectors(prmt(xc, xd, 0x6240u)), s2cd = pair_selectors(prmt(xc, xd, 0x7351u));
+        aA0 = lookup(s1ab.x, L.TV);
+        aA1 = lookup(s1ab.y, L.TV);
+        aA2 = lookup(s1cd.x, L.TV);
+        aA3 = lookup(s1cd.y, L.TV);
+        aB0 = lookup(s2ab.x, L.TV);
+        aB1 = lookup(s2ab.y, L.TV);
+        aB2 = lookup(s2cd.x, L.TV);
+        aB3 = lookup(s2cd.y, L.TV);
+      } else {
+        // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (x1), i0+1 | i0+17 (x2)
+        const uint32_t xa = make_x(fab.x, i0v), xb = make_x(fab.y, i0v);
+        const uint32_t xc = make_x(fcd.x, i0v), xd = make_x(fcd.y, i0v);
+        const uint2 s1ab = pair_selectors(prmt(xa, xb, 0x5140u)), s2ab = pair_selectors(prmt(xa, xb, 0x7362u));
+        const uint2 s1cd = pair_selectors(prmt(xc, xd, 0x5140u)), s2cd = pair_selectors(prmt(xc, xd, 0x7362u));
+        // sign planes of token pairs: coordinates 0..15 (lo) / 16..31 (hi) of token a | token b
+        const uint32_t wlo_ab = prmt(gab.x, gab.y, 0x5410u), whi_ab = prmt(gab.x, gab.y, 0x7632u);
+        const uint32_t wlo_cd = prmt(gcd.x, gcd.y, 0x5410u), whi_cd = prmt(gcd.x, gcd.y, 0x7632u);
+        aA0 = lookup(s1ab.x, L.TV) ^ ((wlo_ab * m0) & kSignMask);
+        aA1 = lookup(s1ab.y, L.TV) ^ ((whi_ab * m0) & kSignMask);
+        aA2 = lookup(s1cd.x, L.TV) ^ ((wlo_cd * m0) & kSignMask);
+        aA3 = lookup(s1cd.y, L.TV) ^ ((whi_cd * m0) & kSignMask);
+        aB0 = lookup(s2ab.x, L.TV) ^ ((wlo_ab * m1) & kSignMask);
+        aB1 = lookup(s2ab.y, L.TV) ^ ((whi_ab * m1) & kSignMask);
+        aB2 = lookup(s2cd.x, L.TV) ^ ((wlo_cd * m1) & kSignMask);
+        aB3 = lookup(s2cd.y, L.TV) ^ ((whi_cd * m1) & kSignMask);
+      }
+    }
+    mma16816(acc[g][0], aA0, aA1, aA2, aA3, pb0, pb1);
+    mma16816(acc[g][1], aB0, aB1, aB2, aB3, pb0, pb1);
+  }
+}
+
+// The tile loop of one warp and pass: tile k (k < nmy) is computed from stage k % NST of the warp's
+// stages wst while tile k + NST - 1 is copied into the stage freed by tile k - 1 (issue) and the page
+// entry of tile k + NST is read (entry_k; pg_ahead carries it to the next issue).
+template <int D, int KB, int VB, class EntryK, class Issue>
+__device__ __forceinline__ void split_tile_loop(const AttnParams& p, int nmy, const EntryK& entry_k, const Issue& issue,
+                                                int32_t& pg_ahead, const uint8_t* wst, int lane, int gID, int tid,
+                                                const uint2 (&qb)[D / 32][2][32], const TileLane& L, float (&m_run)[2],
+                                                float (&l_run)[2], float (&acc)[D / 32][2][4]) {
+  constexpr int G = D / 32;
+  using TG = TileGeom<D, KB, VB>;
+  constexpr int NST = TG::stages, TB = TG::bytes;
+  int stage = 0, stage_fill = NST - 1;  // k % NST and (k + NST - 1) % NST
+#pragma unroll 1
+  for (int k = 0; k < nmy; ++k) {
+    const int32_t pn = entry_k(k + NST);
+    issue(k + NST - 1, stage_fill, pg_ahead);
+    pg_ahead = pn;
+    stage_fill = stage;
+    cp_async_wait<NST - 1>();  // this lane's copies of tile k have landed
+    __syncwarp();              // ... and every lane's
+    if (k == 0) FMKV_TRACE(p, 0, 5);
+    const int koff = (int)kTokensPerStep * k;  // first token of tile k, from the warp's first
+    const uint8_t* st = wst + stage * TB;  // the staged tile
+    stage = stage + 1 == NST ? 0 : stage + 1;
+    // this lane's words of the staged tile (the mapping above)
+    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const uint16_t* ka = (const uint16_t*)st + 2 * gID * D;           // fp16 K: tokens 2 gID, 2 gID + 1
+    const uint32_t* kw = (const uint32_t*)st + 2 * gID;               // tokens 2 gID, 2 gID + 1, plane 0
+    const uint32_t* ks = (const uint32_t*)(st + G * KB * 64) + gID;   // their scales, group 0
+    tile_scores<D, KB>(ka, kw, ks, qb, lane, tid, L, sc);
+    float pr[4];
+    tile_softmax<G>(p, sc, koff, L, m_run, l_run, acc, pr);
+    const uint8_t* vst = st + TG::kbytes;
+    const uint32_t* vw = (const uint32_t*)vst + 4 * tid;              // tokens 4 tid .. 4 tid + 3, plane 0
+    const uint32_t* vs = (const uint32_t*)(vst + G * VB * 64) + gID;  // V scales of tokens 2 gID, 2 gID + 1
+    tile_pv<D, VB>(vw, vs, pr, koff, L.tlim, gID, L, acc);
+    __syncwarp();  // every lane is done with this stage before it is refilled
+  }
+}
+
+// Combine the 4 warps' (m_run, l_run, acc) of a pass and store the split's partial of each live vector
+// (sh.vpart[i] + sp): (m in natural-log units, l) and acc in the raw domain. A warp's (m, l, O) go to its
+// own stages wst when they fit (no other warp touches those: no barrier before the stores), else to
+// sm_acc (which overlaps the other warps' stages: wait for them first). One barrier, then thread -> data:
+// vector i = tidx / 16 of the pass, float4 columns 4 (tidx % 16) + 64 u (u < D / 64); each thread forms
+// its vector's combined max, the warps' factors and sum itself (no second barrier), and the half warp of
+// the vector applies the inverse rotation (half_warp_unrotate).
+template <int D, int KB, int VB>
+__device__ __forceinline__ void split_combine_store(const AttnParams& p, int sp, int64_t vb, int64_t nqv, int tidx, int warp,
+                                                    int gID, int tid, uint8_t* smem, uint8_t* wst,
+                                                    const SplitShared<D>& sh, const float (&m_run)[2],
+                                                    float (&l_run)[2], const float (&acc)[D / 32][2][4]) {
+  using TG = TileGeom<D, KB, VB>;
+  constexpr int G = D / 32, NST = TG::stages, TB = TG::bytes;
+  float(*sm_acc)[kQV][D] = reinterpret_cast<float(*)[kQV][D]>(smem);
+  constexpr bool kOwnStage = NST * TB >= kQV * D * 4;
+  float* const wacc = kOwnStage ? reinterpret_cast<float*>(wst) : &sm_acc[warp][0][0];
+  if constexpr (kOwnStage) __syncwarp();  // every lane's copies (zero fills included) have landed
+  else __syncthreads();                   // every warp is done with its stages
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int o = 4; o <= 16; o <<= 1) l_run[j] += __shfl_xor_sync(0xffffffffu, l_run[j], o);
+    if (gID == 0) {
+      sh.m[warp][2 * tid + j] = m_run[j] * 0.69314718055994531f;  // back to natural-log units
+      sh.l[warp][2 * tid + j] = l_run[j];
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        wacc[(2 * tid + (k & 1)) * D + (VB == 4 ? 32 * g + 4 * gID + 2 * mt + (k >> 1)
+                                                : 32 * g + 2 * gID + mt + ((k & 2) ? 16 : 0))] = acc[g][mt][k];
+  __syncthreads();
+  constexpr int TPV = 128 / kQV, NU = D / (4 * TPV);  // threads per vector, float4 columns per thread
+  static_assert(TPV == 16 && NU * 64 == D, "a half warp per vector (half_warp_unrotate's mapping)");
+  const int i = tidx / TPV, c0 = 4 * (tidx % TPV);
+  float M = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sh.m[w][i]);
+  float f[kAttnWarps], L = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kAttnWarps; ++w) {
+    f[w] = M == -INFINITY ? 0.0f : fast_exp2((sh.m[w][i] - M) * kLog2e);  // (M = -inf: every warp empty)
+    L += sh.l[w][i] * f[w];
+  }
+  float y[4 * NU];
+#pragma unroll
+  for (int u = 0; u < NU; ++u) {
+    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) {
+      const float* src = kOwnStage ? reinterpret_cast<const float*>(smem + w * NST * TB) : &sm_acc[w][0][0];
+      add_weighted(a, f[w], *reinterpret_cast<const float4*>(src + i * D + c0 + 64 * u));
+    }
+    y[4 * u] = a.x;
+    y[4 * u + 1] = a.y;
+    y[4 * u + 2] = a.z;
+    y[4 * u + 3] = a.w;
+  }
+  // the partial leaves in the raw domain (the merge then needs no rotation: it is linear), every
+  // thread taking part in the shuffles (vectors past the call's are computed on (-inf, 0) and dropped)
+  half_warp_unrotate<D>(y, p.sw, tidx % TPV);
+  if (vb + i < nqv) {
+    const int64_t idx = sh.vpart[i] + sp;
+    if (c0 == 0) p.part_ml[idx] = make_float2(M, L);
+#pragma unroll
+    for (int u = 0; u < NU; ++u)
+      *reinterpret_cast<float4*>(p.part_acc + idx * D + c0 + 64 * u) =
+          make_float4(y[4 * u], y[4 * u + 1], y[4 * u + 2], y[4 * u + 3]);
+  }
+}
+
+// Split CTA sp < nsplit of (sequence s, kv head h), after the kernel's prologue: the tiles [tb, te) of its
+// share of the sequence's C compressed tokens; an empty share (a short sequence) writes (m, l) = (-inf, 0)
+// for every query vector and returns. Per pass of kQV query vectors: Q requested, the warp's first tiles'
+// copies issued, Q rotated (split_q_*), the tile loop (tile_lane_setup, split_tile_loop), the combine
+// (split_combine_store).
+template <int D, int KB, int VB, int P>
+__device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int sp, int tidx, int warp, int lane, int gID,
+                                          int tid, int64_t r0, int64_t n, int64_t len, int64_t C, uint8_t* smem,
+                                          const SplitShared<D>& sh) {
+  constexpr bool K16 = KB == FMKV_FP16_BITS;
+  using TG = TileGeom<D, KB, VB>;
+  constexpr int NST = TG::stages, TB = TG::bytes;
+  // Dynamic shared memory: tile staging (per warp NST x TB bytes), reused by the combine; then the
+  // rotated Q (sq, its own region: the first tiles are in flight while Q is rotated).
+  float(*sq)[D] = reinterpret_cast<float(*)[D]>(smem + TG::smem);
+  const int64_t nqv = n * p.gq;
+  const int64_t ntiles = (C + 15) / 16;
+  int64_t tps = div_small(ntiles + p.nsplit - 1, p.nsplit);
+  if (tps < kMinTilesPerSplit) tps = kMinTilesPerSplit;
+  const int64_t tb = (int64_t)sp * tps, te = ntiles < tb + tps ? ntiles : tb + tps;
+  if (tb >= ntiles) {  // an empty split (short sequence): partial (m, l) = (-inf, 0), no Q work
+    for (int64_t v = tidx; v < nqv; v += blockDim.x) {
+      int64_t vr;
+      int vh;
+      split_vector(v, p.gq, vr, vh);
+      p.part_ml[((r0 + vr) * p.HQ + h * p.gq + vh) * (p.nsplit + kRawParts) + sp] = make_float2(-INFINITY, 0.0f);
+    }
+    FMKV_TRACE(p, 0, 7, kTraceEmptySplit);
+    return;
+  }
+
+  FMKV_TRACE(p, 0, 3);
+
+  constexpr int NCH = (TG::chunks + 31) / 32;
+  int ch_off[NCH], ch_mul[NCH];
+  tile_copy_plan<D, KB, VB, P>(p, lane, ch_off, ch_mul);
+
+  // This warp's tiles: ti = tb + warp + 4 k, k < nmy, i.e. compressed tokens ci_first + 64 k + [0, 16).
+  // Tile k is staged into stage k % NST by cp.async NST - 1 tiles ahead of its use; its page index
+  // is read one issue earlier still. Token offsets are unsigned (non-negative), so / P and % P are
+  // shifts and masks.
+  const int32_t* btrow = p.bt + (int64_t)s * p.bt_stride;
+  const int64_t first = tb + warp;
+  const int nmy = te > first ? (int)((te - first + kAttnWarps - 1) / kAttnWarps) : 0;
+  uint8_t* wst = smem + warp * NST * TB;
+  const uint8_t* head_base = p.pages + (int64_t)h * p.head_stride;
+  const uint64_t ci_first = (uint64_t)first * 16u;
+  // P <= 64: every tile of this warp starts at the same slot of its page (the warp steps 64 tokens),
+  // so the chunks' in-page source offsets are loop-invariant (4 registers instead of 8, no multiply)
+  constexpr bool kFixedSlot = P <= (int)kTokensPerStep;
+  const uint32_t slot0 = (uint32_t)(ci_first % P);  // the slot of the warp's first token in its page
+  if constexpr (kFixedSlot) {
+#pragma unroll
+    for (int i = 0; i < NCH; ++i)
+      if (ch_off[i] >= 0) ch_off[i] += (int)slot0 * ch_mul[i];
+  }
+  // Table entry of tile k: bt_first[(slot0 + 64 k) / P], a 32-bit index from one base pointer. Read
+  // one issue ahead of its use and checked only there (a check at the load would wait for it); for
+  // k >= nmy the last tile's entry is read instead (an in-range load, unused), so no branch. A warp
+  // without tiles (nmy = 0) reads entry 0 of the row (it exists: the split has tiles).
+  const int32_t* bt_first = nmy > 0 ? btrow + ci_first / P : btrow;
+  const uint32_t np32 = p.num_pages < ((int64_t)1 << 31) ? (uint32_t)p.num_pages : (1u << 31);
+  auto entry_k = [&](int k) -> int32_t {
+    const uint32_t kk = (uint32_t)(k < nmy ? k : nmy > 0 ? nmy - 1 : 0);
+    return bt_first[(slot0 + kTokensPerStep * kk) / P];
+  };
+  // Copies of tile k into `stage`, branch-free: a tile that does not exist (k >= nmy) or whose entry
+  // is out of range (one unsigned compare; num_pages clamped to 2^31, above every non-negative int32)
+  // copies nothing (cp.async with source size 0 zero-fills the stage). A bad entry is remembered
+  // (bad_k, the first one) and reported after the loop: the call fails, the merge writes nothing,
+  // so the tile loop may compute on the zeroed stage (no per-stage validity flag to keep).
+  int bad_k = -1;
+  auto issue = [&](int k, int stage, int32_t pg) {
+    const bool exists = k < nmy, ok = exists && (uint32_t)pg < np32;
+    bad_k = bad_k < 0 && exists && !ok ? k : bad_k;
+    const uint8_t* hb = head_base + (int64_t)(ok ? (uint32_t)pg : 0u) * p.page_bytes;
+    const uint32_t t0 = (slot0 + kTokensPerStep * (uint32_t)k) % P;
+    uint8_t* dst = wst + stage * TB + 16 * lane;
+#pragma unroll
+    for (int i = 0; i < NCH; ++i)
+      if (ch_off[i] >= 0)
+        cp_async16_zfill(dst + 512 * i, hb + (uint32_t)(kFixedSlot ? ch_off[i] : ch_off[i] + (int)t0 * ch_mul[i]), ok);
+    cp_async_commit();  // one group per tile slot, so wait_group counts tiles
+  };
+  for (int64_t vb = 0; vb < nqv; vb += kQV) {
+    // Q is requested first (one round trip, in flight while the first tiles' page entries are read
+    // and their copies issued), then checked and rotated. (Requesting the entries first and issuing
+    // the copies after the rotation made ptxas spill in the k4v3 tile loop; its gain was not
+    // separable from run-to-run spread.)
+    float xq[kQVPerWarp][D / 32];
+    int64_t qrow[kQVPerWarp];
+    int qhead[kQVPerWarp];
+    split_q_request<D>(p, h, r0, n, len, vb, nqv, warp, lane, sh, xq, qrow, qhead);
+    // Start streaming this warp's first tiles before the Q work, so their latency overlaps it.
+    int32_t pg_ahead = entry_k(0);
+#pragma unroll 1
+    for (int k = 0; k < NST - 1; ++k) {
+      const int32_t pn = entry_k(k + 1);
+      issue(k, k, pg_ahead);
+      pg_ahead = pn;
+    }
+    split_q_rotate<D, K16>(p, warp, lane, xq, qrow, qhead, sq, sh);
+    __syncthreads();  // also: sh.tab filled
+    FMKV_TRACE(p, 0, 4);
+    TileLane L;
+    tile_lane_setup<D, KB, VB>(p, lane, gID, tid, sh, sq, sh.qb[warp], ci_first, C, L);
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+    float acc[D / 32][2][4];
+#pragma unroll
+    for (int g = 0; g < D / 32; ++g)
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[g][mt][k] = 0.0f;
+    split_tile_loop<D, KB, VB>(p, nmy, entry_k, issue, pg_ahead, wst, lane, gID, tid, sh.qb[warp], L, m_run, l_run, acc);
+    cp_async_wait<0>();
+    if (bad_k >= 0 && lane == 0) {  // the first out-of-range entry of this warp's tiles
+      const uint32_t rel = (slot0 + kTokensPerStep * (uint32_t)bad_k) / P;
+      report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)(ci_first / P + rel), bt_first[rel], p.num_pages);
+    }
+    FMKV_TRACE(p, 0, 6);
+    split_combine_store<D, KB, VB>(p, sp, vb, nqv, tidx, warp, gID, tid, smem, wst, sh, m_run, l_run, acc);
+    if (vb + kQV < nqv) __syncthreads();  // the next pass rewrites the stages, sh.vpart and sh.m / sh.l
+  }
+  FMKV_TRACE(p, 0, 7, kTraceSplit);
+  grid_dependents_launch();  // the merge kernel may start launching (it waits for this grid's writes)
+}
+
+// Decode attention kernel (see the file header): head_dim D, K / V bits, page size P (compile-time, so
+// every load of a tile is a constant offset from one tile pointer). The prologue, shared by every CTA:
+// the codebook levels requested (split CTAs), the dependency wait, the error word and the sequence's batch
+// arrays in one round trip, the sequence checks; then the CTA's role: fused_step (CTA nsplit of a fused
+// step), fp16_part (CTA nsplit of an attention call, CTA nsplit + 1 of a fused step) or split_cta.
 template <int D, int KB, int VB, int P>
 __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn_kernel(AttnParams p) {
   constexpr int G = D / 32;
   constexpr bool K16 = KB == FMKV_FP16_BITS;
-  constexpr int KW = K16 ? 1 : KB;                        // code words per group and token (K)
-  using TG = TileGeom<D, KB, VB>;
-  constexpr int NST = TG::stages, TB = TG::bytes;
-  // Dynamic shared memory: tile staging (per warp NST x TB bytes), reused by the combination of the
-  // 4 warps (each warp's (m, l, O) in its own stages, or sm_acc where they do not fit), then Q rotation (sq, its own region: the
-  // first tiles are in flight while Q is rotated).
   extern __shared__ __align__(16) uint8_t smem[];
-  float(*sq)[D] = reinterpret_cast<float(*)[D]>(smem + TG::smem);
-  float(*sm_acc)[kQV][D] = reinterpret_cast<float(*)[kQV][D]>(smem);
   __shared__ float s_qmax[kQV];
   __shared__ uint32_t s_tab[8][32];
-  __shared__ uint32_t s_pow2[16];  // 1 << i (see kmul)
-  __shared__ uint2 s_qb[kAttnWarps][G][2][32];  // each warp's copy of its lanes' Q fragments (B operand)
+  __shared__ uint32_t s_pow2[16];
+  __shared__ uint2 s_qb[kAttnWarps][G][2][32];
   __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV];
   __shared__ int64_t s_vpos[kQV], s_vpart[kQV];
   FMKV_TRACE(p, 0, 0);
@@ -245,524 +911,10 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     FMKV_TRACE(p, 0, 7, p.fused && sp == p.nsplit ? kTraceFused : kTraceFp16Part);
     return;
   }
-  const int64_t nqv = n * p.gq;
-  const int64_t ntiles = (C + 15) / 16;
-  int64_t tps = div_small(ntiles + p.nsplit - 1, p.nsplit);
-  if (tps < kMinTilesPerSplit) tps = kMinTilesPerSplit;
-  const int64_t tb = (int64_t)sp * tps, te = ntiles < tb + tps ? ntiles : tb + tps;
-  if (tb >= ntiles) {  // an empty split (short sequence): partial (m, l) = (-inf, 0), no Q work
-    for (int64_t v = tidx; v < nqv; v += blockDim.x) {
-      int64_t vr;
-      int vh;
-      split_vector(v, p.gq, vr, vh);
-      p.part_ml[((r0 + vr) * p.HQ + h * p.gq + vh) * (p.nsplit + kRawParts) + sp] = make_float2(-INFINITY, 0.0f);
-    }
-    FMKV_TRACE(p, 0, 7, kTraceEmptySplit);
-    return;
-  }
-
-  FMKV_TRACE(p, 0, 3);
-
-  // cp.async chunks (16 B) of a tile copied by this lane: chunk c = lane + 32 i lands at byte 16 c of
-  // the stage; its source is head base + ch_off + t0 * ch_mul (t0 = tile's first token in its page).
-  constexpr int NCH = (TG::chunks + 31) / 32;
-  int ch_off[NCH], ch_mul[NCH];
-#pragma unroll
-  for (int i = 0; i < NCH; ++i) {
-    const int c = lane + 32 * i;
-    ch_off[i] = -1;
-    ch_mul[i] = 0;
-    if (c < TG::chunks) {
-      int off = 16 * c, sec = 0, sec_page_off = 0, bits = KB;
-      if (off >= TG::kbytes) { off -= TG::kbytes; sec = 1; sec_page_off = (int)p.ksec_bytes; bits = VB; }
-      if (sec == 0 && K16) {
-        ch_off[i] = off;
-        ch_mul[i] = 2 * D;
-      } else if (off < G * bits * 64) {  // code plane row r, part q
-        ch_off[i] = sec_page_off + (off / 64) * P * 4 + off % 64;
-        ch_mul[i] = 4;
-      } else {  // scale row
-        off -= G * bits * 64;
-        ch_off[i] = sec_page_off + G * bits * P * 4 + (off / 32) * P * 2 + off % 32;
-        ch_mul[i] = 2;
-      }
-    }
-  }
-
-  // This warp's tiles: ti = tb + warp + 4 k, k < nmy, i.e. compressed tokens ci_first + 64 k + [0, 16).
-  // Tile k is staged into stage k % NST by cp.async NST - 1 tiles ahead of its use; its page index
-  // is read one issue earlier still. Token offsets are unsigned (non-negative), so / P and % P are
-  // shifts and masks.
-  const int32_t* btrow = p.bt + (int64_t)s * p.bt_stride;
-  const int64_t first = tb + warp;
-  const int nmy = te > first ? (int)((te - first + kAttnWarps - 1) / kAttnWarps) : 0;
-  uint8_t* wst = smem + warp * NST * TB;
-  const uint8_t* head_base = p.pages + (int64_t)h * p.head_stride;
-  const uint64_t ci_first = (uint64_t)first * 16u;
-  constexpr uint32_t kTokensPerStep = 16 * kAttnWarps;
-  // P <= 64: every tile of this warp starts at the same slot of its page (the warp steps 64 tokens),
-  // so the chunks' in-page source offsets are loop-invariant (4 registers instead of 8, no multiply)
-  constexpr bool kFixedSlot = P <= (int)kTokensPerStep;
-  const uint32_t slot0 = (uint32_t)(ci_first % P);  // the slot of the warp's first token in its page
-  if constexpr (kFixedSlot) {
-#pragma unroll
-    for (int i = 0; i < NCH; ++i)
-      if (ch_off[i] >= 0) ch_off[i] += (int)slot0 * ch_mul[i];
-  }
-  // Table entry of tile k: bt_first[(slot0 + 64 k) / P], a 32-bit index from one base pointer. Read
-  // one issue ahead of its use and checked only there (a check at the load would wait for it); for
-  // k >= nmy the last tile's entry is read instead (an in-range load, unused), so no branch. A warp
-  // without tiles (nmy = 0) reads entry 0 of the row (it exists: the split has tiles).
-  const int32_t* bt_first = nmy > 0 ? btrow + ci_first / P : btrow;
-  const uint32_t np32 = p.num_pages < ((int64_t)1 << 31) ? (uint32_t)p.num_pages : (1u << 31);
-  auto entry_k = [&](int k) -> int32_t {
-    const uint32_t kk = (uint32_t)(k < nmy ? k : nmy > 0 ? nmy - 1 : 0);
-    return bt_first[(slot0 + kTokensPerStep * kk) / P];
-  };
-  // Copies of tile k into `stage`, branch-free: a tile that does not exist (k >= nmy) or whose entry
-  // is out of range (one unsigned compare; num_pages clamped to 2^31, above every non-negative int32)
-  // copies nothing (cp.async with source size 0 zero-fills the stage). A bad entry is remembered
-  // (bad_k, the first one) and reported after the loop: the call fails, the merge writes nothing,
-  // so the tile loop may compute on the zeroed stage (no per-stage validity flag to keep).
-  int bad_k = -1;
-  auto issue = [&](int k, int stage, int32_t pg) {
-    const bool exists = k < nmy, ok = exists && (uint32_t)pg < np32;
-    bad_k = bad_k < 0 && exists && !ok ? k : bad_k;
-    const uint8_t* hb = head_base + (int64_t)(ok ? (uint32_t)pg : 0u) * p.page_bytes;
-    const uint32_t t0 = (slot0 + kTokensPerStep * (uint32_t)k) % P;
-    uint8_t* dst = wst + stage * TB + 16 * lane;
-#pragma unroll
-    for (int i = 0; i < NCH; ++i)
-      if (ch_off[i] >= 0)
-        cp_async16_zfill(dst + 512 * i, hb + (uint32_t)(kFixedSlot ? ch_off[i] : ch_off[i] + (int)t0 * ch_mul[i]), ok);
-    cp_async_commit();  // one group per tile slot, so wait_group counts tiles
-  };
-  for (int64_t vb = 0; vb < nqv; vb += kQV) {
-    // ---- Q: 8 query vectors (finite-checked), rotated in registers by warp w (vectors w, w + 4;
-    // lane holds coordinates lane + 32 r), max |q| of each, stored to sq for the fragment loads.
-    // The warp's vectors are requested first (one round trip, in flight while the first tiles' page
-    // entries are read and their copies issued), then checked and rotated one by one. (Requesting
-    // the entries first and issuing the copies after the rotation made ptxas spill in the k4v3 tile
-    // loop; its gain was not separable from run-to-run spread.)
-    constexpr int NR = D / 32, QPW = kQV / kAttnWarps;
-    static_assert(kQV % kAttnWarps == 0, "whole query vectors per warp");
-    float xq[QPW][NR];
-    int64_t qrow[QPW], qoff[QPW * NR];
-    int qhead[QPW];
-#pragma unroll
-    for (int u = 0; u < QPW; ++u) {
-      const int i = warp + u * kAttnWarps;
-      const int64_t v = vb + i;
-      int64_t vr;  // query row (within the sequence) and q head of vector v (warp-uniform)
-      int vh;
-      split_vector(v, p.gq, vr, vh);
-      qrow[u] = r0 + vr;
-      qhead[u] = h * p.gq + vh;
-      if (lane == 0) {  // this vector's position and partial index, for the softmax mask and the combine
-        s_vpos[i] = v < nqv ? len - n + vr : -1;
-        s_vpart[i] = v < nqv ? (qrow[u] * p.HQ + qhead[u]) * (p.nsplit + kRawParts) : -1;
-      }
-#pragma unroll
-      for (int r = 0; r < NR; ++r) qoff[u * NR + r] = v < nqv ? qrow[u] * p.q_rs + qhead[u] * p.q_hs + lane + 32 * r : -1;
-    }
-    load_elems<QPW * NR>(p.q, p.q_dtype, qoff, reinterpret_cast<float(&)[QPW * NR]>(xq));
-    // Start streaming this warp's first tiles before the Q work, so their latency overlaps it.
-    int32_t pg_ahead = entry_k(0);
-#pragma unroll 1
-    for (int k = 0; k < NST - 1; ++k) {
-      const int32_t pn = entry_k(k + 1);
-      issue(k, k, pg_ahead);
-      pg_ahead = pn;
-    }
-#pragma unroll
-    for (int u = 0; u < QPW; ++u) {
-      const int i = warp + u * kAttnWarps;
-      float(&x)[NR] = xq[u];
-#pragma unroll
-      for (int r = 0; r < NR; ++r)
-        if (!isfinite(x[r])) {
-          report_error(p.err, kNonFinite, kErrNonFiniteQ, 0, qrow[u], qhead[u], lane + 32 * r);
-          x[r] = 0.0f;
-        }
-      if (!K16) warp_rotate<D>(x, p.sw, lane);  // signs, FWHT, 1/sqrt(D)
-      float m = 0.0f;
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        sq[i][lane + 32 * r] = x[r];
-        m = fmaxf(m, fabsf(x[r]));
-      }
-#pragma unroll
-      for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-      if (lane == 0) s_qmax[i] = m;
-    }
-    __syncthreads();  // also: s_tab filled
-    FMKV_TRACE(p, 0, 4);
-    uint32_t TK[4], TV[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      TK[k] = s_tab[k][lane];
-      TV[k] = s_tab[4 + k][lane];
-    }
-    if (KB == 2) TK[1] = TK[0] ^ kSignMask;  // 2-bit: the signed table of make_x2s
-    if (VB == 2) TV[1] = TV[0] ^ kSignMask;
-    const NibbleTables NK = nibble_tables(TK), NV = nibble_tables(TV);  // 4-bit codes (used only then)
-    const uint32_t k16 = s_pow2[4];
-    // 4-bit K: this lane's nibbles are word tid of the group, half-word c for chunk c (coordinates
-    // 8 tid + 4 c .. + 3); 4-bit V: half-word gID & 1 of word gID >> 1 (coordinates 4 gID .. + 3),
-    // the two tokens' bytes interleaved first (selector vsel)
-    const uint32_t vsel = (gID & 1) ? 0x7362u : 0x5140u;
-    // B operand: query vector gID, normalised to max |q| = 1; kept in shared memory and read per tile
-    // (ld.volatile: not hoisted into 16 registers, which would cost occupancy)
-    {
-      const float qmax = s_qmax[gID], qinv = qmax > 0.0f ? 1.0f / qmax : 0.0f;
-#pragma unroll
-      for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          // k pairs (2 tid, 2 tid + 1) and (2 tid + 8, 2 tid + 9) hold the coordinates the K decode pairs:
-          // 3 bits and fp16 K: (b, b + 16), (b + 1, b + 17) with b = 32 g + 8 c + 2 tid; 2 bits (make_x2s order):
-          // (b, b + 1), (b + 16, b + 17); 4 bits (nibbles): (b, b + 1), (b + 2, b + 3) with b = 32 g + 8 tid + 4 c
-          const int b = KB == 4 ? 32 * g + 8 * tid + 4 * c : 32 * g + 8 * c + 2 * tid;
-          const int o1 = KB == 2 || KB == 4 ? 1 : 16, o2 = KB == 2 ? 16 : KB == 4 ? 2 : 1, o3 = KB == 4 ? 3 : 17;
-          s_qb[warp][g][c][lane] = make_uint2(pack_half2(sq[gID][b] * qinv, sq[gID][b + o1] * qinv),
-                                              pack_half2(sq[gID][b + o2] * qinv, sq[gID][b + o3] * qinv));
-        }
-    }
-    // this lane's softmax rows: query vectors 2 tid + j
-    const bool softcapped = p.softcap > 0.0f;
-    const float inv_cap = softcapped ? 1.0f / p.softcap : 0.0f;
-    float fac2[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const float fac = s_qmax[2 * tid + j] * p.sm_scale;
-      // scores are kept in log2 units (x log2 e) inside the tile loop; m is converted back at the end
-      fac2[j] = p.softcap > 0.0f ? fac : fac * kLog2e;
-    }
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
-    float acc[G][2][4];
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) acc[g][mt][k] = 0.0f;
-
-    // Sign (and 4-bit magnitude bit 2) planes are moved into bits 15 / 31 by multiplying with per-lane
-    // powers of two: IMAD issues to the FMA pipe, a shift (SHF) to the integer ALU pipe, the tile
-    // loop's busiest (CUDA-NOTES "Floors"). K: coordinate 8c + 2 tid -> bit 15; V: coordinate 2 gID.
-    // Read from shared memory: a multiplier ptxas knows to be a power of two becomes a shift again.
-    const uint32_t kmul[2] = {s_pow2[15 - 2 * tid], s_pow2[7 - 2 * tid]};
-    const uint32_t vmul = s_pow2[15 - 2 * gID];
-    // Per-lane thresholds on koff (tile k's first token offset from the warp's first token, 64 k): this
-    // lane's token 2 gID + e of the tile is visible to query 2 tid + j iff koff + e <= vlim[j] (causal
-    // limit and last token, relative to the lane's token 2 gID), and exists iff koff + e < tlim. In 32
-    // bits: offsets are clamped to 2^30, beyond every token of the warp's tiles (attn_sequence_ok
-    // rejects a split of more than 2^30 tokens).
-    const int64_t rel0 = (int64_t)p.S + (int64_t)ci_first, crem = (int64_t)C - (int64_t)ci_first;
-    const int cnt = crem > (1 << 30) ? (1 << 30) : (int)crem;  // tokens from the warp's first one
-    int vlim[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int64_t pj = s_vpos[2 * tid + j], r = pj < 0 ? -1 : pj - rel0;  // causal limit (-1: none)
-      const int lim = r < cnt - 1 ? (int)r : cnt - 1;
-      vlim[j] = lim - 2 * gID;
-    }
-    const int tlim = cnt - 2 * gID;
-    int stage = 0, stage_fill = NST - 1;  // k % NST and (k + NST - 1) % NST
-#pragma unroll 1
-    for (int k = 0; k < nmy; ++k) {
-      const int32_t pn = entry_k(k + NST);
-      issue(k + NST - 1, stage_fill, pg_ahead);
-      pg_ahead = pn;
-      stage_fill = stage;
-      cp_async_wait<NST - 1>();  // this lane's copies of tile k have landed
-      __syncwarp();              // ... and every lane's
-      if (k == 0) FMKV_TRACE(p, 0, 5);
-      const int koff = (int)kTokensPerStep * k;  // first token of tile k, from the warp's first
-      const uint8_t* st = wst + stage * TB;  // the staged tile
-      stage = stage + 1 == NST ? 0 : stage + 1;
-
-      // ---- scores S = K Q^T: sc[k] = (token 2 gID + (k >> 1), query 2 tid + (k & 1))
-      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if constexpr (K16) {
-        const uint16_t* ka = (const uint16_t*)st + 2 * gID * D;  // tokens 2 gID, 2 gID + 1
-        const uint16_t* kb = ka + D;
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int b = 32 * g + 8 * c + 2 * tid;
-            const uint32_t a0 = (uint32_t)ka[b] | ((uint32_t)ka[b + 16] << 16);
-            const uint32_t a1 = (uint32_t)kb[b] | ((uint32_t)kb[b + 16] << 16);
-            const uint32_t a2 = (uint32_t)ka[b + 1] | ((uint32_t)ka[b + 17] << 16);
-            const uint32_t a3 = (uint32_t)kb[b + 1] | ((uint32_t)kb[b + 17] << 16);
-            const uint2 qf = load_shared_u2(&s_qb[warp][g][c][lane]);
-            mma16816(sc, a0, a1, a2, a3, qf.x, qf.y);
-          }
-      } else {
-        const uint32_t* kw = (const uint32_t*)st + 2 * gID;                 // tokens 2 gID, 2 gID + 1, plane 0
-        const uint32_t* ks = (const uint32_t*)(st + G * KB * 64) + gID;     // their scales, group 0
-        float c4g[G][4];
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          float(&c4)[4] = c4g[g];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) c4[i] = 0.0f;
-          if constexpr (KB == 4) {  // nibbles: two pairs per token from one half-word, no sign work after
-            const uint2 w2 = *(const uint2*)(kw + (g * 4 + tid) * 16);  // word tid of tokens a, b
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              uint32_t la, ha, lb, hb;
-              nibble_bytes(c ? w2.x >> 16 : w2.x, k16, NK, la, ha);
-              nibble_bytes(c ? w2.y >> 16 : w2.y, k16, NK, lb, hb);
-              const uint2 qf = load_shared_u2(&s_qb[warp][g][c][lane]);
-              mma16816(c4, prmt(la, ha, 0x5140u), prmt(lb, hb, 0x5140u), prmt(la, ha, 0x7362u), prmt(lb, hb, 0x7362u),
-                       qf.x, qf.y);
-            }
-          } else {  // planes: the group's words of tokens a (2 gID) and b (2 gID + 1)
-            uint32_t wa[KW], wb[KW];
-#pragma unroll
-            for (int k = 0; k < KW; ++k) {
-              const uint2 w2 = *(const uint2*)(kw + (g * KB + k) * 16);
-              wa[k] = w2.x;
-              wb[k] = w2.y;
-            }
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int i0 = 8 * c + 2 * tid;
-              const uint32_t m0 = kmul[c], m1 = kmul[c] >> 1;  // x m0 (m1): coordinate i0 (+1) -> bit 15
-              const uint2 sa = pair_selectors(KB == 2 ? make_x2s(wa[0], wa[1], i0) : make_x(wa[c], i0));
-              const uint2 sb = pair_selectors(KB == 2 ? make_x2s(wb[0], wb[1], i0) : make_x(wb[c], i0));
-              uint32_t a0, a1, a2, a3;
-              if (KB == 2) {  // signed table: (i0, i0 + 1) and (i0 + 16, i0 + 17) of tokens a, b
-                a0 = lookup(sa.x, TK);
-                a1 = lookup(sb.x, TK);
-                a2 = lookup(sa.y, TK);
-                a3 = lookup(sb.y, TK);
-              } else {
-                a0 = lookup(sa.x, TK) ^ ((wa[KW - 1] * m0) & kSignMask);
-                a1 = lookup(sb.x, TK) ^ ((wb[KW - 1] * m0) & kSignMask);
-                a2 = lookup(sa.y, TK) ^ ((wa[KW - 1] * m1) & kSignMask);
-                a3 = lookup(sb.y, TK) ^ ((wb[KW - 1] * m1) & kSignMask);
-              }
-              const uint2 qf = load_shared_u2(&s_qb[warp][g][c][lane]);
-              mma16816(c4, a0, a1, a2, a3, qf.x, qf.y);
-            }
-          }
-        }
-        // Scaled and summed from the last group to the first: group 0's accumulator is consumed
-        // last, so every group's mma pair has its own registers and the pairs overlap (consumed in
-        // mma order, ptxas reused one accumulator and each group's mma waited for the previous
-        // group's result; 7accf3b: 1.010-1.019x, docs/history/cuda-decode-tile-loop.md)
-#pragma unroll
-        for (int g = G - 1; g >= 0; --g) {
-          const uint32_t s2 = ks[g * 8];
-          const float fa = h_lo(s2), fb = h_hi(s2);
-          sc[0] += c4g[g][0] * fa;
-          sc[1] += c4g[g][1] * fa;
-          sc[2] += c4g[g][2] * fb;
-          sc[3] += c4g[g][3] * fb;
-        }
-      }
-
-      // ---- online softmax of queries 2 tid + j over the tile's 16 tokens (8 lanes of equal tid)
-      float pr[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) pr[k] = sc[k] * fac2[k & 1];
-      if (softcapped) {  // uniform branch
-#pragma unroll
-        for (int k = 0; k < 4; ++k) pr[k] = p.softcap * tanhf(pr[k] * inv_cap) * kLog2e;
-      }
-      // Lazy running max: m_run (uniform over the 8 lanes of a query) moves only when a score of the
-      // tile exceeds it. Then (a uniform branch; per tile 1 - 1/(k + 1) of iid tiles skip it) the max
-      // over the 8 lanes, the factor, and l and O rescaled; else P uses m_run as it is -- the same
-      // values as an update every tile (m_new == m_run, factor 1), without its shuffles and ex2.
-      float lm[2] = {-INFINITY, -INFINITY};  // this lane's max of query 2 tid + j over its 2 tokens
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int e = k >> 1, j = k & 1;  // token 2 gID + e, query 2 tid + j
-        pr[k] = koff + e <= vlim[j] ? pr[k] : -INFINITY;
-        lm[j] = fmaxf(lm[j], pr[k]);
-      }
-      if (__any_sync(0xffffffffu, lm[0] > m_run[0] || lm[1] > m_run[1])) {
-        float corr[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-#pragma unroll
-          for (int o = 4; o <= 16; o <<= 1) lm[j] = fmaxf(lm[j], __shfl_xor_sync(0xffffffffu, lm[j], o));
-          const float m_new = fmaxf(m_run[j], lm[j]);
-          corr[j] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[j] - m_new);
-          l_run[j] *= corr[j];
-          m_run[j] = m_new;
-        }
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) acc[g][mt][k] *= corr[k & 1];
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float ms = m_run[j] == -INFINITY ? 0.0f : m_run[j];  // all masked so far: p = exp2(-inf) = 0
-        pr[j] = fast_exp2(pr[j] - ms);
-        pr[j + 2] = fast_exp2(pr[j + 2] - ms);
-        l_run[j] += pr[j] + pr[j + 2];
-      }
-      // ---- O^T += V^T P^T; this lane: coordinates 2gID + {0,16,1,17} of each group, tokens a,b,c,d
-      const uint8_t* vst = st + TG::kbytes;
-      const uint32_t* vw = (const uint32_t*)vst + 4 * tid;                // tokens 4 tid .. 4 tid + 3, plane 0
-      const uint32_t* vs = (const uint32_t*)(vst + G * VB * 64) + gID;    // V scales of tokens 2 gID, 2 gID + 1
-      const int i0v = 2 * gID, fwv = gID >> 2;
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        // P x token scale (fp32, then fp16: p <= 1 and |scale| <= 65504 cannot overflow), transposed
-        // (tokens past the end get scale 0: their bytes may be uninitialised, and 0 x Inf is NaN)
-        const uint32_t vs2 = vs[g * 8];
-        const float sa = koff < tlim ? h_lo(vs2) : 0.0f, sb = koff + 1 < tlim ? h_hi(vs2) : 0.0f;
-        uint32_t pb0 = pack_half2(pr[0] * sa, pr[1] * sa), pb1 = pack_half2(pr[2] * sb, pr[3] * sb);
-        pb0 = movmatrix_trans(pb0);
-        pb1 = movmatrix_trans(pb1);
-        uint32_t aA0, aA1, aA2, aA3, aB0, aB1, aB2, aB3;
-        if constexpr (VB == 4) {
-          // nibbles of tokens (a, b), (c, d) interleaved bytewise, then per half-word two fp16 pairs
-          // (coordinate n; token pair): aA = n0, n1 = 4 gID, 4 gID + 1, aB = n2, n3
-          const uint4 n4 = *(const uint4*)(vw + (g * 4 + (gID >> 1)) * 16);
-          const uint32_t zab = prmt(n4.x, n4.z, vsel), zcd = prmt(n4.y, n4.w, vsel);
-          auto pairs = [&](uint32_t z, uint32_t& p0, uint32_t& p1) {
-            uint32_t lo, hi;
-            nibble_bytes(z, k16, NV, lo, hi);
-            p0 = prmt(lo, hi, 0x6240u);
-            p1 = prmt(lo, hi, 0x7351u);
-          };
-          pairs(zab, aA0, aA1);
-          pairs(zcd, aA2, aA3);
-          pairs(zab >> 16, aB0, aB1);
-          pairs(zcd >> 16, aB2, aB3);
-        } else {
-        const int wi = (g * VB + (VB == 2 ? 0 : fwv)) * 16, si = (g * VB + VB - 1) * 16;
-        // token pairs (a, b) = (4 tid, 4 tid + 2), (c, d) = (4 tid + 1, 4 tid + 3)
-        const uint4 f4 = *(const uint4*)(vw + wi), g4 = *(const uint4*)(vw + si);
-        const uint2 fab = make_uint2(f4.x, f4.z), fcd = make_uint2(f4.y, f4.w);
-        const uint2 gab = make_uint2(g4.x, g4.z), gcd = make_uint2(g4.y, g4.w);
-        const uint32_t m0 = vmul, m1 = vmul >> 1;  // x m0 (m1): coordinate i0v (+1) -> bit 15
-        if (VB == 2) {  // signed table (make_x2s): no sign planes to pair or apply
-          const uint32_t xa = make_x2s(fab.x, gab.x, i0v), xb = make_x2s(fab.y, gab.y, i0v);
-          const uint32_t xc = make_x2s(fcd.x, gcd.x, i0v), xd = make_x2s(fcd.y, gcd.y, i0v);
-          // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (s1), i0+1 | i0+17 (s2)
-          const uint2 s1ab = pair_selectors(prmt(xa, xb, 0x6240u)), s2ab = pair_selectors(prmt(xa, xb, 0x7351u));
-          const uint2 s1cd = pair_selectors(prmt(xc, xd, 0x6240u)), s2cd = pair_selectors(prmt(xc, xd, 0x7351u));
-          aA0 = lookup(s1ab.x, TV);
-          aA1 = lookup(s1ab.y, TV);
-          aA2 = lookup(s1cd.x, TV);
-          aA3 = lookup(s1cd.y, TV);
-          aB0 = lookup(s2ab.x, TV);
-          aB1 = lookup(s2ab.y, TV);
-          aB2 = lookup(s2cd.x, TV);
-          aB3 = lookup(s2cd.y, TV);
-        } else {
-          // selector-form words of token pairs: bytes (a, b) of coordinate i0 | i0+16 (x1), i0+1 | i0+17 (x2)
-          const uint32_t xa = make_x(fab.x, i0v), xb = make_x(fab.y, i0v);
-          const uint32_t xc = make_x(fcd.x, i0v), xd = make_x(fcd.y, i0v);
-          const uint2 s1ab = pair_selectors(prmt(xa, xb, 0x5140u)), s2ab = pair_selectors(prmt(xa, xb, 0x7362u));
-          const uint2 s1cd = pair_selectors(prmt(xc, xd, 0x5140u)), s2cd = pair_selectors(prmt(xc, xd, 0x7362u));
-          // sign planes of token pairs: coordinates 0..15 (lo) / 16..31 (hi) of token a | token b
-          const uint32_t wlo_ab = prmt(gab.x, gab.y, 0x5410u), whi_ab = prmt(gab.x, gab.y, 0x7632u);
-          const uint32_t wlo_cd = prmt(gcd.x, gcd.y, 0x5410u), whi_cd = prmt(gcd.x, gcd.y, 0x7632u);
-          aA0 = lookup(s1ab.x, TV) ^ ((wlo_ab * m0) & kSignMask);
-          aA1 = lookup(s1ab.y, TV) ^ ((whi_ab * m0) & kSignMask);
-          aA2 = lookup(s1cd.x, TV) ^ ((wlo_cd * m0) & kSignMask);
-          aA3 = lookup(s1cd.y, TV) ^ ((whi_cd * m0) & kSignMask);
-          aB0 = lookup(s2ab.x, TV) ^ ((wlo_ab * m1) & kSignMask);
-          aB1 = lookup(s2ab.y, TV) ^ ((whi_ab * m1) & kSignMask);
-          aB2 = lookup(s2cd.x, TV) ^ ((wlo_cd * m1) & kSignMask);
-          aB3 = lookup(s2cd.y, TV) ^ ((whi_cd * m1) & kSignMask);
-        }
-        }
-        mma16816(acc[g][0], aA0, aA1, aA2, aA3, pb0, pb1);
-        mma16816(acc[g][1], aB0, aB1, aB2, aB3, pb0, pb1);
-      }
-      __syncwarp();  // every lane is done with this stage before it is refilled
-    }
-    cp_async_wait<0>();
-    if (bad_k >= 0 && lane == 0) {  // the first out-of-range entry of this warp's tiles
-      const uint32_t rel = (slot0 + kTokensPerStep * (uint32_t)bad_k) / P;
-      report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)(ci_first / P + rel), bt_first[rel], p.num_pages);
-    }
-    FMKV_TRACE(p, 0, 6);
-
-    // ---- combine the 4 warps, write this split's partial. A warp's (m, l, O) go to its own stages when
-    // they fit (no other warp touches those: no barrier before the stores), else to sm_acc (which
-    // overlaps the other warps' stages: wait for them first). One barrier, then thread -> data: vector
-    // i = tidx / 16 of the pass, float4 columns 4 (tidx % 16) + 64 u (u < D / 64); each thread forms
-    // its vector's combined max, the warps' factors and sum itself (no second barrier), and the half
-    // warp of the vector applies the inverse rotation (the partial is stored in the raw domain).
-    constexpr bool kOwnStage = NST * TB >= kQV * D * 4;
-    float* const wacc = kOwnStage ? reinterpret_cast<float*>(wst) : &sm_acc[warp][0][0];
-    if constexpr (kOwnStage) __syncwarp();  // every lane's copies (zero fills included) have landed
-    else __syncthreads();                   // every warp is done with its stages
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int o = 4; o <= 16; o <<= 1) l_run[j] += __shfl_xor_sync(0xffffffffu, l_run[j], o);
-      if (gID == 0) {
-        sm_m[warp][2 * tid + j] = m_run[j] * 0.69314718055994531f;  // back to natural-log units
-        sm_l[warp][2 * tid + j] = l_run[j];
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          wacc[(2 * tid + (k & 1)) * D + (VB == 4 ? 32 * g + 4 * gID + 2 * mt + (k >> 1)
-                                                  : 32 * g + 2 * gID + mt + ((k & 2) ? 16 : 0))] = acc[g][mt][k];
-    __syncthreads();
-    {
-      constexpr int TPV = 128 / kQV, NU = D / (4 * TPV);  // threads per vector, float4 columns per thread
-      static_assert(TPV == 16 && NU * 64 == D, "a half warp per vector (half_warp_unrotate's mapping)");
-      const int i = tidx / TPV, c0 = 4 * (tidx % TPV);
-      float M = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm_m[w][i]);
-      float f[kAttnWarps], L = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) {
-        f[w] = M == -INFINITY ? 0.0f : fast_exp2((sm_m[w][i] - M) * kLog2e);  // (M = -inf: every warp empty)
-        L += sm_l[w][i] * f[w];
-      }
-      float y[4 * NU];
-#pragma unroll
-      for (int u = 0; u < NU; ++u) {
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int w = 0; w < kAttnWarps; ++w) {
-          const float* src = kOwnStage ? reinterpret_cast<const float*>(smem + w * NST * TB) : &sm_acc[w][0][0];
-          add_weighted(a, f[w], *reinterpret_cast<const float4*>(src + i * D + c0 + 64 * u));
-        }
-        y[4 * u] = a.x;
-        y[4 * u + 1] = a.y;
-        y[4 * u + 2] = a.z;
-        y[4 * u + 3] = a.w;
-      }
-      // the partial leaves in the raw domain (the merge then needs no rotation: it is linear), every
-      // thread taking part in the shuffles (vectors past the call's are computed on (-inf, 0) and dropped)
-      half_warp_unrotate<D>(y, p.sw, tidx % TPV);
-      if (vb + i < nqv) {
-        const int64_t idx = s_vpart[i] + sp;
-        if (c0 == 0) p.part_ml[idx] = make_float2(M, L);
-#pragma unroll
-        for (int u = 0; u < NU; ++u)
-          *reinterpret_cast<float4*>(p.part_acc + idx * D + c0 + 64 * u) =
-              make_float4(y[4 * u], y[4 * u + 1], y[4 * u + 2], y[4 * u + 3]);
-      }
-    }
-    if (vb + kQV < nqv) __syncthreads();  // the next pass rewrites the stages, s_vpart and sm_m / sm_l
-  }
-  FMKV_TRACE(p, 0, 7, kTraceSplit);
-  grid_dependents_launch();  // the merge kernel may start launching (it waits for this grid's writes)
+  split_cta<D, KB, VB, P>(p, s, h, sp, tidx, warp, lane, gID, tid, r0, n, len, C, smem,
+                          {s_qmax, s_tab, s_pow2, s_qb, sm_m, sm_l, s_vpos, s_vpart});
 }
+
 
 // Compiled (head_dim, K bits, V bits) combinations: a default build compiles the grid below for
 // every page size; -DFMKV_CUDA_FULL_GRID=ON compiles all 36 (x 5 page sizes). Anything else fails

@@ -18,8 +18,8 @@ namespace cuda {
 //   others in 1-3);
 //   3. O = O x corr + P V: warp w owns coordinates [w D/4, (w+1) D/4) (lane: 1 (D=128), 2 (D=256) or,
 //      for D=64, 1 coordinate of every other token), over every token of the chunk (V from shared memory).
-// The partial goes to slot `part` of the query vector's partials (raw domain: the merge adds it after
-// the inverse rotation). Shared memory (dynamic, Fp16Geom): q [kQV][D] floats, P [chunk][kQV] floats,
+// The partial goes to slot `part` of the query vector's partials (raw domain, like every partial: the
+// merge adds them with their weights). Shared memory (dynamic, Fp16Geom): q [kQV][D] floats, P [chunk][kQV] floats,
 // V [chunk][D] fp16, after the fused step's dk, dv [16][D] floats (unused here).
 constexpr int kFp16Chunk = 64;
 

@@ -199,11 +199,13 @@ __device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uin
 // before it can decide is issued at once, so the decision costs about one round trip (each dependent
 // round trip is long while the split CTAs stream pages):
 //   1. validation, started: the block-table entries up to the new end (the first 1024 by cp.async
-//      into shared memory; any beyond, in step 3 from registers) and every 16-byte chunk of the
-//      sequence's k, v and q rows (cp.async into shared memory, StagedRowCheck) are requested;
+//      into shared memory; any beyond, in step 3 from registers) and the first round of 16-byte chunks
+//      of the sequence's k, v and q rows (cp.async into shared memory, StagedRowCheck; the later rounds,
+//      if any, in step 3; a decode step's rows are one round) are requested;
 //   2. meanwhile, compress the tokens [E0, E1) that leave the window (read from the ring) or arrive
-//      compressed (new rows): one warp per head vector, the quantizer of append.cu (bit-exact); the
-//      warp keeps the dequantized values and un-rotates them (shuffles) into shared memory. These
+//      compressed (new rows): one warp per head vector, the warp-level quantizer (compress_vector;
+//      bit-exact with the reference, as append.cu's thread-level one is); the warp keeps the
+//      dequantized values and un-rotates them (shuffles) into shared memory. These
 //      token slots lie at or past the compressed length before the step, which nothing reads, so
 //      they are written before the decision (a vector whose page entry is out of range or whose
 //      values are not finite is skipped: the validation reports it);

@@ -36,13 +36,13 @@ if v == 'D':
     fa = root + '/src/cuda/decode_attention.cuh'
     a = open(fa).read()
     a = rep(a, "  FMKV_TRACE(p, 0, 3);\n", "")
-    a = rep(a, "      if (k == 0) FMKV_TRACE(p, 0, 5);\n", "")
+    a = rep(a, "    if (k == 0) FMKV_TRACE(p, 0, 5);\n", "")
     a = rep(a, "    FMKV_TRACE(p, 0, 6);\n", "")
     a = rep(a, "      issue(k, k, pg_ahead);\n      pg_ahead = pn;\n    }\n",
             "      issue(k, k, pg_ahead);\n      pg_ahead = pn;\n    }\n    FMKV_TRACE(p, 0, 3);\n"
-            "    asm volatile(\"\" ::\"f\"(xq[0][0]), \"f\"(xq[QPW - 1][NR - 1]));\n    FMKV_TRACE(p, 0, 4);\n")
-    a = rep(a, "      if (lane == 0) s_qmax[i] = m;\n    }\n    __syncthreads();  // also: s_tab filled\n    FMKV_TRACE(p, 0, 4);\n",
-            "      if (lane == 0) s_qmax[i] = m;\n    }\n    FMKV_TRACE(p, 0, 5);\n    __syncthreads();  // also: s_tab filled\n    FMKV_TRACE(p, 0, 6);\n")
+            "    asm volatile(\"\" ::\"f\"(xq[0][0]), \"f\"(xq[kQVPerWarp - 1][D / 32 - 1]));\n    FMKV_TRACE(p, 0, 4);\n")
+    a = rep(a, "    __syncthreads();  // also: sh.tab filled\n    FMKV_TRACE(p, 0, 4);\n",
+            "    FMKV_TRACE(p, 0, 5);\n    __syncthreads();  // also: sh.tab filled\n    FMKV_TRACE(p, 0, 6);\n")
     open(fa, 'w').write(a)
 elif v == 'A':
     s = rep(s, "    else cp_async_commit();\n  }\n", "    else cp_async_commit();\n  }\n  FMKV_TRACE(p, 0, 3);\n")
