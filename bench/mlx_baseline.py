@@ -51,11 +51,15 @@ GEOM = dict(layers=32, kv_heads=8, q_heads=32, head_dim=128)  # Llama-3-8B / Mis
 
 
 def commit() -> str:
+    # FMKV_COMMIT first: the device machine's copy of the tree carries the last landed commit's .git, not
+    # the commit whose code it runs.
+    if os.environ.get("FMKV_COMMIT"):
+        return os.environ["FMKV_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
                               check=True).stdout.strip()
     except Exception:  # noqa: BLE001
-        return os.environ.get("FMKV_COMMIT", "unknown")
+        return "unknown"
 
 
 def device_name() -> str:

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <stdexcept>
 
 namespace fmkv {
@@ -55,6 +56,101 @@ LloydMax lloyd_max_gaussian(int bits) {
   for (int i = 0; i + 1 < n; ++i) q.thresholds[i] = 0.5 * (q.levels[i] + q.levels[i + 1]);
   q.distortion = gaussian_distortion(q.levels, q.thresholds);
   return q;
+}
+
+double integer_levels_distortion(const std::vector<int>& positive, double step) {
+  const size_t k = positive.size();
+  std::vector<double> levels(2 * k), thr(2 * k - 1);
+  for (size_t i = 0; i < k; ++i) {
+    levels[k + i] = step * positive[i];
+    levels[k - 1 - i] = -step * positive[i];
+  }
+  for (size_t i = 0; i + 1 < levels.size(); ++i) thr[i] = 0.5 * (levels[i] + levels[i + 1]);
+  return gaussian_distortion(levels, thr);
+}
+
+namespace {
+bool valid_positive(const std::vector<int>& p, int max_level) {
+  for (size_t i = 0; i < p.size(); ++i)
+    if (p[i] < 1 || p[i] > max_level || (i > 0 && p[i] <= p[i - 1])) return false;
+  return true;
+}
+
+// The integers for one step: rounded Lloyd-Max levels, then +-1 moves of single levels while one helps.
+std::vector<int> descend(const std::vector<double>& lm_positive, double step, int max_level, double* dist) {
+  std::vector<int> p(lm_positive.size());
+  for (size_t i = 0; i < p.size(); ++i) {
+    long r = std::lround(lm_positive[i] / step);
+    p[i] = (int)(r < 1 ? 1 : r > max_level ? max_level : r);
+  }
+  for (size_t i = 1; i < p.size(); ++i)  // make them distinct and ascending
+    if (p[i] <= p[i - 1]) p[i] = p[i - 1] + 1;
+  if (!valid_positive(p, max_level)) return {};
+  double d = integer_levels_distortion(p, step);
+  for (bool improved = true; improved;) {
+    improved = false;
+    for (size_t i = 0; i < p.size(); ++i)
+      for (int delta : {-1, 1}) {
+        std::vector<int> t = p;
+        t[i] += delta;
+        if (!valid_positive(t, max_level)) continue;
+        const double dt = integer_levels_distortion(t, step);
+        if (dt < d) {
+          d = dt;
+          p = t;
+          improved = true;
+        }
+      }
+  }
+  *dist = d;
+  return p;
+}
+}  // namespace
+
+IntegerLevels integer_levels_gaussian(int bits, int max_level) {
+  if (bits < 1 || bits > 4) throw std::invalid_argument("integer_levels_gaussian: bits must be 1..4");
+  const int k = 1 << (bits - 1);
+  if (max_level < k || max_level > 127)
+    throw std::invalid_argument("integer_levels_gaussian: max_level must be in [2^(bits-1), 127]");
+  const LloydMax lm = lloyd_max_gaussian(bits);
+  const std::vector<double> pos(lm.levels.begin() + k, lm.levels.end());
+  const double top = pos.back();
+  IntegerLevels best;
+  best.bits = bits;
+  best.max_level = max_level;
+  best.distortion = INFINITY;
+  const int scan = 4000;
+  for (int i = 0; i <= scan; ++i) {  // the largest level's integer from max_level down to k
+    const double top_int = max_level - (max_level - k) * (double)i / scan;
+    const double step = top / top_int;
+    double d = 0;
+    std::vector<int> p = descend(pos, step, max_level, &d);
+    if (!p.empty() && d < best.distortion) {
+      best.distortion = d;
+      best.step = step;
+      best.levels = p;
+    }
+  }
+  // Refine the step for the chosen integers (the distortion is unimodal in the step near its optimum).
+  const std::vector<int> p = best.levels;
+  double a = best.step * 0.9, b = best.step * 1.1;
+  const double g = 0.5 * (std::sqrt(5.0) - 1);
+  for (int it = 0; it < 200; ++it) {
+    const double c = b - g * (b - a), e = a + g * (b - a);
+    if (integer_levels_distortion(p, c) < integer_levels_distortion(p, e)) b = e; else a = c;
+  }
+  const double refined = 0.5 * (a + b), dr = integer_levels_distortion(p, refined);
+  if (dr < best.distortion) {
+    best.step = refined;
+    best.distortion = dr;
+  }
+  std::vector<int> full(2 * k);
+  for (int i = 0; i < k; ++i) {
+    full[k + i] = p[i];
+    full[k - 1 - i] = -p[i];
+  }
+  best.levels = full;
+  return best;
 }
 
 unsigned short f64_to_f16_bits(double v) {

@@ -19,6 +19,25 @@ LloydMax lloyd_max_gaussian(int bits);
 // Mean squared error of the quantizer with the given ascending levels and thresholds, X ~ N(0,1).
 double gaussian_distortion(const std::vector<double>& levels, const std::vector<double>& thresholds);
 
+// Integer levels (a draft for format 3, not used by format 2): the 2^bits levels are step * L[i] with
+// L[i] integers, |L[i]| <= max_level, symmetric about 0 (no zero level), thresholds at the midpoints.
+// The step and the integers minimise the N(0,1) distortion: a scan of the step over the range where the
+// largest level lies in [2^(bits-1), max_level], each step's integers from the rounded Lloyd-Max levels
+// improved by +-1 moves until none lowers the distortion, then the step refined by a golden-section
+// search for the best integers. The per-group scale absorbs the step, so a kernel sees only L.
+struct IntegerLevels {
+  int bits = 0, max_level = 0;
+  std::vector<int> levels;  // 2^bits integers, ascending, levels[n-1-i] == -levels[i]
+  double step = 0;          // the real levels are step * levels[i]
+  double distortion = 0;    // E[(X - Q(X))^2], X ~ N(0,1), with step * levels and midpoint thresholds
+};
+
+// bits in [1, 4], max_level in [2^(bits-1), 127].
+IntegerLevels integer_levels_gaussian(int bits, int max_level);
+
+// Distortion of the symmetric quantizer step * {-p[k-1] .. -p[0], p[0] .. p[k-1]} (p ascending, > 0).
+double integer_levels_distortion(const std::vector<int>& positive, double step);
+
 // double -> fp16 bits with a single round-to-nearest-even (no double rounding through float).
 unsigned short f64_to_f16_bits(double v);
 
