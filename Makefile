@@ -62,4 +62,4 @@ bench-cpu: build
 	$(PY) bench/cpu_bench.py
 
 clean:
-	rm -rf $(BUILD) $(VENV)
+	rm -rf $(BUILD) build-py $(VENV)

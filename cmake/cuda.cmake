@@ -30,8 +30,12 @@ set(FMKV_CUDA_SOURCES
   ${PROJECT_SOURCE_DIR}/src/cuda/decode_k4.cu
   ${PROJECT_SOURCE_DIR}/src/cuda/decode_k16.cu)
 target_sources(fmkv PRIVATE ${FMKV_CUDA_SOURCES})
-# fmkv was created before enable_language(CUDA): its CUDA_ARCHITECTURES was never initialised.
+# fmkv was created before enable_language(CUDA): its CUDA_ARCHITECTURES (and a compiler launcher such as
+# ccache, from CMAKE_CUDA_COMPILER_LAUNCHER or the environment variable of that name) were never initialised.
 set_property(TARGET fmkv PROPERTY CUDA_ARCHITECTURES ${CMAKE_CUDA_ARCHITECTURES})
+if(CMAKE_CUDA_COMPILER_LAUNCHER)
+  set_property(TARGET fmkv PROPERTY CUDA_COMPILER_LAUNCHER ${CMAKE_CUDA_COMPILER_LAUNCHER})
+endif()
 # Host-side float code of nvcc translation units must not contract either; the quantizer also
 # uses explicit __f*_rn intrinsics, -fmad=false makes any remaining expression safe.
 set_source_files_properties(${PROJECT_SOURCE_DIR}/src/cuda/append.cu PROPERTIES COMPILE_OPTIONS "-fmad=false")

@@ -11,8 +11,11 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 B=$(mkdir -p "${1:-$ROOT/build-aarch64}" && cd "${1:-$ROOT/build-aarch64}" && pwd)
 JOBS=${JOBS:-$(nproc)}
 # Whole suite (about 20 s per ISA under qemu on 2 cores) except the test that execs the aarch64
-# gen_codebooks binary through std::system (no binfmt_misc assumed). Override with FMKV_CROSS_FILTER.
-FILTER=${FMKV_CROSS_FILTER:-'-Codebook.CommittedTableEqualsGenerator'}
+# gen_codebooks binary through std::system (no binfmt_misc assumed) and the fork test: qemu-user (Debian 12's
+# 7.2) cannot start a thread in a forked child of a multithreaded guest -- the child aborts in qemu itself
+# ("qemu_plugin_vcpu_init_hook: assertion failed", exit 127; a 20-line program with one thread, fork and a
+# thread in the child does the same), so the test runs natively only (ctest). Override with FMKV_CROSS_FILTER.
+FILTER=${FMKV_CROSS_FILTER:-'-Codebook.CommittedTableEqualsGenerator:Reliability.CpuThreadPoolAfterFork'}
 start=$(date +%s)
 
 QEMU=$(command -v qemu-aarch64 || command -v qemu-aarch64-static || true)
@@ -117,21 +120,29 @@ aarch64-linux-gnu-g++ -std=c++17 -O2 -ffp-contract=off -static -I"$ROOT/include"
   -lpthread -o "$B/fmkv_neon_tests" 2>&1 | grep -v -e getaddrinfo -e 'in function .*MakeConnection' || true
 [ -x "$B/fmkv_neon_tests" ]
 
-# 4. Run under qemu.
+# 4. Run under qemu, the three runs side by side (each is one emulated process; their logs are
+#    summarised in a fixed order after all have ended).
 fail=0
 summary=""
-run() {  # name, command...
-  local name=$1 t0=$SECONDS rc=0
+launch() {  # name, command...: runs in the background, its exit status and seconds to $B/name.rc
+  local name=$1
   shift
-  "$@" >"$B/$name.log" 2>&1 || rc=$?
+  ( t0=$SECONDS; rc=0; "$@" >"$B/$name.log" 2>&1 || rc=$?; echo "$rc $((SECONDS - t0))" >"$B/$name.rc" ) &
+}
+collect() {  # name
+  local name=$1 rc secs
+  read -r rc secs <"$B/$name.rc" || { rc=1; secs=0; }
   grep -E 'tests? from .* ran|^\[  (PASSED|FAILED)  \]|^\[  SKIPPED \] [0-9]+ test|fcvtn vs' "$B/$name.log" \
     | sed "s/^/[$name] /" || true
-  summary="$summary $name=$([ $rc = 0 ] && echo ok || echo FAIL)($((SECONDS - t0))s)"
-  [ $rc = 0 ] || fail=1
+  summary="$summary $name=$([ "$rc" = 0 ] && echo ok || echo FAIL)(${secs}s)"
+  [ "$rc" = 0 ] || fail=1
 }
-run neon-extra env -u FMKV_CPU_ISA "$QEMU" "$B/fmkv_neon_tests"
+rm -f "$B"/*.rc
+launch neon-extra env -u FMKV_CPU_ISA "$QEMU" "$B/fmkv_neon_tests"
 for isa in neon scalar; do
-  run "tests-$isa" env FMKV_CPU_ISA=$isa "$QEMU" "$B/fmkv/tests/fmkv_tests" --gtest_filter="$FILTER"
+  launch "tests-$isa" env FMKV_CPU_ISA=$isa "$QEMU" "$B/fmkv/tests/fmkv_tests" --gtest_filter="$FILTER"
 done
+wait
+for name in neon-extra tests-neon tests-scalar; do collect "$name"; done
 echo "aarch64 cross (qemu): $([ $fail = 0 ] && echo PASS || echo FAIL) -$summary; total $(( $(date +%s) - start )) s"
 exit $fail

@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Static instruction counts of the format-3 CUDA prototype (bench/proto/format3_cuda_scores.cu), no GPU
+needed: compiles it for sm_90 (-cubin), disassembles it and, for each kernel, finds the tile loop (the
+shortest backward-branch loop with >= 4 HMMA / IMMA instructions) and prints one JSON line: SASS
+instructions per 16-token tile, of them integer-ALU-pipe instructions (tests/cuda/tile_loop_check.py's
+classification), HMMA / IMMA, conversions (I2F / F2F / HADD2.F32), and instructions per cached value
+of the lane (a tile is 16 tokens x 128 coordinates over 32 lanes: 64 values per lane).
+
+    python3 bench/proto/format3_sass_count.py --cuobjdump PATH [--nvcc nvcc] [--out FILE]
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "tests", "cuda"))
+from tile_loop_check import alu_count, kernels  # noqa: E402
+
+
+def loop(ins, min_mma=4):
+    at = {x[0]: i for i, x in enumerate(ins)}
+    best = None
+    for i, x in enumerate(ins):
+        m = re.search(r"BRA (0x[0-9a-f]+)", x[1])
+        if not m or int(m.group(1), 16) >= x[0] or int(m.group(1), 16) not in at:
+            continue
+        seg = ins[at[int(m.group(1), 16)]:i + 1]
+        if sum(bool(re.search(r"\b[HI]MMA", y[1])) for y in seg) >= min_mma and (best is None or len(seg) < len(best)):
+            best = seg
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cuobjdump", default="cuobjdump")
+    ap.add_argument("--nvcc", default="nvcc")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "p.cubin")
+        subprocess.run([a.nvcc, "-O3", "-std=c++17", "-arch=sm_90", "-cubin", "-I", os.path.join(ROOT, "src"), "-I",
+                        os.path.join(ROOT, "include"), os.path.join(HERE, "format3_cuda_scores.cu"), "-o", cubin],
+                       check=True)
+        sass = subprocess.run([a.cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    lines = []
+    for name, ins in kernels(sass):
+        short = re.search(r"(f2_scores|f3_scores)", name)
+        if not short:
+            continue
+        impl = short.group(1)
+        if impl == "f3_scores":
+            impl = "f3v_scores" if "ILb1E" in name else "f3_scores"
+        seg = loop(ins)
+        if seg is None:
+            print(f"{impl}: no tile loop found", file=sys.stderr)
+            return 1
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for _, x in seg]
+        count = lambda p: sum(bool(re.match(p, o)) for o in ops)  # noqa: E731
+        n = len(seg) - 1  # the loop's own branch excluded below by the per-value figure
+        lines.append(dict(suite="format3_proto_sass", commit=commit, impl=impl, k_bits=3, head_dim=128,
+                          sass_per_tile=len(seg), alu_pipe=alu_count(seg), hmma=count(r"HMMA"), imma=count(r"IMMA"),
+                          prmt=count(r"PRMT"), lds=count(r"LDS"), conversions=count(r"(I2F|F2F|HADD2\.F32|I2FP)"),
+                          ffma=count(r"FFMA"), imad=count(r"IMAD"), per_value=round(n / 64, 3)))
+    for l in lines:
+        print(json.dumps(l))
+    if a.out:
+        with open(a.out, "w") as f:
+            for l in lines:
+                f.write(json.dumps(l) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
