@@ -13,9 +13,11 @@
 //             query and chunk: exact int32 sums; per group (acc_h << 8) + acc_l - 128 sum(q16), one
 //             convert and one FMA with the token's scale;
 //   format3-1 the same with the query in one int8 part (one vpdpbusd; shows the cost of the second part).
-// The format-3 scores are checked against a float64 computation of the same integer quantizer.
-//   g++ -O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx512vbmi -mf16c -mfma -I src \
-//       bench/proto/format3_cpu_scores.cpp -o /tmp/f3 && /tmp/f3 [reps]       (JSON lines on stdout)
+// The format-3 scores are checked against a float64 computation of the same integer quantizer (exit status 1
+// when the two-part scores are off by more than 1e-4 of the largest score).
+// The integer levels are the generator's (tools/lloyd_max.h, integer_levels_gaussian(3, 127)).
+//   g++ -O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx512vbmi -mf16c -mfma -I src -I include \
+//       -I tools bench/proto/format3_cpu_scores.cpp tools/lloyd_max.cpp -o /tmp/f3 && /tmp/f3 [reps]   (JSON lines)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -30,6 +32,7 @@
 
 #include "format/numbers.h"
 #include "format/pack.h"
+#include "lloyd_max.h"
 
 namespace {
 
@@ -176,8 +179,10 @@ int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 15;
   if (reps < 1 || reps > 100000) { std::fprintf(stderr, "reps must be in 1..100000\n"); return 2; }
   std::mt19937_64 rng(42);
+  bool failed = false;
   std::normal_distribution<float> nd;
-  const int int_levels[8] = {-88, -55, -31, -10, 10, 31, 55, 88};  // gen_codebooks --integer-levels, 3 bits
+  const fmkv::IntegerLevels il = fmkv::integer_levels_gaussian(3, 127);
+  const int* int_levels = il.levels.data();
   for (int64_t n : {4096, 32768, 131072}) {
     F2 k2;
     k2.n = n;
@@ -191,7 +196,7 @@ int main(int argc, char** argv) {
     k3.codes.resize((size_t)(n / N) * G * 8 * 24 + 64);
     for (auto& c : k3.codes) c = (uint8_t)rng();
     k3.scales = k2.scales;
-    std::memcpy(k3.levels, int_levels, sizeof int_levels);
+    std::memcpy(k3.levels, int_levels, sizeof k3.levels);
     for (int i = 0; i < 64; ++i) k3.table[i] = (uint8_t)(int_levels[i & 7] + 128);
     std::vector<float> qv((size_t)R * D);
     for (auto& x : qv) x = nd(rng);
@@ -213,6 +218,10 @@ int main(int argc, char** argv) {
         err = std::max(err, std::fabs(o3[(size_t)r * n + t] - ref));
         err1 = std::max(err1, std::fabs(o31[(size_t)r * n + t] - ref));
       }
+    if (!(err <= 1e-4 * ref_max)) {  // the two-part query must be exact up to fp32 rounding
+      std::fprintf(stderr, "format3 scores off by %g (max |score| %g) at %lld tokens\n", err, ref_max, (long long)n);
+      failed = true;
+    }
     struct Case { const char* name; int kind; };
     const Case cases[3] = {{"format2", 0}, {"format3", 1}, {"format3-1", 2}};
     std::vector<double> tm[3];
@@ -241,5 +250,5 @@ int main(int argc, char** argv) {
       std::printf("}\n");
     }
   }
-  return 0;
+  return failed ? 1 : 0;
 }

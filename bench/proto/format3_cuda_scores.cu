@@ -17,16 +17,21 @@
 // On a GPU, main() times each kernel (CUDA events, same run, median of 9) over 132 x 8 CTAs of 4 warps x
 // 2048 tiles and checks f3_scores against a host int64 computation. Without a GPU it prints nothing
 // but an error; the static instruction counts come from bench/proto/format3_sass_count.py.
-//   nvcc -O3 -std=c++17 -arch=sm_90 -I src -I include bench/proto/format3_cuda_scores.cu -o /tmp/f3cu
+// The integer levels are the generator's (tools/lloyd_max.h, integer_levels_gaussian(3, 127)).
+//   nvcc -O3 -std=c++17 -arch=sm_90 -I src -I include -I tools bench/proto/format3_cuda_scores.cu tools/lloyd_max.cpp \
+//     -o /tmp/f3cu
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "cuda/decode_attention.cuh"
+#include "lloyd_max.h"
 
 namespace proto {
 
@@ -191,7 +196,9 @@ int main() {
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < 8; ++i) t.S[g][i] = (0x2A66u + (rnd() & 0x1ff)) | ((0x2A66u + (rnd() & 0x1ff)) << 16);
   }
-  const int8_t levels[8] = {-88, -55, -31, -10, 10, 31, 55, 88};  // gen_codebooks --integer-levels, 3 bits
+  int8_t levels[8];
+  const fmkv::IntegerLevels il = fmkv::integer_levels_gaussian(3, 127);
+  for (int i = 0; i < 8; ++i) levels[i] = (int8_t)il.levels[i];
   uint32_t T[2];
   std::memcpy(T, levels, 8);
   std::vector<int8_t> qh(8 * D), ql(8 * D);  // [query n][coordinate], q = 256 qh + ql

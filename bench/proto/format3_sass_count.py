@@ -44,7 +44,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "p.cubin")
         subprocess.run([a.nvcc, "-O3", "-std=c++17", "-arch=sm_90", "-cubin", "-I", os.path.join(ROOT, "src"), "-I",
-                        os.path.join(ROOT, "include"), os.path.join(HERE, "format3_cuda_scores.cu"), "-o", cubin],
+                        os.path.join(ROOT, "include"), "-I", os.path.join(ROOT, "tools"),
+                        os.path.join(HERE, "format3_cuda_scores.cu"), "-o", cubin],
                        check=True)
         sass = subprocess.run([a.cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
