@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Static instruction counts of the format-3 CUDA prototype (bench/proto/format3_cuda_scores.cu), no GPU
-needed: compiles it for sm_90 (-cubin), disassembles it and, for each kernel, finds the tile loop (the
+"""Static instruction counts of the format-3 CUDA prototypes (bench/proto/format3_cuda_scores.cu: the K side,
+format3_cuda_pv.cu: the V side), no GPU needed: compiles them for sm_90 (-cubin), disassembles them and, for each
+kernel, finds the tile loop (the
 shortest backward-branch loop with >= 4 HMMA / IMMA instructions) and prints one JSON line: SASS
 instructions per 16-token tile, of them integer-ALU-pipe instructions (tests/cuda/tile_loop_check.py's
 classification), HMMA / IMMA, conversions (I2F / F2F / HADD2.F32), and instructions per cached value
@@ -41,22 +42,23 @@ def main():
     ap.add_argument("--nvcc", default="nvcc")
     ap.add_argument("--out")
     a = ap.parse_args()
+    sass = ""
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "p.cubin")
-        subprocess.run([a.nvcc, "-O3", "-std=c++17", "-arch=sm_90", "-cubin", "-I", os.path.join(ROOT, "src"), "-I",
-                        os.path.join(ROOT, "include"), "-I", os.path.join(ROOT, "tools"),
-                        os.path.join(HERE, "format3_cuda_scores.cu"), "-o", cubin],
-                       check=True)
-        sass = subprocess.run([a.cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
+        for src in ("format3_cuda_scores.cu", "format3_cuda_pv.cu"):
+            cubin = os.path.join(tmp, src + ".cubin")
+            subprocess.run([a.nvcc, "-O3", "-std=c++17", "-arch=sm_90", "-cubin", "-I", os.path.join(ROOT, "src"), "-I",
+                            os.path.join(ROOT, "include"), "-I", os.path.join(ROOT, "tools"), os.path.join(HERE, src),
+                            "-o", cubin], check=True)
+            sass += subprocess.run([a.cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     lines = []
     for name, ins in kernels(sass):
-        short = re.search(r"(f2_scores|f3_scores)", name)
+        short = re.search(r"(f2_scores|f3_scores|f2_pv|f3_pv)", name)
         if not short:
             continue
         impl = short.group(1)
-        if impl == "f3_scores":
-            impl = "f3v_scores" if "ILb1E" in name else "f3_scores"
+        if impl in ("f3_scores", "f3_pv") and "ILb1E" in name:
+            impl = impl.replace("f3", "f3v")
         seg = loop(ins)
         if seg is None:
             print(f"{impl}: no tile loop found", file=sys.stderr)
@@ -64,10 +66,11 @@ def main():
         ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for _, x in seg]
         count = lambda p: sum(bool(re.match(p, o)) for o in ops)  # noqa: E731
         n = len(seg) - 1  # the loop's own branch excluded below by the per-value figure
-        lines.append(dict(suite="format3_proto_sass", commit=commit, impl=impl, k_bits=3, head_dim=128,
+        side = dict(k_bits=3) if "scores" in impl else dict(v_bits=3)
+        lines.append(dict(suite="format3_proto_sass", commit=commit, impl=impl, **side, head_dim=128,
                           sass_per_tile=len(seg), alu_pipe=alu_count(seg), hmma=count(r"HMMA"), imma=count(r"IMMA"),
                           prmt=count(r"PRMT"), lds=count(r"LDS"), conversions=count(r"(I2F|F2F|HADD2\.F32|I2FP)"),
-                          ffma=count(r"FFMA"), imad=count(r"IMAD"), per_value=round(n / 64, 3)))
+                          ffma=count(r"FFMA"), imad=count(r"IMAD"), movm=count(r"MOVM"), per_value=round(n / 64, 3)))
     for l in lines:
         print(json.dumps(l))
     if a.out:

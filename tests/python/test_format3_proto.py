@@ -1,7 +1,8 @@
 """The format-3 prototypes (docs/history/format3-prototypes.md) keep building and checking themselves:
 the CPU K-side prototype is compiled and run (one round) where the CPU has AVX-512 VNNI and VBMI, and
 exits non-zero when its integer scores leave the float64 scores of the same quantizer; the CUDA
-prototype is compiled (host and device code) where nvcc is found."""
+prototypes are compiled (host and device code) where nvcc is found, and the V-side one runs its host check
+of the one-permute fp16 decode against its layout model (its GPU timing needs a device)."""
 import json
 import os
 import shutil
@@ -55,3 +56,16 @@ def test_cuda_prototype_compiles(tmp_path):
                     os.path.join(ROOT, "bench/proto/format3_cuda_scores.cu"), os.path.join(ROOT, "tools/lloyd_max.cpp"),
                     "-o", str(tmp_path / "f3cu")], check=True, timeout=600)
     assert os.path.getsize(tmp_path / "f3cu") > 0
+
+
+def test_cuda_v_prototype_host_check(tmp_path):
+    if not shutil.which("nvcc"):
+        pytest.skip("nvcc not found")
+    exe = str(tmp_path / "f3pv")
+    subprocess.run(["nvcc", "-O3", "-std=c++17", "-arch=sm_90", "-I", os.path.join(ROOT, "src"), "-I",
+                    os.path.join(ROOT, "include"), os.path.join(ROOT, "bench/proto/format3_cuda_pv.cu"), "-o", exe],
+                   check=True, timeout=600)
+    r = subprocess.run([exe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    check = json.loads(r.stdout.splitlines()[0])
+    assert check["ok"] and check["mismatches"] == 0 and check["pairs"] == 3200000
