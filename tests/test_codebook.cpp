@@ -112,7 +112,9 @@ TEST(IntegerLevels, Int8GridWithinOnePercentOfLloydMax) {
       EXPECT_LE(std::abs(q.levels[i]), 127);
       EXPECT_NE(q.levels[i], 0);
       EXPECT_EQ(q.levels[n - 1 - i], -q.levels[i]);
-      if (i > 0) EXPECT_LT(q.levels[i - 1], q.levels[i]);
+      if (i > 0) {
+        EXPECT_LT(q.levels[i - 1], q.levels[i]);
+      }
     }
     const double opt = fmkv::lloyd_max_gaussian(b).distortion;
     EXPECT_LE(q.distortion, opt * 1.01) << b << "-bit";

@@ -63,6 +63,16 @@ fmkv_status fmkv_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_la
                            const fmkv_attention_opts* opts, fmkv_tensor* out, void* workspace,
                            size_t workspace_bytes, void* stream);
 
+/* fmkv_attention that also writes lse[row][qh] (a float32 tensor of q's rows and heads, last dimension 1):
+ * the natural log of the softmax denominator, log sum_p exp(s_p) over the row's visible tokens, with the
+ * scores s_p scaled (and softcapped) as the softmax sees them. Attention over a union of disjoint token
+ * sets is then sum_i w_i out_i with w_i = exp(lse_i - log sum_j exp(lse_j)) (how a context-parallel
+ * cache merges the shards of one sequence). Backends: ref and cpu; others fail with FMKV_ERR_UNSUPPORTED. */
+fmkv_status fmkv_attention_lse(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer_cache* layer,
+                               const fmkv_batch* batch, const fmkv_tensor* q, const fmkv_attention_opts* opts,
+                               fmkv_tensor* out, fmkv_tensor* lse, void* workspace, size_t workspace_bytes,
+                               void* stream);
+
 /* One decode step in one call: append the rows of k and v (new tokens) to the batch's sequences
  * and attend q (one query row per new token, causal) over the cache including them -- the same
  * result as fmkv_append followed by fmkv_attention with seq_lens + rows (pages and fp16 regions

@@ -132,6 +132,18 @@ class HostCache {
     fmkv_batch bt{1, &s, &len, rows, t.data(), (int64_t)t.size()};
     check(fmkv_attention(b, &cfg_, &lc, &bt, &q, &opts, &out, nullptr, 0, nullptr));
   }
+  // The same, also writing lse[row][qh][0] = log of the softmax denominator (fmkv_attention_lse).
+  void attention(fmkv_backend b, int32_t layer, int32_t s, const fmkv_tensor& q, fmkv_tensor& out, fmkv_tensor& lse,
+                 fmkv_attention_opts opts = {0.0f, 0.0f, 0}) const {
+    check_seq(s);
+    check_layer(layer);
+    int64_t len = lens_[(size_t)layer * max_seqs_ + s];
+    int64_t rows[2] = {0, q.rows};
+    fmkv_layer_cache lc = const_cast<HostCache*>(this)->layer_view(layer);
+    const std::vector<int32_t>& t = tables_[s];
+    fmkv_batch bt{1, &s, &len, rows, t.data(), (int64_t)t.size()};
+    check(fmkv_attention_lse(b, &cfg_, &lc, &bt, &q, &opts, &out, &lse, nullptr, 0, nullptr));
+  }
 
   // Give sequence s pages for len tokens and set its length in every layer (restoring a snapshot).
   void restore_length(int32_t s, int64_t len) {

@@ -315,3 +315,16 @@ class Cache:
         return self._impl.attention(_layer(layer), _seq(seq), _as_array(q, np.float32),
                                     None if softmax_scale is None else _args.real("softmax_scale", softmax_scale, False),
                                     _args.real("softcap", softcap, False), _dtype_name(out_dtype))
+
+    def attention_lse(self, layer: int, seq: int, q: Any, softmax_scale: Optional[float] = None,
+                      softcap: float = 0.0) -> Tuple[np.ndarray, np.ndarray]:
+        """``attention`` in float32, and the log of each row's softmax denominator.
+
+        Returns (out [query_tokens, q_heads, head_dim], lse [query_tokens, q_heads]): lse =
+        log sum_p exp(s_p) over the visible tokens, s_p the scores as the softmax sees them (scaled,
+        softcapped). Attention over disjoint token sets merges exactly from these pairs
+        (``fmkv.distributed.merge_partials``). Backends ``ref`` and ``cpu``.
+        """
+        return self._impl.attention_lse(_layer(layer), _seq(seq), _as_array(q, np.float32),
+                                        None if softmax_scale is None else _args.real("softmax_scale", softmax_scale, False),
+                                        _args.real("softcap", softcap, False))

@@ -68,22 +68,8 @@ class Cache {
 
   nb::ndarray<nb::numpy, float> attention(int64_t layer, int64_t s, const AnyArray& q, nb::object softmax_scale,
                                           double softcap, const std::string& out_dtype) {
-    const fmkv_config& c = cache_.config();
-    HostTensor qt = host_tensor("q", q, "[query_tokens, q_heads, head_dim]");
-    if (qt.t.dim != c.head_dim || qt.t.heads < c.num_kv_heads || qt.t.heads % c.num_kv_heads != 0)
-      fail("q: shape " + shape_str(q) + " does not match [query_tokens, q_heads, head_dim=" + std::to_string(c.head_dim) +
-           "] with q_heads a multiple of num_kv_heads=" + std::to_string(c.num_kv_heads));
-    fmkv_attention_opts opts{0.0f, 0.0f, 0};
-    if (!softmax_scale.is_none()) {
-      if (!nb::isinstance<nb::float_>(softmax_scale) && !nb::isinstance<nb::int_>(softmax_scale))
-        fail_type("softmax_scale must be a real number or None, got " +
-                  std::string(nb::type_name(softmax_scale.type()).c_str()));
-      double sc = nb::cast<double>(softmax_scale);
-      if (!(sc > 0) || !std::isfinite(sc)) fail("softmax_scale must be finite and > 0 (None means 1/sqrt(head_dim))");
-      opts.softmax_scale = (float)sc;
-    }
-    if (!(softcap >= 0) || !std::isfinite(softcap)) fail("softcap must be finite and >= 0 (0 disables it)");
-    opts.softcap = (float)softcap;
+    HostTensor qt = query_tensor(q);
+    const fmkv_attention_opts opts = attention_opts(softmax_scale, softcap);
     const fmkv_dtype odt = out_dtype_from_name(out_dtype);
     const int32_t l = check_layer(layer), sq = seq(s);
     const size_t n = (size_t)qt.t.rows * qt.t.heads * qt.t.dim;
@@ -117,7 +103,48 @@ class Cache {
     return numpy_array(std::move(out), {(size_t)qt.t.rows, (size_t)qt.t.heads, (size_t)qt.t.dim});
   }
 
+  // Attention in float32 and lse[row][q_head] = log of the softmax denominator (fmkv_attention_lse).
+  nb::tuple attention_lse(int64_t layer, int64_t s, const AnyArray& q, nb::object softmax_scale, double softcap) {
+    HostTensor qt = query_tensor(q);
+    const fmkv_attention_opts opts = attention_opts(softmax_scale, softcap);
+    const int32_t l = check_layer(layer), sq = seq(s);
+    std::vector<float> out((size_t)qt.t.rows * qt.t.heads * qt.t.dim), lse((size_t)qt.t.rows * qt.t.heads);
+    {
+      nb::gil_scoped_release nogil;
+      fmkv_tensor ot = fmkv::make_tensor(out.data(), FMKV_F32, qt.t.rows, qt.t.heads, qt.t.dim);
+      fmkv_tensor lt = fmkv::make_tensor(lse.data(), FMKV_F32, qt.t.rows, qt.t.heads, 1);
+      std::lock_guard<std::mutex> g(mu_);
+      if (qt.t.rows == 0) cache_.length(check_layer(l), sq);
+      else cache_.attention(backend_, check_layer(l), sq, qt.t, ot, lt, opts);
+    }
+    const size_t rows = (size_t)qt.t.rows, heads = (size_t)qt.t.heads, dim = (size_t)qt.t.dim;
+    return nb::make_tuple(numpy_array(std::move(out), {rows, heads, dim}), numpy_array(std::move(lse), {rows, heads}));
+  }
+
  private:
+  HostTensor query_tensor(const AnyArray& q) const {
+    const fmkv_config& c = cache_.config();
+    HostTensor qt = host_tensor("q", q, "[query_tokens, q_heads, head_dim]");
+    if (qt.t.dim != c.head_dim || qt.t.heads < c.num_kv_heads || qt.t.heads % c.num_kv_heads != 0)
+      fail("q: shape " + shape_str(q) + " does not match [query_tokens, q_heads, head_dim=" + std::to_string(c.head_dim) +
+           "] with q_heads a multiple of num_kv_heads=" + std::to_string(c.num_kv_heads));
+    return qt;
+  }
+  static fmkv_attention_opts attention_opts(nb::object softmax_scale, double softcap) {
+    fmkv_attention_opts opts{0.0f, 0.0f, 0};
+    if (!softmax_scale.is_none()) {
+      if (!nb::isinstance<nb::float_>(softmax_scale) && !nb::isinstance<nb::int_>(softmax_scale))
+        fail_type("softmax_scale must be a real number or None, got " +
+                  std::string(nb::type_name(softmax_scale.type()).c_str()));
+      double sc = nb::cast<double>(softmax_scale);
+      if (!(sc > 0) || !std::isfinite(sc)) fail("softmax_scale must be finite and > 0 (None means 1/sqrt(head_dim))");
+      opts.softmax_scale = (float)sc;
+    }
+    if (!(softcap >= 0) || !std::isfinite(softcap)) fail("softcap must be finite and >= 0 (0 disables it)");
+    opts.softcap = (float)softcap;
+    return opts;
+  }
+
   static const fmkv_config& checked_config(const fmkv_config& c) {
     fmkv::check(fmkv_config_validate(&c));
     return c;
@@ -156,7 +183,9 @@ void bind_cache(nb::module_& m) {
       .def("block_table", &Cache::block_table, "seq"_a)
       .def("append", &Cache::append, "layer"_a, "seq"_a, "k"_a, "v"_a)
       .def("attention", &Cache::attention, "layer"_a, "seq"_a, "q"_a, "softmax_scale"_a = nb::none(),
-           "softcap"_a = 0.0, "out_dtype"_a = "float32");
+           "softcap"_a = 0.0, "out_dtype"_a = "float32")
+      .def("attention_lse", &Cache::attention_lse, "layer"_a, "seq"_a, "q"_a, "softmax_scale"_a = nb::none(),
+           "softcap"_a = 0.0);
 }
 
 }  // namespace fmkv_py

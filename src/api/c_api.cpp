@@ -142,6 +142,25 @@ fmkv_status fmkv_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_la
   });
 }
 
+fmkv_status fmkv_attention_lse(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer_cache* layer,
+                               const fmkv_batch* batch, const fmkv_tensor* q, const fmkv_attention_opts* opts,
+                               fmkv_tensor* out, fmkv_tensor* lse, void* workspace, size_t workspace_bytes,
+                               void* stream) {
+  return guarded([&] {
+    require(cfg && layer && batch && q && out && lse, FMKV_ERR_INVALID_ARGUMENT, "fmkv_attention_lse: NULL argument");
+    const BackendOps& ops = usable_backend(b);
+    require(ops.attention_lse, FMKV_ERR_UNSUPPORTED,
+            std::string("fmkv_attention_lse: the ") + fmkv_backend_name(b) +
+                " backend does not return the softmax log-denominator (supported: ref, cpu)");
+    fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f, 0};
+    fmkv::AttentionArgs a{*cfg, *layer, *batch, *q, *out, o, workspace, workspace_bytes, stream, *lse};
+    fmkv::validate_attention_shapes(a);
+    fmkv::validate_attention_lse(a);
+    if (ops.host_memory) fmkv::validate_attention_host(a);
+    ops.decode_attention(a);
+  });
+}
+
 fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer_cache* layer,
                                   const fmkv_batch* batch, const fmkv_tensor* k, const fmkv_tensor* v,
                                   const fmkv_tensor* q, const fmkv_attention_opts* opts, fmkv_tensor* out,

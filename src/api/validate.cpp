@@ -121,6 +121,11 @@ void validate_attention_shapes(const AttentionArgs& a) {
     fail(kInvalidArgument, "max_seq_len is " + S(a.opts.max_seq_len) + " (must be >= 0; 0: no bound)");
 }
 
+void validate_attention_lse(const AttentionArgs& a) {
+  if (a.lse.dtype != FMKV_F32) fail(kInvalidArgument, "lse: dtype " + S(a.lse.dtype) + " is not f32");
+  validate_tensor("lse", a.lse, a.q.rows, a.q.heads, false, 1);
+}
+
 void validate_append_host(const AppendArgs& a) {
   if (a.batch.num_seqs > 0 && a.batch.row_offsets[a.batch.num_seqs] != a.k.rows)
     fail(kInvalidArgument, "k has " + S(a.k.rows) + " rows but row_offsets end at " + S(a.batch.row_offsets[a.batch.num_seqs]));

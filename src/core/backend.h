@@ -36,6 +36,7 @@ struct BackendOps {
   void (*free)(void* p);
   void (*copy)(void* dst, const void* src, size_t bytes, bool to_device);
   void (*synchronize)();
+  bool attention_lse;  // decode_attention writes AttentionArgs::lse when requested (fmkv_attention_lse)
 };
 
 // The backend compiled into this build under id b; nullptr when b is not one (unknown or not compiled).

@@ -26,6 +26,7 @@ struct AttentionArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   void* stream = nullptr;
+  fmkv_tensor lse{};  // fmkv_attention_lse: f32 [rows][q heads][1]; data == nullptr: not requested
 };
 
 // Token layout of a cache of length len (fmkv_compressed_end): [0, min(S, len)) sink fp16, [S, E)

@@ -185,6 +185,7 @@ void decode_attention(const AttentionArgs& a) {
     unrotate(nat, d, sw, y);
     const float inv = 1.0f / L;
     for (int32_t i = 0; i < d; ++i) store_f32(a.out, row, hq, i, (raw[i] + y[i]) * inv);
+    if (a.lse.data) store_f32(a.lse, row, hq, 0, M + std::log(L));
   };
   if (nstates * d < (1 << 18)) {  // small merge: not worth a pool round trip
     for (int64_t vi = 0; vi < (int64_t)vecs.size(); ++vi) merge(vi);

@@ -289,6 +289,6 @@ extern const BackendOps metal_backend = {
     metal::available, metal::device_name,
     metal::append, metal::decode_attention,
     /*append_attention=*/nullptr, metal::attention_workspace_bytes,
-    metal::alloc, metal::free, metal::copy, metal::synchronize};
+    metal::alloc, metal::free, metal::copy, metal::synchronize, /*attention_lse=*/false};
 }  // namespace fmkv
 #endif  // __APPLE__

@@ -85,6 +85,7 @@ void decode_attention(const AttentionArgs& a) {
         }
         unrotate_f64(acc_rot.data(), d, sw.data(), o.data());
         for (int32_t i = 0; i < d; ++i) store_f32(a.out, row0 + j, hq, i, (float)((acc_raw[i] + o[i]) / l));
+        if (a.lse.data) store_f32(a.lse, row0 + j, hq, 0, (float)(m + std::log(l)));
       }
     }
   }
