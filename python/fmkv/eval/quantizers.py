@@ -24,7 +24,8 @@ Config names (``parse_config``):
                    asymmetric with fp16 scale + zero, fp16 residual of the ``-r<R>`` (default 128)
                    most recent tokens
 ``turbo-4/3/2``    TurboQuant-style (MSE variant): same rotation, one fp16 norm per vector, no
-                   groups, Lloyd-Max codes of the normalised coordinates
+                   groups, Lloyd-Max codes of the normalised coordinates; ``-lsq``: the scale refit
+                   by least squares over the vector (fmkv's LSQ rule with one scale per vector)
 ``fp8``            fp8 e4m3 (no scale, values clamped to +-448)
 =================  =========================================================================
 """
@@ -136,7 +137,7 @@ class KVQuantizer:
                 return _asym_groups(x, bits, 32, axis=-2).to(dt)
             return _asym_groups(x, bits, 32, axis=-1).to(dt)
         if self.kind == "turbo":
-            return _turbo(x, bits, self.seed, layer).to(dt)
+            return _turbo(x, bits, self.seed, layer, self.scale_rule == "lsq").to(dt)
         if self.kind == "fp8":
             return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float().to(dt)
         raise ValueError(self.kind)
@@ -163,8 +164,10 @@ def _asym_groups(x: torch.Tensor, bits: int, group: int, axis: int) -> torch.Ten
     return out.transpose(axis, -1) if axis != -1 else out
 
 
-def _turbo(x: torch.Tensor, bits: int, seed: int, layer: int) -> torch.Tensor:
-    """Rotation + per-vector fp16 norm + Lloyd-Max codes of sqrt(d) * y / ||y|| (no groups)."""
+def _turbo(x: torch.Tensor, bits: int, seed: int, layer: int, lsq: bool = False) -> torch.Tensor:
+    """Rotation + per-vector fp16 norm + Lloyd-Max codes of sqrt(d) * y / ||y|| (no groups). lsq: the one
+    scale refit to the codes by least squares (sum y L / sum L^2, fp16), fmkv's LSQ rule over the whole
+    vector instead of per 32 coordinates (a format-3 option, docs/history/format3-prototypes.md)."""
     d = x.shape[-1]
     y = tq.rotate(tq.canonical(x), seed, layer)
     norm = torch.linalg.vector_norm(y, dim=-1, keepdim=True).to(torch.float16).float()
@@ -175,6 +178,10 @@ def _turbo(x: torch.Tensor, bits: int, seed: int, layer: int) -> torch.Tensor:
     m = (u.abs().unsqueeze(-1) > thr).sum(-1)
     lv = mags[m]
     lv = torch.where(u < 0, -lv, lv)
+    if lsq:
+        den = (lv * lv).sum(-1, keepdim=True)
+        s = torch.where(den > 0, (y * lv).sum(-1, keepdim=True) / torch.where(den > 0, den, torch.ones_like(den)), s)
+        s = s.to(torch.float16).float()
     return tq.unrotate(lv * s, seed, layer)
 
 
@@ -250,7 +257,11 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
         return q
     if base == "turbo":
         bits = int(mods[0]) if mods else 3
+        if bits not in (2, 3, 4) or any(m != "lsq" for m in mods[1:]):
+            raise ValueError(f"config {name!r}: turbo-<2|3|4>[-lsq]")
         q = KVQuantizer(name, "turbo", bits, bits, seed=seed)
-        q.options = {"rotation": True, "norm": "fp16 per vector", "codebook": "fmkv Lloyd-Max"}
+        q.scale_rule = "lsq" if "lsq" in mods[1:] else "rms"
+        q.options = {"rotation": True, "norm": "fp16 per vector", "codebook": "fmkv Lloyd-Max",
+                     "scale": "least squares over the vector" if q.scale_rule == "lsq" else "norm / sqrt(d)"}
         return q
     raise ValueError(f"unknown config {name!r}")
