@@ -20,20 +20,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "tests", "cuda"))
-from tile_loop_check import alu_count, kernels  # noqa: E402
-
-
-def loop(ins, min_mma=4):
-    at = {x[0]: i for i, x in enumerate(ins)}
-    best = None
-    for i, x in enumerate(ins):
-        m = re.search(r"BRA (0x[0-9a-f]+)", x[1])
-        if not m or int(m.group(1), 16) >= x[0] or int(m.group(1), 16) not in at:
-            continue
-        seg = ins[at[int(m.group(1), 16)]:i + 1]
-        if sum(bool(re.search(r"\b[HI]MMA", y[1])) for y in seg) >= min_mma and (best is None or len(seg) < len(best)):
-            best = seg
-    return best
+from tile_loop_check import alu_count, kernels, loop_span  # noqa: E402
 
 
 def main():
@@ -59,7 +46,7 @@ def main():
         impl = short.group(1)
         if impl in ("f3_scores", "f3_pv") and "ILb1E" in name:
             impl = impl.replace("f3", "f3v")
-        seg = loop(ins)
+        seg = loop_span(ins, mma=r"\b[HI]MMA")
         if seg is None:
             print(f"{impl}: no tile loop found", file=sys.stderr)
             return 1

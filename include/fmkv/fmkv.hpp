@@ -123,26 +123,12 @@ class HostCache {
   // Attention of q rows (the last q.rows tokens of s, already appended) over layer `layer`.
   void attention(fmkv_backend b, int32_t layer, int32_t s, const fmkv_tensor& q, fmkv_tensor& out,
                  fmkv_attention_opts opts = {0.0f, 0.0f, 0}) const {
-    check_seq(s);
-    check_layer(layer);
-    int64_t len = lens_[(size_t)layer * max_seqs_ + s];
-    int64_t rows[2] = {0, q.rows};
-    fmkv_layer_cache lc = const_cast<HostCache*>(this)->layer_view(layer);
-    const std::vector<int32_t>& t = tables_[s];
-    fmkv_batch bt{1, &s, &len, rows, t.data(), (int64_t)t.size()};
-    check(fmkv_attention(b, &cfg_, &lc, &bt, &q, &opts, &out, nullptr, 0, nullptr));
+    attend(b, layer, s, q, out, nullptr, opts);
   }
   // The same, also writing lse[row][qh][0] = log of the softmax denominator (fmkv_attention_lse).
   void attention(fmkv_backend b, int32_t layer, int32_t s, const fmkv_tensor& q, fmkv_tensor& out, fmkv_tensor& lse,
                  fmkv_attention_opts opts = {0.0f, 0.0f, 0}) const {
-    check_seq(s);
-    check_layer(layer);
-    int64_t len = lens_[(size_t)layer * max_seqs_ + s];
-    int64_t rows[2] = {0, q.rows};
-    fmkv_layer_cache lc = const_cast<HostCache*>(this)->layer_view(layer);
-    const std::vector<int32_t>& t = tables_[s];
-    fmkv_batch bt{1, &s, &len, rows, t.data(), (int64_t)t.size()};
-    check(fmkv_attention_lse(b, &cfg_, &lc, &bt, &q, &opts, &out, &lse, nullptr, 0, nullptr));
+    attend(b, layer, s, q, out, &lse, opts);
   }
 
   // Give sequence s pages for len tokens and set its length in every layer (restoring a snapshot).
@@ -172,6 +158,18 @@ class HostCache {
   }
 
  private:
+  void attend(fmkv_backend b, int32_t layer, int32_t s, const fmkv_tensor& q, fmkv_tensor& out, fmkv_tensor* lse,
+              fmkv_attention_opts opts) const {
+    check_seq(s);
+    check_layer(layer);
+    int64_t len = lens_[(size_t)layer * max_seqs_ + s];
+    int64_t rows[2] = {0, q.rows};
+    fmkv_layer_cache lc = const_cast<HostCache*>(this)->layer_view(layer);
+    const std::vector<int32_t>& t = tables_[s];
+    fmkv_batch bt{1, &s, &len, rows, t.data(), (int64_t)t.size()};
+    check(lse ? fmkv_attention_lse(b, &cfg_, &lc, &bt, &q, &opts, &out, lse, nullptr, 0, nullptr)
+              : fmkv_attention(b, &cfg_, &lc, &bt, &q, &opts, &out, nullptr, 0, nullptr));
+  }
   void check_seq(int32_t s) const {
     if (s < 0 || s >= max_seqs_ || lens_[s] < 0)
       throw Error(FMKV_ERR_OUT_OF_RANGE, "HostCache: sequence " + std::to_string(s) + " does not exist");

@@ -34,9 +34,10 @@ def kernels(sass):
         yield name, ins
 
 
-def loop_span(ins, min_hmma=4):
+def loop_span(ins, min_hmma=4, mma=r"HMMA"):
     """The shortest backward-branch loop of ins (entries (address, SASS, ...)) that holds at least
-    min_hmma HMMA instructions: the decode tile loop. Also used on ncu's source page (stall_by_phase)."""
+    min_hmma instructions matching mma (HMMA: the decode tile loop). Also used on ncu's source page
+    (stall_by_phase) and by bench/proto/format3_sass_count.py (HMMA or IMMA)."""
     at = {x[0]: i for i, x in enumerate(ins)}
     best = None
     for i, x in enumerate(ins):
@@ -44,7 +45,7 @@ def loop_span(ins, min_hmma=4):
         if not m or int(m.group(1), 16) >= x[0] or int(m.group(1), 16) not in at:
             continue
         seg = ins[at[int(m.group(1), 16)]:i + 1]
-        if sum("HMMA" in y[1] for y in seg) >= min_hmma and (best is None or len(seg) < len(best)):
+        if sum(bool(re.search(mma, y[1])) for y in seg) >= min_hmma and (best is None or len(seg) < len(best)):
             best = seg
     return best
 
