@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cuda/decode_attention.cuh"
+#include "proto_timing.cuh"
 
 namespace proto {
 
@@ -230,33 +231,16 @@ int main() {
   cudaMemcpy(d_tab, tab, sizeof tab, cudaMemcpyHostToDevice);
   cudaMemcpy(d_t3, t3.data(), t3.size() * sizeof(F3Tile), cudaMemcpyHostToDevice);
   cudaMemcpy(d_pr, prs.data(), prs.size() * sizeof(float), cudaMemcpyHostToDevice);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
   const char* names[3] = {"f2_pv", "f3_pv", "f3v_pv"};
-  std::vector<float> ms[3];
-  for (int rep = 0; rep < 10; ++rep)
-    for (int k = 0; k < 3; ++k) {
-      cudaEventRecord(e0);
-      if (k == 0) f2_pv<<<blocks, threads>>>(d_t2, d_tab, 0x8000u, d_pr, d_out, kTiles);
-      else if (k == 1) f3_pv<false><<<blocks, threads>>>(d_t3, T0, T1, 0x0C0Cu, d_pr, d_out, kTiles);
-      else f3_pv<true><<<blocks, threads>>>(d_t3, T0, T1, 0x0C0Cu, d_pr, d_out, kTiles);
-      cudaEventRecord(e1);
-      cudaEventSynchronize(e1);
-      float t = 0;
-      cudaEventElapsedTime(&t, e0, e1);
-      if (rep > 0) ms[k].push_back(t);
-    }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    std::fprintf(stderr, "CUDA error: %s\n", cudaGetErrorString(err));
-    return 1;
-  }
-  double base = 0;
+  const std::vector<double> med = median_ms_interleaved(3, 10, [&](int k) {
+    if (k == 0) f2_pv<<<blocks, threads>>>(d_t2, d_tab, 0x8000u, d_pr, d_out, kTiles);
+    else if (k == 1) f3_pv<false><<<blocks, threads>>>(d_t3, T0, T1, 0x0C0Cu, d_pr, d_out, kTiles);
+    else f3_pv<true><<<blocks, threads>>>(d_t3, T0, T1, 0x0C0Cu, d_pr, d_out, kTiles);
+  });
+  if (med.empty()) return 1;
+  const double base = med[0];
   for (int k = 0; k < 3; ++k) {
-    std::sort(ms[k].begin(), ms[k].end());
-    const double t = ms[k][ms[k].size() / 2];
-    if (k == 0) base = t;
+    const double t = med[k];
     const double tiles = (double)blocks * kWarps * kTiles;
     std::printf("{\"suite\": \"format3_proto_cuda_pv\", \"device\": \"%s\", \"impl\": \"%s\", \"v_bits\": 3, \"head_dim\": %d, "
                 "\"time_ms\": %.4f, \"ns_per_tile_per_sm\": %.3f, \"speedup_vs_f2\": %.3f}\n",

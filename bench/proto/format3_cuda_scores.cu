@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cuda/decode_attention.cuh"
+#include "proto_timing.cuh"
 #include "lloyd_max.h"
 
 namespace proto {
@@ -263,33 +264,16 @@ int main() {
       }
   std::printf("{\"suite\": \"format3_proto_cuda_scores\", \"check\": \"f3_scores vs host int64\", \"max_rel_err\": %.3g, \"ok\": %s}\n",
               max_rel, max_rel < 1e-5 ? "true" : "false");
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
   const char* names[3] = {"f2_scores", "f3_scores", "f3v_scores"};
-  std::vector<float> ms[3];
-  for (int rep = 0; rep < 10; ++rep)
-    for (int k = 0; k < 3; ++k) {
-      cudaEventRecord(e0);
-      if (k == 0) f2_scores<<<blocks, threads>>>(d_t2, d_tab, d_kmul, d_q2, d_out, kTiles);
-      else if (k == 1) f3_scores<false><<<blocks, threads>>>(d_t3, T[0], T[1], d_q3, d_out, kTiles);
-      else f3_scores<true><<<blocks, threads>>>(d_t3, T[0], T[1], d_q3, d_out, kTiles);
-      cudaEventRecord(e1);
-      cudaEventSynchronize(e1);
-      float t = 0;
-      cudaEventElapsedTime(&t, e0, e1);
-      if (rep > 0) ms[k].push_back(t);  // the first round warms up
-    }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    std::fprintf(stderr, "CUDA error: %s\n", cudaGetErrorString(err));
-    return 1;
-  }
-  double base = 0;
+  const std::vector<double> med = median_ms_interleaved(3, 10, [&](int k) {
+    if (k == 0) f2_scores<<<blocks, threads>>>(d_t2, d_tab, d_kmul, d_q2, d_out, kTiles);
+    else if (k == 1) f3_scores<false><<<blocks, threads>>>(d_t3, T[0], T[1], d_q3, d_out, kTiles);
+    else f3_scores<true><<<blocks, threads>>>(d_t3, T[0], T[1], d_q3, d_out, kTiles);
+  });
+  if (med.empty()) return 1;
+  const double base = med[0];
   for (int k = 0; k < 3; ++k) {
-    std::sort(ms[k].begin(), ms[k].end());
-    const double t = ms[k][ms[k].size() / 2];
-    if (k == 0) base = t;
+    const double t = med[k];
     const double tiles = (double)blocks * kWarps * kTiles;
     std::printf("{\"suite\": \"format3_proto_cuda_scores\", \"device\": \"%s\", \"impl\": \"%s\", \"k_bits\": 3, \"head_dim\": %d, "
                 "\"blocks\": %d, \"warps_per_block\": %d, \"tiles_per_warp\": %d, \"time_ms\": %.4f, "
