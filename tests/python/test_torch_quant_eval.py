@@ -89,6 +89,17 @@ def test_e5m2_research_codebook(bits):
     assert q2.bytes_per_token_per_head(64) == q1.bytes_per_token_per_head(64)
 
 
+def test_ve5m2_restricts_v_only():
+    """-ve5m2 (the format-3 candidate's levels): K exactly as k3v3, V exactly as k3v3-e5m2."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, 64, 64, generator=g)
+    base, both, vonly = parse_config("k3v3"), parse_config("k3v3-e5m2"), parse_config("k3v3-ve5m2")
+    assert torch.equal(vonly.quant_k(x, 0), base.quant_k(x, 0))
+    assert torch.equal(vonly.quant_v(x, 0), both.quant_v(x, 0))
+    assert not torch.equal(vonly.quant_v(x, 0), base.quant_v(x, 0))
+    assert vonly.options["levels"] != both.options["levels"]
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_turbo_lsq_refits_the_one_scale(bits):
     """turbo-<b>-lsq keeps turbo's codes and refits the vector's one scale by least squares: never a larger

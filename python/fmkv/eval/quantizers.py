@@ -17,7 +17,8 @@ Config names (``parse_config``):
                    to 1), ``-b<N>`` (first and last N layers fp16), ``-f<i.j..>`` (those layers
                    fp16), ``-only<i>`` (diagnostic: only layer i quantized), ``-e5m2`` (research,
                    not format v1: levels restricted to a common factor x fp8-e5m2 values,
-                   fmkv.eval.e5m2_levels)
+                   fmkv.eval.e5m2_levels; ``-ve5m2``: on V only, the format-3 candidate's
+                   V levels, whose K levels are the int8 grid's, within 0.003% of Lloyd-Max)
 ``quanto-int4``    per-token asymmetric int4 / int2 with one fp16 scale + fp16 zero per group
 ``quanto-int2``    of ``-g<G>`` channels (default 64), as optimum-quanto's KV cache does
 ``kivi-4/kivi-2``  KIVI: K per-channel (groups of 32 tokens), V per-token (groups of 32 channels),
@@ -65,6 +66,7 @@ class KVQuantizer:
     fp16_layers: tuple = ()  # explicit layers kept fp16
     only_layer: int = -1  # diagnostic: quantize this layer only (others fp16)
     e5m2: bool = False  # research: e5m2-restricted levels (fmkv.eval.e5m2_levels), not format v1
+    e5m2_k: bool = True  # ... on K too (False: -ve5m2, V only)
     num_layers: int = 0  # set by the evaluation (needed for boundary layers and bytes)
     seed: int = 0
     options: Dict[str, object] = field(default_factory=dict)
@@ -127,7 +129,7 @@ class KVQuantizer:
             if (side == "k" and self.key_mean) or (side == "v" and self.value_mean):
                 mu = x[:, :, :128].to(torch.float16).float().mean(dim=2, keepdim=True)
                 x = x - mu
-            levels = e5m2_codebook(bits) if self.e5m2 else None
+            levels = e5m2_codebook(bits) if self.e5m2 and (side == "v" or self.e5m2_k) else None
             out = tq.fake_quantize(x, bits, self.seed, layer, self.scale_rule, self.rotate, levels=levels)
             return (out if mu is None else out + mu).to(dt)
         if self.kind == "quanto":
@@ -211,6 +213,8 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
                 q.rotate = False
             elif mod == "e5m2":
                 q.e5m2 = True
+            elif mod == "ve5m2":
+                q.e5m2, q.e5m2_k = True, False
             elif mod == "km":
                 q.key_mean = True
             elif mod == "vm":
@@ -232,7 +236,8 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
                      "fp16_boundary_layers": q.boundary, "fp16_layers": list(q.fp16_layers),
                      "only_layer": q.only_layer, "group": 32}
         if q.e5m2:
-            q.options["levels"] = "e5m2-restricted (research, not format v1)"
+            q.options["levels"] = ("e5m2-restricted (research, not format v1)" if q.e5m2_k
+                                   else "V e5m2-restricted, K Lloyd-Max (research: the format-3 candidate's V levels)")
         return q
     if base == "quanto":
         bits = int(mods[0].replace("int", "")) if mods else 4
