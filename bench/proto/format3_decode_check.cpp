@@ -159,7 +159,6 @@ double run_case(const Case& cs, std::mt19937_64& rng) {
   cfg.seed = rng();
   const int P = cs.page, H = cs.kv_heads, HQ = H * cs.gq, B = (int)cs.lens.size();
   const int64_t pb = fmkv_config_page_bytes(&cfg);
-  const int64_t sec = fmkv_section_bytes(D, 3, P), hs = fmkv_head_stride_bytes(D, 3, 3, P);
   int64_t maxp = 0, npages = 0;
   for (int64_t L : cs.lens) {
     maxp = std::max<int64_t>(maxp, (L + P - 1) / P);
@@ -186,16 +185,16 @@ double run_case(const Case& cs, std::mt19937_64& rng) {
       kval[s * H + h].assign((size_t)L * D, 0.0);
       vval[s * H + h].assign((size_t)L * D, 0.0);
       for (int64_t t = 0; t < L; ++t) {
-        uint8_t* head = pages.data() + (int64_t)bt[s * maxp + t / P] * pb + h * hs;
+        uint8_t* page = pages.data() + (int64_t)bt[s * maxp + t / P] * pb;
         const int slot = (int)(t % P), tile = slot / 16, tt = slot % 16;
         for (int sv = 0; sv < 2; ++sv) {
-          uint8_t* sect = head + sv * sec;
+          uint8_t* sect = page + fmkv_section_offset(D, 3, 3, P, h, sv);
           TileWriter w{sect + tile * 64 * G * 3, G};
           for (int g = 0; g < G; ++g) {
             uint16_t sc;
             const float f = sv ? vs_d(rng) : ks_d(rng);
             fmkv_f32_to_f16(&f, &sc, 1);
-            *reinterpret_cast<uint16_t*>(sect + (int64_t)G * 3 * P * 4 + (g * P + slot) * 2) = sc;
+            *reinterpret_cast<uint16_t*>(sect + fmkv_scales_offset(D, 3, P) + ((int64_t)g * P + slot) * 2) = sc;
             float scf;
             fmkv_f16_to_f32(&sc, &scf, 1);
             for (int c = 0; c < 32; ++c) {
