@@ -113,6 +113,36 @@ struct Fmt {
   int kb, vb;
 };
 
+// --ragged lengths: comma-separated items, each L (one sequence), LxN (N of them) or A-BxN (N lengths evenly
+// spaced from A to B); a k suffix multiplies by 1024 ("1k-64kx16": 16 sequences of 1024 .. 65536 tokens).
+static int64_t parse_len(const std::string& t) {
+  if (t.empty()) return -1;
+  const bool k = t.back() == 'k' || t.back() == 'K';
+  char* end = nullptr;
+  const long long v = std::strtoll(t.c_str(), &end, 10);
+  if (end != t.c_str() + t.size() - (k ? 1 : 0) || v < 1 || v > (1ll << 24)) return -1;
+  return k ? v * 1024 : v;
+}
+static std::vector<int64_t> parse_lengths(const std::string& spec) {
+  std::vector<int64_t> out;
+  size_t i = 0;
+  while (i <= spec.size()) {
+    const size_t j = std::min(spec.find(',', i), spec.size());
+    const std::string item = spec.substr(i, j - i);
+    const size_t x = item.find('x'), dash = item.find('-');
+    const long long n = x == std::string::npos ? 1 : std::atoll(item.c_str() + x + 1);
+    const std::string range = item.substr(0, x);
+    const int64_t a = parse_len(range.substr(0, dash)), b = dash == std::string::npos ? a : parse_len(range.substr(dash + 1));
+    if (a < 1 || b < 1 || n < 1 || n > 4096) {
+      std::fprintf(stderr, "--ragged: bad lengths item '%s' (L, LxN or A-BxN, e.g. 1k-64kx16)\n", item.c_str());
+      std::exit(2);
+    }
+    for (long long q = 0; q < n; ++q) out.push_back(n == 1 ? a : a + (int64_t)((double)(b - a) * q / (n - 1) + 0.5));
+    i = j + 1;
+  }
+  return out;
+}
+
 #ifdef FMKV_CUDA_TRACE
 // Latency trace of the last decode call (a -DFMKV_CUDA_TRACE=ON build, --trace): per CTA role, when
 // the CTAs entered and left (globaltimer, from the first attention CTA's entry) and the time between
@@ -217,6 +247,8 @@ int main(int argc, char** argv) {
   // window), then the latency trace of its last attention call and of its last fused decode step (print_trace)
   const bool trace = argc > 5 && std::string(argv[1]) == "--trace";
   const bool only = argc > 5 && (std::string(argv[1]) == "--only" || std::string(argv[1]) == "--step-only" || trace);
+  // --ragged kb vb LENGTHS: one decode case of sequences of the given lengths (parse_lengths), attention only
+  const bool ragged = argc > 4 && std::string(argv[1]) == "--ragged";
   // --step-only B ctx kb vb: plain (non-graph) launches of the fused decode step, for profilers
   const bool step_only = only && std::string(argv[1]) == "--step-only";
   // --only B ctx kb vb --step: also the decode step per layer (separate and fused, CUDA graph)
@@ -270,6 +302,7 @@ int main(int argc, char** argv) {
   struct Case {
     int B;
     int64_t ctx;
+    std::vector<int64_t> lens = {};  // a ragged batch's lengths (empty: B x ctx)
   };
   std::vector<Case> cases = {{1, 4096}, {1, 32768}, {1, 131072}, {1, 262144}, {1, 1048576}, {64, 8192}, {64, 32768}};
   if (quick) cases = {{1, 4096}, {1, 131072}, {64, 8192}};
@@ -289,6 +322,11 @@ int main(int argc, char** argv) {
     cases = {{1, 4096}, {1, 32768}, {1, 131072}, {64, 8192}};
     fmts = {{3, 3}};
   }
+  if (ragged) {
+    const std::vector<int64_t> ls = parse_lengths(argv[4]);
+    cases = {{(int)ls.size(), *std::max_element(ls.begin(), ls.end()), ls}};
+    fmts = {{std::atoi(argv[2]), std::atoi(argv[3])}};
+  }
   if (quant_only) {
     cases.clear();
     fmts = {{std::atoi(argv[2]), std::atoi(argv[3])}};
@@ -307,7 +345,7 @@ int main(int argc, char** argv) {
     const int64_t pb = fmkv_config_page_bytes(&cfg);
 
     // ---- quantize-append throughput: one 32k-token prefill chunk, fp16 input
-    if (!only && !latency && window == 0) {
+    if (!only && !latency && !ragged && window == 0) {
       const int64_t np = chunk / P;
       uint8_t* pages;
       CK(cudaMalloc(&pages, np * pb));
@@ -351,8 +389,11 @@ int main(int argc, char** argv) {
     // ---- decode attention
     for (const Case& c : cases) {
       const int B = c.B;
-      const int64_t ctx = c.ctx;
-      const int64_t pps = (ctx + P - 1) / P;  // pages per sequence
+      const int64_t ctx = c.ctx;  // the longest sequence
+      const std::vector<int64_t> lens = c.lens.empty() ? std::vector<int64_t>(B, ctx) : c.lens;
+      int64_t total_len = 0;
+      for (int64_t l : lens) total_len += l;
+      const int64_t pps = (ctx + P - 1) / P;  // pages per sequence (the table stride)
       const int64_t np1 = pps * B;            // pages per copy
       const double copy_bytes = (double)np1 * pb;
       int copies = 1;  // up to 8 (x 8 / kv heads: fewer heads, smaller copies) until 4x the L2 size
@@ -376,8 +417,8 @@ int main(int argc, char** argv) {
       }
       fmkv_layer_cache lc{pages, copies * np1, f16k, f16v, 1, 0};
       for (int s = 0; s < B; ++s)
-        for (int64_t done = 0; done < ctx; done += chunk) {
-          const int64_t n = std::min(chunk, ctx - done);
+        for (int64_t done = 0; done < lens[s]; done += chunk) {
+          const int64_t n = std::min(chunk, lens[s] - done);
           int64_t ro[2] = {0, n};
           CK(cudaMemcpy(dl, &done, 8, cudaMemcpyHostToDevice));
           CK(cudaMemcpy(dro, ro, 16, cudaMemcpyHostToDevice));
@@ -387,7 +428,7 @@ int main(int argc, char** argv) {
         }
       FK(fmkv_device_synchronize(FMKV_BACKEND_CUDA));
       for (int cp = 1; cp < copies; ++cp) CK(cudaMemcpy(pages + cp * np1 * pb, pages, (size_t)(np1 * pb), cudaMemcpyDeviceToDevice));
-      std::vector<int64_t> lens(B, ctx), ros(B + 1);
+      std::vector<int64_t> ros(B + 1);
       for (int s = 0; s <= B; ++s) ros[s] = (int64_t)s * qlen;
       const int64_t qrows = (int64_t)B * qlen;
       CK(cudaMemcpy(dl, lens.data(), 8 * B, cudaMemcpyHostToDevice));
@@ -396,7 +437,7 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&q, (size_t)qrows * HQ * d * 2));
       CK(cudaMalloc(&o, (size_t)qrows * HQ * d * 2));
       fill_normal<<<64, 256>>>(q, qrows * HQ * d, 3, d, 0.0f);
-      const int64_t bound = pass_bound ? ctx : 0;  // every sequence has ctx tokens (after the step's append)
+      const int64_t bound = pass_bound ? ctx : 0;  // no sequence has more than ctx tokens (after the step's append)
       const int64_t ws = fmkv_attention_workspace_bytes(FMKV_BACKEND_CUDA, &cfg, HQ, qrows, B, bound);
       void* work;
       CK(cudaMalloc(&work, ws + 16));
@@ -405,7 +446,8 @@ int main(int argc, char** argv) {
       // a decode step re-appends the last q_len tokens: lengths ctx - q_len before it, their K/V rows
       int64_t* dl0;
       CK(cudaMalloc(&dl0, 8 * B));
-      std::vector<int64_t> before(B, ctx - qlen);
+      std::vector<int64_t> before(B);
+      for (int s = 0; s < B; ++s) before[s] = lens[s] - qlen;
       CK(cudaMemcpy(dl0, before.data(), 8 * B, cudaMemcpyHostToDevice));
       fmkv_tensor kt{kin, FMKV_F16, qrows, H, d, (int64_t)H * d, d}, vt{vin, FMKV_F16, qrows, H, d, (int64_t)H * d, d};
       if (step_only) {  // 5 plain fused steps, then the next case
@@ -432,7 +474,7 @@ int main(int argc, char** argv) {
       // separate calls (fmkv_append + fmkv_attention) vs fused (fmkv_append_attention). The step
       // re-appends token ctx - 1 (lengths ctx - 1 before, ctx after), so every replay is identical.
       double step_sep_us = 0, step_fused_us = 0;
-      if ((!only || trace || only_step) && ctx <= 131072) {
+      if ((!only || trace || only_step) && !ragged && ctx <= 131072) {
         auto time_graph = [&](bool fused) {
           const float ms = graph_ms_per_call(st, e0, e1, copies, 50, [&] {
             for (int cp = 0; cp < copies; ++cp) {
@@ -463,15 +505,23 @@ int main(int argc, char** argv) {
       int nonfinite = 0;
       for (auto x : oh) nonfinite += !std::isfinite(__half2float(x));
       const double us = attn_ms * 1e3;
-      const double kv = (double)B * ctx * H *
+      const double kv = (double)total_len * H *
                         (fmkv_bytes_per_token_head(d, f.kb) + fmkv_bytes_per_token_head(d, f.vb));
       const double bytes = kv + 2.0 * qrows * HQ * d * 2;
+      // a ragged batch: context = the mean length (the uniform batch of the same bytes, BENCHMARKS.md), lengths
+      std::string rag;
+      if (!c.lens.empty()) {
+        rag = ",\"case\":\"ragged\",\"lengths_spec\":\"" + std::string(argv[4]) + "\",\"lengths\":[";
+        for (int s = 0; s < B; ++s) rag += (s ? "," : "") + std::to_string(lens[s]);
+        rag += "]";
+      }
+      const long long ctx_out = c.lens.empty() ? (long long)ctx : (long long)((total_len + B / 2) / B);
       std::printf("{\"kind\":\"decode\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":%d,\"context\":%lld,"
                   "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"time_us\":%.3f,\"bytes\":%.0f,"
                   "\"gbps\":%.1f,\"copy_gbps\":%.1f,\"pct_copy_bw\":%.1f,\"copies\":%d,\"nonfinite_out\":%d,"
-                  "\"window\":%d,\"max_seq_len\":%lld}\n",
-                  f.kb, f.vb, B, qlen, (long long)ctx, d, HQ, H, P, us, bytes, bytes / us / 1e3, cbw,
-                  100.0 * bytes / us / 1e3 / cbw, copies, nonfinite, window, (long long)bound);
+                  "\"window\":%d,\"max_seq_len\":%lld%s}\n",
+                  f.kb, f.vb, B, qlen, ctx_out, d, HQ, H, P, us, bytes, bytes / us / 1e3, cbw,
+                  100.0 * bytes / us / 1e3 / cbw, copies, nonfinite, window, (long long)bound, rag.c_str());
       if (step_fused_us > 0)
         std::printf("{\"kind\":\"step\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":%d,\"context\":%lld,"
                     "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"fused_us\":%.3f,"

@@ -10,6 +10,7 @@ cuda_sdpa_variants.jsonl), merges, prints a table and writes docs/results/cuda_d
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --quantize-only  # cuda_quantize.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --latency  # cuda_latency.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --kv-heads-sweep  # cuda_kv_heads.jsonl
+    python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --ragged  # cuda_decode_ragged.jsonl
 """
 import argparse
 import json
@@ -105,6 +106,13 @@ def sdpa_time_us(B, ctx, l2_bytes=60 << 20, log=None, HQ=32, H=8):
     return best
 
 
+def print_table(head_fmt, names, row_fmt, rows, values):
+    """A header line, then one line per row (values(row): the row's fields for row_fmt)."""
+    print(head_fmt % names)
+    for r in rows:
+        print(row_fmt % values(r))
+
+
 def write_jsonl(path, recs):
     with open(path, "w") as f:
         for r in recs:
@@ -191,6 +199,88 @@ def kv_heads_sweep(a):
             r["pct_copy_bw"], r["baseline_time_us"], r["speedup"]))
 
 
+RAGGED_CASES = ("1k-64kx16", "64k,1kx15", "1k-16kx64", "128k,4kx7", "1k-256kx4")
+
+
+def ragged(a):
+    """--ragged: decode over ragged batches (RAGGED_CASES, k3v3 and k4v4), each beside fmkv's uniform batch of
+    the same bytes (B sequences of the mean length) and SDPA fp16's uniform batch of the same bytes, all in
+    one run; writes cuda_decode_ragged.jsonl (suite cuda_decode, case "ragged", "ragged_uniform_plan" (the same batch
+    with FMKV_CUDA_BALANCE=0: every sequence the grid's split count) or "uniform_same_bytes") and a PNG."""
+    recs, copy = [], None
+    for spec in RAGGED_CASES:
+        for kb, vb in ((3, 3), (4, 4)):
+            res = subprocess.run([a.bin, "--ragged", str(kb), str(vb), spec], capture_output=True, text=True)
+            sys.stderr.write(res.stderr)
+            got = [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
+            copy = copy or next((r for r in got if r["kind"] == "copy"), None)
+            rag = [r for r in got if r["kind"] == "decode"]
+            recs += rag
+            # the same batch with the uniform split plan (FMKV_CUDA_BALANCE=0: nsplit splits for every sequence)
+            res = subprocess.run([a.bin, "--ragged", str(kb), str(vb), spec], capture_output=True, text=True,
+                                 env=dict(os.environ, FMKV_CUDA_BALANCE="0"))
+            sys.stderr.write(res.stderr)
+            recs += [dict(json.loads(l), case="ragged_uniform_plan") for l in res.stdout.splitlines()
+                     if l.startswith("{") and '"decode"' in l]
+            for r in rag:  # fmkv's uniform batch of the same bytes
+                res = subprocess.run([a.bin, "--only", str(r["batch"]), str(r["context"]), str(kb), str(vb)],
+                                     capture_output=True, text=True)
+                sys.stderr.write(res.stderr)
+                recs += [dict(json.loads(l), case="uniform_same_bytes", lengths_spec=spec)
+                         for l in res.stdout.splitlines() if l.startswith("{") and '"decode"' in l]
+    sdpa, out = {}, []
+    for r in recs:
+        key = (r["batch"], r["context"])
+        if key not in sdpa:
+            sdpa[key] = sdpa_time_us(r["batch"], r["context"], l2_bytes=copy["l2_bytes"])
+        bt, be = sdpa[key]
+        rec = decode_record(r, bt, be, copy["device"], a.commit)
+        rec.update(case=r["case"], lengths_spec=r["lengths_spec"])
+        if r["case"] != "uniform_same_bytes":
+            rec["lengths"] = r["lengths"]
+        sdpa_bytes = 2.0 * r["batch"] * r["kv_heads"] * r["context"] * r["head_dim"] * 2 + 4.0 * r["batch"] * r["q_heads"] * r["head_dim"]
+        rec["baseline_pct_copy_bw"] = round(100.0 * sdpa_bytes / bt / 1e3 / copy["gbps"], 1)
+        out.append(rec)
+    write_jsonl(os.path.join(a.out, "cuda_decode_ragged.jsonl"), out)
+    print("device: %s   copy bandwidth (read+write): %.0f GB/s" % (copy["device"], copy["gbps"]))
+    print_table("%-5s %-12s %-19s %3s %8s %10s %6s %10s %6s %8s",
+                ("fmt", "lengths", "case", "B", "mean", "fmkv_us", "%copy", "sdpa_us", "%copy", "speedup"),
+                "k%dv%d %-12s %-19s %3d %8d %10.2f %6.1f %10.2f %6.1f %8.2f", out,
+                lambda r: (r["k_bits"], r["v_bits"], r["lengths_spec"], r["case"], r["batch"], r["context"], r["time_us"],
+                           r["pct_copy_bw"], r["baseline_time_us"], r["baseline_pct_copy_bw"], r["speedup"]))
+    plot_ragged(out, copy["device"], os.path.join(a.out, "cuda_decode_ragged.png"))
+
+
+def plot_ragged(out, device, path):
+    """Grouped bars: % of copy bandwidth per ragged case, fmkv ragged / fmkv uniform of the same bytes / SDPA."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    specs = [s for s in RAGGED_CASES if any(r["lengths_spec"] == s for r in out)]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    for ax, (kb, vb) in zip(axes, ((3, 3), (4, 4))):
+        def pct(spec, case, field="pct_copy_bw"):
+            r = [x for x in out if x["lengths_spec"] == spec and x["case"] == case and x["k_bits"] == kb and x["v_bits"] == vb]
+            return r[0][field] if r else 0.0
+        xs = range(len(specs))
+        w = 0.2
+        ax.bar([x - 1.5 * w for x in xs], [pct(s, "ragged_uniform_plan") for s in specs], w,
+               label="fmkv, ragged batch, uniform split plan")
+        ax.bar([x - 0.5 * w for x in xs], [pct(s, "ragged") for s in specs], w, label="fmkv, ragged batch, balanced plan")
+        ax.bar([x + 0.5 * w for x in xs], [pct(s, "uniform_same_bytes") for s in specs], w,
+               label="fmkv, uniform batch of the same bytes")
+        ax.bar([x + 1.5 * w for x in xs], [pct(s, "ragged", "baseline_pct_copy_bw") for s in specs], w,
+               label="SDPA fp16, uniform batch of the same bytes")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(specs, rotation=20)
+        ax.set_title("k%dv%d decode, ragged batches (%s)" % (kb, vb, device))
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("% of measured copy bandwidth")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", help="the fmkv_cuda_bench binary (not needed with --replot)")
@@ -204,6 +294,9 @@ def main():
                          "cuda_latency.jsonl (decode and step records) instead of the full files")
     ap.add_argument("--quantize-only", action="store_true",
                     help="only the quantize-append timing (rewrites cuda_quantize.jsonl, nothing else)")
+    ap.add_argument("--ragged", action="store_true",
+                    help="decode over ragged batches (RAGGED_CASES) beside uniform batches of the same bytes (fmkv and "
+                         "SDPA); writes cuda_decode_ragged.jsonl and its PNG only")
     ap.add_argument("--kv-heads-sweep", action="store_true",
                     help="B=1 decode with 1/2/4/8 kv heads (4 q heads each), k3v3 and k4v4, with SDPA of the same "
                          "shapes; writes cuda_kv_heads.jsonl only")
@@ -220,6 +313,9 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     if a.quantize_only:
         quantize_only(a)
+        return
+    if a.ragged:
+        ragged(a)
         return
     if a.kv_heads_sweep:
         kv_heads_sweep(a)
@@ -273,12 +369,11 @@ def main():
         write_jsonl(os.path.join(a.out, "cuda_quantize.jsonl"), qua)
         write_jsonl(os.path.join(a.out, "cuda_step.jsonl"), steps)
     print("device: %s   copy bandwidth (read+write): %.0f GB/s" % (device, copy["gbps"]))
-    print("%-5s %3s %8s %6s %10s %8s %6s %10s %8s %s" % ("fmt", "B", "context", "window", "fmkv_us", "GB/s", "%copy",
-                                                         "sdpa_us", "speedup", "sdpa_variant"))
-    for r in dec:
-        print("k%dv%d %3d %8d %6d %10.2f %8.0f %6.1f %10.2f %8.2f %s" % (
-            r["k_bits"], r["v_bits"], r["batch"], r["context"], r["window_tokens"], r["time_us"], r["gbps"],
-            r["pct_copy_bw"], r["baseline_time_us"], r["speedup"], r["baseline"]))
+    print_table("%-5s %3s %8s %6s %10s %8s %6s %10s %8s %s",
+                ("fmt", "B", "context", "window", "fmkv_us", "GB/s", "%copy", "sdpa_us", "speedup", "sdpa_variant"),
+                "k%dv%d %3d %8d %6d %10.2f %8.0f %6.1f %10.2f %8.2f %s", dec,
+                lambda r: (r["k_bits"], r["v_bits"], r["batch"], r["context"], r["window_tokens"], r["time_us"], r["gbps"],
+                           r["pct_copy_bw"], r["baseline_time_us"], r["speedup"], r["baseline"]))
     print("decode step per layer (append 1 token + attention), CUDA graph:")
     print("%-5s %3s %8s %6s %10s %12s %10s %10s" % ("fmt", "B", "context", "window", "fused_us", "separate_us",
                                                     "attn_us", "sdpa_us"))

@@ -91,6 +91,12 @@ if(FMKV_BUILD_TESTS)
   target_include_directories(fmkv_half_cuda_test PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
   add_test(NAME fmkv_half_cuda_test COMMAND fmkv_half_cuda_test)
   set_tests_properties(fmkv_half_cuda_test PROPERTIES SKIP_RETURN_CODE 77)
+  # The balanced split plan of ragged batches evaluated on the device (every split taken exactly once);
+  # skipped (exit 77) without a usable device.
+  add_executable(fmkv_balanced_plan_cuda_test ${PROJECT_SOURCE_DIR}/tests/cuda/balanced_plan_cuda_test.cu)
+  target_include_directories(fmkv_balanced_plan_cuda_test PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
+  add_test(NAME fmkv_balanced_plan_cuda_test COMMAND fmkv_balanced_plan_cuda_test)
+  set_tests_properties(fmkv_balanced_plan_cuda_test PROPERTIES SKIP_RETURN_CODE 77)
   add_executable(fmkv_io_cuda_test ${PROJECT_SOURCE_DIR}/tests/cuda/io_cuda_test.cpp)
   target_link_libraries(fmkv_io_cuda_test PRIVATE fmkv)
   add_test(NAME fmkv_io_cuda_test_ref COMMAND fmkv_io_cuda_test ref)

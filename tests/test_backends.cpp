@@ -61,6 +61,13 @@ std::vector<Shape> shapes() {
   v.push_back({128, 3, 3, 1, 4, 64, 0, 0, FMKV_SCALE_LSQ, {17000}, {1}, FMKV_F16});
   v.push_back({64, 4, 2, 1, 4, 32, 0, 16, FMKV_SCALE_RMS, {12000}, {2}, FMKV_BF16});
   v.push_back({256, 4, 4, 1, 2, 64, 0, 0, FMKV_SCALE_LSQ, {9000, 3}, {1, 1}, FMKV_F16});
+  // ragged batches: on CUDA the balanced plan gives the long sequences more splits than the grid's count
+  // (spare CTAs of the short ones; the merge's second round) -- one dominant sequence, empty and one-token
+  // ones, several rows, sink and window, one kv head with a few sequences
+  v.push_back({128, 3, 3, 8, 4, 64, 0, 0, FMKV_SCALE_LSQ, {20000, 5, 900, 0, 3000, 64, 1, 7000, 16, 333},
+               {1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, FMKV_F16});
+  v.push_back({64, 4, 4, 4, 2, 32, 4, 32, FMKV_SCALE_RMS, {40, 9000, 300, 2500, 0, 77}, {2, 1, 4, 1, 1, 3}, FMKV_BF16});
+  v.push_back({128, 4, 2, 1, 4, 16, 0, 0, FMKV_SCALE_LSQ, {1, 12000, 50}, {1, 1, 2}, FMKV_F16});
   return v;
 }
 
@@ -144,6 +151,9 @@ TEST_P(Backends, FusedAppendAttention) {
       // one kv head, B = 1: up to 254 splits on CUDA (with a window: two raw-domain CTAs)
       {128, 4, 4, 1, 4, 64, 0, 64, FMKV_SCALE_LSQ, {17000}, {1}, FMKV_F16},
       {64, 4, 2, 1, 4, 32, 0, 0, FMKV_SCALE_RMS, {16500}, {3}, FMKV_F32},
+      // ragged batches (CUDA: the balanced plan), with and without fp16 regions
+      {128, 3, 3, 8, 4, 64, 0, 64, FMKV_SCALE_LSQ, {15000, 3, 700, 64, 2000, 1}, {1, 1, 1, 2, 1, 1}, FMKV_F16},
+      {128, 4, 4, 4, 4, 32, 0, 0, FMKV_SCALE_LSQ, {9000, 10, 300, 2500, 0, 40}, {1, 2, 1, 4, 1, 1}, FMKV_F16},
   };
   int index = 0;
   for (const F& f : cases) {

@@ -2,6 +2,8 @@
 // without a GPU. The H200 numbers: 132 SMs, 4 CTAs per SM (d <= 128): 2 per SM = 264 CTAs, a wave 528.
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "core/ops.h"
 #include "cuda/split_count.h"
 #include "fmkv/fmkv.h"
@@ -179,6 +181,50 @@ TEST(SplitCount, ResidentCut) {
   EXPECT_EQ(resident_cut(24 * 12 + 1, 128, 1, kH200r3), 0);  // 25
   EXPECT_EQ(resident_cut(1, 128, 1, kH200r3), 3);            // no lower bound
   EXPECT_EQ(resident_cut(256, 136, 1, kH200r3), 0);          // B = 17: 528 / 136 - 1 = 2 < kMinTrimmedSplits
+}
+
+// The balanced plan's per-sequence share (the device evaluates the same function; the assignment of CTAs is
+// tested on the device, tests/cuda/balanced_plan_cuda_test.cu).
+TEST(SplitCount, BalancedSharesFollowTheTiles) {
+  // equal lengths: the grid's count each (when the sequences have that many useful splits)
+  for (int64_t ns : {1, 3, 9, 64})
+    for (int64_t B : {2, 16, 64}) EXPECT_EQ(balanced_splits(2048, 2048 * B, ns * B, B, balance_cap((int32_t)B, (int32_t)ns)), ns);
+  EXPECT_EQ(balanced_splits(10, 10 * 16, 9 * 16, 16, 36), 3);  // 10 tiles: at most ceil(10 / 4) = 3 useful
+  // 16 sequences of 1k .. 64k (9 splits each in the grid): the 64k one takes 1 + 128 x 4096 / total
+  int64_t total = 0;
+  for (int i = 0; i < 16; ++i) total += (1024 + i * 64512 / 15) / 16;
+  EXPECT_EQ(balanced_splits(4096, total, 144, 16, 36), 1 + 128 * 4096 / total);
+  EXPECT_EQ(balanced_splits(64, total, 144, 16, 36), 1);
+  // one dominant sequence: capped (4 x the grid's count, at most 64)
+  EXPECT_EQ(balance_cap(16, 9), 36);
+  EXPECT_EQ(balance_cap(2, 64), 64);
+  EXPECT_EQ(balance_cap(64, 3), 12);
+  EXPECT_EQ(balance_cap(1, 64), 64);    // one sequence: nothing to balance
+  EXPECT_EQ(balance_cap(257, 1), 1);    // beyond kBalanceMaxSeqs
+  EXPECT_EQ(balance_cap(2, 131), 131);  // already beyond 64 (few kv heads): the grid's count
+  EXPECT_EQ(balanced_splits(4096, 4096 + 15 * 64, 144, 16, 36), 36);
+  // no tiles anywhere, or a sequence without tiles: one split (it writes the empty partial)
+  EXPECT_EQ(balanced_splits(0, 0, 144, 16, 36), 1);
+  EXPECT_EQ(balanced_splits(0, 5000, 144, 16, 36), 1);
+  // the shares never exceed the grid
+  for (int64_t B : {2, 5, 16, 100, 256}) {
+    int64_t tot = 0, sum = 0;
+    std::vector<int64_t> t(B);
+    for (int64_t i = 0; i < B; ++i) tot += t[i] = (i * 7919) % 3001 + (i % 5 == 0 ? 40000 : 0);
+    for (int64_t i = 0; i < B; ++i) sum += balanced_splits(t[i], tot, 5 * B, B, balance_cap((int32_t)B, 5));
+    EXPECT_LE(sum, 5 * B) << B;
+  }
+  // the plan runs only where a split of the longest possible sequence is long
+  EXPECT_TRUE(balance_pays(-1, 9));                 // no bound
+  EXPECT_FALSE(balance_pays(4096, 15));             // B = 2 at 4k: 256 tiles over 15 splits, 5 per warp
+  EXPECT_FALSE(balance_pays(4096, 5));              // B = 8 at 4k: 13 per warp
+  EXPECT_FALSE(balance_pays(16 * 4 * 16 * 9, 9));   // exactly 16 tiles per warp
+  EXPECT_TRUE(balance_pays(16 * 4 * 16 * 9 + 16, 9));
+  EXPECT_TRUE(balance_pays(65536, 9));              // 16 sequences up to 64k
+  EXPECT_TRUE(balance_pays(8192, 3));               // B = 64 at 8k: 43 tiles per warp
+  EXPECT_EQ(plan_tiles(-3), 0);
+  EXPECT_EQ(plan_tiles(17), 2);
+  EXPECT_EQ(plan_tiles(INT64_MAX), (int64_t)1 << 36);
 }
 
 TEST(SplitCount, ConstantsMatchThePublicApi) {

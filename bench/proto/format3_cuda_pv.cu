@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cuda/decode_attention.cuh"
+#include "prmt_host.h"
 #include "proto_timing.cuh"
 
 namespace proto {
@@ -34,15 +35,7 @@ __host__ __device__ __forceinline__ uint32_t prmt_hd(uint32_t a, uint32_t b, uin
 #ifdef __CUDA_ARCH__
   return fmkv::cuda::prmt(a, b, s);  // prmt.b32 itself: __byte_perm ignores the nibbles' sign-replicate bit
 #else
-  const uint64_t x = a | ((uint64_t)b << 32);
-  uint32_t r = 0;
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t n = (s >> (4 * i)) & 15u;
-    uint32_t byte = (uint32_t)(x >> (8 * (n & 7))) & 255u;
-    if (n & 8) byte = (byte & 0x80u) ? 0xffu : 0u;
-    r |= byte << (8 * i);
-  }
-  return r;
+  return prmt_host(a, b, s);
 #endif
 }
 

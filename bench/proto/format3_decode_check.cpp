@@ -21,6 +21,7 @@
 
 #include "fmkv/fmkv.h"
 #include "format/rotation.h"
+#include "prmt_host.h"
 
 namespace {
 
@@ -70,17 +71,6 @@ struct TileWriter {
   }
 };
 
-uint32_t prmt_host(uint32_t a, uint32_t b, uint32_t s) {  // prmt.b32 (default mode), sign replicate included
-  const uint64_t x = a | ((uint64_t)b << 32);
-  uint32_t r = 0;
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t n = (s >> (4 * i)) & 15u;
-    uint32_t byte = (uint32_t)(x >> (8 * (n & 7))) & 255u;
-    if (n & 8) byte = (byte & 0x80u) ? 0xffu : 0u;
-    r |= byte << (8 * i);
-  }
-  return r;
-}
 uint32_t bit3(uint32_t X, uint32_t Y) { return ((X >> 3) & 0x1111u) | ((X >> 18) & 0x2222u) | ((Y >> 1) & 0x4444u); }
 
 // One random tile per section through the writer, decoded as the kernel does; 0 mismatches expected.

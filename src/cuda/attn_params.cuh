@@ -28,8 +28,11 @@ struct AttnParams {
   SignWords sw;
   float2* part_ml;
   float* part_acc;
-  int32_t nsplit;
-  int32_t nraw;  // raw-domain partials per query vector after the nsplit compressed ones (1 or 2)
+  int32_t nsplit;   // split CTAs per (sequence, kv head) in the grid (a balanced call shares them out)
+  int32_t nraw;     // raw-domain partials per query vector (1 or 2)
+  int32_t pstride;  // partial slots per query vector: kRawParts + the most compressed splits of a sequence
+  int32_t balanced; // the split plan is balanced on the device (split_count.h, balanced_plan.cuh)
+  int32_t* part_n;  // balanced calls: partials of each query row, written by its sequence's raw-domain CTA
   long long* err;
   // Fused decode step (fmkv_append_attention): the sink/window CTA of each (sequence, kv head) first
   // appends that head's rows of k / v; seq_lens are then the lengths before the append.
@@ -60,12 +63,21 @@ struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared me
 // kMinTilesPerSplit, kMaxSplits, kFusedMaxRows: split_count.h
 constexpr int kAttnWarps = 4, kQV = 8;
 static_assert(kAttnWarps == kSplitWarps && kQV == kSplitVectors, "split_count.h counts tiles per warp and passes");
-// Partial slots per query vector: nsplit compressed ones (un-rotated by their split CTA), then up to
-// kRawParts from the raw-domain CTAs (the sink/window CTA; a fused step with fp16 regions has two);
-// every partial is in the raw domain
+// Partial slots per query vector (pstride of them): up to kRawParts from the raw-domain CTAs (the
+// sink/window CTA; a fused step with fp16 regions has two), then the compressed splits (un-rotated by
+// their split CTA); every partial is in the raw domain. Raw-domain CTA z < nraw writes slot
+// kRawParts - nraw + z, split k slot kRawParts + k, so a query vector's partials are one contiguous
+// range from slot kRawParts - nraw (merge_kernel).
 constexpr int kRawParts = 2;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kSignMask = 0x80008000u;
+
+// First partial slot of query row `row`, q head hq (its slot 0).
+__device__ __forceinline__ int64_t partial_row_base(const AttnParams& p, int64_t row, int hq) {
+  return (row * p.HQ + hq) * p.pstride;
+}
+__device__ __forceinline__ int raw_slot(const AttnParams& p, int z) { return kRawParts - p.nraw + z; }
+__device__ __forceinline__ int split_slot(int k) { return kRawParts + k; }
 
 __device__ __forceinline__ float h_lo(uint32_t x) { return __half2float(__ushort_as_half((unsigned short)(x & 0xffffu))); }
 __device__ __forceinline__ float h_hi(uint32_t x) { return __half2float(__ushort_as_half((unsigned short)(x >> 16))); }

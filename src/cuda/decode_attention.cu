@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 
 #include "decode_attention.cuh"
 
@@ -53,26 +54,39 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
   grid_dependency_wait();
   const int64_t row = blockIdx.x;
   const int hq = blockIdx.y, t = threadIdx.x, lane = t & 31;
-  const int nparts = p.nsplit + p.nraw;
-  const int64_t base = (row * p.HQ + hq) * (p.nsplit + kRawParts);
+  // partials i < nparts of this row's vector: slots kRawParts - nraw + i (attn_params.cuh). A balanced call's
+  // count comes with the loads (part_n); until then every slot that may hold one is requested (nmax), and
+  // the accumulators of the grid's count (nspec: the uniform plan's; more only for a long sequence, requested
+  // in a second round once the weights are known).
+  const int nspec = p.nsplit + p.nraw, nmax = p.pstride - kRawParts + p.nraw;
+  const int nparts_req = p.balanced ? load_now(p.part_n + row) : nspec;
+  const int64_t base = (row * p.HQ + hq) * p.pstride + (kRawParts - p.nraw);
   const int sl = t / LPS, j = t % LPS;  // slice sl of the partials, coordinates 4 j .. 4 j + 3
   // All loads first. A partial's acc is used only when its weight is non-zero (an empty split
   // writes only (m, l) = (-inf, 0), so its acc slot holds stale bytes, loaded but never used).
   const bool upstream_error = error_set(p.err);
   float2 ml[NPL];
   if constexpr (kWide) {
-    ml[0] = t < nparts ? load_now(p.part_ml + base + t) : make_float2(-INFINITY, 0.0f);
+    ml[0] = t < nmax ? load_now(p.part_ml + base + t) : make_float2(-INFINITY, 0.0f);
   } else {
 #pragma unroll
     for (int k = 0; k < NPL; ++k)
-      ml[k] = lane + 32 * k < nparts ? load_now(p.part_ml + base + lane + 32 * k) : make_float2(-INFINITY, 0.0f);
+      ml[k] = lane + 32 * k < nmax ? load_now(p.part_ml + base + lane + 32 * k) : make_float2(-INFINITY, 0.0f);
   }
   float4 xs[KE > KW ? KE : KW];
   const float4* pa = reinterpret_cast<const float4*>(p.part_acc + base * D) + j;
 #pragma unroll
   for (int k = 0; k < KE; ++k)
-    xs[k] = sl + k * SL < nparts ? load_now(pa + (int64_t)(sl + k * SL) * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    xs[k] = sl + k * SL < nspec ? load_now(pa + (int64_t)(sl + k * SL) * LPS) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   if (upstream_error) return;
+  const int nparts = nparts_req < nmax ? nparts_req : nmax;
+  if constexpr (!kWide) {
+#pragma unroll
+    for (int k = 0; k < NPL; ++k)
+      if (lane + 32 * k >= nparts) ml[k] = make_float2(-INFINITY, 0.0f);
+  } else if (t >= nparts) {
+    ml[0] = make_float2(-INFINITY, 0.0f);
+  }
   if constexpr (kWide) {
     if (t < kMaxSplits + kRawParts) s_ml[t] = ml[0];
     __syncthreads();
@@ -108,6 +122,14 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
     }
   };
   FMKV_TRACE(p, 1, 2);
+  // a balanced call's long sequence: the accumulators of its partials [nspec, nparts) among the first KE SL
+  if (nparts > nspec) {
+#pragma unroll
+    for (int k = 0; k < KE; ++k) {
+      const int i = sl + k * SL;
+      if (i >= nspec && i < nparts) xs[k] = load_now(pa + (int64_t)i * LPS);
+    }
+  }
   // slice sl of the partials, coordinates 4 j .. 4 j + 3
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
@@ -179,12 +201,23 @@ int32_t split_count(const fmkv_config& c, int32_t num_seqs, int32_t q_heads, int
 }
 
 int64_t align256(int64_t x) { return (x + 255) & ~(int64_t)255; }
-// Partials of `rows` query rows of q_heads heads with ns compressed splits (+ the raw-domain slots).
-int64_t partial_count(int64_t rows, int32_t q_heads, int32_t ns) { return rows * q_heads * (int64_t)(ns + kRawParts); }
-// Bytes of the workspace: the partials' (m, l), 256-aligned, then their accumulators.
-int64_t workspace_for(int64_t rows, int32_t q_heads, int32_t d, int32_t ns) {
-  const int64_t parts = partial_count(rows, q_heads, ns);
-  return align256(parts * (int64_t)sizeof(float2)) + parts * d * (int64_t)sizeof(float);
+// Partials of `rows` query rows of q_heads heads with up to `cap` compressed splits a sequence (+ the
+// raw-domain slots).
+int64_t partial_count(int64_t rows, int32_t q_heads, int32_t cap) { return rows * q_heads * (int64_t)(cap + kRawParts); }
+// Bytes of the workspace: the partials' (m, l), 256-aligned, then their accumulators; for a balanced call,
+// 256-aligned after them, the partial count of each query row (part_n).
+int64_t workspace_for(int64_t rows, int32_t q_heads, int32_t d, int32_t cap, bool balanced) {
+  const int64_t parts = partial_count(rows, q_heads, cap), acc = parts * d * (int64_t)sizeof(float);
+  return align256(parts * (int64_t)sizeof(float2)) + (balanced ? align256(acc) + rows * (int64_t)sizeof(int32_t) : acc);
+}
+// Whether a call of num_seqs sequences is balanced (split_count.h): 2 .. kBalanceMaxSeqs sequences, unless
+// FMKV_CUDA_BALANCE=0 (measurements: the uniform plan for every sequence).
+bool balanced_call(int32_t num_seqs) {
+  static const bool on = [] {
+    const char* e = std::getenv("FMKV_CUDA_BALANCE");
+    return !(e && std::string(e) == "0");
+  }();
+  return on && num_seqs >= 2 && num_seqs <= kBalanceMaxSeqs;
 }
 
 AttnFn attn_kernel(const fmkv_config& c) {
@@ -240,9 +273,10 @@ int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64
   // the larger of an attention call's plan (one raw-domain CTA per pair) and a fused step's with fp16
   // regions (two)
   const SplitDevice dev = split_device(attn_kernel(cfg));
-  int32_t ns = 1;
-  for (int32_t nraw = 1; nraw <= 2; ++nraw) ns = std::max(ns, split_count(cfg, num_seqs, q_heads, max_rows, nraw, dev, max_seq_len));
-  return workspace_for(max_rows, q_heads, cfg.head_dim, ns);
+  int32_t cap = 1;
+  for (int32_t nraw = 1; nraw <= 2; ++nraw)
+    cap = std::max(cap, balance_cap(num_seqs, split_count(cfg, num_seqs, q_heads, max_rows, nraw, dev, max_seq_len)));
+  return workspace_for(max_rows, q_heads, cfg.head_dim, cap, num_seqs >= 2 && num_seqs <= kBalanceMaxSeqs);
 }
 
 namespace {
@@ -258,9 +292,15 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
                                   kAttnDefaultGrid + "; configure with -DFMKV_CUDA_FULL_GRID=ON for every combination)");
   // a fused step with fp16 regions: a second sink/window CTA attends the tokens before the step
   const int32_t nraw = ap != nullptr && c.sink_tokens + c.window_tokens > 0 ? 2 : 1;
+  // splits per (sequence, kv head) of the grid, and partial slots per query vector (cap >= ns: a balanced
+  // call's long sequences take more, split_count.h); a smaller workspace than planned lowers cap first
   int32_t ns = split_count(c, a.batch.num_seqs, HQ, a.q.rows, nraw, split_device(fn), a.opts.max_seq_len);
-  while (ns > 1 && workspace_for(a.q.rows, HQ, d, ns) > (int64_t)a.workspace_bytes) --ns;
-  const int64_t need = workspace_for(a.q.rows, HQ, d, ns);
+  const int64_t bound = a.opts.max_seq_len > 0 ? compressed_end(c, a.opts.max_seq_len) - c.sink_tokens : -1;
+  const bool balanced = balanced_call(a.batch.num_seqs) && balance_pays(bound, ns);
+  int32_t cap = balanced ? balance_cap(a.batch.num_seqs, ns) : ns;
+  while (cap > ns && workspace_for(a.q.rows, HQ, d, cap, balanced) > (int64_t)a.workspace_bytes) --cap;
+  while (ns > 1 && workspace_for(a.q.rows, HQ, d, ns, balanced) > (int64_t)a.workspace_bytes) cap = --ns;
+  const int64_t need = workspace_for(a.q.rows, HQ, d, cap, balanced);
   if (!a.workspace || (int64_t)a.workspace_bytes < need)
     throw Error(kInvalidArgument, "cuda attention: workspace of " + std::to_string(a.workspace_bytes) +
                                       " bytes is too small (need at least " + std::to_string(need) +
@@ -284,10 +324,13 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.gq = HQ / c.num_kv_heads;
   p.sm_scale = a.opts.softmax_scale > 0 ? a.opts.softmax_scale : 1.0f / sqrtf((float)d);
   p.softcap = a.opts.softcap;
-  const int64_t parts = partial_count(a.q.rows, HQ, ns);
+  const int64_t parts = partial_count(a.q.rows, HQ, cap);
   p.part_ml = (float2*)a.workspace;
   p.part_acc = (float*)((char*)a.workspace + align256(parts * (int64_t)sizeof(float2)));
+  p.part_n = (int32_t*)((char*)p.part_acc + align256(parts * d * (int64_t)sizeof(float)));
   p.nsplit = ns;
+  p.pstride = cap + kRawParts;
+  p.balanced = balanced;
   p.max_len = a.opts.max_seq_len;
   p.fused = ap != nullptr;
   p.nraw = nraw;
@@ -323,7 +366,7 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   }
   cudaLaunchConfig_t lc = {};
   lc.gridDim = dim3((unsigned)a.q.rows, (unsigned)HQ);
-  const bool wide = ns > 64;
+  const bool wide = cap > 64;
   lc.blockDim = dim3((unsigned)(wide ? merge_threads_wide(d) : kMergeThreads));
   lc.stream = st;
   lc.attrs = attr;

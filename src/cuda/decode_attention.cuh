@@ -3,15 +3,20 @@
 // blockIdx.z < nraw are the raw-domain CTAs (sp = nsplit + blockIdx.z), the rest the split CTAs
 // (sp = blockIdx.z - nraw), so that CTAs are dispatched (in linear block order) raw-domain first, then
 // split 0 of every (sequence, kv head) pair, split 1, ...: a fused step's append never waits for a second
-// wave (docs/history/cuda-split-count.md). Roles of CTA (sp, sequence s, kv head h):
-//   split_cta, sp < nsplit: a contiguous range of 16-token tiles of the sequence's compressed tokens, for up
-//     to kQV = 8 query vectors per pass (all q heads of the GQA group x query rows), so every K/V byte is
-//     read once per 8 query vectors; partial slot sp.
+// wave (docs/history/cuda-split-count.md). A balanced call (2 .. kBalanceMaxSeqs sequences, split_count.h)
+// shares the split CTAs out by the sequences' compressed tiles on the device (balanced_plan.cuh): sequence s
+// has ns_s splits, and a split CTA whose own sequence needs fewer than nsplit takes an extra split of a
+// longer one; otherwise ns_s = nsplit. Roles of CTA (sp, sequence s, kv head h):
+//   split_cta, sp < nsplit: split k of the ns_s of its sequence (k = sp unless the plan moved it), a
+//     contiguous range of 16-token tiles of the sequence's compressed tokens, for up to kQV = 8 query
+//     vectors per pass (all q heads of the GQA group x query rows), so every K/V byte is read once per 8
+//     query vectors; partial slot split_slot(k) (attn_params.cuh).
 //   fp16_part (fp16_part.cuh), sp == nsplit of an attention call or sp == nsplit + 1 of a fused step with
 //     fp16 regions (nraw = 2): the fp16 sink and window tokens (a fused step's: those before the step);
-//     partial slot sp.
+//     partial slot raw_slot(z).
 //   fused_step (fused_step.cuh), sp == nsplit of a fused step: the append, then the attention over the
-//     step's own tokens (fresh_part); partial slot nsplit.
+//     step's own tokens (fresh_part); partial slot raw_slot(0).
+// In a balanced call the raw-domain CTA z = 0 of kv head 0 also writes its rows' partial count (part_n).
 // Every partial (m, l, acc) is in the raw domain; merge_kernel (decode_attention.cu) adds them with their
 // weights (no rotation).
 //
@@ -46,6 +51,7 @@
 // split_combine_store.
 #pragma once
 #include "attn_params.cuh"
+#include "balanced_plan.cuh"
 #include "fp16_part.cuh"
 #include "fused_step.cuh"
 
@@ -121,9 +127,9 @@ __device__ __forceinline__ uint32_t make_x2s(uint32_t f, uint32_t g, int i0) {
 
 // Sequence-level checks of a CTA (row offsets, length, slot, block-table stride). Reported once per
 // sequence (by split 0 of kv head 0); every CTA of a bad sequence returns without writing.
-__device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int h, int sp, int64_t r0, int64_t n,
-                                                 int64_t len, int32_t slot) {
-  const bool rep = sp == 0 && h == 0 && threadIdx.x == 0;
+__device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int h, int k, int64_t r0, int64_t n,
+                                                 int64_t len, int32_t slot, int ns) {
+  const bool rep = k == 0 && h == 0 && threadIdx.x == 0;
   const int64_t r1 = r0 + n;
   bool ok = true;
   if (s == 0 && r0 != 0) { ok = false; if (rep) report_error(p.err, kInvalidArgument, kErrRowOffsets, s, 0, 0, 0); }
@@ -142,8 +148,8 @@ __device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int
   }
   const int64_t E = fmkv_compressed_end(p.S, p.W, len);
   // the tile loop counts token offsets within a split in 32 bits (vis, cnt): at most 2^30 per split
-  if (E - p.S > ((int64_t)p.nsplit << 30)) {
-    if (rep) report_error(p.err, kOverflow, kErrSplitSpan, s, E - p.S, p.nsplit, 0);
+  if (E - p.S > ((int64_t)ns << 30)) {
+    if (rep) report_error(p.err, kOverflow, kErrSplitSpan, s, E - p.S, ns, 0);
     return false;
   }
   // (E - 1 - S) / P >= stride, without the 64-bit division when stride * P cannot overflow (P <= 256)
@@ -260,7 +266,7 @@ __device__ __forceinline__ void split_q_request(const AttnParams& p, int h, int6
     qhead[u] = h * p.gq + vh;
     if (lane == 0) {  // this vector's position and partial index, for the softmax mask and the combine
       sh.vpos[i] = v < nqv ? len - n + vr : -1;
-      sh.vpart[i] = v < nqv ? (qrow[u] * p.HQ + qhead[u]) * (p.nsplit + kRawParts) : -1;
+      sh.vpart[i] = v < nqv ? partial_row_base(p, qrow[u], qhead[u]) : -1;
     }
 #pragma unroll
     for (int r = 0; r < NR; ++r) qoff[u * NR + r] = v < nqv ? qrow[u] * p.q_rs + qhead[u] * p.q_hs + lane + 32 * r : -1;
@@ -648,14 +654,14 @@ __device__ __forceinline__ void split_tile_loop(const AttnParams& p, int nmy, co
 }
 
 // Combine the 4 warps' (m_run, l_run, acc) of a pass and store the split's partial of each live vector
-// (sh.vpart[i] + sp): (m in natural-log units, l) and acc in the raw domain. A warp's (m, l, O) go to its
+// (sh.vpart[i] + slot, the split's partial slot): (m in natural-log units, l) and acc in the raw domain. A warp's (m, l, O) go to its
 // own stages wst when they fit (no other warp touches those: no barrier before the stores), else to
 // sm_acc (which overlaps the other warps' stages: wait for them first). One barrier, then thread -> data:
 // vector i = tidx / 16 of the pass, float4 columns 4 (tidx % 16) + 64 u (u < D / 64); each thread forms
 // its vector's combined max, the warps' factors and sum itself (no second barrier), and the half warp of
 // the vector applies the inverse rotation (half_warp_unrotate).
 template <int D, int KB, int VB>
-__device__ __forceinline__ void split_combine_store(const AttnParams& p, int sp, int64_t vb, int64_t nqv, int tidx, int warp,
+__device__ __forceinline__ void split_combine_store(const AttnParams& p, int slot, int64_t vb, int64_t nqv, int tidx, int warp,
                                                     int gID, int tid, uint8_t* smem, uint8_t* wst,
                                                     const SplitShared<D>& sh, const float (&m_run)[2],
                                                     float (&l_run)[2], const float (&acc)[D / 32][2][4]) {
@@ -714,7 +720,7 @@ __device__ __forceinline__ void split_combine_store(const AttnParams& p, int sp,
   // thread taking part in the shuffles (vectors past the call's are computed on (-inf, 0) and dropped)
   half_warp_unrotate<D>(y, p.sw, tidx % TPV);
   if (vb + i < nqv) {
-    const int64_t idx = sh.vpart[i] + sp;
+    const int64_t idx = sh.vpart[i] + slot;
     if (c0 == 0) p.part_ml[idx] = make_float2(M, L);
 #pragma unroll
     for (int u = 0; u < NU; ++u)
@@ -723,13 +729,13 @@ __device__ __forceinline__ void split_combine_store(const AttnParams& p, int sp,
   }
 }
 
-// Split CTA sp < nsplit of (sequence s, kv head h), after the kernel's prologue: the tiles [tb, te) of its
-// share of the sequence's C compressed tokens; an empty share (a short sequence) writes (m, l) = (-inf, 0)
+// Split sp of the ns compressed splits of (sequence s, kv head h), after the kernel's prologue: the tiles
+// [tb, te) of its share of the sequence's C compressed tokens (partial slot split_slot(sp)); an empty share (a short sequence) writes (m, l) = (-inf, 0)
 // for every query vector and returns. Per pass of kQV query vectors: Q requested, the warp's first tiles'
 // copies issued, Q rotated (split_q_*), the tile loop (tile_lane_setup, split_tile_loop), the combine
 // (split_combine_store).
 template <int D, int KB, int VB, int P>
-__device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int sp, int tidx, int warp, int lane, int gID,
+__device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int sp, int ns, int tidx, int warp, int lane, int gID,
                                           int tid, int64_t r0, int64_t n, int64_t len, int64_t C, uint8_t* smem,
                                           const SplitShared<D>& sh) {
   constexpr bool K16 = KB == FMKV_FP16_BITS;
@@ -740,7 +746,7 @@ __device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int
   float(*sq)[D] = reinterpret_cast<float(*)[D]>(smem + TG::smem);
   const int64_t nqv = n * p.gq;
   const int64_t ntiles = (C + 15) / 16;
-  int64_t tps = div_small(ntiles + p.nsplit - 1, p.nsplit);
+  int64_t tps = div_small(ntiles + ns - 1, ns);
   if (tps < kMinTilesPerSplit) tps = kMinTilesPerSplit;
   const int64_t tb = (int64_t)sp * tps, te = ntiles < tb + tps ? ntiles : tb + tps;
   if (tb >= ntiles) {  // an empty split (short sequence): partial (m, l) = (-inf, 0), no Q work
@@ -748,7 +754,7 @@ __device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int
       int64_t vr;
       int vh;
       split_vector(v, p.gq, vr, vh);
-      p.part_ml[((r0 + vr) * p.HQ + h * p.gq + vh) * (p.nsplit + kRawParts) + sp] = make_float2(-INFINITY, 0.0f);
+      p.part_ml[partial_row_base(p, r0 + vr, h * p.gq + vh) + split_slot(sp)] = make_float2(-INFINITY, 0.0f);
     }
     FMKV_TRACE(p, 0, 7, kTraceEmptySplit);
     return;
@@ -844,7 +850,7 @@ __device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int
       report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)(ci_first / P + rel), bt_first[rel], p.num_pages);
     }
     FMKV_TRACE(p, 0, 6);
-    split_combine_store<D, KB, VB>(p, sp, vb, nqv, tidx, warp, gID, tid, smem, wst, sh, m_run, l_run, acc);
+    split_combine_store<D, KB, VB>(p, split_slot(sp), vb, nqv, tidx, warp, gID, tid, smem, wst, sh, m_run, l_run, acc);
     if (vb + kQV < nqv) __syncthreads();  // the next pass rewrites the stages, sh.vpart and sh.m / sh.l
   }
   FMKV_TRACE(p, 0, 7, kTraceSplit);
@@ -868,7 +874,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV];
   __shared__ int64_t s_vpos[kQV], s_vpart[kQV];
   FMKV_TRACE(p, 0, 0);
-  const int s = blockIdx.y, h = blockIdx.x, z = blockIdx.z, sp = z < p.nraw ? p.nsplit + z : z - p.nraw;
+  const int y = blockIdx.y, h = blockIdx.x, z = blockIdx.z, sp = z < p.nraw ? p.nsplit + z : z - p.nraw;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31, gID = lane >> 2, tid = lane & 3;
   // Codebook tables in ordinary registers: a table in a uniform register costs a move per lookup,
   // so every lane reads its own copy (a lane-dependent shared-memory address is never uniform).
@@ -883,12 +889,35 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     if (2 * k + 1 < M) tab_hi = load_now(gtab::fmkv_codebook_mag_f16 + off + 2 * k + 1);
   }
   grid_dependency_wait();  // launched as a programmatic dependent: nothing upstream is read before this
-  // One round trip: the error word and the sequence's batch arrays (written upstream) are requested
-  // together; the error word decides first.
+  // One round trip: the error word, the sequence's batch arrays (written upstream) and, for a balanced
+  // plan, every sequence's length are requested together; the error word decides first.
   const bool upstream_error = error_set(p.err);
-  const int64_t len0 = load_now(p.seq_lens + s), r0 = load_now(p.ro + s), n = load_now(p.ro + s + 1) - r0;
-  const int32_t slot = p.R > 0 && p.slots ? load_now(p.slots + s) : 0;
+  int s = y;  // this CTA's sequence: blockIdx.y, unless a balanced plan gives a spare CTA to another
+  int64_t len0 = load_now(p.seq_lens + s);
+  const int64_t ry0 = load_now(p.ro + s), ry1 = load_now(p.ro + s + 1);
+  // a moved CTA's row offsets are ry + (its sequence's - y's): redefined outright (r0 = a load in the branch)
+  // they made ptxas schedule the tile loop's shared loads late, and every decode ran 3-15% slower
+  // (docs/history/cuda-split-count.md)
+  int64_t d0 = 0, d1 = 0;
+  int32_t slot = p.R > 0 && p.slots ? load_now(p.slots + s) : 0;
+  const PlanLens plan_len = p.balanced ? plan_request(p, lane) : PlanLens{};
   if (upstream_error) return;
+  int k = sp < p.nsplit ? sp : -1, ns = p.nsplit;  // split index (-1: a raw-domain CTA), the sequence's splits
+  if (p.balanced) {
+    const SplitAssign a = plan_assign(plan_args(p), y, k, lane, plan_len);
+    if (a.s < 0) return;  // a spare CTA that no sequence needs
+    ns = a.ns;
+    k = a.k;
+    if (a.s != y) {  // a spare CTA given to sequence a.s: its batch arrays (a second round trip)
+      s = a.s;
+      len0 = load_now(p.seq_lens + s);
+      d0 = load_now(p.ro + s) - ry0;
+      d1 = load_now(p.ro + s + 1) - ry1;
+      slot = p.R > 0 && p.slots ? load_now(p.slots + s) : 0;
+    }
+  }
+  const int64_t r0 = ry0 + d0, r1 = ry1 + d1;
+  const int64_t n = r1 - r0;
   FMKV_TRACE(p, 0, 1);
   // fused step: attention over len0 + n tokens, of which [S, ce(len0)) were compressed before it
   if (p.fused && n > 0 && len0 > INT64_MAX - n) {
@@ -896,7 +925,9 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     return;
   }
   const int64_t len = p.fused && n > 0 && len0 >= 0 ? len0 + n : len0;
-  if (!attn_sequence_ok(p, s, h, sp, r0, n, len, slot) || n <= 0) return;
+  if (!attn_sequence_ok(p, s, h, k, r0, n, len, slot, ns) || n <= 0) return;
+  if (p.balanced && z == 0 && h == 0)  // the sequence's rows: partials to merge (merge_kernel)
+    for (int64_t r = tidx; r < n; r += blockDim.x) p.part_n[r0 + r] = p.nraw + ns;
   const int64_t E = fmkv_compressed_end(p.S, p.W, p.fused ? len0 : len), C = E - p.S;
   if (sp < p.nsplit && tidx < 8)
     for (int l = 0; l < 32; ++l) s_tab[tidx][l] = tab_lo | (tab_hi << 16);
@@ -907,11 +938,11 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   // tile loop out after this code, and the split CTAs' prologue ran ~1 us slower.)
   if (sp == p.nsplit || sp == p.nsplit + 1) {
     if (p.fused && sp == p.nsplit) fused_step<D, P, KB, VB>(p, s, h, len0, r0, n, smem);
-    else fp16_part<D>(p, s, h, len - n, r0, n, fmkv_compressed_end(p.S, p.W, len), p.fused ? len0 : len, sp, smem);
+    else fp16_part<D>(p, s, h, len - n, r0, n, fmkv_compressed_end(p.S, p.W, len), p.fused ? len0 : len, raw_slot(p, z), smem);
     FMKV_TRACE(p, 0, 7, p.fused && sp == p.nsplit ? kTraceFused : kTraceFp16Part);
     return;
   }
-  split_cta<D, KB, VB, P>(p, s, h, sp, tidx, warp, lane, gID, tid, r0, n, len, C, smem,
+  split_cta<D, KB, VB, P>(p, s, h, k, ns, tidx, warp, lane, gID, tid, r0, n, len, C, smem,
                           {s_qmax, s_tab, s_pow2, s_qb, sm_m, sm_l, s_vpos, s_vpart});
 }
 

@@ -88,7 +88,7 @@ __device__ void fp16_part(const AttnParams& p, int s, int h, int64_t qpos0, int6
       const int hq = h * p.gq + vh;
       s_pos[tidx] = v < nqv ? qpos0 + vr : -1;
       s_qoff[tidx] = v < nqv ? row * p.q_rs + hq * p.q_hs : -1;
-      s_part[tidx] = v < nqv ? (row * p.HQ + hq) * (p.nsplit + kRawParts) + part : -1;
+      s_part[tidx] = v < nqv ? partial_row_base(p, row, hq) + part : -1;
     }
     __syncthreads();
     {  // all kQV x D / 128 loads of a thread in flight together (blockDim.x == 128)
@@ -365,7 +365,7 @@ __device__ void fresh_part(const AttnParams& p, int h, int64_t len0, int64_t r0,
       m = m_new;
     }
     if (live) {
-      const int64_t idx = ((r0 + vr) * p.HQ + hq) * (p.nsplit + kRawParts) + p.nsplit;
+      const int64_t idx = partial_row_base(p, r0 + vr, hq) + raw_slot(p, 0);  // the fused step's CTA is z = 0
 #pragma unroll
       for (int c = 0; c < CP; c += 4)
         *reinterpret_cast<float4*>(p.part_acc + idx * D + j * CP + c) = make_float4(acc[c], acc[c + 1], acc[c + 2], acc[c + 3]);

@@ -5,6 +5,13 @@
 #include <algorithm>
 #include <cstdint>
 
+// The rules below that the device also evaluates (the balanced plan) are host-device functions under nvcc.
+#if defined(__CUDACC__)
+#define FMKV_SPLIT_HD __host__ __device__ __forceinline__
+#else
+#define FMKV_SPLIT_HD inline
+#endif
+
 namespace fmkv {
 namespace cuda {
 
@@ -20,11 +27,12 @@ constexpr int kMinTilesPerSplit = 4, kMaxSplits = 254, kFusedMaxRows = 16, kSpli
 // Splits that can hold work when no sequence has more than `compressed` compressed tokens: each split
 // takes >= kMinTilesPerSplit tiles, so ceil(ceil(compressed / 16) / 4) (>= 1); more would only be empty
 // CTAs and a wider merge. compressed < 0: unknown (no cap).
-constexpr int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }  // a >= 0, b > 0
-constexpr int64_t tiles_of(int64_t compressed) { return ceil_div(compressed, 16); }   // 16-token tiles
-inline int64_t useful_splits(int64_t compressed) {
+FMKV_SPLIT_HD constexpr int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }  // a >= 0, b > 0
+FMKV_SPLIT_HD constexpr int64_t tiles_of(int64_t compressed) { return ceil_div(compressed, 16); }   // 16-token tiles
+FMKV_SPLIT_HD int64_t useful_splits(int64_t compressed) {
   if (compressed < 0) return kMaxSplits;
-  return std::max<int64_t>(1, ceil_div(tiles_of(compressed), kMinTilesPerSplit));
+  const int64_t n = ceil_div(tiles_of(compressed), kMinTilesPerSplit);
+  return n > 1 ? n : 1;
 }
 
 // The device's CTA slots for the attention kernel: SMs and CTAs per SM the plan assumes (per_sm), and CTAs
@@ -143,6 +151,49 @@ inline int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int32_t q_he
   }
   ns = std::min<int64_t>(ns, useful_splits(compressed));
   return (int32_t)std::min<int64_t>(ns, kMaxSplits);
+}
+
+// ---- Balanced ragged batches ---------------------------------------------------------------------------
+// With ns splits per (sequence, kv head) for every sequence, a ragged batch's longest sequence gives its
+// split CTAs the most tiles, and they set the call's time. A call of 2 .. kBalanceMaxSeqs sequences is
+// instead planned on the device, from the lengths (graph-safe: the grid and the workspace are what the
+// host chose): the grid's ns x num_seqs split CTAs per kv head are shared out by compressed tiles,
+// sequence s taking balanced_splits(tiles_s, ...) of them, at most `cap` (partial slots per query vector,
+// the workspace's row stride). A sequence that takes fewer than ns gives its spare CTAs to those that take
+// more (decode_attention.cuh, balanced_assign). Equal lengths keep ns each: the uniform plan, bit for bit.
+constexpr int64_t kBalanceMaxSeqs = 256;  // beyond, every sequence keeps ns (the plan's per-CTA scan grows)
+constexpr int64_t kBalanceMaxCapFactor = 4;  // a sequence takes at most 4 ns splits (and at most 64)
+// Tiles of a sequence for the plan, clamped so that the plan's sums cannot overflow (2^36 tiles are 2^40
+// tokens: more than any block table addresses).
+FMKV_SPLIT_HD int64_t plan_tiles(int64_t compressed) {
+  const int64_t t = compressed > 0 ? tiles_of(compressed) : 0;
+  return t < ((int64_t)1 << 36) ? t : ((int64_t)1 << 36);
+}
+// Compressed splits of a sequence of `tiles` tiles when `total` tiles (every sequence's) share `ctas`
+// split CTAs among `seqs` sequences: one each, and the other ctas - seqs in proportion to the tiles
+// (rounded down, so the shares never exceed ctas), capped by the sequence's useful splits and by cap.
+FMKV_SPLIT_HD int64_t balanced_splits(int64_t tiles, int64_t total, int64_t ctas, int64_t seqs, int64_t cap) {
+  int64_t n = 1 + (total > 0 && ctas > seqs ? (ctas - seqs) * tiles / total : 0);
+  const int64_t useful = useful_splits(tiles * 16);
+  n = n < useful ? n : useful;
+  n = n < cap ? n : cap;
+  return n > 1 ? n : 1;
+}
+// Whether a call of ns splits per sequence, whose sequences have at most `compressed` compressed tokens
+// (-1: unknown), is worth the plan (a few hundred instructions and a call per CTA: B = 2 / 8 at 4k, where no
+// split can be long -- 5 / 13 tiles per warp -- ran 0.964x / 0.967x with it): only when a split of the longest
+// possible sequence would give each warp more than kBalanceMinRounds tiles (warp_rounds), or the bound is
+// unknown.
+constexpr int64_t kBalanceMinRounds = 16;
+inline bool balance_pays(int64_t compressed, int32_t ns) {
+  return compressed < 0 || warp_rounds(tiles_of(compressed), ns) > kBalanceMinRounds;
+}
+// Partial slots per query vector (the cap) of a call with ns splits per sequence: ns itself when the
+// call is not balanced (one sequence, or more than kBalanceMaxSeqs), else up to kBalanceMaxCapFactor ns,
+// at most 64 (the merge's narrow variant) unless ns already exceeds it.
+inline int32_t balance_cap(int32_t num_seqs, int32_t ns) {
+  if (num_seqs < 2 || num_seqs > kBalanceMaxSeqs || ns >= 64) return ns;
+  return (int32_t)std::min<int64_t>((int64_t)ns * kBalanceMaxCapFactor, 64);
 }
 
 }  // namespace cuda

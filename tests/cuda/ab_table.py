@@ -31,6 +31,8 @@ def cases(path):
             key += ("kv%d" % r["kv_heads"],)
         if r.get("q_len", 1) != 1:  # FMKV_BENCH_Q_LEN runs
             key += ("q%d" % r["q_len"],)
+        if r.get("case") == "ragged":  # --ragged runs: context is the mean length
+            key += ("ragged:" + r["lengths_spec"],)
         if r["kind"] == "decode":
             table[key][v].append(r["time_us"])
         else:

@@ -2,7 +2,9 @@
 # One device call (~9 minutes on an H200 machine): the working tree's CUDA tests and a same-run A/B of its
 # decode, decode-step and quantize-append benchmarks against another commit.
 #
-#   OUT=$OUT bash tests/cuda/check_tree.sh BASE.tar [ROUNDS]      (BASE.tar: `git archive <commit>`, carried)
+#   OUT=$OUT [AB_EXTRA=CASEFILE [AB_EXTRA_ENV=VAR=value]] bash tests/cuda/check_tree.sh BASE.tar [ROUNDS]
+#   (BASE.tar: `git archive <commit>`, carried; AB_EXTRA: cases only the tree runs, alone or against the tree with
+#   the environment AB_EXTRA_ENV)
 #
 # 1. Builds, in parallel: the tree's tests and benchmark (default grid of decode kernels, -DFMKV_CUDA=ON, in
 #    /tmp/b) and the base's benchmark (tests/cuda/ab.sh's build of BASE.tar, in /tmp/ab_base).
@@ -26,7 +28,7 @@ if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.
 fi
 base_src=/tmp/ab_src_base; rm -rf "$base_src"; mkdir -p "$base_src"; tar -xf "$BASE" -C "$base_src"
 ( cmake -S . -B /tmp/b -G Ninja -DFMKV_CUDA=ON -DFMKV_CUDA_FULL_GRID=OFF -DFMKV_BUILD_CLI=OFF $GT > "$OUT/build.log" 2>&1 &&
-    ninja -C /tmp/b -j10 fmkv_tests fmkv_cuda_tests fmkv_half_cuda_test fmkv_metal_core_cuda_test fmkv_cuda_bench >> "$OUT/build.log" 2>&1
+    ninja -C /tmp/b -j10 fmkv_tests fmkv_cuda_tests fmkv_half_cuda_test fmkv_balanced_plan_cuda_test fmkv_metal_core_cuda_test fmkv_cuda_bench >> "$OUT/build.log" 2>&1
   echo "tree: build rc=$? at $(el)" ) &
 ( cmake -S "$base_src" -B /tmp/ab_base -G Ninja -DFMKV_CUDA=ON -DFMKV_CUDA_FULL_GRID=OFF -DFMKV_BUILD_CLI=OFF \
     -DFMKV_BUILD_TESTS=OFF > "$OUT/build_base.log" 2>&1 && ninja -C /tmp/ab_base -j6 fmkv_cuda_bench >> "$OUT/build_base.log" 2>&1
@@ -41,6 +43,7 @@ L=$OUT/cuda_tests.log
 timeout 240 /tmp/b/tests/fmkv_tests --gtest_filter='*cuda*:Golden*:Errors*:Reliability*' > "$L" 2>&1; echo "tests rc=$?"
 timeout 120 /tmp/b/fmkv_cuda_tests >> "$L" 2>&1; echo "cuda error tests rc=$?"
 timeout 60 /tmp/b/fmkv_half_cuda_test >> "$L" 2>&1; echo "device fp16 conversions rc=$?"
+timeout 60 /tmp/b/fmkv_balanced_plan_cuda_test >> "$L" 2>&1; echo "balanced split plan on the device rc=$?"
 timeout 90 /tmp/b/fmkv_metal_core_cuda_test >> "$L" 2>&1; echo "metal kernel core as CUDA rc=$?"
 grep -E "^\[  (FAILED|PASSED|SKIPPED) |tests ran|Failure|mismatches|PASSED|FAILED" "$L" | head -30
 echo "tests done at $(el)"
@@ -49,6 +52,15 @@ echo "tests done at $(el)"
 mkdir -p /tmp/ab_tree && ln -sf /tmp/b/fmkv_cuda_bench /tmp/ab_tree/fmkv_cuda_bench
 cases=$OUT/ab.cases
 { bash tests/cuda/ab.sh -p; echo "--quant-only 3 3"; echo "--quant-only 4 4"; } > "$cases"
-left=$((540 - (SECONDS - T0))); [ $left -gt 60 ] || left=60
+budget=540; [ -z "${AB_EXTRA:-}" ] || budget=440  # (AB_EXTRA: 100 s kept for it)
+left=$((budget - (SECONDS - T0))); [ $left -gt 60 ] || left=60
 AB_REUSE=1 AB_DIR=/tmp OUT=$OUT bash tests/cuda/ab.sh -r "$ROUNDS" -t "$left" -c "$cases" base="$BASE" tree=. 2>&1 | tail -n 40
+# AB_EXTRA: cases the tree's binary alone may run (e.g. --ragged), the tree alone or against itself with the
+# environment AB_EXTRA_ENV (VAR=value[,VAR=value...]), into $OUT/ab_extra/
+if [ -n "${AB_EXTRA:-}" ]; then
+  left=$((560 - (SECONDS - T0))); [ $left -gt 30 ] || left=30
+  mkdir -p "$OUT/ab_extra"
+  AB_REUSE=1 AB_DIR=/tmp OUT=$OUT/ab_extra bash tests/cuda/ab.sh -r "$ROUNDS" -t "$left" -c "$AB_EXTRA" tree=. \
+    ${AB_EXTRA_ENV:+env=@tree:$AB_EXTRA_ENV} 2>&1 | tail -n 20
+fi
 echo "done at $(el)"
