@@ -153,4 +153,37 @@ TEST(IntegerLevels, SmallGridsAreWorseAndTheSearchIsMonotone) {
   EXPECT_THROW(fmkv::integer_levels_gaussian(2, 128), std::invalid_argument);
 }
 
+// The operand grids (tools/lloyd_max.h). The odd grid: 2 T + 1 with T an int8 in [0, 127], so the stored
+// negative ~T = -T - 1 is the exact negative level; within 0.05% of the optimum at every width. The
+// three-significant-bit grid: every level's fp16 has a zero low byte (the V decode permutes high bytes only);
+// 1-2 bits exact, 3 bits +1.03%, 4 bits +4.4% (beyond the 1% of a format table: 4-bit V needs another path).
+TEST(IntegerLevels, OperandGrids) {
+  for (int b = 1; b <= 4; ++b) {
+    const double opt = fmkv::lloyd_max_gaussian(b).distortion;
+    const fmkv::IntegerLevels odd = fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kOddGrid);
+    ASSERT_EQ((int)odd.levels.size(), 1 << b);
+    for (int v : positive_half(odd)) {
+      EXPECT_EQ(v % 2, 1) << b << "-bit odd grid level " << v;
+      EXPECT_LE(v, 255);
+      const int8_t t = (int8_t)((v - 1) / 2), neg = (int8_t)~t;  // stored T and its complement
+      EXPECT_EQ(2 * neg + 1, -v);
+    }
+    EXPECT_LE(odd.distortion, opt * 1.0005) << b << "-bit odd grid";
+    EXPECT_GE(odd.distortion, opt * (1 - 1e-12));
+    const fmkv::IntegerLevels e3 = fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kThreeSignificantBits);
+    for (int v : positive_half(e3)) {
+      const unsigned short h = fmkv::f64_to_f16_bits((double)v);
+      EXPECT_EQ(h & 0xffu, 0u) << b << "-bit: level " << v << " is not an fp16 high byte";
+      EXPECT_EQ(fmkv::f64_to_f16_bits(-(double)v), h | 0x8000u);
+    }
+    EXPECT_LE(e3.distortion, opt * (b <= 2 ? 1.0001 : b == 3 ? 1.011 : 1.05)) << b << "-bit three significant bits";
+    if (b == 4) EXPECT_GT(e3.distortion, opt * 1.01) << "4-bit: the finding documented in format3-prototypes.md";
+    EXPECT_GE(e3.distortion, opt * (1 - 1e-12));
+  }
+  const std::vector<int> g = fmkv::level_grid_values(fmkv::LevelGrid::kThreeSignificantBits);
+  EXPECT_EQ(std::vector<int>(g.begin(), g.begin() + 12), (std::vector<int>{1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16}));
+  EXPECT_EQ(fmkv::level_grid_values(fmkv::LevelGrid::kOddGrid).back(), 255);
+  EXPECT_THROW(fmkv::integer_levels_on_grid(5, fmkv::LevelGrid::kOddGrid), std::invalid_argument);
+}
+
 }  // namespace

@@ -2,8 +2,9 @@
 // computed. Usage: gen_codebooks [OUT]  (stdout when OUT is omitted). The committed file must equal
 // this program's output (tests/test_codebook.cpp checks it).
 //   gen_codebooks --integer-levels [MAX]   prints the integer-level tables (a format-3 draft, see
-//   tools/lloyd_max.h) for bits 1..4 with |level| <= MAX (default 127) and their distortion beside the
-//   continuous Lloyd-Max optimum; it writes no file.
+//   tools/lloyd_max.h) for bits 1..4 with |level| <= MAX (default 127), then on the odd grid (int8 with the
+//   sign as a complement) and the three-significant-bit grid (fp16 high bytes), each with its distortion
+//   beside the continuous Lloyd-Max optimum; it writes no file.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -11,17 +12,21 @@
 
 #include "lloyd_max.h"
 
+static void print_levels(const char* grid, const fmkv::IntegerLevels& q) {
+  const double opt = fmkv::lloyd_max_gaussian(q.bits).distortion;
+  std::printf("%-10s %4d %9d %.17f %.17f %.17f %+.4f%%  ", grid, q.bits, q.max_level, q.step, q.distortion, opt,
+              100.0 * (q.distortion / opt - 1));
+  for (int v : q.levels) std::printf(" %d", v);
+  std::printf("\n");
+}
+
 static int print_integer_levels(int max_level) {
-  std::printf("bits max_level step                  distortion            lloyd-max             excess   levels\n");
-  for (int b = 1; b <= 4; ++b) {
-    if (max_level < (1 << (b - 1))) continue;
-    const fmkv::IntegerLevels q = fmkv::integer_levels_gaussian(b, max_level);
-    const double opt = fmkv::lloyd_max_gaussian(b).distortion;
-    std::printf("%4d %9d %.17f %.17f %.17f %+.4f%%  ", b, max_level, q.step, q.distortion, opt,
-                100.0 * (q.distortion / opt - 1));
-    for (int v : q.levels) std::printf(" %d", v);
-    std::printf("\n");
-  }
+  std::printf("grid       bits max_level step                  distortion            lloyd-max             excess   levels\n");
+  for (int b = 1; b <= 4; ++b)
+    if (max_level >= (1 << (b - 1))) print_levels("int8", fmkv::integer_levels_gaussian(b, max_level));
+  // the operand grids of format 3's decode paths (tools/lloyd_max.h)
+  for (int b = 1; b <= 4; ++b) print_levels("odd", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kOddGrid));
+  for (int b = 1; b <= 4; ++b) print_levels("3sig", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kThreeSignificantBits));
   return 0;
 }
 

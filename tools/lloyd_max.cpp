@@ -1,5 +1,6 @@
 #include "lloyd_max.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -69,69 +70,93 @@ double integer_levels_distortion(const std::vector<int>& positive, double step) 
   return gaussian_distortion(levels, thr);
 }
 
-namespace {
-bool valid_positive(const std::vector<int>& p, int max_level) {
-  for (size_t i = 0; i < p.size(); ++i)
-    if (p[i] < 1 || p[i] > max_level || (i > 0 && p[i] <= p[i - 1])) return false;
-  return true;
+std::vector<int> level_grid_values(LevelGrid grid) {
+  std::vector<int> g;
+  switch (grid) {
+    case LevelGrid::kInt8:
+      for (int v = 1; v <= 127; ++v) g.push_back(v);
+      break;
+    case LevelGrid::kOddGrid:
+      for (int t = 0; t <= 127; ++t) g.push_back(2 * t + 1);
+      break;
+    case LevelGrid::kThreeSignificantBits:
+      for (int v = 1; v <= (1 << 14); ++v) {
+        int m = v;
+        while (m % 2 == 0) m /= 2;
+        if (m < 8) g.push_back(v);  // odd part below 8: at most 3 significant bits
+      }
+      break;
+  }
+  return g;
 }
 
-// The integers for one step: rounded Lloyd-Max levels, then +-1 moves of single levels while one helps.
-std::vector<int> descend(const std::vector<double>& lm_positive, double step, int max_level, double* dist) {
-  std::vector<int> p(lm_positive.size());
-  for (size_t i = 0; i < p.size(); ++i) {
-    long r = std::lround(lm_positive[i] / step);
-    p[i] = (int)(r < 1 ? 1 : r > max_level ? max_level : r);
+namespace {
+// The grid indices for one step: rounded Lloyd-Max levels (nearest grid value), then moves of single levels
+// to a neighbouring grid value while one lowers the distortion.
+std::vector<int> descend(const std::vector<double>& lm_positive, double step, const std::vector<int>& grid, double* dist) {
+  const int n = (int)grid.size();
+  std::vector<int> ix(lm_positive.size());
+  for (size_t i = 0; i < ix.size(); ++i) {
+    const double want = lm_positive[i] / step;
+    int j = (int)(std::lower_bound(grid.begin(), grid.end(), want) - grid.begin());
+    if (j == n || (j > 0 && want - grid[j - 1] < grid[j] - want)) --j;
+    ix[i] = j;
   }
-  for (size_t i = 1; i < p.size(); ++i)  // make them distinct and ascending
-    if (p[i] <= p[i - 1]) p[i] = p[i - 1] + 1;
-  if (!valid_positive(p, max_level)) return {};
-  double d = integer_levels_distortion(p, step);
+  for (size_t i = 1; i < ix.size(); ++i)  // distinct and ascending
+    if (ix[i] <= ix[i - 1]) ix[i] = ix[i - 1] + 1;
+  if (ix.back() >= n) return {};
+  auto values = [&](const std::vector<int>& x) {
+    std::vector<int> p(x.size());
+    for (size_t i = 0; i < x.size(); ++i) p[i] = grid[x[i]];
+    return p;
+  };
+  double d = integer_levels_distortion(values(ix), step);
   for (bool improved = true; improved;) {
     improved = false;
-    for (size_t i = 0; i < p.size(); ++i)
+    for (size_t i = 0; i < ix.size(); ++i)
       for (int delta : {-1, 1}) {
-        std::vector<int> t = p;
+        std::vector<int> t = ix;
         t[i] += delta;
-        if (!valid_positive(t, max_level)) continue;
-        const double dt = integer_levels_distortion(t, step);
+        if (t[i] < 0 || t[i] >= n || (i > 0 && t[i] <= t[i - 1]) || (i + 1 < t.size() && t[i] >= t[i + 1])) continue;
+        const double dt = integer_levels_distortion(values(t), step);
         if (dt < d) {
           d = dt;
-          p = t;
+          ix = t;
           improved = true;
         }
       }
   }
   *dist = d;
-  return p;
+  return values(ix);
 }
-}  // namespace
 
-IntegerLevels integer_levels_gaussian(int bits, int max_level) {
-  if (bits < 1 || bits > 4) throw std::invalid_argument("integer_levels_gaussian: bits must be 1..4");
+// The search over steps for the grid values in [min_top, grid.back()] as the largest level, then the step
+// refined for the chosen integers (the distortion is unimodal in the step near its optimum).
+IntegerLevels search(int bits, const std::vector<int>& grid, double min_top) {
   const int k = 1 << (bits - 1);
-  if (max_level < k || max_level > 127)
-    throw std::invalid_argument("integer_levels_gaussian: max_level must be in [2^(bits-1), 127]");
   const LloydMax lm = lloyd_max_gaussian(bits);
   const std::vector<double> pos(lm.levels.begin() + k, lm.levels.end());
   const double top = pos.back();
   IntegerLevels best;
   best.bits = bits;
-  best.max_level = max_level;
+  best.max_level = grid.back();
   best.distortion = INFINITY;
   const int scan = 4000;
-  for (int i = 0; i <= scan; ++i) {  // the largest level's integer from max_level down to k
-    const double top_int = max_level - (max_level - k) * (double)i / scan;
+  // the largest level's value from the grid's largest down to min_top: linearly, or geometrically for a grid
+  // that repeats per octave (min_top = half the largest: one octave)
+  const double hi = grid.back();
+  const bool octave = min_top * 2 == hi;
+  for (int i = 0; i <= scan; ++i) {
+    const double top_int = octave ? hi * std::pow(min_top / hi, (double)i / scan) : hi - (hi - min_top) * (double)i / scan;
     const double step = top / top_int;
     double d = 0;
-    std::vector<int> p = descend(pos, step, max_level, &d);
+    std::vector<int> p = descend(pos, step, grid, &d);
     if (!p.empty() && d < best.distortion) {
       best.distortion = d;
       best.step = step;
       best.levels = p;
     }
   }
-  // Refine the step for the chosen integers (the distortion is unimodal in the step near its optimum).
   const std::vector<int> p = best.levels;
   double a = best.step * 0.9, b = best.step * 1.1;
   const double g = 0.5 * (std::sqrt(5.0) - 1);
@@ -151,6 +176,24 @@ IntegerLevels integer_levels_gaussian(int bits, int max_level) {
   }
   best.levels = full;
   return best;
+}
+}  // namespace
+
+IntegerLevels integer_levels_gaussian(int bits, int max_level) {
+  if (bits < 1 || bits > 4) throw std::invalid_argument("integer_levels_gaussian: bits must be 1..4");
+  const int k = 1 << (bits - 1);
+  if (max_level < k || max_level > 127)
+    throw std::invalid_argument("integer_levels_gaussian: max_level must be in [2^(bits-1), 127]");
+  std::vector<int> grid;
+  for (int v = 1; v <= max_level; ++v) grid.push_back(v);
+  return search(bits, grid, k);
+}
+
+IntegerLevels integer_levels_on_grid(int bits, LevelGrid grid) {
+  if (bits < 1 || bits > 4) throw std::invalid_argument("integer_levels_on_grid: bits must be 1..4");
+  const std::vector<int> g = level_grid_values(grid);
+  // three significant bits repeat per octave: the largest level within the top octave of the grid
+  return search(bits, g, grid == LevelGrid::kThreeSignificantBits ? g.back() / 2.0 : (double)g[(1 << (bits - 1)) - 1]);
 }
 
 unsigned short f64_to_f16_bits(double v) {

@@ -35,6 +35,22 @@ struct IntegerLevels {
 // bits in [1, 4], max_level in [2^(bits-1), 127].
 IntegerLevels integer_levels_gaussian(int bits, int max_level);
 
+// Operand grids for format 3's decode paths (drafts, measured in docs/history/format3-prototypes.md): the
+// positive levels restricted to
+//  * kOddGrid: odd integers 1 .. 255, i.e. 2 T + 1 for an int8 T in [0, 127]: the negative level of T is its
+//    bitwise complement ~T = -T - 1 (2 ~T + 1 = -(2 T + 1)), so a sign-magnitude code decodes to int8 by one
+//    permute of the magnitude and one XOR with the sign mask; a dot product over T then needs + sum(q) / 2 per
+//    group, a per-query constant;
+//  * kThreeSignificantBits: integers with at most 3 significant bits, 1 .. 2^14 (1, 2, 3, 4, 5, 6, 7, 8, 10,
+//    12, 14, 16, 20, ...): exactly the fp16 values whose low byte is zero, so an fp16 operand pair is one
+//    permute of high bytes (the V side).
+// Same search as integer_levels_gaussian, with the +-1 moves to the neighbouring grid value. max_level in the
+// result is the grid's largest value.
+enum class LevelGrid { kInt8, kOddGrid, kThreeSignificantBits };
+IntegerLevels integer_levels_on_grid(int bits, LevelGrid grid);
+// The grid's positive values, ascending.
+std::vector<int> level_grid_values(LevelGrid grid);
+
 // Distortion of the symmetric quantizer step * {-p[k-1] .. -p[0], p[0] .. p[k-1]} (p ascending, > 0).
 double integer_levels_distortion(const std::vector<int>& positive, double step);
 
