@@ -156,7 +156,8 @@ TEST(IntegerLevels, SmallGridsAreWorseAndTheSearchIsMonotone) {
 // The operand grids (tools/lloyd_max.h). The odd grid: 2 T + 1 with T an int8 in [0, 127], so the stored
 // negative ~T = -T - 1 is the exact negative level; within 0.05% of the optimum at every width. The
 // three-significant-bit grid: every level's fp16 has a zero low byte (the V decode permutes high bytes only);
-// 1-2 bits exact, 3 bits +1.03%, 4 bits +4.4% (beyond the 1% of a format table: 4-bit V needs another path).
+// 1-2 bits exact, 3 bits +1.03%, 4 bits +4.4% (beyond the 1% of a format table: 4-bit V needs another path);
+// four significant bits (low byte 0x00 / 0x80) bring 4 bits within 1% (+0.70%).
 TEST(IntegerLevels, OperandGrids) {
   for (int b = 1; b <= 4; ++b) {
     const double opt = fmkv::lloyd_max_gaussian(b).distortion;
@@ -179,6 +180,13 @@ TEST(IntegerLevels, OperandGrids) {
     EXPECT_LE(e3.distortion, opt * (b <= 2 ? 1.0001 : b == 3 ? 1.011 : 1.05)) << b << "-bit three significant bits";
     if (b == 4) EXPECT_GT(e3.distortion, opt * 1.01) << "4-bit: the finding documented in format3-prototypes.md";
     EXPECT_GE(e3.distortion, opt * (1 - 1e-12));
+    const fmkv::IntegerLevels e4 = fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kFourSignificantBits);
+    for (int v : positive_half(e4)) {
+      const unsigned short h = fmkv::f64_to_f16_bits((double)v);
+      EXPECT_EQ(h & 0x7fu, 0u) << b << "-bit: level " << v << " has a low byte beyond 0x00 / 0x80";
+    }
+    EXPECT_LE(e4.distortion, opt * 1.01) << b << "-bit four significant bits";
+    EXPECT_LE(e4.distortion, e3.distortion * (1 + 1e-12));
   }
   const std::vector<int> g = fmkv::level_grid_values(fmkv::LevelGrid::kThreeSignificantBits);
   EXPECT_EQ(std::vector<int>(g.begin(), g.begin() + 12), (std::vector<int>{1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16}));

@@ -3,7 +3,7 @@
 // this program's output (tests/test_codebook.cpp checks it).
 //   gen_codebooks --integer-levels [MAX]   prints the integer-level tables (a format-3 draft, see
 //   tools/lloyd_max.h) for bits 1..4 with |level| <= MAX (default 127), then on the odd grid (int8 with the
-//   sign as a complement) and the three-significant-bit grid (fp16 high bytes), each with its distortion
+//   sign as a complement) and the three- and four-significant-bit grids (fp16 operands), each with its distortion
 //   beside the continuous Lloyd-Max optimum; it writes no file.
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +27,7 @@ static int print_integer_levels(int max_level) {
   // the operand grids of format 3's decode paths (tools/lloyd_max.h)
   for (int b = 1; b <= 4; ++b) print_levels("odd", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kOddGrid));
   for (int b = 1; b <= 4; ++b) print_levels("3sig", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kThreeSignificantBits));
+  for (int b = 1; b <= 4; ++b) print_levels("4sig", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kFourSignificantBits));
   return 0;
 }
 

@@ -80,12 +80,15 @@ std::vector<int> level_grid_values(LevelGrid grid) {
       for (int t = 0; t <= 127; ++t) g.push_back(2 * t + 1);
       break;
     case LevelGrid::kThreeSignificantBits:
+    case LevelGrid::kFourSignificantBits: {
+      const int limit = grid == LevelGrid::kThreeSignificantBits ? 8 : 16;
       for (int v = 1; v <= (1 << 14); ++v) {
         int m = v;
         while (m % 2 == 0) m /= 2;
-        if (m < 8) g.push_back(v);  // odd part below 8: at most 3 significant bits
+        if (m < limit) g.push_back(v);  // odd part below 2^n: at most n significant bits
       }
       break;
+    }
   }
   return g;
 }
@@ -192,8 +195,9 @@ IntegerLevels integer_levels_gaussian(int bits, int max_level) {
 IntegerLevels integer_levels_on_grid(int bits, LevelGrid grid) {
   if (bits < 1 || bits > 4) throw std::invalid_argument("integer_levels_on_grid: bits must be 1..4");
   const std::vector<int> g = level_grid_values(grid);
-  // three significant bits repeat per octave: the largest level within the top octave of the grid
-  return search(bits, g, grid == LevelGrid::kThreeSignificantBits ? g.back() / 2.0 : (double)g[(1 << (bits - 1)) - 1]);
+  // the significant-bit grids repeat per octave: the largest level within the top octave of the grid
+  const bool per_octave = grid == LevelGrid::kThreeSignificantBits || grid == LevelGrid::kFourSignificantBits;
+  return search(bits, g, per_octave ? g.back() / 2.0 : (double)g[(1 << (bits - 1)) - 1]);
 }
 
 unsigned short f64_to_f16_bits(double v) {

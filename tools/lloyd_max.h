@@ -44,9 +44,11 @@ IntegerLevels integer_levels_gaussian(int bits, int max_level);
 //  * kThreeSignificantBits: integers with at most 3 significant bits, 1 .. 2^14 (1, 2, 3, 4, 5, 6, 7, 8, 10,
 //    12, 14, 16, 20, ...): exactly the fp16 values whose low byte is zero, so an fp16 operand pair is one
 //    permute of high bytes (the V side).
+//  * kFourSignificantBits: at most 4 significant bits, 1 .. 2^14: fp16 values whose low byte is 0x00 or 0x80
+//    (the third mantissa bit), the next-cheapest fp16 operand (4-bit V, where 3 bits miss the 1%).
 // Same search as integer_levels_gaussian, with the +-1 moves to the neighbouring grid value. max_level in the
 // result is the grid's largest value.
-enum class LevelGrid { kInt8, kOddGrid, kThreeSignificantBits };
+enum class LevelGrid { kInt8, kOddGrid, kThreeSignificantBits, kFourSignificantBits };
 IntegerLevels integer_levels_on_grid(int bits, LevelGrid grid);
 // The grid's positive values, ascending.
 std::vector<int> level_grid_values(LevelGrid grid);
