@@ -273,10 +273,14 @@ int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64
   // the larger of an attention call's plan (one raw-domain CTA per pair) and a fused step's with fp16
   // regions (two)
   const SplitDevice dev = split_device(attn_kernel(cfg));
+  // (a balanced call may take up to balance_cap partial slots; whether it runs is known only at the call)
+  const bool balanced = balanced_call(num_seqs);
   int32_t cap = 1;
-  for (int32_t nraw = 1; nraw <= 2; ++nraw)
-    cap = std::max(cap, balance_cap(num_seqs, split_count(cfg, num_seqs, q_heads, max_rows, nraw, dev, max_seq_len)));
-  return workspace_for(max_rows, q_heads, cfg.head_dim, cap, num_seqs >= 2 && num_seqs <= kBalanceMaxSeqs);
+  for (int32_t nraw = 1; nraw <= 2; ++nraw) {
+    const int32_t ns = split_count(cfg, num_seqs, q_heads, max_rows, nraw, dev, max_seq_len);
+    cap = std::max(cap, balanced ? balance_cap(num_seqs, ns) : ns);
+  }
+  return workspace_for(max_rows, q_heads, cfg.head_dim, cap, balanced);
 }
 
 namespace {
