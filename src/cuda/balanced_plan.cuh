@@ -17,8 +17,6 @@
 namespace fmkv {
 namespace cuda {
 
-constexpr int kPlanChunks = (int)(kBalanceMaxSeqs / 32);
-
 struct SplitAssign {
   int s;   // the sequence (-1: a spare CTA no sequence needs)
   int k;   // its split index (-1 for a raw-domain CTA)
