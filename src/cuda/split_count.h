@@ -160,7 +160,7 @@ inline int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int32_t q_he
 // host chose): the grid's ns x num_seqs split CTAs per kv head are shared out by compressed tiles,
 // sequence s taking balanced_splits(tiles_s, ...) of them, at most `cap` (partial slots per query vector,
 // the workspace's row stride). A sequence that takes fewer than ns gives its spare CTAs to those that take
-// more (decode_attention.cuh, balanced_assign). Equal lengths keep ns each: the uniform plan, bit for bit.
+// more (balanced_plan.cuh, plan_assign). Equal lengths keep ns each: the uniform plan's tiles per CTA.
 constexpr int64_t kBalanceMaxSeqs = 256;  // beyond, every sequence keeps ns (the plan's per-CTA scan grows)
 constexpr int64_t kBalanceMaxCapFactor = 4;  // a sequence takes at most 4 ns splits (and at most 64)
 // Tiles of a sequence for the plan, clamped so that the plan's sums cannot overflow (2^36 tiles are 2^40
