@@ -234,6 +234,71 @@ TEST_P(Backends, FusedAppendAttentionLengthBound) {
   }
 }
 
+// Format 3 (3-bit codes in tile blocks): a backend that reads and writes it matches the reference (append
+// bit-exact, attention within its bound, the fused step both); one that does not refuses each op with
+// FMKV_ERR_UNSUPPORTED naming the version, and writes nothing.
+TEST_P(Backends, FormatVersion3MatchesOrIsRefused) {
+  const fmkv_backend b = GetParam();
+  const bool supported = find_backend(b)->max_format_version >= 3;
+  struct S3 {
+    int d, kb, vb, kv_heads, group, page, sink, window, rule;
+    std::vector<int64_t> lens, rows;
+  };
+  const S3 cases[] = {
+      {64, 3, 3, 2, 4, 16, 0, 0, FMKV_SCALE_LSQ, {37, 0, 120}, {1, 2, 1}},
+      {128, 3, 3, 8, 4, 64, 4, 16, FMKV_SCALE_LSQ, {300, 9, 64}, {1, 16, 3}},
+      {256, 3, 2, 1, 8, 32, 0, 0, FMKV_SCALE_RMS, {1000}, {2}},
+      {128, 16, 3, 2, 4, 16, 0, 32, FMKV_SCALE_LSQ, {90, 33}, {1, 1}},
+      {128, 4, 3, 2, 3, 128, 2, 0, FMKV_SCALE_LSQ, {17000}, {1}},
+  };
+  for (const S3& sh : cases) {
+    fmkv_config c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
+    c.format_version = 3;
+    const std::string what = std::string(fmkv_backend_name(b)) + " d=" + std::to_string(sh.d) + " k" +
+                             std::to_string(sh.kb) + "v" + std::to_string(sh.vb);
+    int64_t n1 = 0;
+    Scenario s = filled_scenario(c, sh.lens, sh.rows, FMKV_F16, &n1);
+    const int32_t HQ = sh.kv_heads * sh.group;
+    auto k1 = random_tensor(FMKV_F16, n1, c.num_kv_heads, c.head_dim, 3.0), v1 = random_tensor(FMKV_F16, n1, c.num_kv_heads, c.head_dim);
+    auto q1 = random_tensor(FMKV_F16, n1, HQ, c.head_dim);
+    const fmkv_tensor kt = make_tensor(k1.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
+    const fmkv_tensor vt = make_tensor(v1.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
+    const fmkv_tensor qt = make_tensor(q1.data(), FMKV_F16, n1, HQ, c.head_dim);
+    if (supported) {
+      const LayerState want = run_append(FMKV_BACKEND_REF, s, kt, vt), got = run_append(b, s, kt, vt);
+      EXPECT_TRUE(got.pages == want.pages) << "pages differ: " << what;
+      EXPECT_TRUE(got.fp16_k == want.fp16_k && got.fp16_v == want.fp16_v) << "fp16 regions differ: " << what;
+      Scenario as = s;  // attention over the appended state
+      const std::vector<float> ref_out = run_attention(FMKV_BACKEND_REF, as, want, qt, FMKV_F32);
+      EXPECT_LT(rel_error(run_attention(b, as, want, qt, FMKV_F32), ref_out), attention_tolerance(b, FMKV_F32)) << what;
+      bool fused_rows_ok = true;
+      for (int64_t r : sh.rows) fused_rows_ok = fused_rows_ok && r <= FMKV_FUSED_MAX_ROWS;
+      if (fused_rows_ok) {
+        auto [st, out] = run_append_attention(b, s, kt, vt, qt, FMKV_F32);
+        EXPECT_TRUE(st.pages == want.pages) << "fused step pages differ: " << what;
+        EXPECT_LT(rel_error(out, ref_out), attention_tolerance(b, FMKV_F32)) << "fused step: " << what;
+      }
+      continue;
+    }
+    DeviceLayer L(b, s, s.pages, s.fp16_k, s.fp16_v, s.lens);
+    DeviceTensor k(b, kt), v(b, vt), q(b, qt);
+    DeviceOutput o(b, qt, FMKV_F32);
+    auto refused = [&](fmkv_status st, const char* op) {
+      EXPECT_EQ(st, FMKV_ERR_UNSUPPORTED) << op << ": " << what;
+      EXPECT_NE(std::string(fmkv_last_error()).find("format version 3 is not supported"), std::string::npos)
+          << op << ": " << fmkv_last_error();
+    };
+    refused(fmkv_append(b, &c, &L.lc, &L.bt, &k.t, &v.t, nullptr), "append");
+    refused(fmkv_attention(b, &c, &L.lc, &L.bt, &q.t, nullptr, &o.t, nullptr, 0, nullptr), "attention");
+    refused(fmkv_append_attention(b, &c, &L.lc, &L.bt, &k.t, &v.t, &q.t, nullptr, &o.t, nullptr, 0, nullptr), "fused step");
+    EXPECT_EQ(fmkv_attention_workspace_bytes(b, &c, HQ, n1, s.seqs(), 0), 0) << what;
+    check(fmkv_device_synchronize(b));
+    const LayerState after = L.state(s);
+    EXPECT_TRUE(after.pages == s.pages && after.fp16_k == s.fp16_k && after.fp16_v == s.fp16_v)
+        << what << ": a refused op wrote the cache";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, Backends,
                          ::testing::ValuesIn(backends_under_test()),
                          [](const ::testing::TestParamInfo<fmkv_backend>& i) { return std::string(fmkv_backend_name(i.param)); });

@@ -194,4 +194,41 @@ TEST(IntegerLevels, OperandGrids) {
   EXPECT_THROW(fmkv::integer_levels_on_grid(5, fmkv::LevelGrid::kOddGrid), std::invalid_argument);
 }
 
+// Format 3's 3-bit tables (codebooks.inc, tables 1 = K and 2 = V): the generator's int8-grid and
+// three-significant-bit integers, reduced, times an fp16 step; their distortion (fp16 step) within 0.01% (K)
+// and 1.1% (V) of Lloyd-Max; each level L x step exact in float32 and every threshold the exact midpoint.
+TEST(IntegerLevels, FormatThreeTables) {
+  const double opt = fmkv::lloyd_max_gaussian(3).distortion;
+  const fmkv::IntegerLevels want[2] = {fmkv::integer_levels_gaussian(3, 127),
+                                       fmkv::integer_levels_on_grid(3, fmkv::LevelGrid::kThreeSignificantBits)};
+  for (int side = 0; side < 2; ++side) {
+    const int table = fmkv::codebook_table(3, 3, side);
+    EXPECT_EQ(table, 1 + side);
+    const std::vector<int> p = positive_half(want[side]);
+    std::vector<int> got;
+    for (int m = 0; m < 4; ++m) got.push_back(fmkv::codebook_int_level(table, m));
+    for (int m = 0; m < 4; ++m) EXPECT_EQ((long)p[m] * got[0], (long)got[m] * p[0]) << "side " << side << " level " << m;
+    const double step = fmkv::f16_bits_to_f64(fmkv::codebook_step_f16(table));
+    EXPECT_NEAR(step * got[0], want[side].step * p[0], want[side].step * p[0] * 1e-3);
+    const double dist = fmkv::integer_levels_distortion(got, step);
+    EXPECT_DOUBLE_EQ(dist, fmkv::fmkv_codebook3_distortion[side]);
+    EXPECT_LE(dist, opt * (side ? 1.011 : 1.0001)) << "side " << side;
+    for (int m = 0; m < 4; ++m) {
+      EXPECT_EQ((double)fmkv::table_mag(table, 3, m), got[m] * step);
+      if (m < 3) {
+        EXPECT_EQ((double)fmkv::table_threshold(table, 3, m), (got[m] + got[m + 1]) * step / 2);
+      }
+      EXPECT_EQ(fmkv::decode_level_table(4u | (uint32_t)m, 3, table), -fmkv::table_mag(table, 3, m));
+    }
+  }
+  // format 2, and format 3's 2- and 4-bit codes: table 0
+  for (int bits : {2, 3, 4})
+    for (int side = 0; side < 2; ++side) {
+      EXPECT_EQ(fmkv::codebook_table(2, bits, side), 0);
+      if (bits != 3) {
+        EXPECT_EQ(fmkv::codebook_table(3, bits, side), 0);
+      }
+    }
+}
+
 }  // namespace

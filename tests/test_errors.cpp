@@ -41,7 +41,19 @@ TEST(Errors, Config) {
     { Fixture f; f.c.page_size = 48; EXPECT_ERR(f.append(b), FMKV_ERR_INVALID_ARGUMENT, "page_size 48"); }
     { Fixture f; f.c.scale_rule = 7; EXPECT_ERR(f.append(b), FMKV_ERR_INVALID_ARGUMENT, "scale_rule 7"); }
     { Fixture f; f.c.window_tokens = 4; EXPECT_ERR(f.append(b), FMKV_ERR_INVALID_ARGUMENT, "fp16_k"); }
+    for (int32_t v : {1, 4, -1, 1 << 30}) {
+      Fixture f;
+      f.c.format_version = v;
+      EXPECT_ERR(f.append(b), FMKV_ERR_INVALID_ARGUMENT, "format_version " + std::to_string(v) + " is not supported");
+    }
   }
+  // a version the backend does not write: refused by name, before anything is written (Fixture::append)
+  if (fmkv_backend_available(FMKV_BACKEND_CPU)) {
+    Fixture f;
+    f.c.format_version = 3;
+    EXPECT_ERR(f.append(FMKV_BACKEND_CPU), FMKV_ERR_UNSUPPORTED, "format version 3 is not supported by the 'cpu' backend");
+  }
+  { Fixture f; f.c.format_version = 3; EXPECT_EQ(f.append(FMKV_BACKEND_REF).first, FMKV_OK) << fmkv_last_error(); }
 }
 
 TEST(Errors, Tensors) {

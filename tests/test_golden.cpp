@@ -1,7 +1,8 @@
-// Golden vectors of format v2 (tests/golden/v2.txt): inputs -> page bytes -> dequantized values ->
-// attention output. Every backend must reproduce the bytes bit-exactly and the output within its stated bound
+// Golden vectors of format v2 (tests/golden/v2.txt) and v3 (tests/golden/v3.txt): inputs -> page bytes ->
+// dequantized values -> attention output. Every backend must reproduce the bytes bit-exactly and the output within its stated bound
 // (at least 1e-5: the file stores the output in float32).
 // Inputs come from splitmix64 (not <random>) so the file is platform independent.
+// A backend that does not read and write a version refuses its cases (FMKV_ERR_UNSUPPORTED).
 // Regenerate (only with a format version change): FMKV_WRITE_GOLDEN=1 fmkv_tests --gtest_filter=Golden.*
 #include <cstdio>
 #include <fstream>
@@ -18,11 +19,18 @@ struct GoldenCase {
   int d, kb, vb, page, sink, window, rule;
   int64_t tokens;
 };
-const GoldenCase kCases[] = {
+const std::vector<GoldenCase> kCasesV2 = {
     {64, 2, 3, 16, 0, 0, FMKV_SCALE_LSQ, 21},
     {128, 3, 3, 16, 2, 4, FMKV_SCALE_RMS, 23},
     {128, 4, 2, 32, 0, 0, FMKV_SCALE_LSQ, 19},
     {256, 16, 4, 16, 1, 0, FMKV_SCALE_LSQ, 18},
+};
+// format 3: 3-bit codes in tile blocks (partly filled tiles: the other slots keep the pool's 0xA5 bytes)
+const std::vector<GoldenCase> kCasesV3 = {
+    {64, 3, 3, 16, 0, 0, FMKV_SCALE_LSQ, 21},
+    {128, 3, 2, 32, 2, 4, FMKV_SCALE_RMS, 39},
+    {128, 16, 3, 16, 0, 0, FMKV_SCALE_LSQ, 17},
+    {256, 4, 3, 16, 1, 0, FMKV_SCALE_LSQ, 18},
 };
 
 // Deterministic approximately-Gaussian fp16 inputs (sum of 4 uniforms, scaled): uniforms from the
@@ -53,9 +61,10 @@ struct Produced {
   std::vector<float> out;
 };
 
-Produced produce(fmkv_backend b, const GoldenCase& g, int idx) {
+Produced produce(fmkv_backend b, const GoldenCase& g, int idx, int32_t version) {
   fmkv_config c;
   fmkv_config_default(&c);
+  c.format_version = version;
   c.head_dim = g.d; c.num_kv_heads = 1; c.k_bits = g.kb; c.v_bits = g.vb; c.page_size = g.page;
   c.sink_tokens = g.sink; c.window_tokens = g.window; c.scale_rule = g.rule; c.seed = 0x0123456789ABCDEFull + idx;
   Scenario s;
@@ -83,45 +92,53 @@ Produced produce(fmkv_backend b, const GoldenCase& g, int idx) {
   return p;
 }
 
-std::string golden_path() { return std::string(FMKV_SOURCE_DIR) + "/tests/golden/v2.txt"; }
+std::string golden_path(int32_t version) {
+  return std::string(FMKV_SOURCE_DIR) + "/tests/golden/v" + std::to_string(version) + ".txt";
+}
 
-std::vector<std::string> read_golden() {
-  std::ifstream f(golden_path());
+std::vector<std::string> read_golden(int32_t version) {
+  std::ifstream f(golden_path(version));
   std::vector<std::string> lines;
   for (std::string l; std::getline(f, l);)
     if (!l.empty() && l[0] != '#') lines.push_back(l);
   return lines;
 }
 
-TEST(Golden, ReproducedByEveryBackend) {
+void golden_cases(int32_t version, const std::vector<GoldenCase>& cases) {
   if (std::getenv("FMKV_WRITE_GOLDEN")) {
-    std::ofstream f(golden_path());
-    f << "# fmkv format v2 golden vectors: per case the config, page bytes (hex), fp16 sink/window\n"
+    std::ofstream f(golden_path(version));
+    f << "# fmkv format v" << version << " golden vectors: per case the config, page bytes (hex), fp16 sink/window\n"
          "# bytes (hex), attention output (float32 bits, hex). Inputs: tests/test_golden.cpp.\n";
-    for (int i = 0; i < (int)(sizeof kCases / sizeof kCases[0]); ++i) {
-      const GoldenCase& g = kCases[i];
-      Produced p = produce(FMKV_BACKEND_REF, g, i);
+    for (int i = 0; i < (int)cases.size(); ++i) {
+      const GoldenCase& g = cases[i];
+      Produced p = produce(FMKV_BACKEND_REF, g, i, version);
       f << "case d=" << g.d << " k" << g.kb << "v" << g.vb << " page=" << g.page << " sink=" << g.sink
         << " window=" << g.window << " rule=" << g.rule << " tokens=" << g.tokens << "\n";
       f << p.pages << "\n" << (p.fp16.empty() ? "-" : p.fp16) << "\n" << hex(p.out.data(), p.out.size() * 4) << "\n";
     }
-    GTEST_SKIP() << "wrote " << golden_path();
+    GTEST_SKIP() << "wrote " << golden_path(version);
   }
-  std::vector<std::string> lines = read_golden();
-  const int n = (int)(sizeof kCases / sizeof kCases[0]);
-  ASSERT_EQ((int)lines.size(), 4 * n) << "golden file missing or malformed: " << golden_path();
+  std::vector<std::string> lines = read_golden(version);
+  const int n = (int)cases.size();
+  ASSERT_EQ((int)lines.size(), 4 * n) << "golden file missing or malformed: " << golden_path(version);
   for (int bi = 0; bi < FMKV_BACKEND_COUNT; ++bi) {
     const fmkv_backend b = (fmkv_backend)bi;
     if (!fmkv_backend_available(b)) continue;
     for (int i = 0; i < n; ++i) {
       Produced p;
       try {
-        p = produce(b, kCases[i], i);
+        p = produce(b, cases[i], i, version);
       } catch (const fmkv::Error& e) {
-        if (!cuda_combination_not_compiled(b, e, kCases[i].d, kCases[i].kb, kCases[i].vb)) throw;
+        if (version > find_backend(b)->max_format_version) {  // refused, naming the version
+          EXPECT_EQ(e.code(), FMKV_ERR_UNSUPPORTED) << e.what();
+          EXPECT_NE(std::string(e.what()).find("format version " + std::to_string(version)), std::string::npos) << e.what();
+          continue;
+        }
+        if (!cuda_combination_not_compiled(b, e, cases[i].d, cases[i].kb, cases[i].vb)) throw;
         std::printf("[ note ] %s: not compiled in this build (FMKV_CUDA_FULL_GRID=OFF)\n", lines[4 * i].c_str());
         continue;
       }
+      EXPECT_LE(version, find_backend(b)->max_format_version) << fmkv_backend_name(b) << " ran a version it does not support";
       EXPECT_EQ(p.pages, lines[4 * i + 1]) << fmkv_backend_name(b) << ": " << lines[4 * i];
       EXPECT_EQ(p.fp16.empty() ? "-" : p.fp16, lines[4 * i + 2]) << fmkv_backend_name(b) << ": " << lines[4 * i];
       std::vector<float> want(p.out.size());
@@ -136,6 +153,9 @@ TEST(Golden, ReproducedByEveryBackend) {
     }
   }
 }
+
+TEST(Golden, ReproducedByEveryBackend) { golden_cases(2, kCasesV2); }
+TEST(Golden, Version3ReproducedOrRefused) { golden_cases(3, kCasesV3); }
 
 }  // namespace
 }  // namespace fmkv::test

@@ -3,6 +3,7 @@
 #include <random>
 #include <set>
 
+#include "format/pack.h"
 #include "format/quantize_group.h"
 #include "ref/quantize.h"
 
@@ -76,6 +77,60 @@ TEST(Pack, EveryBitIsUsed) {
     }
     for (int k = 0; k < bits; ++k) EXPECT_EQ(acc[k], 0xFFFFFFFFu) << bits << " bits word " << k;
   }
+}
+
+// Format 3, 3-bit codes: the tile block's bit positions are a bijection of (token, group, coordinate, bit) onto
+// the block (dense: 3 bits per code), for K and V and every head_dim.
+TEST(Pack, TileBlockPositionsAreABijection) {
+  for (int d : {64, 128, 256}) {
+    const int G = d / 32;
+    ASSERT_EQ(fmkv_tile_block_bytes(d) * 8, 16 * G * 32 * 3);
+    for (int is_v = 0; is_v < 2; ++is_v) {
+      std::vector<int> hits((size_t)fmkv_tile_block_bytes(d) * 8, 0);
+      for (int t = 0; t < 16; ++t)
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < 32; ++c)
+            for (int b = 0; b < 3; ++b) {
+              const int n = fmkv_tile_code_bit(G, is_v, t, g, c, b);
+              ASSERT_GE(n, 0);
+              ASSERT_LT(n, (int)hits.size());
+              ++hits[(size_t)n];
+            }
+      for (size_t n = 0; n < hits.size(); ++n) ASSERT_EQ(hits[n], 1) << "d=" << d << (is_v ? " V" : " K") << " bit " << n;
+    }
+  }
+}
+
+// Writing one token's codes changes only that token's bits; reading gives back every token's codes.
+TEST(Pack, TileBlockWritesKeepTheOtherTokens) {
+  std::mt19937 r(std::random_device{}());
+  for (int d : {64, 128, 256})
+    for (int is_v = 0; is_v < 2; ++is_v) {
+      const int G = d / 32;
+      std::vector<uint8_t> block((size_t)fmkv_tile_block_bytes(d));
+      for (auto& x : block) x = (uint8_t)r();
+      std::vector<uint8_t> codes((size_t)16 * d);
+      for (int t : {5, 0, 15, 1, 10, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14}) {  // any order
+        const std::vector<uint8_t> before = block;
+        for (int i = 0; i < d; ++i) {
+          codes[(size_t)t * d + i] = (uint8_t)(r() % 8u);
+          fmkv::tile_put_code(block.data(), G, is_v, t, i / 32, i % 32, codes[(size_t)t * d + i]);
+        }
+        int changed_other = 0;
+        for (int t2 = 0; t2 < 16; ++t2)
+          if (t2 != t)
+            for (int i = 0; i < d; ++i)
+              for (int b = 0; b < 3; ++b) {
+                const int n = fmkv_tile_code_bit(G, is_v, t2, i / 32, i % 32, b);
+                changed_other += ((block[n >> 3] ^ before[n >> 3]) >> (n & 7)) & 1;
+              }
+        EXPECT_EQ(changed_other, 0) << "writing token " << t << " changed other tokens' bits";
+      }
+      for (int t = 0; t < 16; ++t)
+        for (int i = 0; i < d; ++i)
+          ASSERT_EQ(fmkv::tile_get_code(block.data(), G, is_v, t, i / 32, i % 32), codes[(size_t)t * d + i])
+              << "d=" << d << " t=" << t << " i=" << i;
+    }
 }
 
 TEST(Format, BytesPerTokenPerHead) {

@@ -3,6 +3,7 @@
 
 #include "harness.h"
 #include "core/tensor_io.h"
+#include "format/codebook.h"
 #include "ref/quantize.h"
 
 namespace fmkv::test {
@@ -43,12 +44,10 @@ std::vector<float> naive_attention(const Scenario& s, const LayerState& st, cons
           }
           std::vector<uint8_t> codes(d);
           std::vector<uint16_t> sc(d / 32);
-          for (int g = 0; g < d / 32; ++g) {
-            ref::unpack_group((const uint32_t*)sec + fmkv_code_word_index(bits, c.page_size, g, 0, t), c.page_size, bits, &codes[g * 32]);
-            sc[g] = ((const uint16_t*)(sec + fmkv_scales_offset(d, bits, c.page_size)))[g * c.page_size + t];
-          }
+          const int32_t version = fmkv_resolved_format_version(c.format_version);
+          ref::read_token_codes(sec, version, which, d, bits, c.page_size, t, codes.data(), sc.data());
           std::vector<double> y(d);
-          ref::dequantize_vector(codes.data(), sc.data(), d, bits, y.data());
+          ref::dequantize_vector(codes.data(), sc.data(), d, bits, y.data(), codebook_table(version, bits, which));
           ref::unrotate_f64(y.data(), d, sw.data(), dst.data());
         }
       }
@@ -82,6 +81,7 @@ struct RefCase {
   int d, kb, vb, kv_heads, group, page, sink, window;
   std::vector<int64_t> lens, rows;
   float softcap;
+  int32_t format_version = 0;
 };
 
 TEST(Reference, AttentionEqualsNaiveFloat64) {
@@ -91,9 +91,15 @@ TEST(Reference, AttentionEqualsNaiveFloat64) {
       {256, 2, 4, 3, 1, 16, 0, 16, {50}, {16}, 0.0f},           // MHA, q_len 16
       {128, 16, 3, 2, 2, 16, 2, 0, {33, 18}, {1, 2}, 30.0f},    // k16, softcap
       {64, 4, 4, 2, 3, 64, 0, 0, {130}, {5}, 0.0f},
+      // format 3 (3-bit codes in tile blocks): partly filled tiles, several pages, sink + window, fp16 K
+      {64, 3, 3, 2, 4, 16, 0, 0, {40, 0, 17}, {1, 3, 2}, 0.0f, 3},
+      {128, 3, 2, 1, 8, 32, 4, 8, {70, 5}, {4, 1}, 0.0f, 3},
+      {256, 4, 3, 2, 1, 16, 0, 16, {50}, {16}, 0.0f, 3},
+      {128, 16, 3, 2, 2, 16, 2, 0, {33, 18}, {1, 2}, 30.0f, 3},
   };
   for (const RefCase& rc : cases) {
     fmkv_config c = config(rc.d, rc.kb, rc.vb, rc.kv_heads, rc.page, rc.sink, rc.window);
+    c.format_version = rc.format_version;
     Scenario s = make_scenario(c, rc.lens, rc.rows);
     // Build the cache: append [0, len) then the query rows, as a model would.
     std::vector<int64_t> total(rc.lens.size());
@@ -117,7 +123,7 @@ TEST(Reference, AttentionEqualsNaiveFloat64) {
     auto got = run_attention(FMKV_BACKEND_REF, s, st, q, FMKV_F32, o);
     auto want = naive_attention(s, st, q, 1.0 / std::sqrt((double)c.head_dim), rc.softcap);
     // Output is stored as float32, so the comparison is limited by float32 rounding of each value.
-    EXPECT_LT(rel_error(got, want), 1e-7) << "d=" << rc.d << " k" << rc.kb << "v" << rc.vb;
+    EXPECT_LT(rel_error(got, want), 1e-7) << "d=" << rc.d << " k" << rc.kb << "v" << rc.vb << " format " << rc.format_version;
     double worst = 0;
     for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs((double)got[i] - want[i]) / (1e-30 + std::fabs(want[i]) + 1e-3));
     EXPECT_LT(worst, 1e-6);
@@ -170,11 +176,13 @@ TEST(Reference, AppendIsChunkingInvariant) {
   }
 }
 
-// Quantization error is what the codebook predicts for Gaussian-like rotated data.
+// Quantization error is what the codebook predicts for Gaussian-like rotated data (format 2's tables and
+// format 3's 3-bit K and V tables, tables 1 and 2).
 TEST(Reference, QuantizationMseNearLloydMax) {
   std::normal_distribution<float> nd;
   const double max_d[5] = {0, 0, 0.1175, 0.03455, 0.009501};
-  for (int bits = 2; bits <= 4; ++bits)
+  const std::pair<int, int> tables[] = {{2, 0}, {3, 0}, {3, 1}, {3, 2}, {4, 0}};
+  for (auto [bits, table] : tables)
     for (int rule : {FMKV_SCALE_RMS, FMKV_SCALE_LSQ}) {
       double err = 0, ref = 0;
       for (int t = 0; t < 400; ++t) {
@@ -183,9 +191,9 @@ TEST(Reference, QuantizationMseNearLloydMax) {
         auto sw = ref::sign_words(7, 0, 128);
         std::vector<uint8_t> codes(128);
         std::vector<uint16_t> sc(4);
-        ref::quantize_vector(x.data(), 128, bits, rule, sw.data(), codes.data(), sc.data());
+        ref::quantize_vector(x.data(), 128, bits, rule, sw.data(), codes.data(), sc.data(), table);
         std::vector<double> y(128), xr(128);
-        ref::dequantize_vector(codes.data(), sc.data(), 128, bits, y.data());
+        ref::dequantize_vector(codes.data(), sc.data(), 128, bits, y.data(), table);
         ref::unrotate_f64(y.data(), 128, sw.data(), xr.data());
         for (int i = 0; i < 128; ++i) {
           double xi = f16_to_f32(x[i]);
@@ -193,7 +201,7 @@ TEST(Reference, QuantizationMseNearLloydMax) {
           ref += xi * xi;
         }
       }
-      EXPECT_LT(err / ref, max_d[bits] * 1.25) << bits << " bits rule " << rule;
+      EXPECT_LT(err / ref, max_d[bits] * 1.25) << bits << " bits table " << table << " rule " << rule;
       EXPECT_GT(err / ref, max_d[bits] * 0.75);
     }
 }

@@ -1,5 +1,5 @@
-// Generates src/format/codebooks.inc: the Lloyd-Max codebooks of format v1, the only place they are
-// computed. Usage: gen_codebooks [OUT]  (stdout when OUT is omitted). The committed file must equal
+// Generates src/format/codebooks.inc: the Lloyd-Max codebooks of format v1 / v2 and the integer-level
+// 3-bit codebooks of format v3, the only place they are computed. Usage: gen_codebooks [OUT]  (stdout when OUT is omitted). The committed file must equal
 // this program's output (tests/test_codebook.cpp checks it).
 //   gen_codebooks --integer-levels [MAX]   prints the integer-level tables (a format-3 draft, see
 //   tools/lloyd_max.h) for bits 1..4 with |level| <= MAX (default 127), then on the odd grid (int8 with the
@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <string>
 
 #include "lloyd_max.h"
@@ -75,6 +76,34 @@ int main(int argc, char** argv) {
     dist += buf;
   }
   s += f16 + "};\n" + ex + "};\n" + dist + " };\n#endif\n";
+  // Format v3, 3-bit codes (FORMAT.md section 4, "Integer levels"): K on the int8 grid (the int8 operand of an
+  // integer mma / dot product), V on the three-significant-bit grid (fp16 operands whose low byte is zero), each
+  // reduced by the integers' common factor; the step rounded to fp16 so that step x L is exact in float32.
+  const fmkv::IntegerLevels k3 = fmkv::integer_levels_gaussian(3, 127);
+  const fmkv::IntegerLevels v3 = fmkv::integer_levels_on_grid(3, fmkv::LevelGrid::kThreeSignificantBits);
+  std::string il = "/* Format v3 3-bit codebooks [0] K, [1] V: positive integer levels L (ascending) and the fp16 step;\n"
+                   " * magnitude m stands for L[m] x step (exact in float32). */\n"
+                   "#define FMKV_INT_LEVELS 4\n"
+                   "FMKV_TABLE unsigned char fmkv_codebook3_int[2][FMKV_INT_LEVELS] = {";
+  std::string st = "FMKV_TABLE unsigned short fmkv_codebook3_step_f16[2] = {";
+  std::string idist = "#ifndef FMKV_CODEBOOK_LEVELS_ONLY\n/* Distortion of the v3 3-bit tables (fp16 step), K and V. */\n"
+                      "FMKV_TABLE double fmkv_codebook3_distortion[2] = {";
+  for (int side = 0; side < 2; ++side) {
+    const fmkv::IntegerLevels& q = side ? v3 : k3;
+    std::vector<int> pos(q.levels.begin() + q.levels.size() / 2, q.levels.end());
+    int f = 0;
+    for (int v : pos) f = std::gcd(f, v);
+    for (int& v : pos) v /= f;
+    const unsigned short step = fmkv::f64_to_f16_bits(q.step * f);
+    il += side ? ", {" : " {";
+    for (size_t m = 0; m < pos.size(); ++m) il += (m ? ", " : "") + std::to_string(pos[m]);
+    il += "}";
+    std::snprintf(buf, sizeof buf, "%s0x%04x", side ? ", " : " ", step);
+    st += buf;
+    std::snprintf(buf, sizeof buf, "%s%.17g", side ? ", " : " ", fmkv::integer_levels_distortion(pos, fmkv::f16_bits_to_f64(step)));
+    idist += buf;
+  }
+  s += il + " };\n" + st + " };\n" + idist + " };\n#endif\n";
   FILE* out = argc > 1 ? std::fopen(argv[1], "wb") : stdout;
   if (!out) { std::perror(argv[1]); return 1; }
   std::fputs(s.c_str(), out);

@@ -226,4 +226,10 @@ unsigned short f64_to_f16_bits(double v) {
   return (unsigned short)(sign | (unsigned)r);
 }
 
+double f16_bits_to_f64(unsigned short h) {
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const double v = e == 0 ? std::ldexp((double)m, -24) : std::ldexp((double)(m | 1024), e - 25);
+  return (h & 0x8000u) ? -v : v;
+}
+
 }  // namespace fmkv

@@ -58,5 +58,7 @@ double integer_levels_distortion(const std::vector<int>& positive, double step);
 
 // double -> fp16 bits with a single round-to-nearest-even (no double rounding through float).
 unsigned short f64_to_f16_bits(double v);
+// fp16 bits -> double (exact; finite values).
+double f16_bits_to_f64(unsigned short h);
 
 }  // namespace fmkv

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "fmkv/fmkv.h"
+#include "format/pack.h"
 #include "format/rotation.h"
 #include "prmt_host.h"
 
@@ -28,47 +29,17 @@ namespace {
 constexpr int kLevelsK[8] = {-88, -55, -31, -10, 10, 31, 55, 88};  // the kernel's int8 K table
 constexpr int kLevelsV[8] = {-64, -40, -24, -8, 8, 24, 40, 64};    // the kernel's V table (fp16 high bytes)
 
-// One section (K or V) of one 16-token tile of one kv head: the code block X[lane][G], Y[lane][G].
+// One section (K or V) of one 16-token tile of one kv head: the code block X[lane][G], Y[lane][G], written
+// through the format core (format 3's tile blocks, tile_put_code); X and Y read as the kernel's fragment decode
+// reads them.
 struct TileWriter {
   uint8_t* block;  // the tile's code block (64 G 3 bytes)
   int G;
-  uint32_t& X(int lane, int g) { return *reinterpret_cast<uint32_t*>(block + 4 * (G * lane + g)); }
-  uint16_t& Y(int lane, int g) { return *reinterpret_cast<uint16_t*>(block + 128 * G + 2 * (G * lane + g)); }
-  void setX(int lane, int g, int bit, int v) { X(lane, g) = (X(lane, g) & ~(1u << bit)) | ((uint32_t)v << bit); }
-  void setY(int lane, int g, int bit, int v) { Y(lane, g) = (uint16_t)((Y(lane, g) & ~(1u << bit)) | ((unsigned)v << bit)); }
-  void nibble(bool x, int lane, int g, int n, int code) {  // bits 0-2 of nibble n
-    for (int b = 0; b < 3; ++b) x ? setX(lane, g, 4 * n + b, (code >> b) & 1) : setY(lane, g, 4 * n + b, (code >> b) & 1);
-  }
-  void hole(int lane, int g, int j, int code) {  // the bit-3 code j: X nibble j, X nibble 4 + j, Y nibble j
-    setX(lane, g, 4 * j + 3, code & 1);
-    setX(lane, g, 16 + 4 * j + 3, (code >> 1) & 1);
-    setY(lane, g, 4 * j + 3, (code >> 2) & 1);
-  }
-  // K code of tile token t (0..15) and coordinate c (0..31) of group g: mma row gID = token 2 gID, row
-  // gID + 8 = token 2 gID + 1; k = 4 tid + e (+ 16 for chunk 1)
-  void put_k(int t, int g, int c, int code) {
-    const int gID = t / 2, second = t % 2, chunk = c / 16, tid = (c % 16) / 4, e = c % 4, lane = 4 * gID + tid;
-    if (!second) nibble(true, lane, g, 4 * chunk + e, code);
-    else if (chunk == 0) nibble(false, lane, g, e, code);
-    else hole(lane, g, e, code);
-  }
-  // V code of tile token t and coordinate c of group g: mma mt = c / 16, row = c % 16 (gID + 8 (r & 1)), B's
-  // k index = pi^-1(t) (token 2 k for k < 8, 2 (k - 8) + 1 else) = 2 tid + 8 (r >> 1) + h
-  void put_v(int t, int g, int c, int code) {
-    const int mt = c / 16, row = c % 16, gID = row % 8, rlo = row / 8;
-    const int k = t % 2 == 0 ? t / 2 : 8 + t / 2;
-    const int tid = (k % 8) / 2, h = k % 2, rhi = k / 8, r = rlo + 2 * rhi, i = 4 * mt + r, lane = 4 * gID + tid;
-    switch (i) {  // register i, half h (f3_v_fragment)
-      case 0: nibble(true, lane, g, 2 * h, code); break;
-      case 1: nibble(true, lane, g, 1 + 2 * h, code); break;
-      case 2: nibble(true, lane, g, 4 + 2 * h, code); break;
-      case 3: nibble(true, lane, g, 5 + 2 * h, code); break;
-      case 4: nibble(false, lane, g, 2 * h, code); break;
-      case 5: nibble(false, lane, g, 1 + 2 * h, code); break;
-      case 6: hole(lane, g, 2 * h, code); break;
-      default: hole(lane, g, 1 + 2 * h, code); break;
-    }
-  }
+  uint32_t X(int lane, int g) const { return *reinterpret_cast<const uint32_t*>(block + 4 * (G * lane + g)); }
+  uint16_t Y(int lane, int g) const { return *reinterpret_cast<const uint16_t*>(block + 128 * G + 2 * (G * lane + g)); }
+  // code of tile token t (0..15), group g, coordinate c (0..31)
+  void put_k(int t, int g, int c, int code) { fmkv::tile_put_code(block, G, 0, t, g, c, (uint32_t)code); }
+  void put_v(int t, int g, int c, int code) { fmkv::tile_put_code(block, G, 1, t, g, c, (uint32_t)code); }
 };
 
 uint32_t bit3(uint32_t X, uint32_t Y) { return ((X >> 3) & 0x1111u) | ((X >> 18) & 0x2222u) | ((Y >> 1) & 0x4444u); }

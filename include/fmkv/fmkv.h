@@ -104,20 +104,33 @@ void fmkv_device_free(fmkv_backend b, void* p);
 fmkv_status fmkv_device_copy(fmkv_backend b, void* dst, const void* src, size_t bytes, int to_device);
 fmkv_status fmkv_device_synchronize(fmkv_backend b);
 
-/* Format primitives on one head vector (host memory, reference arithmetic). */
+/* Format primitives on one head vector (host memory, reference arithmetic), with format 2's codebooks. */
 fmkv_status fmkv_quantize_vector(int32_t head_dim, int32_t bits, int32_t scale_rule, uint64_t seed,
                                  int32_t layer, const uint16_t* x_f16, uint8_t* codes,
                                  uint16_t* scales);
 fmkv_status fmkv_dequantize_vector(int32_t head_dim, int32_t bits, uint64_t seed, int32_t layer,
                                    const uint8_t* codes, const uint16_t* scales, float* x_out);
+/* The same for a K (is_v = 0) or V (is_v = 1) vector of a cache in format version format_version (0 = the
+ * default): format 3's 3-bit codes use its integer-level codebooks (fmkv_codebook_levels). */
+fmkv_status fmkv_quantize_vector_as(int32_t format_version, int32_t is_v, int32_t head_dim, int32_t bits,
+                                    int32_t scale_rule, uint64_t seed, int32_t layer, const uint16_t* x_f16,
+                                    uint8_t* codes, uint16_t* scales);
+fmkv_status fmkv_dequantize_vector_as(int32_t format_version, int32_t is_v, int32_t head_dim, int32_t bits,
+                                      uint64_t seed, int32_t layer, const uint8_t* codes, const uint16_t* scales,
+                                      float* x_out);
 /* The format's number conversions (FORMAT.md "Input") of n values: float32 -> fp16 bits rounded to
  * nearest even (overflow gives +-inf, NaN stays NaN), fp16 / bf16 bits -> float32 (exact). */
 void fmkv_f32_to_f16(const float* x, uint16_t* out, int64_t n);
 void fmkv_f16_to_f32(const uint16_t* x, float* out, int64_t n);
 void fmkv_bf16_to_f32(const uint16_t* x, float* out, int64_t n);
 
-/* The 2^(bits-1) positive levels of the b-bit codebook (fp16 values as float), ascending. */
+/* The 2^(bits-1) positive levels of the b-bit codebook (fp16 values as float), ascending: format 2's,
+ * which every width of format 2 and the 2- and 4-bit codes of format 3 use. */
 fmkv_status fmkv_codebook(int32_t bits, float* mags);
+/* The 2^(bits-1) positive levels (ascending) that b-bit codes of K (is_v = 0) or V (is_v = 1) stand for in
+ * format version format_version (0 = FMKV_FORMAT_VERSION): format 3's 3-bit codes use integer levels times
+ * an fp16 step, one table for K and one for V (FORMAT.md section 4). */
+fmkv_status fmkv_codebook_levels(int32_t format_version, int32_t bits, int32_t is_v, float* mags);
 
 #ifdef __cplusplus
 }

@@ -29,7 +29,8 @@
 extern "C" {
 #endif
 
-#define FMKV_FORMAT_VERSION 2
+#define FMKV_FORMAT_VERSION 2        /* the version of a cache whose fmkv_config.format_version is 0 */
+#define FMKV_FORMAT_VERSION_NEWEST 3 /* the newest version a cache can be created in (format_version 2 or 3) */
 #define FMKV_GROUP_SIZE 32 /* rotated coordinates per scale group */
 #define FMKV_FP16_BITS 16  /* k_bits value meaning "K kept in fp16, unrotated" */
 #define FMKV_MIN_PAGE_SIZE 16
@@ -42,6 +43,11 @@ enum fmkv_scale_rule {
   FMKV_SCALE_RMS = 0, /* scale = RMS of the group */
   FMKV_SCALE_LSQ = 1  /* code with the RMS scale, then least-squares rescale (v1 default) */
 };
+
+/* Is v a format version a cache can be created in? (FORMAT.md section 1) */
+FMKV_HD int fmkv_format_version_supported(int32_t v) { return v == 2 || v == 3; }
+/* The version of a config's format_version field: 0 means FMKV_FORMAT_VERSION. */
+FMKV_HD int32_t fmkv_resolved_format_version(int32_t v) { return v == 0 ? FMKV_FORMAT_VERSION : v; }
 
 /* Is head_dim supported by the format? (power of two, 64..256) */
 FMKV_HD int fmkv_head_dim_supported(int32_t d) { return d == 64 || d == 128 || d == 256; }
@@ -118,6 +124,47 @@ FMKV_HD int32_t fmkv_nibble_shift(int32_t j) { return 4 * (j & 7); }
 FMKV_HD int32_t fmkv_field_shift(int32_t j) {
   int32_t i = j & 15, lo = j >> 4;
   return 8 * (2 * (i & 1) + lo) + 2 * ((i >> 1) & 3);
+}
+
+/* ---- tile blocks (format version 3, 3-bit codes; FORMAT.md section 6, "Tile blocks") -----------------
+ * In format 3 the code region of a 3-bit section is P / 16 tile blocks of 64 G 3 bytes (the same bytes as
+ * format 2's code words): block k holds the codes of token slots 16 k .. 16 k + 15, as 32 "lanes" of G
+ * uint32 words X[lane][g] followed by 32 lanes of G uint16 words Y[lane][g] (little-endian). A lane's
+ * 48 bits of group g hold 16 codes in 16 nibbles (X's 8, then Y's 4 and 4 codes whose three bits fill the
+ * nibbles' bit 3: the "hole" codes j = 0..3 at X bit 4 j + 3, X bit 16 + 4 j + 3, Y bit 4 j + 3). Which
+ * codes a lane holds follows the mma fragments that consume them (docs/FORMAT.md "Why tile blocks"):
+ *   K: lane 4 (t >> 1) + ((c & 15) >> 2) holds token t's coordinate c; even t: X nibble 4 (c >> 4) + (c & 3);
+ *      odd t: Y nibble (c & 3) for c < 16, hole (c & 3) for c >= 16.
+ *   V: with r = c & 15, k = t even ? t / 2 : 8 + t / 2, i = 4 (c >> 4) + (r >> 3) + 2 (k >> 3), h = k & 1:
+ *      lane 4 (r & 7) + ((k & 7) >> 1); i = 0, 1: X nibble 2 h + i; i = 2, 3: X nibble 2 + 2 h + i;
+ *      i = 4, 5: Y nibble 2 h + i - 4; i = 6, 7: hole 2 h + i - 6.
+ * fmkv_tile_code_bit gives the bit of the block (bit n = bit n & 7 of byte n >> 3) that holds bit b of the
+ * code of tile token t16, group g, coordinate c. */
+FMKV_HD int fmkv_tiled_codes(int32_t format_version, int32_t bits) {
+  return fmkv_resolved_format_version(format_version) >= 3 && bits == 3;
+}
+FMKV_HD int64_t fmkv_tile_block_bytes(int32_t d) { return 64 * 3 * (int64_t)fmkv_groups(d); }
+/* Byte offset, inside a section, of the tile block holding token slot t. */
+FMKV_HD int64_t fmkv_tile_block_offset(int32_t d, int32_t t) { return (int64_t)(t >> 4) * fmkv_tile_block_bytes(d); }
+FMKV_HD int32_t fmkv_tile_code_bit(int32_t G, int is_v, int32_t t16, int32_t g, int32_t c, int32_t b) {
+  int32_t lane, nib, hole = -1, in_y = 0;
+  if (!is_v) {
+    lane = 4 * (t16 >> 1) + ((c & 15) >> 2);
+    if ((t16 & 1) == 0) nib = 4 * (c >> 4) + (c & 3);
+    else if (c < 16) { nib = c & 3; in_y = 1; }
+    else { nib = 0; hole = c & 3; }
+  } else {
+    const int32_t r = c & 15, k = (t16 & 1) == 0 ? t16 >> 1 : 8 + (t16 >> 1);
+    const int32_t i = 4 * (c >> 4) + (r >> 3) + 2 * (k >> 3), h = k & 1;
+    lane = 4 * (r & 7) + ((k & 7) >> 1);
+    if (i < 2) nib = 2 * h + i;
+    else if (i < 4) nib = 2 + 2 * h + i;
+    else if (i < 6) { nib = 2 * h + i - 4; in_y = 1; }
+    else { nib = 0; hole = 2 * h + i - 6; }
+  }
+  const int32_t xw = 32 * (G * lane + g), yw = 1024 * G + 16 * (G * lane + g);
+  if (hole >= 0) return b == 0 ? xw + 4 * hole + 3 : b == 1 ? xw + 16 + 4 * hole + 3 : yw + 4 * hole + 3;
+  return (in_y ? yw : xw) + 4 * nib + b;
 }
 
 /* ---- rotation (FORMAT.md "Rotation") ---------------------------------------------------------

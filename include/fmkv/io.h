@@ -90,7 +90,7 @@ typedef struct fmkv_snapshot_info {
   int64_t num_pages;      /* pages per layer in the loaded pools: file_pages + extra_pages */
   int32_t mapped;         /* 1: zero-copy MAP_PRIVATE mapping, 0: owned copy */
   int32_t file_version;   /* FMKV_FILE_VERSION */
-  int32_t format_version; /* FMKV_FORMAT_VERSION */
+  int32_t format_version; /* the cache's format version, config.format_version (a version-1 file loads as 2) */
   uint32_t flags;         /* bit 0: some sequence has dequantized window tokens */
 } fmkv_snapshot_info;
 

@@ -34,6 +34,7 @@ typedef struct fmkv_config {
   int32_t window_tokens; /* last W tokens kept in fp16, compressed as they age out */
   int32_t scale_rule;    /* FMKV_SCALE_LSQ (default) or FMKV_SCALE_RMS */
   uint64_t seed;         /* rotation seed (with the layer index) */
+  int32_t format_version; /* 0 (= FMKV_FORMAT_VERSION, 2), 2 or 3 (3-bit codes in tile blocks; FORMAT.md) */
 } fmkv_config;
 
 /* One layer's storage. pages: num_pages * fmkv_page_bytes(); fp16_k / fp16_v: sink + window

@@ -33,6 +33,7 @@ __all__ = [
     "synchronize",
     "cuda_check",
     "codebook",
+    "codebook_levels",
     "bytes_per_token_head",
     "quantize_vector",
     "dequantize_vector",
@@ -125,6 +126,8 @@ class Config:
     head_dim: 64, 128 or 256. k_bits: 2, 3, 4 or 16 (K kept in fp16). v_bits: 2, 3, 4.
     page_size: tokens per page, a power of two in [16, 256]. sink_tokens / window_tokens: first /
     last tokens kept in fp16. scale_rule: 'lsq' (default) or 'rms'. seed: rotation seed.
+    format_version: 0 (the library's default, :func:`format_version`), 2, or 3 (3-bit codes in tile blocks:
+    integer levels; written and read by the 'ref' backend, refused by the others; docs/FORMAT.md).
     """
 
     head_dim: int = 128
@@ -136,11 +139,13 @@ class Config:
     window_tokens: int = 0
     scale_rule: str = "lsq"
     seed: int = 0
+    format_version: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.scale_rule, str) or self.scale_rule not in _SCALE_RULES:
             raise FmkvError(f"scale_rule {self.scale_rule!r} is not supported (expected 'lsq' or 'rms')")
-        for f in ("head_dim", "num_kv_heads", "k_bits", "v_bits", "page_size", "sink_tokens", "window_tokens", "seed"):
+        for f in ("head_dim", "num_kv_heads", "k_bits", "v_bits", "page_size", "sink_tokens", "window_tokens", "seed",
+                  "format_version"):
             v = getattr(self, f)
             lo, hi, what = (0, 2**64 - 1, "an integer in [0, 2^64)") if f == "seed" else (-(2**31), 2**31 - 1, "a 32-bit integer")
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -161,6 +166,7 @@ class Config:
         c.window_tokens = self.window_tokens
         c.scale_rule = _SCALE_RULES[self.scale_rule]
         c.seed = self.seed
+        c.format_version = self.format_version
         return c
 
     @property
@@ -194,21 +200,37 @@ def codebook(bits: int) -> np.ndarray:
     return _fmkv.codebook(_args.integer("bits", bits))
 
 
-def quantize_vector(x: Any, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq") -> Tuple[np.ndarray, np.ndarray]:
+def codebook_levels(format_version: int, bits: int, side: str) -> np.ndarray:
+    """The 2^(bits-1) positive levels (ascending, float32) that b-bit codes of K (side 'k') or V ('v') stand for
+    in a format version (0: the default): format 3's 3-bit codes use integer levels times an fp16 step."""
+    return _fmkv.codebook_levels(_args.integer("format_version", format_version), _args.integer("bits", bits), _side(side))
+
+
+def _side(side: str) -> bool:
+    if side not in ("k", "v"):
+        raise FmkvError(f"side {side!r} is not 'k' or 'v'")
+    return side == "v"
+
+
+def quantize_vector(x: Any, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq",
+                    format_version: int = 0, side: str = "k") -> Tuple[np.ndarray, np.ndarray]:
     """Quantize one head vector (length head_dim; rounded to fp16 first, like the cache does).
 
     Returns ``(codes, scales)``: codes uint8 [head_dim] (sign-magnitude, in rotated order),
-    scales float16 [head_dim / 32].
+    scales float16 [head_dim / 32]. ``format_version`` (0: the default) and ``side`` ('k' or 'v') pick the
+    codebook (:func:`codebook_levels`).
     """
     if not isinstance(scale_rule, str) or scale_rule not in _SCALE_RULES:
         raise FmkvError(f"scale_rule {scale_rule!r} is not supported (expected 'lsq' or 'rms')")
     codes, scale_bits = _fmkv.quantize_vector(_as_array(x, np.float32), _args.integer("bits", bits),
                                               _args.integer("seed", seed, 0, UINT64_MAX),
-                                              _args.integer("layer", layer), _SCALE_RULES[scale_rule])
+                                              _args.integer("layer", layer), _SCALE_RULES[scale_rule],
+                                              _args.integer("format_version", format_version), _side(side))
     return codes, scale_bits.view(np.float16)
 
 
-def dequantize_vector(codes: Any, scales: Any, bits: int, seed: int = 0, layer: int = 0) -> np.ndarray:
+def dequantize_vector(codes: Any, scales: Any, bits: int, seed: int = 0, layer: int = 0, format_version: int = 0,
+                      side: str = "k") -> np.ndarray:
     """Inverse of :func:`quantize_vector`: float32 [head_dim] in the original (unrotated) basis."""
     codes = _as_array(codes, np.uint8)
     scales = _as_array(scales, np.float16)
@@ -221,9 +243,9 @@ def dequantize_vector(codes: Any, scales: Any, bits: int, seed: int = 0, layer: 
             scales = np.from_dlpack(scales)
         except Exception as e:  # noqa: BLE001
             raise FmkvError(f"scales: cannot read tensor ({e}); pass a numpy float16 array") from None
-        return dequantize_vector(codes, scales, bits, seed, layer)
+        return dequantize_vector(codes, scales, bits, seed, layer, format_version, side)
     return _fmkv.dequantize_vector(codes, scales, _args.integer("bits", bits), _args.integer("seed", seed, 0, UINT64_MAX),
-                                   _args.integer("layer", layer))
+                                   _args.integer("layer", layer), _args.integer("format_version", format_version), _side(side))
 
 
 class Cache:

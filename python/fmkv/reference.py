@@ -44,8 +44,10 @@ def stored_values(config: Config, layer: int, x: Any, is_v: bool, seq_len: Optio
         if p < config.sink_tokens:
             continue
         for h in range(H):
-            codes, scales = quantize_vector(x16[p, h], bits, config.seed, layer, config.scale_rule)
-            out[p, h] = dequantize_vector(codes, scales, bits, config.seed, layer).astype(np.float64)
+            side = "v" if is_v else "k"
+            codes, scales = quantize_vector(x16[p, h], bits, config.seed, layer, config.scale_rule, config.format_version, side)
+            out[p, h] = dequantize_vector(codes, scales, bits, config.seed, layer, config.format_version,
+                                          side).astype(np.float64)
     return out
 
 

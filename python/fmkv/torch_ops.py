@@ -74,14 +74,14 @@ _increment_version = torch.autograd.graph.increment_version
 
 
 def config_to_list(config: Config) -> List[int]:
-    """The 9 ints the ops take for a Config (the uint64 seed as a signed int64)."""
+    """The 10 ints the ops take for a Config (the uint64 seed as a signed int64, then the format version)."""
     seed = config.seed - 2**64 if config.seed >= 2**63 else config.seed
     return [config.head_dim, config.num_kv_heads, config.k_bits, config.v_bits, config.page_size,
-            config.sink_tokens, config.window_tokens, _SCALE[config.scale_rule], seed]
+            config.sink_tokens, config.window_tokens, _SCALE[config.scale_rule], seed, config.format_version]
 
 
 def _raw_config(cfg: List[int]) -> "_fmkv.RawConfig":
-    """The validated RawConfig of the 9 ints (cached: a decode step passes the same list every call)."""
+    """The validated RawConfig of the 10 ints (cached: a decode step passes the same list every call)."""
     key = tuple(cfg)
     c = _RAW_CONFIGS.get(key)
     if c is None:
@@ -92,12 +92,13 @@ def _raw_config(cfg: List[int]) -> "_fmkv.RawConfig":
 
 
 def _make_raw_config(cfg: List[int]) -> "_fmkv.RawConfig":
-    if len(cfg) != 9:
-        raise FmkvError(f"config: expected the 9 ints of fmkv.torch_ops.config_to_list, got {len(cfg)}")
+    if len(cfg) != 10:
+        raise FmkvError(f"config: expected the 10 ints of fmkv.torch_ops.config_to_list, got {len(cfg)}")
     c = _fmkv.RawConfig()
     (c.head_dim, c.num_kv_heads, c.k_bits, c.v_bits, c.page_size, c.sink_tokens, c.window_tokens,
      c.scale_rule) = (int(x) for x in cfg[:8])
     c.seed = int(cfg[8]) % 2**64
+    c.format_version = int(cfg[9])
     _fmkv.config_validate(c)
     return c
 
@@ -344,8 +345,8 @@ def _check_call(op: str, tensors: Dict[str, Any], config: Any, layer: Any, backe
     """The non-tensor arguments of an op wrapper (torch's schema would reject them with its own error
     types, or convert them silently)."""
     _check_device(op, True, **tensors)
-    if not isinstance(config, (list, tuple)) or len(config) != 9:
-        raise _args.type_error(f"fmkv::{op}: config", "the 9 ints of fmkv.torch_ops.config_to_list", config)
+    if not isinstance(config, (list, tuple)) or len(config) != 10:
+        raise _args.type_error(f"fmkv::{op}: config", "the 10 ints of fmkv.torch_ops.config_to_list", config)
     for i, x in enumerate(config):
         _args.integer(f"fmkv::{op}: config[{i}]", x)
     _args.integer(f"fmkv::{op}: layer", layer, 0, _args.INT32_MAX)

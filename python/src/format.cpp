@@ -22,7 +22,8 @@ void bind_format(nb::module_& m) {
       .def_rw("sink_tokens", &fmkv_config::sink_tokens)
       .def_rw("window_tokens", &fmkv_config::window_tokens)
       .def_rw("scale_rule", &fmkv_config::scale_rule)
-      .def_rw("seed", &fmkv_config::seed);
+      .def_rw("seed", &fmkv_config::seed)
+      .def_rw("format_version", &fmkv_config::format_version);
   m.attr("SCALE_RMS") = (int)FMKV_SCALE_RMS;
   m.attr("SCALE_LSQ") = (int)FMKV_SCALE_LSQ;
   m.attr("GROUP_SIZE") = (int)FMKV_GROUP_SIZE;
@@ -71,21 +72,31 @@ void bind_format(nb::module_& m) {
     size_t n = mags.size();
     return numpy_array(std::move(mags), {n});
   }, "bits"_a);
+  m.def("codebook_levels", [](int64_t format_version, int64_t bits, bool is_v) {
+    if (!fits_i32(format_version) || !fits_i32(bits)) fail("format_version and bits must be 32-bit integers");
+    std::vector<float> mags((size_t)1 << (bits >= 2 && bits <= 4 ? bits - 1 : 0));
+    fmkv::check(fmkv_codebook_levels((int32_t)format_version, (int32_t)bits, is_v ? 1 : 0, mags.data()));
+    size_t n = mags.size();
+    return numpy_array(std::move(mags), {n});
+  }, "format_version"_a, "bits"_a, "is_v"_a);
 
   // Returns (codes uint8 [d], scale bits uint16 [d/32]); the Python layer views scales as float16.
-  m.def("quantize_vector", [](const AnyArray& x, int64_t bits, uint64_t seed, int64_t layer, int32_t scale_rule) {
+  m.def("quantize_vector", [](const AnyArray& x, int64_t bits, uint64_t seed, int64_t layer, int32_t scale_rule,
+                              int64_t format_version, bool is_v) {
     std::vector<uint16_t> xh = vector_f16("x", x);
     const int32_t d = (int32_t)xh.size();
     if (!fmkv_head_dim_supported(d)) fail("x: length " + std::to_string(d) + " is not a supported head_dim (64, 128, 256)");
     std::vector<uint8_t> codes(d);
     std::vector<uint16_t> scales(d / FMKV_GROUP_SIZE);
-    fmkv::check(fmkv_quantize_vector(d, narrow_i32("bits", bits), scale_rule, seed, narrow_i32("layer", layer), xh.data(),
-                                     codes.data(), scales.data()));
+    fmkv::check(fmkv_quantize_vector_as(narrow_i32("format_version", format_version), is_v ? 1 : 0, d, narrow_i32("bits", bits),
+                                        scale_rule, seed, narrow_i32("layer", layer), xh.data(), codes.data(), scales.data()));
     size_t nc = codes.size(), ns = scales.size();
     return nb::make_tuple(numpy_array(std::move(codes), {nc}), numpy_array(std::move(scales), {ns}));
-  }, "x"_a, "bits"_a, "seed"_a = 0, "layer"_a = 0, "scale_rule"_a = (int)FMKV_SCALE_LSQ);
+  }, "x"_a, "bits"_a, "seed"_a = 0, "layer"_a = 0, "scale_rule"_a = (int)FMKV_SCALE_LSQ, "format_version"_a = 0,
+     "is_v"_a = false);
 
-  m.def("dequantize_vector", [](const AnyArray& codes, const AnyArray& scale_bits, int64_t bits, uint64_t seed, int64_t layer) {
+  m.def("dequantize_vector", [](const AnyArray& codes, const AnyArray& scale_bits, int64_t bits, uint64_t seed, int64_t layer,
+                                int64_t format_version, bool is_v) {
     std::vector<uint8_t> c = vector_exact<uint8_t>("codes", codes, nb::dlpack::dtype_code::UInt, "uint8");
     std::vector<uint16_t> s = vector_exact<uint16_t>("scales", scale_bits, nb::dlpack::dtype_code::UInt, "float16 / uint16 bits");
     const int32_t d = (int32_t)c.size();
@@ -93,10 +104,10 @@ void bind_format(nb::module_& m) {
     if ((int32_t)s.size() != d / FMKV_GROUP_SIZE)
       fail("scales: length " + std::to_string(s.size()) + ", expected head_dim / 32 = " + std::to_string(d / FMKV_GROUP_SIZE));
     std::vector<float> out(d);
-    fmkv::check(fmkv_dequantize_vector(d, narrow_i32("bits", bits), seed, narrow_i32("layer", layer), c.data(), s.data(),
-                                       out.data()));
+    fmkv::check(fmkv_dequantize_vector_as(narrow_i32("format_version", format_version), is_v ? 1 : 0, d, narrow_i32("bits", bits),
+                                          seed, narrow_i32("layer", layer), c.data(), s.data(), out.data()));
     return numpy_array(std::move(out), {(size_t)d});
-  }, "codes"_a, "scales"_a, "bits"_a, "seed"_a = 0, "layer"_a = 0);
+  }, "codes"_a, "scales"_a, "bits"_a, "seed"_a = 0, "layer"_a = 0, "format_version"_a = 0, "is_v"_a = false);
 }
 
 }  // namespace fmkv_py

@@ -32,6 +32,24 @@ const BackendOps& usable_backend(fmkv_backend b) {
           std::string("backend '") + fmkv_backend_name(b) + "' is not compiled into this build or has no usable device");
   return *ops;
 }
+
+// usable_backend(b), for a valid config whose format version the backend reads and writes.
+const BackendOps& backend_for(fmkv_backend b, const fmkv_config& cfg) {
+  const BackendOps& ops = usable_backend(b);
+  fmkv::validate_config(cfg);
+  const int32_t v = fmkv_resolved_format_version(cfg.format_version);
+  if (v > ops.max_format_version) {
+    std::string which;  // the compiled backends that do
+    for (int i = 0; i < FMKV_BACKEND_COUNT; ++i)
+      if (const BackendOps* o = fmkv::find_backend((fmkv_backend)i); o && o->max_format_version >= v)
+        which += (which.empty() ? "" : ", ") + std::string(fmkv_backend_name((fmkv_backend)i));
+    fmkv::fail(fmkv::kUnsupported, "format version " + std::to_string(v) + " is not supported by the '" +
+                                       fmkv_backend_name(b) + "' backend (it reads and writes format versions up to " +
+                                       std::to_string(ops.max_format_version) + "; format version " + std::to_string(v) +
+                                       " in this build: " + which + ")");
+  }
+  return ops;
+}
 }  // namespace
 
 extern "C" {
@@ -119,7 +137,7 @@ fmkv_status fmkv_append(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer
                         void* stream) {
   return guarded([&] {
     require(cfg && layer && batch && k && v, FMKV_ERR_INVALID_ARGUMENT, "fmkv_append: NULL argument");
-    const BackendOps& ops = usable_backend(b);
+    const BackendOps& ops = backend_for(b, *cfg);
     fmkv::AppendArgs a{*cfg, *layer, *batch, *k, *v, stream};
     fmkv::validate_append_shapes(a);
     if (ops.host_memory) fmkv::validate_append_host(a);
@@ -133,7 +151,7 @@ fmkv_status fmkv_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_la
                            size_t workspace_bytes, void* stream) {
   return guarded([&] {
     require(cfg && layer && batch && q && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_attention: NULL argument");
-    const BackendOps& ops = usable_backend(b);
+    const BackendOps& ops = backend_for(b, *cfg);
     fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f, 0};
     fmkv::AttentionArgs a{*cfg, *layer, *batch, *q, *out, o, workspace, workspace_bytes, stream};
     fmkv::validate_attention_shapes(a);
@@ -148,7 +166,7 @@ fmkv_status fmkv_attention_lse(fmkv_backend b, const fmkv_config* cfg, const fmk
                                void* stream) {
   return guarded([&] {
     require(cfg && layer && batch && q && out && lse, FMKV_ERR_INVALID_ARGUMENT, "fmkv_attention_lse: NULL argument");
-    const BackendOps& ops = usable_backend(b);
+    const BackendOps& ops = backend_for(b, *cfg);
     require(ops.attention_lse, FMKV_ERR_UNSUPPORTED,
             std::string("fmkv_attention_lse: the ") + fmkv_backend_name(b) +
                 " backend does not return the softmax log-denominator (supported: ref, cpu)");
@@ -167,7 +185,7 @@ fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const 
                                   void* workspace, size_t workspace_bytes, void* stream) {
   return guarded([&] {
     require(cfg && layer && batch && k && v && q && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_append_attention: NULL argument");
-    const BackendOps& ops = usable_backend(b);
+    const BackendOps& ops = backend_for(b, *cfg);
     fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f, 0};
     fmkv::AppendArgs ap{*cfg, *layer, *batch, *k, *v, stream};
     fmkv::validate_append_shapes(ap);
@@ -212,7 +230,9 @@ fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const 
 int64_t fmkv_attention_workspace_bytes(fmkv_backend b, const fmkv_config* cfg, int32_t q_heads,
                                        int64_t max_rows, int32_t num_seqs, int64_t max_seq_len) {
   const BackendOps* ops = fmkv::find_backend(b);
-  if (!ops || !ops->attention_workspace_bytes || !cfg || fmkv_config_validate(cfg) != FMKV_OK) return 0;
+  if (!ops || !ops->attention_workspace_bytes || !cfg || fmkv_config_validate(cfg) != FMKV_OK ||
+      fmkv_resolved_format_version(cfg->format_version) > ops->max_format_version)
+    return 0;
   return ops->attention_workspace_bytes(*cfg, q_heads, max_rows, num_seqs, max_seq_len);
 }
 
@@ -246,34 +266,56 @@ fmkv_status fmkv_device_synchronize(fmkv_backend b) {
   });
 }
 
-fmkv_status fmkv_quantize_vector(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int32_t layer,
-                                 const uint16_t* x, uint8_t* codes, uint16_t* scales) {
+namespace {
+// The codebook table of (format_version, is_v, bits), checked.
+int vector_table(int32_t format_version, int32_t is_v, int32_t bits) {
+  require(format_version == 0 || fmkv_format_version_supported(format_version), FMKV_ERR_INVALID_ARGUMENT,
+          "format_version " + std::to_string(format_version) + " is not supported (0 = default, 2 or 3)");
+  require(is_v == 0 || is_v == 1, FMKV_ERR_INVALID_ARGUMENT, "is_v must be 0 (K) or 1 (V), got " + std::to_string(is_v));
+  return fmkv::codebook_table(fmkv_resolved_format_version(format_version), bits, is_v);
+}
+}  // namespace
+
+fmkv_status fmkv_quantize_vector_as(int32_t format_version, int32_t is_v, int32_t d, int32_t bits, int32_t rule,
+                                    uint64_t seed, int32_t layer, const uint16_t* x, uint8_t* codes, uint16_t* scales) {
   return guarded([&] {
     require(x && codes && scales, FMKV_ERR_INVALID_ARGUMENT, "fmkv_quantize_vector: NULL argument");
     require(fmkv_head_dim_supported(d), FMKV_ERR_INVALID_ARGUMENT, "head_dim " + std::to_string(d) + " is not supported (64, 128, 256)");
     require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, "bits " + std::to_string(bits) + " is not supported (2, 3, 4)");
     require(rule == FMKV_SCALE_RMS || rule == FMKV_SCALE_LSQ, FMKV_ERR_INVALID_ARGUMENT, "unknown scale_rule");
+    const int table = vector_table(format_version, is_v, bits);
     for (int32_t i = 0; i < d; ++i)
       require(fmkv::f16_is_finite(x[i]), FMKV_ERR_NON_FINITE, "x[" + std::to_string(i) + "] is NaN or Inf");
     auto sw = fmkv::ref::sign_words(seed, layer, d);
-    fmkv::ref::quantize_vector(x, d, bits, rule, sw.data(), codes, scales);
+    fmkv::ref::quantize_vector(x, d, bits, rule, sw.data(), codes, scales, table);
+  });
+}
+
+fmkv_status fmkv_quantize_vector(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int32_t layer,
+                                 const uint16_t* x, uint8_t* codes, uint16_t* scales) {
+  return fmkv_quantize_vector_as(2, 0, d, bits, rule, seed, layer, x, codes, scales);
+}
+
+fmkv_status fmkv_dequantize_vector_as(int32_t format_version, int32_t is_v, int32_t d, int32_t bits, uint64_t seed,
+                                      int32_t layer, const uint8_t* codes, const uint16_t* scales, float* out) {
+  return guarded([&] {
+    require(codes && scales && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_dequantize_vector: NULL argument");
+    require(fmkv_head_dim_supported(d), FMKV_ERR_INVALID_ARGUMENT, "head_dim " + std::to_string(d) + " is not supported (64, 128, 256)");
+    require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, "bits " + std::to_string(bits) + " is not supported (2, 3, 4)");
+    const int table = vector_table(format_version, is_v, bits);
+    for (int32_t i = 0; i < d; ++i)
+      require(codes[i] < (1u << bits), FMKV_ERR_INVALID_ARGUMENT, "code " + std::to_string(codes[i]) + " does not fit in " + std::to_string(bits) + " bits");
+    auto sw = fmkv::ref::sign_words(seed, layer, d);
+    std::vector<double> y(d), x(d);
+    fmkv::ref::dequantize_vector(codes, scales, d, bits, y.data(), table);
+    fmkv::ref::unrotate_f64(y.data(), d, sw.data(), x.data());
+    for (int32_t i = 0; i < d; ++i) out[i] = (float)x[i];
   });
 }
 
 fmkv_status fmkv_dequantize_vector(int32_t d, int32_t bits, uint64_t seed, int32_t layer,
                                    const uint8_t* codes, const uint16_t* scales, float* out) {
-  return guarded([&] {
-    require(codes && scales && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_dequantize_vector: NULL argument");
-    require(fmkv_head_dim_supported(d), FMKV_ERR_INVALID_ARGUMENT, "head_dim " + std::to_string(d) + " is not supported (64, 128, 256)");
-    require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, "bits " + std::to_string(bits) + " is not supported (2, 3, 4)");
-    for (int32_t i = 0; i < d; ++i)
-      require(codes[i] < (1u << bits), FMKV_ERR_INVALID_ARGUMENT, "code " + std::to_string(codes[i]) + " does not fit in " + std::to_string(bits) + " bits");
-    auto sw = fmkv::ref::sign_words(seed, layer, d);
-    std::vector<double> y(d), x(d);
-    fmkv::ref::dequantize_vector(codes, scales, d, bits, y.data());
-    fmkv::ref::unrotate_f64(y.data(), d, sw.data(), x.data());
-    for (int32_t i = 0; i < d; ++i) out[i] = (float)x[i];
-  });
+  return fmkv_dequantize_vector_as(2, 0, d, bits, seed, layer, codes, scales, out);
 }
 
 void fmkv_f32_to_f16(const float* x, uint16_t* out, int64_t n) {
@@ -291,6 +333,18 @@ fmkv_status fmkv_codebook(int32_t bits, float* mags) {
     require(mags != nullptr, FMKV_ERR_INVALID_ARGUMENT, "mags is NULL");
     require(bits >= 1 && bits <= FMKV_CODEBOOK_MAX_BITS, FMKV_ERR_INVALID_ARGUMENT, "bits must be 1..4");
     for (int m = 0; m < fmkv::magnitude_count(bits); ++m) mags[m] = fmkv::codebook_mag(bits, m);
+  });
+}
+
+fmkv_status fmkv_codebook_levels(int32_t format_version, int32_t bits, int32_t is_v, float* mags) {
+  return guarded([&] {
+    require(mags != nullptr, FMKV_ERR_INVALID_ARGUMENT, "mags is NULL");
+    require(format_version == 0 || fmkv_format_version_supported(format_version), FMKV_ERR_INVALID_ARGUMENT,
+            "format_version " + std::to_string(format_version) + " is not supported (0 = default, 2 or 3)");
+    require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, "bits " + std::to_string(bits) + " is not supported (2, 3, 4)");
+    require(is_v == 0 || is_v == 1, FMKV_ERR_INVALID_ARGUMENT, "is_v must be 0 (K) or 1 (V)");
+    const int table = fmkv::codebook_table(fmkv_resolved_format_version(format_version), bits, is_v);
+    for (int m = 0; m < fmkv::magnitude_count(bits); ++m) mags[m] = fmkv::table_mag(table, bits, m);
   });
 }
 

@@ -37,6 +37,7 @@ struct BackendOps {
   void (*copy)(void* dst, const void* src, size_t bytes, bool to_device);
   void (*synchronize)();
   bool attention_lse;  // decode_attention writes AttentionArgs::lse when requested (fmkv_attention_lse)
+  int32_t max_format_version;  // the newest format version (FORMAT.md section 1) its ops write and read
 };
 
 // The backend compiled into this build under id b; nullptr when b is not one (unknown or not compiled).

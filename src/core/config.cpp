@@ -21,6 +21,8 @@ void validate_config(const fmkv_config& c) {
                                S(FMKV_MAX_PAGE_SIZE) + "]");
   if (c.sink_tokens < 0 || c.window_tokens < 0 || c.sink_tokens > (1 << 20) || c.window_tokens > (1 << 20))
     fail(kInvalidArgument, "sink_tokens and window_tokens must be in [0, 2^20]");
+  if (c.format_version != 0 && !fmkv_format_version_supported(c.format_version))
+    fail(kInvalidArgument, "format_version " + S(c.format_version) + " is not supported (0 = default, 2 or 3)");
   if (c.scale_rule != FMKV_SCALE_RMS && c.scale_rule != FMKV_SCALE_LSQ)
     fail(kInvalidArgument, "scale_rule " + S(c.scale_rule) + " is not FMKV_SCALE_RMS (0) or FMKV_SCALE_LSQ (1)");
 }

@@ -73,5 +73,6 @@ extern const BackendOps cpu_backend = {
     cpu::device_name,
     cpu::append, cpu::decode_attention,
     /*append_attention=*/nullptr, /*attention_workspace_bytes=*/nullptr,
-    /*alloc=*/nullptr, /*free=*/nullptr, /*copy=*/nullptr, /*synchronize=*/nullptr, /*attention_lse=*/true};
+    /*alloc=*/nullptr, /*free=*/nullptr, /*copy=*/nullptr, /*synchronize=*/nullptr, /*attention_lse=*/true,
+    /*max_format_version=*/2};
 }  // namespace fmkv

@@ -31,6 +31,28 @@ namespace dev {  // the same generated levels in constant memory, for device cod
 }  // namespace dev
 #endif
 
+// Which codebook a section's codes use (FORMAT.md section 4): table 0, the Lloyd-Max fp16 levels, for every
+// width of format 2 and for 2- and 4-bit codes of format 3; table 1 (K) or 2 (V), the integer levels of 3-bit
+// codes in format 3 (fmkv_codebook3_int x fmkv_codebook3_step_f16).
+FMKV_HD int codebook_table(int32_t format_version, int32_t bits, int is_v) {
+  return format_version >= 3 && bits == 3 ? 1 + is_v : 0;
+}
+// Integer level m of table 1 or 2, and the table's fp16 step.
+FMKV_HD int codebook_int_level(int table, int m) {
+#if defined(__CUDA_ARCH__) || defined(__CUDACC_RTC__)
+  return dev::fmkv_codebook3_int[table - 1][m];
+#else
+  return fmkv_codebook3_int[table - 1][m];
+#endif
+}
+FMKV_HD uint16_t codebook_step_f16(int table) {
+#if defined(__CUDA_ARCH__) || defined(__CUDACC_RTC__)
+  return dev::fmkv_codebook3_step_f16[table - 1];
+#else
+  return fmkv_codebook3_step_f16[table - 1];
+#endif
+}
+
 // Positive levels of a b-bit codebook: 2^(b-1) (the magnitude index of a code has b-1 bits).
 FMKV_HD int magnitude_count(int bits) { return 1 << (bits - 1); }
 
@@ -45,26 +67,37 @@ FMKV_HD uint16_t codebook_mag_f16(int bits, int m) {
 // Positive level m of a b-bit codebook, as float (exactly an fp16 value).
 FMKV_HD float codebook_mag(int bits, int m) { return f16_to_f32(codebook_mag_f16(bits, m)); }
 
-// Decision threshold between magnitudes m and m+1: their midpoint (exact in float32).
-FMKV_HD float codebook_threshold(int bits, int m) {
-  return (codebook_mag(bits, m) + codebook_mag(bits, m + 1)) * 0.5f;
+// Positive level m of table `table` for b-bit codes, as float: table 0's fp16 level, or L[m] x step (an
+// integer of <= 8 bits times an fp16 value: exact in float32).
+FMKV_HD float table_mag(int table, int bits, int m) {
+  if (table == 0) return codebook_mag(bits, m);
+  return (float)codebook_int_level(table, m) * f16_to_f32(codebook_step_f16(table));
 }
+
+// Decision threshold between magnitudes m and m+1: their midpoint (exact in float32: both levels have at
+// most 19 significant bits).
+FMKV_HD float table_threshold(int table, int bits, int m) {
+  return (table_mag(table, bits, m) + table_mag(table, bits, m + 1)) * 0.5f;
+}
+FMKV_HD float codebook_threshold(int bits, int m) { return table_threshold(0, bits, m); }
 
 // Code of a normalised value u: sign bit (u < 0; so -0 and +0 are positive) at bit b-1, magnitude
 // m = number of thresholds strictly below |u| (a tie goes to the smaller magnitude).
-FMKV_HD uint32_t encode_value(float u, int bits) {
+FMKV_HD uint32_t encode_value_table(float u, int bits, int table) {
   uint32_t sign = u < 0.0f ? 1u : 0u;
   float a = u < 0.0f ? -u : u;
   uint32_t m = 0;
-  for (int i = 0; i + 1 < magnitude_count(bits); ++i) m += a > codebook_threshold(bits, i) ? 1u : 0u;
+  for (int i = 0; i + 1 < magnitude_count(bits); ++i) m += a > table_threshold(table, bits, i) ? 1u : 0u;
   return (sign << (bits - 1)) | m;
 }
+FMKV_HD uint32_t encode_value(float u, int bits) { return encode_value_table(u, bits, 0); }
 
 // The level a b-bit code stands for (before scaling by its group's scale).
-FMKV_HD float decode_level(uint32_t code, int bits) {
-  float v = codebook_mag(bits, (int)(code & ((1u << (bits - 1)) - 1u)));
+FMKV_HD float decode_level_table(uint32_t code, int bits, int table) {
+  float v = table_mag(table, bits, (int)(code & ((1u << (bits - 1)) - 1u)));
   return (code >> (bits - 1)) & 1u ? -v : v;
 }
+FMKV_HD float decode_level(uint32_t code, int bits) { return decode_level_table(code, bits, 0); }
 
 }  // namespace fmkv
 

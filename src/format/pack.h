@@ -1,6 +1,7 @@
 // Code packing of the format core (FORMAT.md "Code words"): the 32 codes of a scale group <-> its
 // `bits` uint32 code words (bit planes and the 2-bit field plane for 2 / 3 bits, nibble words for 4),
-// scalar form. The positions come from include/fmkv/format.h (fmkv_field_*, fmkv_nibble_*).
+// scalar form; and format 3's 3-bit tile blocks, code by code. The positions come from include/fmkv/format.h
+// (fmkv_field_*, fmkv_nibble_*, fmkv_tile_code_bit).
 // Portable: host C++, CUDA host and device, MSL. Backends that pack in parallel (CUDA and MSL
 // ballots, CPU SIMD masks) produce exactly these words.
 #ifndef FMKV_FORMAT_PACK_H
@@ -31,6 +32,25 @@ FMKV_HD uint32_t unpack_code(FMKV_DEVICE const uint32_t* words, int64_t stride, 
   const uint32_t sign = (words[(bits - 1) * stride] >> j) & 1u;
   const uint32_t m = bits == 2 ? (words[0] >> j) & 1u : (words[fmkv_field_word(j) * stride] >> fmkv_field_shift(j)) & 3u;
   return (sign << (bits - 1)) | m;
+}
+
+// Format 3, 3-bit codes (tile blocks, include/fmkv/format.h): write the 3-bit code of tile token t16, group
+// g, coordinate c (K: is_v = 0) into the tile block (its three bits replaced; the other tokens' bits kept),
+// and read it back.
+FMKV_HD void tile_put_code(FMKV_DEVICE uint8_t* block, int32_t G, int is_v, int32_t t16, int32_t g, int32_t c, uint32_t code) {
+  for (int32_t b = 0; b < 3; ++b) {
+    const int32_t n = fmkv_tile_code_bit(G, is_v, t16, g, c, b);
+    const uint8_t m = (uint8_t)(1u << (n & 7));
+    block[n >> 3] = (uint8_t)(((code >> b) & 1u) ? (block[n >> 3] | m) : (block[n >> 3] & ~m));
+  }
+}
+FMKV_HD uint32_t tile_get_code(FMKV_DEVICE const uint8_t* block, int32_t G, int is_v, int32_t t16, int32_t g, int32_t c) {
+  uint32_t code = 0;
+  for (int32_t b = 0; b < 3; ++b) {
+    const int32_t n = fmkv_tile_code_bit(G, is_v, t16, g, c, b);
+    code |= (uint32_t)((block[n >> 3] >> (n & 7)) & 1u) << b;
+  }
+  return code;
 }
 
 }  // namespace fmkv

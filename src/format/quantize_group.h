@@ -28,8 +28,10 @@ FMKV_HD uint16_t rms_scale(float sum_of_squares) { return scale_to_f16(sqrt_rn(s
 // coded with the RMS scale.
 FMKV_HD uint16_t lsq_scale(float sum_y_level, float sum_level_sq) { return scale_to_f16(sum_y_level / sum_level_sq); }
 
-// Quantize one group of 32 rotated values y (float32): codes[32] and the fp16 scale.
-FMKV_HD uint16_t quantize_group(FMKV_THREAD const float* y, int bits, int scale_rule, FMKV_THREAD uint8_t* codes) {
+// Quantize one group of 32 rotated values y (float32) with codebook `table` (codebook_table): codes[32] and
+// the fp16 scale.
+FMKV_HD uint16_t quantize_group_table(FMKV_THREAD const float* y, int bits, int table, int scale_rule,
+                                      FMKV_THREAD uint8_t* codes) {
   float t[32];
   for (int j = 0; j < 32; ++j) t[j] = y[j] * y[j];
   const uint16_t s0 = rms_scale(tree_sum32(t));
@@ -38,15 +40,19 @@ FMKV_HD uint16_t quantize_group(FMKV_THREAD const float* y, int bits, int scale_
     for (int j = 0; j < 32; ++j) codes[j] = 0;
     return 0;
   }
-  for (int j = 0; j < 32; ++j) codes[j] = (uint8_t)encode_value(y[j] / s0f, bits);
+  for (int j = 0; j < 32; ++j) codes[j] = (uint8_t)encode_value_table(y[j] / s0f, bits, table);
   if (scale_rule == FMKV_SCALE_RMS) return s0;
   float num[32], den[32];
   for (int j = 0; j < 32; ++j) {
-    const float l = decode_level(codes[j], bits);
+    const float l = decode_level_table(codes[j], bits, table);
     num[j] = y[j] * l;
     den[j] = l * l;
   }
   return lsq_scale(tree_sum32(num), tree_sum32(den));
+}
+// The same with table 0 (format 2's codebooks).
+FMKV_HD uint16_t quantize_group(FMKV_THREAD const float* y, int bits, int scale_rule, FMKV_THREAD uint8_t* codes) {
+  return quantize_group_table(y, bits, 0, scale_rule, codes);
 }
 
 }  // namespace fmkv

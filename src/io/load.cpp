@@ -135,6 +135,7 @@ std::string cfg_diff(const fmkv_config& f, const fmkv_config& e) {
   one("sink_tokens", f.sink_tokens, e.sink_tokens);
   one("window_tokens", f.window_tokens, e.window_tokens);
   one("scale_rule", f.scale_rule, e.scale_rule);
+  one("format_version", fmkv_resolved_format_version(f.format_version), fmkv_resolved_format_version(e.format_version));
   if (f.seed != e.seed)
     d += (d.empty() ? "" : ", ") + std::string("seed ") + std::to_string((unsigned long long)f.seed) + " (expected " +
          std::to_string((unsigned long long)e.seed) + ")";
@@ -163,9 +164,9 @@ Header parse_header(const Source& src, const fmkv_load_options& o) {
     fail(kInvalidArgument, nm + ": header checksum mismatch (stored " + hex32(stored) + ", computed " + hex32(computed) +
                                "): the file is corrupted");
   H.format_version = rd32(h + kOffFormatVersion);
-  if (H.format_version != FMKV_FORMAT_VERSION && H.format_version != kFormatVersion1)
-    fail(kUnsupported, nm + ": cache data is fmkv format version " + S(H.format_version) + "; this library reads format version " +
-                           S(FMKV_FORMAT_VERSION) + " (and converts version 1 on load)");
+  if (!fmkv_format_version_supported((int32_t)H.format_version) && H.format_version != kFormatVersion1)
+    fail(kUnsupported, nm + ": cache data is fmkv format version " + S(H.format_version) + "; this library reads format versions 2 to " +
+                           S(FMKV_FORMAT_VERSION_NEWEST) + " (and converts version 1 on load)");
   H.flags = rd32(h + kOffFlags);
   if (H.flags & ~kKnownFlags) fail(kUnsupported, nm + ": unknown header flags " + hex32(H.flags));
   if (rd32(h + kOffReserved) || rd32(h + kOffReserved + 4))
@@ -180,6 +181,7 @@ Header parse_header(const Source& src, const fmkv_load_options& o) {
   c.window_tokens = (int32_t)rd32(h + kOffWindow);
   c.scale_rule = (int32_t)rd32(h + kOffScaleRule);
   c.seed = rd64(h + kOffSeed);
+  c.format_version = H.format_version == kFormatVersion1 ? 2 : (int32_t)H.format_version;  // version 1 loads as 2
   try {
     validate_config(c);
   } catch (const Error& e) {
@@ -520,7 +522,7 @@ fmkv_status fmkv_snapshot_get_info(const fmkv_snapshot* s, fmkv_snapshot_info* i
     info->num_pages = s->num_pages;
     info->mapped = s->mapped ? 1 : 0;
     info->file_version = FMKV_FILE_VERSION;
-    info->format_version = FMKV_FORMAT_VERSION;
+    info->format_version = s->cfg.format_version;
     info->flags = s->flags;
   });
 }

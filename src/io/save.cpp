@@ -202,8 +202,14 @@ void zero_tail(const fmkv_config& c, uint8_t* page, int32_t from) {
         continue;
       }
       for (int32_t g = 0; g < G; ++g) {
-        for (int32_t w = 0; w < bits; ++w)
-          std::memset(sec + 4 * fmkv_code_word_index(bits, P, g, w, from), 0, 4 * (size_t)(P - from));
+        if (fmkv_tiled_codes(c.format_version, bits)) {  // tile blocks: the slots' codes, bit by bit
+          for (int32_t t = from; t < P; ++t)
+            for (int32_t j = 0; j < FMKV_GROUP_SIZE; ++j)
+              tile_put_code(sec + fmkv_tile_block_offset(d, t), G, is_v, t & 15, g, j, 0);
+        } else {
+          for (int32_t w = 0; w < bits; ++w)
+            std::memset(sec + 4 * fmkv_code_word_index(bits, P, g, w, from), 0, 4 * (size_t)(P - from));
+        }
         std::memset(sec + fmkv_scales_offset(d, bits, P) + 2 * ((int64_t)g * P + from), 0, 2 * (size_t)(P - from));
       }
     }
@@ -220,12 +226,19 @@ void dequantize_token(const fmkv_config& c, const uint8_t* page, int32_t h, int 
     return;
   }
   std::vector<double> y(d), x(d);
+  const int32_t version = fmkv_resolved_format_version(c.format_version);
+  const int table = codebook_table(version, bits, is_v);
   for (int32_t g = 0; g < G; ++g) {
     uint32_t words[4];
-    for (int32_t w = 0; w < bits; ++w) words[w] = rd32(sec + 4 * fmkv_code_word_index(bits, P, g, w, t));
+    if (!fmkv_tiled_codes(version, bits))
+      for (int32_t w = 0; w < bits; ++w) words[w] = rd32(sec + 4 * fmkv_code_word_index(bits, P, g, w, t));
     const double scale = (double)f16_to_f32(rd16(sec + fmkv_scales_offset(d, bits, P) + 2 * ((int64_t)g * P + t)));
-    for (int32_t j = 0; j < FMKV_GROUP_SIZE; ++j)
-      y[(size_t)g * FMKV_GROUP_SIZE + j] = (double)decode_level(unpack_code(words, 1, bits, j), bits) * scale;
+    for (int32_t j = 0; j < FMKV_GROUP_SIZE; ++j) {
+      const uint32_t code = fmkv_tiled_codes(version, bits)
+                                ? tile_get_code(sec + fmkv_tile_block_offset(d, t), G, is_v, t & 15, g, j)
+                                : unpack_code(words, 1, bits, j);
+      y[(size_t)g * FMKV_GROUP_SIZE + j] = (double)decode_level_table(code, bits, table) * scale;
+    }
   }
   unrotate_exact(y.data(), d, signs.data(), std::sqrt((double)d), x.data());
   for (int32_t i = 0; i < d; ++i) {
@@ -341,7 +354,7 @@ void write_snapshot(const Plan& p, Sink& sink) {
   std::memcpy(h, kMagic, 8);
   wr32(h + kOffFileVersion, FMKV_FILE_VERSION);
   wr32(h + kOffHeaderBytes, kHeaderBytes);
-  wr32(h + kOffFormatVersion, FMKV_FORMAT_VERSION);
+  wr32(h + kOffFormatVersion, (uint32_t)fmkv_resolved_format_version(c.format_version));
   wr32(h + kOffFlags, p.flags);
   wr32(h + kOffHeadDim, (uint32_t)c.head_dim);
   wr32(h + kOffKvHeads, (uint32_t)c.num_kv_heads);

@@ -289,6 +289,7 @@ extern const BackendOps metal_backend = {
     metal::available, metal::device_name,
     metal::append, metal::decode_attention,
     /*append_attention=*/nullptr, metal::attention_workspace_bytes,
-    metal::alloc, metal::free, metal::copy, metal::synchronize, /*attention_lse=*/false};
+    metal::alloc, metal::free, metal::copy, metal::synchronize, /*attention_lse=*/false,
+    /*max_format_version=*/2};
 }  // namespace fmkv
 #endif  // __APPLE__

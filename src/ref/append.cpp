@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "../core/tensor_io.h"
+#include "../format/codebook.h"
 #include "quantize.h"
 
 namespace fmkv::ref {
@@ -11,13 +12,14 @@ namespace {
 struct SectionRef {
   uint8_t* base;  // start of the K or V section of one head in one page
   int32_t bits, d, P;
+  int is_v;
 };
 
 SectionRef section(const AppendArgs& a, int32_t page, int32_t h, int is_v) {
   const fmkv_config& c = a.cfg;
   uint8_t* p = a.layer.pages + (int64_t)page * page_bytes(c) +
                fmkv_section_offset(c.head_dim, c.k_bits, c.v_bits, c.page_size, h, is_v);
-  return {p, is_v ? c.v_bits : c.k_bits, c.head_dim, c.page_size};
+  return {p, is_v ? c.v_bits : c.k_bits, c.head_dim, c.page_size, is_v};
 }
 
 // Write one head vector (fp16 bits) into token slot t of a page section.
@@ -30,13 +32,10 @@ void write_compressed(const AppendArgs& a, const SectionRef& s, int32_t t, const
   std::vector<uint64_t> sw = sign_words(a.cfg.seed, a.layer.layer, s.d);
   std::vector<uint8_t> codes(s.d);
   std::vector<uint16_t> scales(s.d / 32);
-  quantize_vector(x, s.d, s.bits, a.cfg.scale_rule, sw.data(), codes.data(), scales.data());
-  uint32_t* words = (uint32_t*)s.base;
-  uint16_t* sc = (uint16_t*)(s.base + fmkv_scales_offset(s.d, s.bits, s.P));
-  for (int32_t g = 0; g < s.d / 32; ++g) {
-    pack_group(&codes[g * 32], s.bits, words + fmkv_code_word_index(s.bits, s.P, g, 0, t), s.P);
-    sc[(int64_t)g * s.P + t] = scales[g];
-  }
+  const int32_t version = fmkv_resolved_format_version(a.cfg.format_version);
+  quantize_vector(x, s.d, s.bits, a.cfg.scale_rule, sw.data(), codes.data(), scales.data(),
+                  codebook_table(version, s.bits, s.is_v));
+  write_token_codes(s.base, version, s.is_v, s.d, s.bits, s.P, t, codes.data(), scales.data());
 }
 
 }  // namespace

@@ -11,6 +11,7 @@ extern const BackendOps ref_backend = {
     [] { return std::string("host (scalar reference)"); },
     ref::append, ref::decode_attention,
     /*append_attention=*/nullptr, /*attention_workspace_bytes=*/nullptr,
-    /*alloc=*/nullptr, /*free=*/nullptr, /*copy=*/nullptr, /*synchronize=*/nullptr, /*attention_lse=*/true};
+    /*alloc=*/nullptr, /*free=*/nullptr, /*copy=*/nullptr, /*synchronize=*/nullptr, /*attention_lse=*/true,
+    /*max_format_version=*/3};
 
 }  // namespace fmkv

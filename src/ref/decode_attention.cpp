@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "../core/tensor_io.h"
+#include "../format/codebook.h"
 #include "quantize.h"
 
 namespace fmkv::ref {
@@ -23,12 +24,9 @@ void load_compressed(const AttentionArgs& a, int32_t page, int32_t t, int32_t h,
   }
   std::vector<uint8_t> codes(d);
   std::vector<uint16_t> scales(d / 32);
-  const uint16_t* sc = (const uint16_t*)(base + fmkv_scales_offset(d, bits, P));
-  for (int32_t g = 0; g < d / 32; ++g) {
-    unpack_group((const uint32_t*)base + fmkv_code_word_index(bits, P, g, 0, t), P, bits, &codes[g * 32]);
-    scales[g] = sc[(int64_t)g * P + t];
-  }
-  dequantize_vector(codes.data(), scales.data(), d, bits, out);
+  const int32_t version = fmkv_resolved_format_version(c.format_version);
+  read_token_codes(base, version, is_v, d, bits, P, t, codes.data(), scales.data());
+  dequantize_vector(codes.data(), scales.data(), d, bits, out, codebook_table(version, bits, is_v));
 }
 
 }  // namespace

@@ -126,3 +126,34 @@ def test_main_module(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
     assert fmkv.__version__ in out and "ref" in out
+
+
+def test_format_version_3_config_and_codebooks():
+    assert fmkv.Config(format_version=3).format_version == 3
+    assert fmkv.Config().format_version == 0  # the library's default, fmkv.format_version()
+    for bad in (1, 4, -1):
+        with pytest.raises(fmkv.FmkvError, match=f"format_version {bad} is not supported"):
+            fmkv.Config(format_version=bad)
+    # format 3's 3-bit codebooks: integer levels (K on the int8 grid, V with 3 significant bits) x an fp16 step
+    k, v = fmkv.codebook_levels(3, 3, "k"), fmkv.codebook_levels(3, 3, "v")
+    np.testing.assert_array_equal(k / k[0] * 10, [10, 31, 55, 88])
+    np.testing.assert_array_equal(v / v[0], [1, 3, 5, 8])
+    assert np.float16(k[0] / 10) == k[0] / 10 and np.float16(v[0]) == v[0]  # the step is an fp16 value
+    for bits in (2, 3, 4):  # format 2, and format 3's other widths: the Lloyd-Max table
+        np.testing.assert_array_equal(fmkv.codebook_levels(2, bits, "v"), fmkv.codebook(bits))
+        if bits != 3:
+            np.testing.assert_array_equal(fmkv.codebook_levels(3, bits, "k"), fmkv.codebook(bits))
+    with pytest.raises(fmkv.FmkvError, match="side"):
+        fmkv.codebook_levels(3, 3, "q")
+
+
+def test_quantize_vector_format_3(rng):
+    x = rng.standard_normal(128).astype(np.float32)
+    for side, table in (("k", fmkv.codebook_levels(3, 3, "k")), ("v", fmkv.codebook_levels(3, 3, "v"))):
+        codes, scales = fmkv.quantize_vector(x, 3, seed=5, layer=1, format_version=3, side=side)
+        y = fmkv.dequantize_vector(codes, scales, 3, seed=5, layer=1, format_version=3, side=side)
+        assert np.linalg.norm(y - x) / np.linalg.norm(x) < 0.25  # ~sqrt(0.0349) for N(0,1) data
+        # the same codes read with format 2's table give other values: the tables differ
+        y2 = fmkv.dequantize_vector(codes, scales, 3, seed=5, layer=1)
+        assert not np.allclose(y, y2)
+        assert set(np.unique(codes)) <= set(range(8)) and table.shape == (4,)
