@@ -3,6 +3,8 @@
 // copy bandwidth, and one decode step per layer (append + attention: separate vs fused, in a CUDA
 // graph). Prints one JSON object per line. Driver: bench/cuda_bench.py.
 //   fmkv_cuda_bench [--quick]
+// FMKV_BENCH_FORMAT_VERSION=3 runs every case in format version 3 (3-bit codes in tile blocks); each record
+// names its format_version.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -240,6 +242,13 @@ int main(int argc, char** argv) {
   // B=1 with a W-token fp16 window (attention and decode step; no quantize timing); --quant-only kb vb:
   // the quantize-append timing alone (for profilers)
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  const char* fv_env = std::getenv("FMKV_BENCH_FORMAT_VERSION");
+  const int format_version = fv_env ? std::atoi(fv_env) : 0;
+  if (fv_env && format_version != 2 && format_version != 3) {
+    std::fprintf(stderr, "FMKV_BENCH_FORMAT_VERSION=%s: expected 2 or 3\n", fv_env);
+    return 2;
+  }
+  const int fv_out = format_version ? format_version : fmkv_format_version();
   const bool quant_only = argc > 3 && std::string(argv[1]) == "--quant-only";
   // --latency: k3v3 at B=1 4k / 32k / 128k and B=64 8k, attention and decode step (no quantize timing)
   const bool latency = argc > 1 && std::string(argv[1]) == "--latency";
@@ -342,6 +351,7 @@ int main(int argc, char** argv) {
     cfg.page_size = P;
     cfg.seed = 1234;
     cfg.window_tokens = window;
+    cfg.format_version = format_version;
     const int64_t pb = fmkv_config_page_bytes(&cfg);
 
     // ---- quantize-append throughput: one 32k-token prefill chunk, fp16 input
@@ -377,8 +387,8 @@ int main(int argc, char** argv) {
       const double us = median(t) * 1e3;
       const double bytes = (double)chunk * H * d * 2 * 2 + (double)np * pb;
       std::printf("{\"kind\":\"quantize\",\"k_bits\":%d,\"v_bits\":%d,\"tokens\":%lld,\"head_dim\":%d,\"kv_heads\":%d,"
-                  "\"page_size\":%d,\"time_us\":%.2f,\"bytes\":%.0f,\"gbps\":%.1f,\"mtok_per_s\":%.2f}\n",
-                  f.kb, f.vb, (long long)chunk, d, H, P, us, bytes, bytes / us / 1e3, chunk / us);
+                  "\"page_size\":%d,\"time_us\":%.2f,\"bytes\":%.0f,\"gbps\":%.1f,\"mtok_per_s\":%.2f,\"format_version\":%d}\n",
+                  f.kb, f.vb, (long long)chunk, d, H, P, us, bytes, bytes / us / 1e3, chunk / us, fv_out);
       std::fflush(stdout);
       CK(cudaFree(pages));
       CK(cudaFree(dt));
@@ -519,16 +529,16 @@ int main(int argc, char** argv) {
       std::printf("{\"kind\":\"decode\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":%d,\"context\":%lld,"
                   "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"time_us\":%.3f,\"bytes\":%.0f,"
                   "\"gbps\":%.1f,\"copy_gbps\":%.1f,\"pct_copy_bw\":%.1f,\"copies\":%d,\"nonfinite_out\":%d,"
-                  "\"window\":%d,\"max_seq_len\":%lld%s}\n",
+                  "\"window\":%d,\"max_seq_len\":%lld,\"format_version\":%d%s}\n",
                   f.kb, f.vb, B, qlen, ctx_out, d, HQ, H, P, us, bytes, bytes / us / 1e3, cbw,
-                  100.0 * bytes / us / 1e3 / cbw, copies, nonfinite, window, (long long)bound, rag.c_str());
+                  100.0 * bytes / us / 1e3 / cbw, copies, nonfinite, window, (long long)bound, fv_out, rag.c_str());
       if (step_fused_us > 0)
         std::printf("{\"kind\":\"step\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":%d,\"context\":%lld,"
                     "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"fused_us\":%.3f,"
                     "\"separate_us\":%.3f,\"attention_only_us\":%.3f,\"copies\":%d,\"window\":%d,"
-                    "\"max_seq_len\":%lld}\n",
+                    "\"max_seq_len\":%lld,\"format_version\":%d}\n",
                     f.kb, f.vb, B, qlen, (long long)ctx, d, HQ, H, P, step_fused_us, step_sep_us, us, copies, window,
-                    (long long)bound);
+                    (long long)bound, fv_out);
       std::fflush(stdout);
       CK(cudaFree(pages));
       CK(cudaFree(dt));

@@ -11,6 +11,7 @@ cuda_sdpa_variants.jsonl), merges, prints a table and writes docs/results/cuda_d
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --latency  # cuda_latency.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --kv-heads-sweep  # cuda_kv_heads.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --ragged  # cuda_decode_ragged.jsonl
+    ... --format-version 3: every fmkv case in format version 3 (the records say format_version)
 """
 import argparse
 import json
@@ -126,7 +127,7 @@ def quantize_record(r, copy, device, commit):
                 kv_heads=r["kv_heads"], layers=1, k_bits=r["k_bits"], v_bits=r["v_bits"],
                 page_size=r["page_size"], time_us=r["time_us"], bytes=r["bytes"], gbps=r["gbps"],
                 copy_gbps=copy["gbps"], pct_copy_bw=round(100 * r["gbps"] / copy["gbps"], 1),
-                mtok_per_s=r["mtok_per_s"])
+                mtok_per_s=r["mtok_per_s"], format_version=r.get("format_version", 2))
 
 
 def print_quantize(qua):
@@ -158,6 +159,7 @@ def decode_record(r, bt, be, device, commit, suite="cuda_decode"):
                 copy_gbps=r["copy_gbps"], pct_copy_bw=r["pct_copy_bw"], baseline="torch_sdpa_fp16_" + be,
                 baseline_time_us=round(bt, 3), speedup=round(bt / r["time_us"], 3),
                 nonfinite_out=r["nonfinite_out"], window_tokens=r.get("window", 0),
+                format_version=r.get("format_version", 2),
                 max_seq_len=r.get("max_seq_len", 0))  # the call's length bound (0: none; the bench passes the context)
 
 
@@ -300,7 +302,12 @@ def main():
     ap.add_argument("--kv-heads-sweep", action="store_true",
                     help="B=1 decode with 1/2/4/8 kv heads (4 q heads each), k3v3 and k4v4, with SDPA of the same "
                          "shapes; writes cuda_kv_heads.jsonl only")
+    ap.add_argument("--format-version", type=int, choices=(2, 3), default=None,
+                    help="the cache format version of every fmkv case (FMKV_BENCH_FORMAT_VERSION of the binary; "
+                         "format 3 changes the 3-bit codes only)")
     a = ap.parse_args()
+    if a.format_version:
+        os.environ["FMKV_BENCH_FORMAT_VERSION"] = str(a.format_version)
     if a.replot:
         dec = [json.loads(l) for l in open(os.path.join(a.out, "cuda_decode.jsonl"))]
         plot_decode(dec, dec[0]["copy_gbps"], dec[0]["device"], os.path.join(a.out, "cuda_decode.png"))
@@ -359,7 +366,8 @@ def main():
                               time_us=r["fused_us"], separate_us=r["separate_us"],
                               attention_only_us=r["attention_only_us"], graph="cuda_graph",
                               baseline="torch_sdpa_fp16_" + be + "_attention_only", baseline_time_us=round(bt, 3),
-                              speedup=round(bt / r["fused_us"], 3), window_tokens=r.get("window", 0)))
+                              speedup=round(bt / r["fused_us"], 3), window_tokens=r.get("window", 0),
+                              format_version=r.get("format_version", 2)))
         elif r["kind"] == "quantize":
             qua.append(quantize_record(r, copy, device, a.commit))
     if a.latency:

@@ -123,10 +123,15 @@ inline bool in_default_cuda_grid(int d, int kb, int vb) {
   return ((d == 64 || d == 128) && small) || (d == 256 && kb == vb && (kb == 3 || kb == 4));
 }
 
-// True when e says that backend b (CUDA) lacks a combination outside the default grid: the caller skips it.
-inline bool cuda_combination_not_compiled(fmkv_backend b, const fmkv::Error& e, int d, int kb, int vb) {
+// Format 3 (a 3-bit side in tile blocks): the default CUDA grid has k3v3 for every head_dim.
+inline bool in_default_cuda_grid_f3(int d, int kb, int vb) { return in_default_cuda_grid(d, kb, vb) && kb == 3 && vb == 3; }
+
+// True when e says that backend b (CUDA) lacks a combination outside the default grid (of format 3 when
+// f3): the caller skips it.
+inline bool cuda_combination_not_compiled(fmkv_backend b, const fmkv::Error& e, int d, int kb, int vb, bool f3 = false) {
   return b == FMKV_BACKEND_CUDA && e.code() == FMKV_ERR_UNSUPPORTED &&
-         std::string(e.what()).find("not compiled") != std::string::npos && !in_default_cuda_grid(d, kb, vb);
+         std::string(e.what()).find("not compiled") != std::string::npos &&
+         !(f3 ? in_default_cuda_grid_f3(d, kb, vb) : in_default_cuda_grid(d, kb, vb));
 }
 
 // n output elements of dtype out_dtype (raw bytes) as float.

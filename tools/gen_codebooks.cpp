@@ -1,6 +1,6 @@
 // Generates src/format/codebooks.inc: the Lloyd-Max codebooks of format v1 / v2 and the integer-level
-// 3-bit codebooks of format v3, the only place they are computed. Usage: gen_codebooks [OUT]  (stdout when OUT is omitted). The committed file must equal
-// this program's output (tests/test_codebook.cpp checks it).
+// 3-bit codebooks of format v3, the only place they are computed. Usage: gen_codebooks [OUT]  (stdout when
+// OUT is omitted). The committed file must equal this program's output (tests/test_codebook.cpp checks it).
 //   gen_codebooks --integer-levels [MAX]   prints the integer-level tables (a format-3 draft, see
 //   tools/lloyd_max.h) for bits 1..4 with |level| <= MAX (default 127), then on the odd grid (int8 with the
 //   sign as a complement) and the three- and four-significant-bit grids (fp16 operands), each with its distortion
@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
   std::string il = "/* Format v3 3-bit codebooks [0] K, [1] V: positive integer levels L (ascending) and the fp16 step;\n"
                    " * magnitude m stands for L[m] x step (exact in float32). */\n"
                    "#define FMKV_INT_LEVELS 4\n"
-                   "FMKV_TABLE unsigned char fmkv_codebook3_int[2][FMKV_INT_LEVELS] = {";
+                   "#define FMKV_CODEBOOK3_INT {";
   std::string st = "FMKV_TABLE unsigned short fmkv_codebook3_step_f16[2] = {";
   std::string idist = "#ifndef FMKV_CODEBOOK_LEVELS_ONLY\n/* Distortion of the v3 3-bit tables (fp16 step), K and V. */\n"
                       "FMKV_TABLE double fmkv_codebook3_distortion[2] = {";
@@ -103,7 +103,9 @@ int main(int argc, char** argv) {
     std::snprintf(buf, sizeof buf, "%s%.17g", side ? ", " : " ", fmkv::integer_levels_distortion(pos, fmkv::f16_bits_to_f64(step)));
     idist += buf;
   }
-  s += il + " };\n" + st + " };\n" + idist + " };\n#endif\n";
+  s += il + " } /* a constant expression, for kernels that build operand tables at compile time */\n"
+       "FMKV_TABLE unsigned char fmkv_codebook3_int[2][FMKV_INT_LEVELS] = FMKV_CODEBOOK3_INT;\n" +
+       st + " };\n" + idist + " };\n#endif\n";
   FILE* out = argc > 1 ? std::fopen(argv[1], "wb") : stdout;
   if (!out) { std::perror(argv[1]); return 1; }
   std::fputs(s.c_str(), out);

@@ -28,6 +28,7 @@
 
 #include "../format/quantize_group.h"
 #include "quantize.cuh"
+#include "tile_blocks.cuh"
 
 namespace fmkv {
 namespace cuda {
@@ -54,6 +55,8 @@ struct AppendParams {
   SignWords sw;
   QuantTables qt[3];  // code widths 2, 3, 4
   long long* err;
+  int32_t f3;          // format 3 with a 3-bit side: the compress<..., true> kernels (tile blocks)
+  QuantTables qt3[2];  // format 3: the 3-bit tables of K (table 1) and V (table 2)
 };
 
 __global__ void validate_seq(AppendParams p) {
@@ -188,6 +191,58 @@ __device__ __forceinline__ void quantize_store(const float (&r)[64], const float
   }
 }
 
+// Format 3: the thread's two groups of a 3-bit tiled section (FORMAT.md section 6) -- the exact quantizer
+// (thread_quantize_group with EXACT), then the token's codes into its tile block (tile_put_group_red) and
+// its scales as format 2 stores them. scratch: the task's whole tiles, zero-filled in shared memory
+// (token slots tok0 .. of the task), else nullptr: the page's blocks, by reductions.
+template <bool LSQ, int NT>
+__device__ __forceinline__ void quantize_store_tiled(const float (&r)[64], const float (&cn)[2], const QuantTables& qt,
+                                                     const VecTask& vt, int t, int P, int is_v, uint8_t* scratch,
+                                                     int32_t tok0) {
+  constexpr int G = 2 * NT;
+  uint8_t* block = scratch ? scratch + fmkv_tile_block_offset(32 * G, vt.tok - tok0) : vt.sec + fmkv_tile_block_offset(32 * G, vt.tok);
+  uint16_t* scales = (uint16_t*)(vt.sec + (int64_t)G * 3 * P * 4) + vt.tok;  // fmkv_scales_offset
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    float y[32];
+#pragma unroll
+    for (int k = 0; k < 32; ++k) y[k] = __fmul_rn(r[32 * b + k], cn[b]);
+    uint32_t w[3];
+    const uint16_t sc = thread_quantize_group<3, LSQ, true>(y, qt, w);
+    const int g = t + NT * b;
+    if (vt.sec) {
+      tile_put_group_red<G>(block, is_v, vt.tok & 15, g, w, scratch != nullptr);
+      scales[(int64_t)g * P] = sc;
+    }
+  }
+}
+
+// A warp task of a tiled side. When its VPW vectors are whole tile blocks -- the same page section, token
+// slots tok0 .. tok0 + VPW - 1 with tok0 a multiple of 16 (a prefill chunk: D = 64 and 128) -- the blocks are
+// built zero-filled in the task's own input stage (read into registers already; refilled only after this
+// task) and stored whole; otherwise every token's bits go to the page by reductions.
+template <int D, bool LSQ>
+__device__ __forceinline__ void tiled_task(const AppendParams& p, const float (&r)[64], const float (&cn)[2],
+                                           const VecTask& vt, int t, int lane, int is_v, uint8_t* stage) {
+  constexpr int NT = D / 64, VPW = 32 / NT, G = D / 32, BW = VPW / 16 * 48 * G;  // BW: words of the whole blocks
+  const uint64_t sec0 = __shfl_sync(kFull, (uint64_t)(uintptr_t)vt.sec, 0);
+  const int32_t tok0 = __shfl_sync(kFull, vt.tok, 0);
+  bool full = VPW >= 16 && (tok0 & 15) == 0;
+  full = __all_sync(kFull, full && vt.sec && (uint64_t)(uintptr_t)vt.sec == sec0 && vt.tok == tok0 + lane / NT);
+  uint32_t* blk = reinterpret_cast<uint32_t*>(stage);
+  if (full) {
+    __syncwarp();  // every lane has read its input from the stage
+    for (int i = lane; i < BW; i += 32) blk[i] = 0u;
+    __syncwarp();
+  }
+  quantize_store_tiled<LSQ, NT>(r, cn, p.qt3[is_v], vt, t, p.P, is_v, full ? stage : nullptr, tok0);
+  if (full) {
+    __syncwarp();
+    uint32_t* dst = reinterpret_cast<uint32_t*>(vt.sec + fmkv_tile_block_offset(D, tok0));
+    for (int i = lane; i < BW; i += 32) dst[i] = blk[i];
+  }
+}
+
 // Place of chunk c (< 256) of a warp's 4 KB tile: segment c / 8 (= the owner lane), 16-byte slot
 // (c % 8) ^ (segment % 8). Conflict-free for the loader (8 consecutive chunks per quarter warp) and
 // for the owner's reads.
@@ -252,7 +307,9 @@ constexpr int kCompressSmem = kCompressWarps * kCompressStages * 256 * 16;
 // VB in {2, 3, 4}. A kernel holds at most two quantizers (one when KB == VB), so its hot loop stays in
 // the instruction cache (a runtime switch over all six was 175 KB of code: a one-token k4v2 append in a
 // CUDA-graph decode step took ~21 us through it, ~12 us now; docs/history/cuda-quantize.md, d6d8e90).
-template <int D, int KB, int VB, bool LSQ>
+// F3: format 3, whose 3-bit sides are written as tile blocks (quantize_store_tiled); compiled for the width
+// pairs with a 3-bit side only.
+template <int D, int KB, int VB, bool LSQ, bool F3>
 __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
   constexpr int NT = D / 64, VPW = 32 / NT, CPV = D / 8;
   extern __shared__ __align__(16) uint4 tiles[];  // [warp][stage][256]
@@ -345,11 +402,19 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
       // one non-finite input makes every output non-finite (header comment); ring rows were checked
       // when they were appended. Reported after the quantization (no live values around the call).
       bad = !(fabsf(r8[0]) <= 3.402823466e38f) && t == 0 && vt.src && !(vt.src & 1u);
-      if constexpr (KB == VB) {
+      if constexpr (KB == VB && kTiled<VB, F3>) {
+        tiled_task<D, LSQ>(p, r8, cn, vt, t, lane, isv, const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(tile)));
+      } else if constexpr (KB == VB) {
         quantize_store<VB, LSQ, NT>(r8, cn, p.qt[VB - 2], vt, t, p.P);
       } else {
-        if (isv) quantize_store<VB, LSQ, NT>(r8, cn, p.qt[VB - 2], vt, t, p.P);
-        else if constexpr (KB != FMKV_FP16_BITS) quantize_store<KB, LSQ, NT>(r8, cn, p.qt[KB - 2], vt, t, p.P);
+        if (isv) {
+          if constexpr (kTiled<VB, F3>) tiled_task<D, LSQ>(p, r8, cn, vt, t, lane, 1, const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(tile)));
+          else quantize_store<VB, LSQ, NT>(r8, cn, p.qt[VB - 2], vt, t, p.P);
+        } else if constexpr (kTiled<KB, F3>) {
+          tiled_task<D, LSQ>(p, r8, cn, vt, t, lane, 0, const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(tile)));
+        } else if constexpr (KB != FMKV_FP16_BITS) {
+          quantize_store<KB, LSQ, NT>(r8, cn, p.qt[KB - 2], vt, t, p.P);
+        }
       }
     }
     if (bad) report_nonfinite_row(p, r, h, isv);
@@ -405,13 +470,13 @@ __global__ void __launch_bounds__(256) fp16_rows(AppendParams p) {
   }
 }
 
-template <int D, int KB, int VB, bool LSQ>
+template <int D, int KB, int VB, bool LSQ, bool F3>
 int compress_blocks_per_sm() {  // same for every device of the one compiled architecture
   static const int n = [] {
-    check_cuda(cudaFuncSetAttribute(compress<D, KB, VB, LSQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, kCompressSmem),
+    check_cuda(cudaFuncSetAttribute(compress<D, KB, VB, LSQ, F3>, cudaFuncAttributeMaxDynamicSharedMemorySize, kCompressSmem),
                "compress shared memory");
     int b = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, compress<D, KB, VB, LSQ>, 32 * kCompressWarps,
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, compress<D, KB, VB, LSQ, F3>, 32 * kCompressWarps,
                                                              kCompressSmem),
                "occupancy");
     return b > 0 ? b : 1;
@@ -419,11 +484,20 @@ int compress_blocks_per_sm() {  // same for every device of the one compiled arc
   return n;
 }
 
+template <int D, int KB, int VB, bool LSQ, bool F3>
+void launch_compress_f(const AppendParams& p, cudaStream_t st) {
+  const int64_t blocks = std::min<int64_t>(((int64_t)p.items + kCompressWarps - 1) / kCompressWarps,
+                                           (int64_t)compress_blocks_per_sm<D, KB, VB, LSQ, F3>() * sm_count());
+  compress<D, KB, VB, LSQ, F3><<<(unsigned)blocks, 32 * kCompressWarps, kCompressSmem, st>>>(p);
+}
+
+// format 3 with a 3-bit side: its own kernel (the format-2 one keeps its code)
 template <int D, int KB, int VB, bool LSQ>
 void launch_compress(const AppendParams& p, cudaStream_t st) {
-  const int64_t blocks = std::min<int64_t>(((int64_t)p.items + kCompressWarps - 1) / kCompressWarps,
-                                           (int64_t)compress_blocks_per_sm<D, KB, VB, LSQ>() * sm_count());
-  compress<D, KB, VB, LSQ><<<(unsigned)blocks, 32 * kCompressWarps, kCompressSmem, st>>>(p);
+  if constexpr (KB == 3 || VB == 3) {
+    if (p.f3) return launch_compress_f<D, KB, VB, LSQ, true>(p, st);
+  }
+  launch_compress_f<D, KB, VB, LSQ, false>(p, st);
 }
 
 // The compress kernel of (p.kb, p.vb, p.rule); the host checked the widths (fmkv_config validation).
@@ -480,6 +554,9 @@ void append(const AppendArgs& a) {
   p.pages16 = aligned16(a.layer.pages);
   p.items = (uint32_t)tasks;
   for (int i = 0; i < 3; ++i) p.qt[i] = quant_tables(i + 2);
+  p.f3 = fmkv_tiled_codes(c.format_version, c.k_bits) || fmkv_tiled_codes(c.format_version, c.v_bits);
+  p.qt3[0] = tile_quantizer_tables(1);
+  p.qt3[1] = tile_quantizer_tables(2);
   p.err = error_word();
   cudaStream_t st = to_stream(a.stream);
   validate_seq<<<(unsigned)p.num_seqs, 128, 0, st>>>(p);

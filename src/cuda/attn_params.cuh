@@ -25,6 +25,7 @@ struct AttnParams {
   int64_t o_rs, o_hs;
   int32_t H, HQ, gq, P, S, W, R;
   float sm_scale, softcap;
+  float tile_step[2];  // format 3: the steps of the 3-bit K and V tables (fp16 values; the kernels use the integers)
   SignWords sw;
   float2* part_ml;
   float* part_acc;

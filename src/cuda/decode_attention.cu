@@ -220,12 +220,18 @@ bool balanced_call(int32_t num_seqs) {
   return on && num_seqs >= 2 && num_seqs <= kBalanceMaxSeqs;
 }
 
+// Does the config store a side in format 3's tile blocks (the F3 kernels)?
+bool tiled_config(const fmkv_config& c) {
+  return fmkv_tiled_codes(c.format_version, c.k_bits) || fmkv_tiled_codes(c.format_version, c.v_bits);
+}
+
 AttnFn attn_kernel(const fmkv_config& c) {
+  const bool f3 = tiled_config(c);
   switch (c.k_bits) {
-    case 2: return attn_kernel_k2(c.head_dim, c.v_bits, c.page_size);
-    case 3: return attn_kernel_k3(c.head_dim, c.v_bits, c.page_size);
-    case 4: return attn_kernel_k4(c.head_dim, c.v_bits, c.page_size);
-    case 16: return attn_kernel_k16(c.head_dim, c.v_bits, c.page_size);
+    case 2: return attn_kernel_k2(c.head_dim, c.v_bits, c.page_size, f3);
+    case 3: return attn_kernel_k3(c.head_dim, c.v_bits, c.page_size, f3);
+    case 4: return attn_kernel_k4(c.head_dim, c.v_bits, c.page_size, f3);
+    case 16: return attn_kernel_k16(c.head_dim, c.v_bits, c.page_size, f3);
   }
   return AttnFn{};
 }
@@ -290,10 +296,12 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   if (a.batch.num_seqs == 0 || a.q.rows == 0) return;
   const int32_t d = c.head_dim, HQ = a.q.heads;
   const AttnFn fn = attn_kernel(c);
+  const bool f3 = tiled_config(c);
   if (!fn)
     throw Error(kUnsupported, "cuda attention: k" + std::to_string(c.k_bits) + "v" + std::to_string(c.v_bits) +
-                                  " with head_dim " + std::to_string(d) + " is not compiled into this build (compiled: " +
-                                  kAttnDefaultGrid + "; configure with -DFMKV_CUDA_FULL_GRID=ON for every combination)");
+                                  " with head_dim " + std::to_string(d) + (f3 ? " in format version 3" : "") +
+                                  " is not compiled into this build (compiled: " + (f3 ? kAttnDefaultGridF3 : kAttnDefaultGrid) +
+                                  "; configure with -DFMKV_CUDA_FULL_GRID=ON for every combination)");
   // a fused step with fp16 regions: a second sink/window CTA attends the tokens before the step
   const int32_t nraw = ap != nullptr && c.sink_tokens + c.window_tokens > 0 ? 2 : 1;
   // splits per (sequence, kv head) of the grid, and partial slots per query vector (cap >= ns: a balanced
@@ -328,6 +336,8 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.gq = HQ / c.num_kv_heads;
   p.sm_scale = a.opts.softmax_scale > 0 ? a.opts.softmax_scale : 1.0f / sqrtf((float)d);
   p.softcap = a.opts.softcap;
+  p.tile_step[0] = f16_to_f32(codebook_step_f16(1));
+  p.tile_step[1] = f16_to_f32(codebook_step_f16(2));
   const int64_t parts = partial_count(a.q.rows, HQ, cap);
   p.part_ml = (float2*)a.workspace;
   p.part_acc = (float*)((char*)a.workspace + align256(parts * (int64_t)sizeof(float2)));
@@ -340,8 +350,10 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.nraw = nraw;
   if (ap) {
     fill_kv(p, ap->k, ap->v);
-    if (c.k_bits != FMKV_FP16_BITS) p.kq = quant_tables(c.k_bits);
-    p.vq = quant_tables(c.v_bits);
+    // format 3's tiled sides: the 3-bit tables of K (1) and V (2) for the exact quantizer
+    if (c.k_bits != FMKV_FP16_BITS)
+      p.kq = fmkv_tiled_codes(c.format_version, c.k_bits) ? tile_quantizer_tables(1) : quant_tables(c.k_bits);
+    p.vq = fmkv_tiled_codes(c.format_version, c.v_bits) ? tile_quantizer_tables(2) : quant_tables(c.v_bits);
   }
 #ifdef FMKV_CUDA_TRACE
   p.trace = trace_buffer();

@@ -54,6 +54,7 @@
 #include "balanced_plan.cuh"
 #include "fp16_part.cuh"
 #include "fused_step.cuh"
+#include "tile_blocks.cuh"
 
 namespace fmkv {
 namespace cuda {
@@ -217,7 +218,7 @@ struct SplitShared {
 // Where lane `lane`'s cp.async chunks of a tile come from: chunk c = lane + 32 i of the tile (TileGeom
 // order) lands at byte 16 c of the stage; its source is the page's head base + ch_off[i] + t0 ch_mul[i]
 // (t0 = the tile's first token in its page); ch_off[i] = -1: the lane has no chunk i.
-template <int D, int KB, int VB, int P, int NCH>
+template <int D, int KB, int VB, int P, int NCH, bool F3>
 __device__ __forceinline__ void tile_copy_plan(const AttnParams& p, int lane, int (&ch_off)[NCH], int (&ch_mul)[NCH]) {
   using TG = TileGeom<D, KB, VB>;
   constexpr int G = D / 32;
@@ -230,9 +231,13 @@ __device__ __forceinline__ void tile_copy_plan(const AttnParams& p, int lane, in
     if (c < TG::chunks) {
       int off = 16 * c, sec = 0, sec_page_off = 0, bits = KB;
       if (off >= TG::kbytes) { off -= TG::kbytes; sec = 1; sec_page_off = (int)p.ksec_bytes; bits = VB; }
+      const bool tiled = sec == 0 ? kTiled<KB, F3> : kTiled<VB, F3>;
       if (sec == 0 && K16) {
         ch_off[i] = off;
         ch_mul[i] = 2 * D;
+      } else if (off < G * bits * 64 && tiled) {  // format 3: the tile's code block (t0 a multiple of 16)
+        ch_off[i] = sec_page_off + off;
+        ch_mul[i] = 4 * G * bits;
       } else if (off < G * bits * 64) {  // code plane row r, part q
         ch_off[i] = sec_page_off + (off / 64) * P * 4 + off % 64;
         ch_mul[i] = 4;
@@ -310,6 +315,7 @@ struct TileLane {
   uint32_t TK[4], TV[4];   // fp16x2 level tables T[k] = level 2k | level 2k + 1 << 16 (2-bit: T[1] negated T[0])
   NibbleTables NK, NV;     // 4-bit codes: the same levels as byte tables (nibble_bytes)
   uint32_t k16, vsel;      // 16 (the sign move of nibble_bytes); 4-bit V: the byte interleave of two tokens
+  uint32_t z;              // format-3 V: 0x0808, the zero low bytes' selector nibbles (tile_v_fragment)
   bool softcapped;
   float inv_cap, fac2[2];  // 1 / softcap; score factor of queries 2 tid + j (max |q| x scale, log2 units)
   uint32_t kmul[2], vmul;  // multipliers that move sign / magnitude-bit planes into bits 15 / 31
@@ -320,7 +326,7 @@ struct TileLane {
 // TileLane, and this warp's Q fragments (B operand, query vector gID normalised to max |q| = 1, fp16) to
 // qb = sh.qb[warp], in the coordinate order the K decode of tile_scores pairs. ci_first: the warp's first
 // compressed token; C: the sequence's compressed tokens.
-template <int D, int KB, int VB>
+template <int D, int KB, int VB, bool F3>
 __device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, int gID, int tid, const SplitShared<D>& sh,
                                                 const float (*sq)[D], uint2 (&qb)[D / 32][2][32], uint64_t ci_first,
                                                 int64_t C, TileLane& L) {
@@ -339,9 +345,32 @@ __device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, i
   // 8 tid + 4 c .. + 3); 4-bit V: half-word gID & 1 of word gID >> 1 (coordinates 4 gID .. + 3),
   // the two tokens' bytes interleaved first (selector vsel)
   L.vsel = (gID & 1) ? 0x7362u : 0x5140u;
+  L.z = sh.pow2[3] * 0x0101u;  // 0x0808, from shared memory: a register operand of the LOP3
   // B operand: query vector gID, normalised to max |q| = 1; kept in shared memory and read per tile
   // (ld.volatile: not hoisted into 16 registers, which would cost occupancy)
-  {
+  if constexpr (kTiled<KB, F3>) {
+    // format 3: q16 = q x 32639 / max |q| rounded, in two int8 parts (qh, ql): b0 / b1 of mma.m16n8k32 =
+    // coordinates 32 g + 4 tid .. + 3 / 32 g + 16 + 4 tid .. + 3 (tile_k_fragment's k order)
+    const float qmax = sh.qmax[gID], qs = qmax > 0.0f ? kTileQScale / qmax : 0.0f;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      uint32_t hw[2], lw[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        hw[j] = 0u;
+        lw[j] = 0u;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int q16 = __float2int_rn(sq[gID][32 * g + 16 * j + 4 * tid + e] * qs);
+          const int qh = (q16 + 128) >> 8, ql = q16 - 256 * qh;
+          hw[j] |= ((uint32_t)qh & 0xffu) << (8 * e);
+          lw[j] |= ((uint32_t)ql & 0xffu) << (8 * e);
+        }
+      }
+      qb[g][0][lane] = make_uint2(hw[0], hw[1]);
+      qb[g][1][lane] = make_uint2(lw[0], lw[1]);
+    }
+  } else {
     const float qmax = sh.qmax[gID], qinv = qmax > 0.0f ? 1.0f / qmax : 0.0f;
 #pragma unroll
     for (int g = 0; g < G; ++g)
@@ -361,7 +390,8 @@ __device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, i
   L.inv_cap = L.softcapped ? 1.0f / p.softcap : 0.0f;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const float fac = sh.qmax[2 * tid + j] * p.sm_scale;
+    // (format-3 K: int32 sums of q16 x integer levels, so also x step / 32639)
+    const float fac = sh.qmax[2 * tid + j] * p.sm_scale * (kTiled<KB, F3> ? p.tile_step[0] / kTileQScale : 1.0f);
     // scores are kept in log2 units (x log2 e) inside the tile loop; m is converted back at the end
     L.fac2[j] = p.softcap > 0.0f ? fac : fac * kLog2e;
   }
@@ -396,14 +426,40 @@ __device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, i
 // (i0, i0 + 1) and (i0 + 16, i0 + 17); 4 bits the nibbles of half-word c of word tid (coordinates
 // 8 tid + 4 c .. + 3) -- the pairs qb (this warp's Q fragments) holds Q in. Each group's mma result (its
 // own accumulator) is multiplied by the token's fp16 scale in fp32.
-template <int D, int KB>
+template <int D, int KB, bool F3>
 __device__ __forceinline__ void tile_scores(const uint16_t* ka, const uint32_t* kw, const uint32_t* ks,
                                             const uint2 (&qb)[D / 32][2][32], int lane, int tid, const TileLane& L,
                                             float (&sc)[4]) {
   constexpr int G = D / 32;
   constexpr bool K16 = KB == FMKV_FP16_BITS;
   constexpr int KW = K16 ? 1 : KB;  // code words per group and token (K)
-  if constexpr (K16) {
+  if constexpr (kTiled<KB, F3>) {  // format 3 (kw: the staged tile block): two IMMA per group, exact int32
+    uint32_t X[G], Y[G];
+    tile_load<G>((const uint8_t*)kw, lane, X, Y);
+    int d[G][4];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      uint32_t a[4];
+      tile_k_fragment(X[g], Y[g], a);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[g][i] = 0;
+      const uint2 qh = load_shared_u2(&qb[g][0][lane]);
+      mma16832s8(d[g], a[0], a[1], a[2], a[3], qh.x, qh.y);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[g][i] <<= 8;
+      const uint2 ql = load_shared_u2(&qb[g][1][lane]);
+      mma16832s8(d[g], a[0], a[1], a[2], a[3], ql.x, ql.y);
+    }
+#pragma unroll
+    for (int g = G - 1; g >= 0; --g) {
+      const uint32_t s2 = ks[g * 8];
+      const float fa = h_lo(s2), fb = h_hi(s2);
+      sc[0] += (float)d[g][0] * fa;
+      sc[1] += (float)d[g][1] * fa;
+      sc[2] += (float)d[g][2] * fb;
+      sc[3] += (float)d[g][3] * fb;
+    }
+  } else if constexpr (K16) {
     const uint16_t* kb = ka + D;
 #pragma unroll
     for (int g = 0; g < G; ++g)
@@ -538,11 +594,13 @@ __device__ __forceinline__ void tile_softmax(const AttnParams& p, const float (&
 // tokens 4 tid .. 4 tid + 3 (vw: their words of code plane 0 of group 0; vs: the V scales of tokens 2 gID,
 // 2 gID + 1 of group 0), P (pr, tile_softmax's C-fragment layout) times the tokens' V scales (0 from
 // token offset tlim on), rounded to fp16 and transposed into the B operand.
-template <int D, int VB>
+template <int D, int VB, bool F3>
 __device__ __forceinline__ void tile_pv(const uint32_t* vw, const uint32_t* vs, const float (&pr)[4], int koff, int tlim,
-                                        int gID, const TileLane& L, float (&acc)[D / 32][2][4]) {
+                                        int gID, const TileLane& L, float (&acc)[D / 32][2][4], int lane) {
   constexpr int G = D / 32;
   const int i0v = 2 * gID, fwv = gID >> 2;
+  uint32_t XV[G], YV[G];  // format 3: the lane's words of the staged V tile block
+  if constexpr (kTiled<VB, F3>) tile_load<G>((const uint8_t*)vw, lane, XV, YV);
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     // P x token scale (fp32, then fp16: p <= 1 and |scale| <= 65504 cannot overflow), transposed
@@ -553,7 +611,12 @@ __device__ __forceinline__ void tile_pv(const uint32_t* vw, const uint32_t* vs, 
     pb0 = movmatrix_trans(pb0);
     pb1 = movmatrix_trans(pb1);
     uint32_t aA0, aA1, aA2, aA3, aB0, aB1, aB2, aB3;
-    if constexpr (VB == 4) {
+    if constexpr (kTiled<VB, F3>) {
+      uint32_t a[8];
+      tile_v_fragment(XV[g], YV[g], L.z, a);
+      aA0 = a[0]; aA1 = a[1]; aA2 = a[2]; aA3 = a[3];
+      aB0 = a[4]; aB1 = a[5]; aB2 = a[6]; aB3 = a[7];
+    } else if constexpr (VB == 4) {
       // nibbles of tokens (a, b), (c, d) interleaved bytewise, then per half-word two fp16 pairs
       // (coordinate n; token pair): aA = n0, n1 = 4 gID, 4 gID + 1, aB = n2, n3
       const uint4 n4 = *(const uint4*)(vw + (g * 4 + (gID >> 1)) * 16);
@@ -616,7 +679,7 @@ __device__ __forceinline__ void tile_pv(const uint32_t* vw, const uint32_t* vs, 
 // The tile loop of one warp and pass: tile k (k < nmy) is computed from stage k % NST of the warp's
 // stages wst while tile k + NST - 1 is copied into the stage freed by tile k - 1 (issue) and the page
 // entry of tile k + NST is read (entry_k; pg_ahead carries it to the next issue).
-template <int D, int KB, int VB, class EntryK, class Issue>
+template <int D, int KB, int VB, bool F3, class EntryK, class Issue>
 __device__ __forceinline__ void split_tile_loop(const AttnParams& p, int nmy, const EntryK& entry_k, const Issue& issue,
                                                 int32_t& pg_ahead, const uint8_t* wst, int lane, int gID, int tid,
                                                 const uint2 (&qb)[D / 32][2][32], const TileLane& L, float (&m_run)[2],
@@ -640,15 +703,17 @@ __device__ __forceinline__ void split_tile_loop(const AttnParams& p, int nmy, co
     // this lane's words of the staged tile (the mapping above)
     float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const uint16_t* ka = (const uint16_t*)st + 2 * gID * D;           // fp16 K: tokens 2 gID, 2 gID + 1
-    const uint32_t* kw = (const uint32_t*)st + 2 * gID;               // tokens 2 gID, 2 gID + 1, plane 0
+    // tokens 2 gID, 2 gID + 1, plane 0 (format 3: the tile block)
+    const uint32_t* kw = kTiled<KB, F3> ? (const uint32_t*)st : (const uint32_t*)st + 2 * gID;
     const uint32_t* ks = (const uint32_t*)(st + G * KB * 64) + gID;   // their scales, group 0
-    tile_scores<D, KB>(ka, kw, ks, qb, lane, tid, L, sc);
+    tile_scores<D, KB, F3>(ka, kw, ks, qb, lane, tid, L, sc);
     float pr[4];
     tile_softmax<G>(p, sc, koff, L, m_run, l_run, acc, pr);
     const uint8_t* vst = st + TG::kbytes;
-    const uint32_t* vw = (const uint32_t*)vst + 4 * tid;              // tokens 4 tid .. 4 tid + 3, plane 0
+    // tokens 4 tid .. 4 tid + 3, plane 0 (format 3: the tile block)
+    const uint32_t* vw = kTiled<VB, F3> ? (const uint32_t*)vst : (const uint32_t*)vst + 4 * tid;
     const uint32_t* vs = (const uint32_t*)(vst + G * VB * 64) + gID;  // V scales of tokens 2 gID, 2 gID + 1
-    tile_pv<D, VB>(vw, vs, pr, koff, L.tlim, gID, L, acc);
+    tile_pv<D, VB, F3>(vw, vs, pr, koff, L.tlim, gID, L, acc, lane);
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
 }
@@ -660,7 +725,7 @@ __device__ __forceinline__ void split_tile_loop(const AttnParams& p, int nmy, co
 // vector i = tidx / 16 of the pass, float4 columns 4 (tidx % 16) + 64 u (u < D / 64); each thread forms
 // its vector's combined max, the warps' factors and sum itself (no second barrier), and the half warp of
 // the vector applies the inverse rotation (half_warp_unrotate).
-template <int D, int KB, int VB>
+template <int D, int KB, int VB, bool F3>
 __device__ __forceinline__ void split_combine_store(const AttnParams& p, int slot, int64_t vb, int64_t nqv, int tidx, int warp,
                                                     int gID, int tid, uint8_t* smem, uint8_t* wst,
                                                     const SplitShared<D>& sh, const float (&m_run)[2],
@@ -687,8 +752,10 @@ __device__ __forceinline__ void split_combine_store(const AttnParams& p, int slo
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int k = 0; k < 4; ++k)
-        wacc[(2 * tid + (k & 1)) * D + (VB == 4 ? 32 * g + 4 * gID + 2 * mt + (k >> 1)
-                                                : 32 * g + 2 * gID + mt + ((k & 2) ? 16 : 0))] = acc[g][mt][k];
+        wacc[(2 * tid + (k & 1)) * D + (kTiled<VB, F3> ? 32 * g + 16 * mt + gID + ((k & 2) ? 8 : 0)
+                                        : VB == 4     ? 32 * g + 4 * gID + 2 * mt + (k >> 1)
+                                                      : 32 * g + 2 * gID + mt + ((k & 2) ? 16 : 0))] =
+            kTiled<VB, F3> ? acc[g][mt][k] * p.tile_step[1] : acc[g][mt][k];  // format 3: V levels x step
   __syncthreads();
   constexpr int TPV = 128 / kQV, NU = D / (4 * TPV);  // threads per vector, float4 columns per thread
   static_assert(TPV == 16 && NU * 64 == D, "a half warp per vector (half_warp_unrotate's mapping)");
@@ -734,7 +801,7 @@ __device__ __forceinline__ void split_combine_store(const AttnParams& p, int slo
 // for every query vector and returns. Per pass of kQV query vectors: Q requested, the warp's first tiles'
 // copies issued, Q rotated (split_q_*), the tile loop (tile_lane_setup, split_tile_loop), the combine
 // (split_combine_store).
-template <int D, int KB, int VB, int P>
+template <int D, int KB, int VB, int P, bool F3>
 __device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int sp, int ns, int tidx, int warp, int lane, int gID,
                                           int tid, int64_t r0, int64_t n, int64_t len, int64_t C, uint8_t* smem,
                                           const SplitShared<D>& sh) {
@@ -764,7 +831,7 @@ __device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int
 
   constexpr int NCH = (TG::chunks + 31) / 32;
   int ch_off[NCH], ch_mul[NCH];
-  tile_copy_plan<D, KB, VB, P>(p, lane, ch_off, ch_mul);
+  tile_copy_plan<D, KB, VB, P, NCH, F3>(p, lane, ch_off, ch_mul);
 
   // This warp's tiles: ti = tb + warp + 4 k, k < nmy, i.e. compressed tokens ci_first + 64 k + [0, 16).
   // Tile k is staged into stage k % NST by cp.async NST - 1 tiles ahead of its use; its page index
@@ -834,7 +901,7 @@ __device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int
     __syncthreads();  // also: sh.tab filled
     FMKV_TRACE(p, 0, 4);
     TileLane L;
-    tile_lane_setup<D, KB, VB>(p, lane, gID, tid, sh, sq, sh.qb[warp], ci_first, C, L);
+    tile_lane_setup<D, KB, VB, F3>(p, lane, gID, tid, sh, sq, sh.qb[warp], ci_first, C, L);
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
     float acc[D / 32][2][4];
 #pragma unroll
@@ -843,14 +910,14 @@ __device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int k = 0; k < 4; ++k) acc[g][mt][k] = 0.0f;
-    split_tile_loop<D, KB, VB>(p, nmy, entry_k, issue, pg_ahead, wst, lane, gID, tid, sh.qb[warp], L, m_run, l_run, acc);
+    split_tile_loop<D, KB, VB, F3>(p, nmy, entry_k, issue, pg_ahead, wst, lane, gID, tid, sh.qb[warp], L, m_run, l_run, acc);
     cp_async_wait<0>();
     if (bad_k >= 0 && lane == 0) {  // the first out-of-range entry of this warp's tiles
       const uint32_t rel = (slot0 + kTokensPerStep * (uint32_t)bad_k) / P;
       report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)(ci_first / P + rel), bt_first[rel], p.num_pages);
     }
     FMKV_TRACE(p, 0, 6);
-    split_combine_store<D, KB, VB>(p, split_slot(sp), vb, nqv, tidx, warp, gID, tid, smem, wst, sh, m_run, l_run, acc);
+    split_combine_store<D, KB, VB, F3>(p, split_slot(sp), vb, nqv, tidx, warp, gID, tid, smem, wst, sh, m_run, l_run, acc);
     if (vb + kQV < nqv) __syncthreads();  // the next pass rewrites the stages, sh.vpart and sh.m / sh.l
   }
   FMKV_TRACE(p, 0, 7, kTraceSplit);
@@ -862,7 +929,7 @@ __device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int
 // the codebook levels requested (split CTAs), the dependency wait, the error word and the sequence's batch
 // arrays in one round trip, the sequence checks; then the CTA's role: fused_step (CTA nsplit of a fused
 // step), fp16_part (CTA nsplit of an attention call, CTA nsplit + 1 of a fused step) or split_cta.
-template <int D, int KB, int VB, int P>
+template <int D, int KB, int VB, int P, bool F3>
 __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn_kernel(AttnParams p) {
   constexpr int G = D / 32;
   constexpr bool K16 = KB == FMKV_FP16_BITS;
@@ -937,12 +1004,12 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   // regions): the fp16 tokens before the step. (Two equality tests: with `sp >= nsplit` ptxas lays the
   // tile loop out after this code, and the split CTAs' prologue ran ~1 us slower.)
   if (sp == p.nsplit || sp == p.nsplit + 1) {
-    if (p.fused && sp == p.nsplit) fused_step<D, P, KB, VB>(p, s, h, len0, r0, n, smem);
+    if (p.fused && sp == p.nsplit) fused_step<D, P, KB, VB, F3>(p, s, h, len0, r0, n, smem);
     else fp16_part<D>(p, s, h, len - n, r0, n, fmkv_compressed_end(p.S, p.W, len), p.fused ? len0 : len, raw_slot(p, z), smem);
     FMKV_TRACE(p, 0, 7, p.fused && sp == p.nsplit ? kTraceFused : kTraceFp16Part);
     return;
   }
-  split_cta<D, KB, VB, P>(p, s, h, k, ns, tidx, warp, lane, gID, tid, r0, n, len, C, smem,
+  split_cta<D, KB, VB, P, F3>(p, s, h, k, ns, tidx, warp, lane, gID, tid, r0, n, len, C, smem,
                           {s_qmax, s_tab, s_pow2, s_qb, sm_m, sm_l, s_vpos, s_vpart});
 }
 
@@ -960,41 +1027,58 @@ constexpr bool attn_compiled(int d, int kb, int vb) {
 #endif
 }
 const char* const kAttnDefaultGrid = "k2v2, k3v3, k4v4, k4v2, k16v3 for head_dim 64/128 and k3v3, k4v4 for head_dim 256";
+// Format 3 (a 3-bit side in tile blocks): a default build compiles k3v3 (every head_dim); the full grid
+// every combination with a 3-bit side.
+constexpr bool attn_compiled_f3(int d, int kb, int vb) {
+#ifdef FMKV_CUDA_FULL_GRID
+  return attn_compiled(d, kb, vb) && (kb == 3 || vb == 3);
+#else
+  return attn_compiled(d, kb, vb) && kb == 3 && vb == 3;
+#endif
+}
+const char* const kAttnDefaultGridF3 = "k3v3 for head_dim 64/128/256";
 
-template <int D, int KB, int VB>
+template <int D, int KB, int VB, bool F3>
 AttnFn attn_kernel_for_page(int page) {
-  if constexpr (!attn_compiled(D, KB, VB)) {
+  if constexpr (F3 ? !attn_compiled_f3(D, KB, VB) : !attn_compiled(D, KB, VB)) {
     return {};
   } else {
     constexpr int smem = TileGeom<D, KB, VB>::smem_total;
     switch (page) {
-      case 16: return {attn_kernel<D, KB, VB, 16>, smem};
-      case 32: return {attn_kernel<D, KB, VB, 32>, smem};
-      case 64: return {attn_kernel<D, KB, VB, 64>, smem};
-      case 128: return {attn_kernel<D, KB, VB, 128>, smem};
-      case 256: return {attn_kernel<D, KB, VB, 256>, smem};
+      case 16: return {attn_kernel<D, KB, VB, 16, F3>, smem};
+      case 32: return {attn_kernel<D, KB, VB, 32, F3>, smem};
+      case 64: return {attn_kernel<D, KB, VB, 64, F3>, smem};
+      case 128: return {attn_kernel<D, KB, VB, 128, F3>, smem};
+      case 256: return {attn_kernel<D, KB, VB, 256, F3>, smem};
     }
     return {};
   }
 }
 
-AttnFn attn_kernel_k2(int d, int vb, int page);
-AttnFn attn_kernel_k3(int d, int vb, int page);
-AttnFn attn_kernel_k4(int d, int vb, int page);
-AttnFn attn_kernel_k16(int d, int vb, int page);
+// f3: the kernel of format 3's tile blocks (the caller passes it only when a side is 3-bit).
+AttnFn attn_kernel_k2(int d, int vb, int page, bool f3);
+AttnFn attn_kernel_k3(int d, int vb, int page, bool f3);
+AttnFn attn_kernel_k4(int d, int vb, int page, bool f3);
+AttnFn attn_kernel_k16(int d, int vb, int page, bool f3);
 
-#define FMKV_ATTN_DISPATCH(KB)                                          \
-  AttnFn attn_kernel_k##KB(int d, int vb, int page) {                   \
+#define FMKV_ATTN_DISPATCH_F(KB, F3)                                    \
     switch (d * 10 + vb) {                                              \
-      case 642: return attn_kernel_for_page<64, KB, 2>(page);           \
-      case 643: return attn_kernel_for_page<64, KB, 3>(page);           \
-      case 644: return attn_kernel_for_page<64, KB, 4>(page);           \
-      case 1282: return attn_kernel_for_page<128, KB, 2>(page);         \
-      case 1283: return attn_kernel_for_page<128, KB, 3>(page);         \
-      case 1284: return attn_kernel_for_page<128, KB, 4>(page);         \
-      case 2562: return attn_kernel_for_page<256, KB, 2>(page);         \
-      case 2563: return attn_kernel_for_page<256, KB, 3>(page);         \
-      case 2564: return attn_kernel_for_page<256, KB, 4>(page);         \
+      case 642: return attn_kernel_for_page<64, KB, 2, F3>(page);       \
+      case 643: return attn_kernel_for_page<64, KB, 3, F3>(page);       \
+      case 644: return attn_kernel_for_page<64, KB, 4, F3>(page);       \
+      case 1282: return attn_kernel_for_page<128, KB, 2, F3>(page);     \
+      case 1283: return attn_kernel_for_page<128, KB, 3, F3>(page);     \
+      case 1284: return attn_kernel_for_page<128, KB, 4, F3>(page);     \
+      case 2562: return attn_kernel_for_page<256, KB, 2, F3>(page);     \
+      case 2563: return attn_kernel_for_page<256, KB, 3, F3>(page);     \
+      case 2564: return attn_kernel_for_page<256, KB, 4, F3>(page);     \
+    }
+#define FMKV_ATTN_DISPATCH(KB)                                          \
+  AttnFn attn_kernel_k##KB(int d, int vb, int page, bool f3) {          \
+    if (f3) {                                                           \
+      FMKV_ATTN_DISPATCH_F(KB, true)                                    \
+    } else {                                                            \
+      FMKV_ATTN_DISPATCH_F(KB, false)                                   \
     }                                                                   \
     return {};                                                          \
   }

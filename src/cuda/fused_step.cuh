@@ -1,5 +1,6 @@
 #pragma once
 #include "fp16_part.cuh"
+#include "tile_blocks.cuh"
 
 namespace fmkv {
 namespace cuda {
@@ -162,10 +163,12 @@ struct StagedRowCheck {
 // One head vector (x[r] = fp16 bits of coordinate lane + 32 r) written to token slot t of a page section
 // (bit-exact with the append), and its dequantized value in the raw domain to dst[0, D) (one warp).
 // A vector with a NaN / Inf element writes nothing and returns false (every rotated value is then
-// non-finite: each is a signed sum of all inputs; k16 rows are tested element by element).
-template <int D, int B, int P>
+// non-finite: each is a signed sum of all inputs; k16 rows are tested element by element). Format 3's
+// tiled sections (kTiled<B, F3>; is_v: the section's side): the exact quantizer, the codes set bit by bit
+// with atomics in the tile block (the step's other tokens of the tile may be written by other warps).
+template <int D, int B, int P, bool F3>
 __device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uint8_t* sec, int32_t t, const SignWords& sw,
-                                                const QuantTables& q, int rule, int lane, float* dst) {
+                                                const QuantTables& q, int rule, int lane, float* dst, int is_v) {
   constexpr int NR = D / 32;
   float v[NR];
 #pragma unroll
@@ -184,6 +187,20 @@ __device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uin
   } else {
     warp_rotate<D>(v, sw, lane);
     if (!__all_sync(kFull, isfinite(v[0]))) return false;
+    if constexpr (kTiled<B, F3>) {
+      uint32_t code[NR];
+      uint16_t sc[NR];
+      warp_quantize_exact<NR>(v, q, rule, code, sc);
+      tile_put_codes_atomic<NR>(sec + fmkv_tile_block_offset(D, t), is_v, t & 15, code, lane);
+      uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, B, P)) + t;
+#pragma unroll
+      for (int g = 0; g < NR; ++g)
+        if (lane == g) scales[(int64_t)g * P] = sc[g];
+      warp_unrotate<D>(v, sw, lane);
+#pragma unroll
+      for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = v[i];
+      return true;
+    }
     uint32_t* words = (uint32_t*)sec;
     uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, B, P));
     // group g = register g: coordinate lane of the group
@@ -216,7 +233,7 @@ __device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uin
 //      new rows that land in the sink or the ring (fresh_part).
 // The split CTAs meanwhile attend [S, E0), and (with fp16 regions) a second sink/window CTA the sink and
 // ring tokens before the step, [0, min(S, len0)) and [E1, len0) (fp16_part): none of them does this step write.
-template <int D, int P, int KB, int VB>
+template <int D, int P, int KB, int VB, bool F3>
 __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int64_t r0, int64_t n, uint8_t* smem) {
   constexpr int NR = D / 32;
   using FG = Fp16Geom<D>;
@@ -291,9 +308,9 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
     uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, KB, VB, P, h, isv);
     float* dst = (isv ? dv : dk) + j * D;
     // K and V of one width share one copy of the code (the second warp's instruction fetches hit)
-    if (KB == VB) compress_vector<D, KB, P>(x, sec, t, p.sw, p.kq, p.rule, lane, dst);
-    else if (isv) compress_vector<D, VB, P>(x, sec, t, p.sw, p.vq, p.rule, lane, dst);
-    else compress_vector<D, KB, P>(x, sec, t, p.sw, p.kq, p.rule, lane, dst);
+    if (KB == VB) compress_vector<D, KB, P, F3>(x, sec, t, p.sw, F3 && isv ? p.vq : p.kq, p.rule, lane, dst, isv);
+    else if (isv) compress_vector<D, VB, P, F3>(x, sec, t, p.sw, p.vq, p.rule, lane, dst, isv);
+    else compress_vector<D, KB, P, F3>(x, sec, t, p.sw, p.kq, p.rule, lane, dst, isv);
   }
   FMKV_TRACE(p, 0, 3);
 

@@ -58,6 +58,16 @@ inline const QuantTables& quant_tables(int bits) {
   return tables[bits - 2];
 }
 
+// A decision threshold for any t (t + hulp and s with at most 29 + 24 significant bits together): the float
+// T with |y| > T <=> fl(|y| / s) > t for every float |y|. The boundary B = (t + hulp) s (the quotient's
+// rounding boundary above t; t has an even significand, so a tie rounds to t) is exact in double; its
+// nearest float Tn, or the float below Tn when Tn > B (no float lies strictly between B and Tn).
+__device__ __forceinline__ float exact_threshold(float t, float hulp, float s) {
+  const double b = ((double)t + (double)hulp) * (double)s;
+  const float tn = __double2float_rn(b);
+  return (double)tn > b ? __uint_as_float(__float_as_uint(tn) - 1u) : tn;
+}
+
 // Decision thresholds of a group with fp16 scale s (as float): fl(|y| / s) > t_i <=> |y| > T_i =
 // RD(t_i s + hulp_i s) (see thread_quantize_group for why this is exact). Uniform per group.
 template <int BITS>
@@ -347,7 +357,9 @@ __device__ __forceinline__ void thread_fwht(float (&r)[64], int lane) {
 //    y = +-0 the term is a zero of either sign, and the sum of these non-negative terms is positive
 //    (s0 != 0), so zero signs never reach the result.
 // Sums keep tree_sum32's pairs: t[j] + t[j+16] is formed as soon as both terms exist.
-template <int BITS, bool LSQ>
+// EXACT (format 3's 3-bit tables, whose thresholds have up to 18 significant bits: t_i s is not exact in
+// float): the group's thresholds from exact_threshold instead, the same compares after.
+template <int BITS, bool LSQ, bool EXACT = false>
 __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], const QuantTables& q,
                                                          uint32_t (&w)[BITS]) {
   constexpr int M = 1 << (BITS - 1);
@@ -370,7 +382,8 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
   // before the helpers existed).
   float T[M - 1];
 #pragma unroll
-  for (int i = 0; i < M - 1; ++i) T[i] = __fadd_rd(__fmul_rn(q.thr[i], s0f), __fmul_rn(q.hulp[i], s0f));
+  for (int i = 0; i < M - 1; ++i)
+    T[i] = EXACT ? exact_threshold(q.thr[i], q.hulp[i], s0f) : __fadd_rd(__fmul_rn(q.thr[i], s0f), __fmul_rn(q.hulp[i], s0f));
 #pragma unroll
   for (int b = 0; b < BITS; ++b) w[b] = 0u;
   float num8[8], den8[8];
