@@ -1,6 +1,6 @@
 // CPU backend benchmark: decode attention on compressed pages, quantize-append throughput, and a
 // STREAM-style copy bandwidth measured in the same run. Prints one JSON object per line.
-//   cpu_bench [--contexts 4096,32768,131072] [--reps N] [--quick]
+//   cpu_bench [--contexts 4096,32768,131072] [--reps N] [--quick] [--format-version 2|3]
 // Timing: median of several runs (fewer at long contexts); the cache is filled with random valid
 // codes and finite fp16 scales (values do not change the work done).
 #include <algorithm>
@@ -131,6 +131,7 @@ int main(int argc, char** argv) {
   int reps_override = 0;
   bool skip_quant = false;
   int only_kb = 0, only_geom = -1;
+  int32_t format_version = 0;  // the caches' fmkv_config.format_version (0: the library's default)
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--contexts" && i + 1 < argc) {
@@ -149,6 +150,8 @@ int main(int argc, char** argv) {
       only_kb = std::atoi(argv[++i]);
     } else if (a == "--geom" && i + 1 < argc) {
       only_geom = std::atoi(argv[++i]);
+    } else if (a == "--format-version" && i + 1 < argc) {
+      format_version = std::atoi(argv[++i]);
     } else if (a == "--skip-quant") {
       skip_quant = true;
     } else if (a == "--quick") {
@@ -181,6 +184,7 @@ int main(int argc, char** argv) {
     c.k_bits = f.kb;
     c.v_bits = f.vb;
     c.page_size = 64;
+    c.format_version = format_version;
     const int64_t T = 4096, np = T / c.page_size;
     std::vector<uint8_t> pages((size_t)(np * fmkv_config_page_bytes(&c)));
     std::vector<int32_t> table(np);
@@ -232,6 +236,7 @@ int main(int argc, char** argv) {
       c.v_bits = f.vb;
       c.page_size = 64;
       c.seed = 1234;
+      c.format_version = format_version;
       const int64_t np = (max_ctx + c.page_size - 1) / c.page_size;
       std::vector<uint8_t> pages;
       fill_cache(c, pages, np, 99 + f.kb * 7 + f.vb + gm.d);

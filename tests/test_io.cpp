@@ -346,7 +346,7 @@ TEST_P(IoCase, RoundTripBytesAndAttention) {
         }
         auto qv = make_q(c, 100 * l + i);
         EXPECT_TRUE(same_bits(attend(snap, l, i, qv), attend(*src, l, i, qv))) << "layer " << l << " seq " << i;
-        if (fmkv_backend_available(FMKV_BACKEND_CPU) && c.format_version < 3) {  // the optimized host backend (format 2) reads the loaded state too
+        if (fmkv_backend_available(FMKV_BACKEND_CPU)) {  // the optimized host backend reads the loaded state too
           EXPECT_TRUE(same_bits(attend(c, sl, q.slot, q.num_tokens, q.block_table, q.num_pages, qv, FMKV_BACKEND_CPU),
                                 attend(c, hl, i, m.lens[i], src->table[i].data(), (int64_t)src->table[i].size(), qv, FMKV_BACKEND_CPU)))
               << "cpu backend, layer " << l << " seq " << i;

@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(128) f2_pv(const uint8_t* tiles, const uint32_
     for (int k = 0; k < 4; ++k) pr[k] = sp[warp][t & 1][k][lane];
     const uint32_t* vw = (const uint32_t*)s + 4 * tid;  // the lane's token words (tokens 4 tid .. 4 tid + 3)
     const uint32_t* vs = (const uint32_t*)(s + G * VB * 64) + gID;  // V scales of tokens 2 gID, 2 gID + 1
-    fmkv::cuda::tile_pv<D, VB>(vw, vs, pr, 0, 16, gID, L, acc);
+    fmkv::cuda::tile_pv<D, VB, false>(vw, vs, pr, 0, 16, gID, L, acc, lane);
   }
   float sum = 0;
   for (int g = 0; g < G; ++g)

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(128) f2_scores(const uint8_t* tiles, const uin
     float sc[4] = {0, 0, 0, 0};
     const uint32_t* kw = (const uint32_t*)s + 2 * gID;
     const uint32_t* ks = (const uint32_t*)(s + G * KB * 64) + gID;
-    fmkv::cuda::tile_scores<D, KB>(nullptr, kw, ks, qb[warp], lane, tid, L, sc);
+    fmkv::cuda::tile_scores<D, KB, false>(nullptr, kw, ks, qb[warp], lane, tid, L, sc);
 #pragma unroll
     for (int k = 0; k < 4; ++k) acc[k] += sc[k];
   }

@@ -6,10 +6,14 @@
 //     or q = p when W == 0) yields one task "quantize token q into compressed slot q - S"; the source
 //     is the input row when q was appended in this call, else the old ring slot (read before phase 2
 //     overwrites it). Tasks are independent (distinct page words/scales); parallel over blocks of
-//     kTokBlock tasks, each task covering all kv heads, K and V.
+//     kTokBlock tasks, each task covering all kv heads, K and V. With tile blocks (format 3, 3-bit
+//     sections) the 16 token slots of a tile share code words, which each task read-modify-writes: a
+//     block then ends only where the tile changes (whole tiles' tasks, up to kTokBlock of them), so no
+//     two threads touch one tile block.
 //  2. fp16 writes: sink slots, and ring slots whose write is the last one to that slot in this call;
 //     parallel over blocks of tokens.
 // Every byte is produced by exactly one task, so results do not depend on the thread count.
+#include <utility>
 #include <vector>
 
 #include "backend.h"
@@ -35,8 +39,10 @@ void append(const AppendArgs& a) {
                 P = c.page_size;
   const int64_t pb = page_bytes(c);
   QuantParams qk, qv;
-  if (c.k_bits != FMKV_FP16_BITS) make_quant_params(d, c.k_bits, c.scale_rule, c.seed, a.layer.layer, &qk);
-  make_quant_params(d, c.v_bits, c.scale_rule, c.seed, a.layer.layer, &qv);
+  if (c.k_bits != FMKV_FP16_BITS) make_quant_params(d, c.k_bits, c.scale_rule, c.seed, a.layer.layer, c.format_version, 0, &qk);
+  make_quant_params(d, c.v_bits, c.scale_rule, c.seed, a.layer.layer, c.format_version, 1, &qv);
+  const int32_t version = fmkv_resolved_format_version(c.format_version);
+  const bool tiled = fmkv_tiled_codes(version, c.k_bits) || fmkv_tiled_codes(version, c.v_bits);
 
   std::vector<Task> tasks;
   for (int32_t s = 0; s < a.batch.num_seqs; ++s) {
@@ -61,9 +67,24 @@ void append(const AppendArgs& a) {
   };
 
   const int64_t ntask = (int64_t)tasks.size();
-  ThreadPool::instance().parallel_for((ntask + kTokBlock - 1) / kTokBlock, [&](int64_t blk) {
+  // Block boundaries when tiled: runs of tasks of one tile (a sequence's tasks are consecutive and in
+  // order), joined while a block stays within kTokBlock tasks.
+  std::vector<int64_t> bounds;
+  if (tiled) {
+    bounds.push_back(0);
+    auto tile = [&](int64_t i) { return std::make_pair(tasks[(size_t)i].seq, (tasks[(size_t)i].q - S) >> 4); };
+    for (int64_t i = 0, run = 0; i < ntask; i = run) {
+      for (run = i + 1; run < ntask && tile(run) == tile(i);) ++run;
+      if (run - bounds.back() > kTokBlock && i > bounds.back()) bounds.push_back(i);
+    }
+    bounds.push_back(ntask);
+  }
+  const int64_t nblk = tiled ? (int64_t)bounds.size() - 1 : (ntask + kTokBlock - 1) / kTokBlock;
+  ThreadPool::instance().parallel_for(nblk, [&](int64_t blk) {
     alignas(64) uint16_t buf[256];
-    for (int64_t i = blk * kTokBlock; i < ntask && i < (blk + 1) * kTokBlock; ++i) {
+    const int64_t i0 = tiled ? bounds[(size_t)blk] : blk * kTokBlock;
+    const int64_t i1 = tiled ? bounds[(size_t)blk + 1] : (blk + 1) * kTokBlock < ntask ? (blk + 1) * kTokBlock : ntask;
+    for (int64_t i = i0; i < i1; ++i) {
       const Task& tk = tasks[(size_t)i];
       const int32_t* bt = a.batch.block_table + (int64_t)tk.seq * a.batch.block_table_stride;
       const int64_t co = tk.q - S;

@@ -74,5 +74,5 @@ extern const BackendOps cpu_backend = {
     cpu::append, cpu::decode_attention,
     /*append_attention=*/nullptr, /*attention_workspace_bytes=*/nullptr,
     /*alloc=*/nullptr, /*free=*/nullptr, /*copy=*/nullptr, /*synchronize=*/nullptr, /*attention_lse=*/true,
-    /*max_format_version=*/2};
+    /*max_format_version=*/3};
 }  // namespace fmkv

@@ -8,17 +8,22 @@
 // online-softmax state (m, l, acc); the merge (parallel over query vectors) combines pieces in
 // index order, un-permutes and un-rotates the compressed accumulator once (float32 FWHT), and
 // divides by the softmax sum. Results are bit-identical for any thread count.
+// Format 3 (3-bit sections in tile blocks, tile.h): the rotated query is put in the K scratch's
+// coordinate order once (tile_k_query_order), the kernels use the signed tables of the section's
+// codebook, and the merge un-permutes a tiled V accumulator with tile_v_unpermute.
 #include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <vector>
 
 #include "backend.h"
+#include "../format/codebook.h"
 #include "../format/rotation.h"
 #include "../core/tensor_io.h"
 #include "kernels.h"
 #include "quantize.h"
 #include "thread_pool.h"
+#include "tile.h"
 
 namespace fmkv::cpu {
 namespace {
@@ -53,6 +58,8 @@ void decode_attention(const AttentionArgs& a) {
   uint64_t sw[4] = {0, 0, 0, 0};
   rotation_sign_words(c.seed, a.layer.layer, d, sw);
   ThreadPool& pool = ThreadPool::instance();
+  const int32_t version = fmkv_resolved_format_version(c.format_version);
+  const bool k_tiled = fmkv_tiled_codes(version, c.k_bits), v_tiled = fmkv_tiled_codes(version, c.v_bits);
 
   // Scaled queries, raw (fp16 keys) and rotated (compressed keys): [row][hq][d].
   std::unique_ptr<float[]> qraw(new float[(size_t)rows * HQ * d]), qrot(new float[(size_t)rows * HQ * d]);
@@ -62,7 +69,14 @@ void decode_attention(const AttentionArgs& a) {
       float* qs = &qraw[((size_t)row * HQ + hq) * d];
       for (int32_t i = 0; i < d; ++i) qs[i] = load_f32(a.q, row, hq, i) * scale;
       for (int32_t i = 0; i < d; ++i) x[i] = qs[i];
-      rotate(x, d, sw, &qrot[((size_t)row * HQ + hq) * d]);
+      float* qr = &qrot[((size_t)row * HQ + hq) * d];
+      if (k_tiled) {
+        float y[256];
+        rotate(x, d, sw, y);
+        tile_k_query_order(y, d, qr);
+      } else {
+        rotate(x, d, sw, qr);
+      }
     }
   };
   if (rows * HQ <= 64) {  // a pool round trip costs more than this
@@ -120,10 +134,14 @@ void decode_attention(const AttentionArgs& a) {
       job.d = d;
       job.k_bits = c.k_bits;
       job.v_bits = c.v_bits;
+      job.k_tiled = k_tiled;
+      job.v_tiled = v_tiled;
       job.softcap = a.opts.softcap;
       job.prefetch_tokens = prefetch_distance();
-      if (c.k_bits != FMKV_FP16_BITS) codebook_table16(c.k_bits, job.tk);
-      codebook_table16(c.v_bits, job.tv);
+      if (k_tiled) signed_table16(codebook_table(version, c.k_bits, 0), job.tk);
+      else if (c.k_bits != FMKV_FP16_BITS) codebook_table16(c.k_bits, codebook_table(version, c.k_bits, 0), job.tk);
+      if (v_tiled) signed_table16(codebook_table(version, c.v_bits, 1), job.tv);
+      else codebook_table16(c.v_bits, codebook_table(version, c.v_bits, 1), job.tv);
     }
     for (int64_t v0 = 0; v0 < x.nvec; v0 += kMaxTile) {
       const int R = (int)(x.nvec - v0 < kMaxTile ? x.nvec - v0 : kMaxTile);
@@ -181,7 +199,8 @@ void decode_attention(const AttentionArgs& a) {
       float* acc = p == 0 ? raw : rot;
       for (int32_t i = 0; i < d; ++i) acc[i] += sp[2 + i] * f;
     }
-    K.unpermute(rot, d, nat);
+    if (v_tiled) tile_v_unpermute(rot, d, nat);
+    else K.unpermute(rot, d, nat);
     unrotate(nat, d, sw, y);
     const float inv = 1.0f / L;
     for (int32_t i = 0; i < d; ++i) store_f32(a.out, row, hq, i, (raw[i] + y[i]) * inv);

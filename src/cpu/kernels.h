@@ -11,9 +11,10 @@ namespace fmkv::cpu {
 // Per-call constants of the quantizer (quantize.cpp builds them).
 struct QuantParams {
   int32_t d, bits, rule;
+  int32_t tiled, is_v;                 // codes written into tile blocks (format 3, 3 bits: tile.h); K or V section
   alignas(64) uint32_t sign_xor[256];  // 0x80000000 where the rotation sign is -1, else 0
-  float thr[8];                        // decision thresholds, ascending (magnitude_count - 1)
-  alignas(64) float mag16[16];         // mag16[i] = codebook_mag(bits, i & (magnitude_count - 1))
+  float thr[8];                        // decision thresholds of the section's codebook, ascending (magnitude_count - 1)
+  alignas(64) float mag16[16];         // mag16[i] = its level i & (magnitude_count - 1) (table_mag)
   float norm;                          // rotation_norm(d)
 };
 
@@ -30,10 +31,12 @@ struct AttnJob {
   int64_t page_bytes, k_off, v_off;  // section offsets of the head inside a page
   const int32_t* block_table;
   int32_t P, d, k_bits, v_bits;
+  int32_t k_tiled, v_tiled;  // 3-bit codes in tile blocks (format 3; tile.h)
   int64_t c0, c1;
   float softcap;
   int64_t prefetch_tokens;  // software prefetch distance (multiple of 16; 0 = off)
-  alignas(64) float tk[16], tv[16];  // magnitude tables as in QuantParams::mag16
+  // Level tables: magnitudes as in QuantParams::mag16; for a tiled section the signed level of code i & 7.
+  alignas(64) float tk[16], tv[16];
 };
 
 constexpr int kMaxTile = 4;  // query vectors per attention kernel call
@@ -41,18 +44,20 @@ constexpr int kMaxTile = 4;  // query vectors per attention kernel call
 struct Kernels {
   const char* name;
   int lanes;
-  // Quantize one fp16 head vector x into token slot t of a quantized section (bits 2..4).
+  // Quantize one fp16 head vector x into token slot t of a quantized section (bits 2..4; tile blocks
+  // when qp.tiled: only the token's bits of its block change).
   void (*quantize)(const QuantParams& qp, const uint16_t* x, uint8_t* section, int32_t P, int32_t t);
   // Convert n values of dtype (fmkv_dtype) to fp16 bits, round to nearest even.
   void (*to_f16)(const void* src, int32_t dtype, int32_t n, uint16_t* dst);
-  // R <= kMaxTile query vectors (q: scaled, rotated when k_bits != 16) against job's tokens;
-  // climit[r]: compressed index limit (exclusive) of query r. Updates st[r] (acc in lane order).
+  // R <= kMaxTile query vectors (q: scaled, rotated when k_bits != 16, in tile_k_query_order when K is
+  // tiled) against job's tokens; climit[r]: compressed index limit (exclusive) of query r. Updates st[r]
+  // (acc in lane order: unpermute's, or tile_v_unpermute's when V is tiled).
   void (*attend)(const AttnJob& job, int R, const float* const* q, const int64_t* climit, AttnState* st);
   // fp16 tokens (sink/window, unrotated, natural order): ntok tokens with K/V rows k[i], v[i] at
   // positions pos[i]; query r sees tokens with pos[i] <= qpos[r]. Updates st[r] (acc natural order).
   void (*attend_fp16)(int32_t d, int64_t ntok, const uint16_t* const* k, const uint16_t* const* v, const int64_t* pos,
                       int R, const float* const* q, const int64_t* qpos, float softcap, AttnState* st);
-  // Lane order -> natural coordinate order of an acc vector written by attend.
+  // Lane order -> natural coordinate order of an acc vector written by attend (sections in code words).
   void (*unpermute)(const float* acc, int32_t d, float* out);
 };
 

@@ -9,6 +9,7 @@
 #include "fmkv/params.h"
 #include "kernels.h"
 #include "simd.h"
+#include "tile.h"
 
 namespace fmkv::cpu {
 namespace {
@@ -57,9 +58,11 @@ void unpermute_acc(const float* acc, int32_t d, float* out) {
 }
 
 // ---- quantize: rotate (FWHT), group scale, codes, code words -------------------------------
-// One head vector per call, single thread. Bit-exact with ref::quantize_vector + pack_group:
-// identical float32 operations (no fma), tree_sum32 pairing reproduced across and inside vectors.
-template <class T, int D, int B>
+// One head vector per call, single thread. Bit-exact with ref::quantize_vector + write_token_codes:
+// identical float32 operations (no fma), tree_sum32 pairing reproduced across and inside vectors; codes
+// from the exactly rounded quotient y / s compared with the codebook's thresholds (qp.thr: any table).
+// TILED (B = 3, format 3): the group's three bit planes go into the token's tile block (tile_write_planes).
+template <class T, int D, int B, bool TILED>
 void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int32_t P, int32_t t) {
   using F = typename T::F;
   using I = typename T::I;
@@ -98,9 +101,9 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
     const float s0f = T::f_from_h(s0);
     uint32_t w[4] = {0, 0, 0, 0};
     uint16_t sc = 0;
+    uint32_t sign = 0, b0 = 0, b1 = 0;  // 2, 3 bits: bit j = coordinate j's sign, magnitude bits 0, 1
     if (s0f != 0.0f) {
       const F sv = T::set1(s0f);
-      uint32_t sign = 0, b0 = 0, b1 = 0;  // 2, 3 bits: bit j = coordinate j's sign, magnitude bits 0, 1
       I mm[K], cc[K];
       F u[K];
       for (int k = 0; k < K; ++k) {
@@ -120,7 +123,7 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
       if (B == 2) {
         w[0] = b0;
         w[1] = sign;
-      } else if (B == 3) {  // 2-bit field plane (words 0, 1), sign plane (word 2)
+      } else if (B == 3 && !TILED) {  // 2-bit field plane (words 0, 1), sign plane (word 2)
         for (int fw = 0; fw < 2; ++fw)
           for (int byte = 0; byte < 4; ++byte) {
             const int base = 8 * fw + (byte >> 1) + 16 * (byte & 1);
@@ -128,9 +131,9 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
             w[fw] |= v << (8 * byte);
           }
         w[2] = sign;
-      } else {  // nibble words: code j at bits 4 (j & 7) .. of word j >> 3
+      } else if (B == 4) {  // nibble words: code j at bits 4 (j & 7) .. of word j >> 3
         T::pack_nibbles(cc, w);
-      }
+      }  // (B = 3 tiled: the planes sign, b0, b1 are written below)
       sc = s0;
       if (qp.rule == FMKV_SCALE_LSQ) {
         F nn[K], dd[K];
@@ -148,7 +151,11 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
         sc = lsq_scale(num, den);
       }
     }
-    for (int wi = 0; wi < B; ++wi) words[((int64_t)g * B + wi) * P + t] = w[wi];
+    if constexpr (TILED) {
+      tile_write_planes(section + fmkv_tile_block_offset(D, t), D / 32, qp.is_v, t & 15, g, b0, b1, sign);
+    } else {
+      for (int wi = 0; wi < B; ++wi) words[((int64_t)g * B + wi) * P + t] = w[wi];
+    }
     scales[(int64_t)g * P + t] = sc;
   }
 }
@@ -156,10 +163,14 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
 template <class T>
 void quantize_dispatch(const QuantParams& qp, const uint16_t* x, uint8_t* section, int32_t P, int32_t t) {
 #define FMKV_Q(D, B) \
-  if (qp.d == D && qp.bits == B) return quantize_t<T, D, B>(qp, x, section, P, t);
+  if (qp.d == D && qp.bits == B) return quantize_t<T, D, B, false>(qp, x, section, P, t);
+#define FMKV_QT(D) \
+  if (qp.d == D && qp.bits == 3 && qp.tiled) return quantize_t<T, D, 3, true>(qp, x, section, P, t);
+  FMKV_QT(64) FMKV_QT(128) FMKV_QT(256)
   FMKV_Q(64, 2) FMKV_Q(64, 3) FMKV_Q(64, 4)
   FMKV_Q(128, 2) FMKV_Q(128, 3) FMKV_Q(128, 4)
   FMKV_Q(256, 2) FMKV_Q(256, 3) FMKV_Q(256, 4)
+#undef FMKV_QT
 #undef FMKV_Q
 }
 
@@ -176,8 +187,13 @@ void quantize_dispatch(const QuantParams& qp, const uint16_t* x, uint8_t* sectio
 // V: lane = coordinate (lane order pi, see LaneTables). Per token: broadcast the code words (4 bits:
 // the block's one or two nibble words, blended), shift by per-lane constants, look up, fma into
 // accumulators with weight p * scale.
+// Tile blocks (format 3, 3-bit K: KT, V: VT; tile.h): at the first block of each 16-token tile the tile
+// block is unpacked into a scratch (tile_unpack_k / tile_unpack_v: K as 4 nibble words per token and
+// group, V as 16 bytes per token and group); K then runs the 4-bit loop on it (q in tile_k_query_order),
+// V loads a token's code bytes as lanes (tile_v_coord order). The tables are signed and 8-periodic
+// (job.tk / job.tv), so no sign step and no mask of the nibbles' bit 3.
 // Nothing is dequantized to memory; each page is read once for all R queries.
-template <class T, int KB, int VB, int R>
+template <class T, int KB, int VB, int R, bool KT, bool VT>
 void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, AttnState* st) {
   using F = typename T::F;
   using I = typename T::I;
@@ -190,6 +206,8 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
   for (int r = 0; r < R; ++r) m[r] = st[r].m, l[r] = st[r].l;
   alignas(64) float wbuf[R][N];
   alignas(64) float sbuf[R][N];
+  alignas(64) uint32_t kscr[KT ? 4 * 8 * 16 : 1];  // tiled K: the tile's nibble words [q G + g][16 tokens]
+  alignas(64) uint8_t vscr[VT ? 16 * 8 * 16 : 1];  // tiled V: the tile's code bytes, tile_v_entry
   // Software prefetch kAhead tokens ahead: each plane of a page is only P * 4 bytes long, too short
   // for the hardware stream prefetchers, and a block's compute hides one block of latency at most.
   const int64_t kAhead = job.prefetch_tokens;
@@ -203,14 +221,18 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
         for (int64_t o = 0; o < 16 * d * 2; o += 64) __builtin_prefetch(kx + o);
       } else {
         const uint8_t* ks = pg + job.k_off;
+        if (KT)
+          for (int64_t o = 0; o < fmkv_tile_block_bytes(d); o += 64) __builtin_prefetch(ks + fmkv_tile_block_offset(d, (int32_t)t) + o);
         for (int g = 0; g < G; ++g) {
-          for (int w = 0; w < KB; ++w) __builtin_prefetch(ks + (((int64_t)g * KB + w) * P + t) * 4);
+          for (int w = 0; w < KB && !KT; ++w) __builtin_prefetch(ks + (((int64_t)g * KB + w) * P + t) * 4);
           __builtin_prefetch(ks + fmkv_scales_offset(d, KB, P) + ((int64_t)g * P + t) * 2);
         }
       }
       const uint8_t* vs = pg + job.v_off;
+      if (VT)
+        for (int64_t o = 0; o < fmkv_tile_block_bytes(d); o += 64) __builtin_prefetch(vs + fmkv_tile_block_offset(d, (int32_t)t) + o);
       for (int g = 0; g < G; ++g) {
-        for (int w = 0; w < VB; ++w) __builtin_prefetch(vs + (((int64_t)g * VB + w) * P + t) * 4);
+        for (int w = 0; w < VB && !VT; ++w) __builtin_prefetch(vs + (((int64_t)g * VB + w) * P + t) * 4);
         __builtin_prefetch(vs + fmkv_scales_offset(d, VB, P) + ((int64_t)g * P + t) * 2);
       }
     }
@@ -220,6 +242,10 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
     const uint8_t* ksec = pg + job.k_off;
     const uint8_t* vsec = pg + job.v_off;
     const int nany = (int)imin(N, job.c1 - b0);
+    if ((KT || VT) && (t0 & 15) == 0) {  // the first block of a tile (blocks never cross one: N <= 16)
+      if (KT) tile_unpack_k(ksec + fmkv_tile_block_offset(d, t0), G, kscr);
+      if (VT) tile_unpack_v(vsec + fmkv_tile_block_offset(d, t0), G, vscr);
+    }
     F s[R];
     if constexpr (KB == 16) {
       const uint16_t* kx = (const uint16_t*)ksec + (int64_t)t0 * d;
@@ -237,6 +263,26 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
         }
       }
       for (int r = 0; r < R; ++r) s[r] = T::load(sbuf[r]);
+    } else if constexpr (KT) {
+      // Nibble words of the tile scratch: word q of token t (lane t - tile start) at kscr[16 (q G + g) + t].
+      for (int r = 0; r < R; ++r) s[r] = T::zero();
+      const uint32_t* kw = kscr + (t0 & 15);
+      const uint16_t* ksc = (const uint16_t*)(ksec + fmkv_scales_offset(d, KB, P));
+      for (int g = 0; g < G; ++g) {
+        I W[4];
+        for (int w = 0; w < 4; ++w) W[w] = T::loadi(kw + 16 * (w * G + g));
+        F part[R];
+        for (int r = 0; r < R; ++r) part[r] = T::zero();
+        const float* qg[R];
+        for (int r = 0; r < R; ++r) qg[r] = q[r] + g * 32;
+#pragma GCC unroll 32
+        for (int j = 0; j < 32; ++j) {
+          const F lev = T::lut(tk, T::srl(W[j >> 3], 4 * (j & 7)));  // T::lut reads idx mod 8 or 16: 8-periodic table
+          for (int r = 0; r < R; ++r) part[r] = T::fmadd(T::set1(qg[r][j]), lev, part[r]);
+        }
+        const F sc = T::load_h(ksc + (int64_t)g * P + t0);
+        for (int r = 0; r < R; ++r) s[r] = T::fmadd(part[r], sc, s[r]);
+      }
     } else {
       for (int r = 0; r < R; ++r) s[r] = T::zero();
       const uint32_t* kw = (const uint32_t*)ksec;
@@ -303,7 +349,16 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
           if (corr[r] != 1.0f) A[r] = T::mul(A[r], T::set1(corr[r]));
         }
         const int u0 = hv * N;
-        if constexpr (VB == 4) {
+        if constexpr (VT) {
+          // Lanes u0 .. u0 + N - 1 of token t: bytes u0 & 15 .. of its entry, nibble u0 >> 4 (tile_v_coord).
+          const uint8_t* ve = vscr + tile_v_entry(t0 & 15, g) + (u0 & 15);
+          for (int t = 0; t < nany; ++t) {
+            I idx = T::load_u8(ve + 16 * t);
+            if (u0 >= 16) idx = T::srl(idx, 4);
+            const F lev = T::lut(tv, idx);
+            for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
+          }
+        } else if constexpr (VB == 4) {
           // Nibble words (see LaneTables): lane u takes word nib_word[u], a single word for N <= 4,
           // for N = 8 / 16 word u0 >> 4 in lanes with lane-index bit 2 clear, word (u0 >> 4) + 2 in
           // the others. Shift the lane's nibble to bits 0..3 (no mask: see K) and its bit 3 to bit 31.
@@ -361,26 +416,33 @@ void attend_fp16_t(int32_t d, int64_t ntok, const uint16_t* const* k, const uint
 
 using AttendFn = void (*)(const AttnJob&, const float* const*, const int64_t*, AttnState*);
 
-template <class T, int KB, int VB>
+template <class T, int KB, int VB, bool KT, bool VT>
 AttendFn pick_r(int R) {
   switch (R) {
-    case 1: return attend_t<T, KB, VB, 1>;
-    case 2: return attend_t<T, KB, VB, 2>;
-    case 3: return attend_t<T, KB, VB, 3>;
-    default: return attend_t<T, KB, VB, 4>;
+    case 1: return attend_t<T, KB, VB, 1, KT, VT>;
+    case 2: return attend_t<T, KB, VB, 2, KT, VT>;
+    case 3: return attend_t<T, KB, VB, 3, KT, VT>;
+    default: return attend_t<T, KB, VB, 4, KT, VT>;
   }
 }
-template <class T, int KB>
-AttendFn pick_v(int VB, int R) {
-  return VB == 2 ? pick_r<T, KB, 2>(R) : VB == 3 ? pick_r<T, KB, 3>(R) : pick_r<T, KB, 4>(R);
+// KT: K is 3-bit in tile blocks. A cache has tile blocks for every 3-bit section or for none (format 3 or 2).
+template <class T, int KB, bool KT>
+AttendFn pick_v(int VB, bool tiled, int R) {
+  if constexpr (KT) {
+    if (VB == 3) return pick_r<T, KB, 3, true, true>(R);
+  } else {
+    if (VB == 3) return tiled ? pick_r<T, KB, 3, false, true>(R) : pick_r<T, KB, 3, false, false>(R);
+  }
+  return VB == 2 ? pick_r<T, KB, 2, KT, false>(R) : pick_r<T, KB, 4, KT, false>(R);
 }
 
 template <class T>
 void attend_dispatch(const AttnJob& job, int R, const float* const* q, const int64_t* climit, AttnState* st) {
-  AttendFn f = job.k_bits == 2 ? pick_v<T, 2>(job.v_bits, R)
-             : job.k_bits == 3 ? pick_v<T, 3>(job.v_bits, R)
-             : job.k_bits == 4 ? pick_v<T, 4>(job.v_bits, R)
-                               : pick_v<T, 16>(job.v_bits, R);
+  const bool tiled = job.k_tiled || job.v_tiled;
+  AttendFn f = job.k_bits == 2 ? pick_v<T, 2, false>(job.v_bits, tiled, R)
+             : job.k_bits == 3 ? (tiled ? pick_v<T, 3, true>(job.v_bits, true, R) : pick_v<T, 3, false>(job.v_bits, false, R))
+             : job.k_bits == 4 ? pick_v<T, 4, false>(job.v_bits, tiled, R)
+                               : pick_v<T, 16, false>(job.v_bits, tiled, R);
   f(job, q, climit, st);
 }
 

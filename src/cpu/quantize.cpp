@@ -5,20 +5,29 @@
 
 namespace fmkv::cpu {
 
-void codebook_table16(int32_t bits, float* mag16) {
+void codebook_table16(int32_t bits, int table, float* mag16) {
   const int nm = magnitude_count(bits);
-  for (int i = 0; i < 16; ++i) mag16[i] = codebook_mag(bits, i & (nm - 1));
+  for (int i = 0; i < 16; ++i) mag16[i] = table_mag(table, bits, i & (nm - 1));
 }
 
-void make_quant_params(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int32_t layer, QuantParams* qp) {
+void signed_table16(int table, float* mag16) {
+  for (int i = 0; i < 16; ++i) mag16[i] = decode_level_table((uint32_t)(i & 7), 3, table);
+}
+
+void make_quant_params(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int32_t layer, int32_t format_version,
+                       int is_v, QuantParams* qp) {
+  const int32_t version = fmkv_resolved_format_version(format_version);
+  const int table = codebook_table(version, bits, is_v);
   qp->d = d;
   qp->bits = bits;
   qp->rule = rule;
+  qp->tiled = fmkv_tiled_codes(version, bits);
+  qp->is_v = is_v;
   uint64_t sw[FMKV_MAX_SIGN_WORDS] = {0, 0, 0, 0};
   rotation_sign_words(seed, layer, d, sw);
   for (int32_t i = 0; i < 256; ++i) qp->sign_xor[i] = i < d && sign_negative(sw, i) ? 0x80000000u : 0u;
-  for (int i = 0; i < 8; ++i) qp->thr[i] = i + 1 < magnitude_count(bits) ? codebook_threshold(bits, i) : 0.0f;
-  codebook_table16(bits, qp->mag16);
+  for (int i = 0; i < 8; ++i) qp->thr[i] = i + 1 < magnitude_count(bits) ? table_threshold(table, bits, i) : 0.0f;
+  codebook_table16(bits, table, qp->mag16);
   qp->norm = rotation_norm(d);
 }
 

@@ -1,6 +1,6 @@
 // CPU quantizer front end: per-layer constants for the SIMD quantize kernel (kernels_impl.h,
-// quantize_t: sign flip + in-register FWHT + norm, group RMS/LSQ scale, codes, code words) and
-// the codebook tables shared with attention.
+// quantize_t: sign flip + in-register FWHT + norm, group RMS/LSQ scale, codes, code words or tile
+// blocks) and the codebook tables shared with attention.
 #pragma once
 #include <cstdint>
 
@@ -8,10 +8,17 @@
 
 namespace fmkv::cpu {
 
-// Constants for quantizing head vectors of width d with `bits`-bit codes (2..4).
-void make_quant_params(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int32_t layer, QuantParams* qp);
+// Constants for quantizing head vectors of width d with `bits`-bit codes (2..4) into a K (is_v = 0) or
+// V section of a cache in format version `format_version` (its codebook: codebook_table; tile blocks:
+// fmkv_tiled_codes).
+void make_quant_params(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int32_t layer, int32_t format_version,
+                       int is_v, QuantParams* qp);
 
-// mag16[i] = codebook_mag(bits, i & (magnitude_count - 1)) (lookup table for 4-bit indices).
-void codebook_table16(int32_t bits, float* mag16);
+// mag16[i] = table_mag(table, bits, i & (magnitude_count - 1)) (lookup table for 4-bit indices).
+void codebook_table16(int32_t bits, int table, float* mag16);
+
+// mag16[i] = decode_level_table(i & 7, 3, table): the signed levels of 3-bit codes, 8-periodic (the
+// attention tables of tiled sections, whose code nibbles carry another code's bit in bit 3).
+void signed_table16(int table, float* mag16);
 
 }  // namespace fmkv::cpu

@@ -7,6 +7,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "../format/numbers.h"
 
@@ -31,6 +32,7 @@ struct ScalarT {
   static F load(const float* p) { return *p; }
   static void store(float* p, F v) { *p = v; }
   static I loadi(const uint32_t* p) { return *p; }
+  static I load_u8(const uint8_t* p) { return *p; }  // N bytes, zero-extended to the N lanes
   static F load_h(const uint16_t* p) { return f16_to_f32(*p); }
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
@@ -87,6 +89,7 @@ struct Avx2T {
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static I loadi(const uint32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static I load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
   static F load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
@@ -192,6 +195,7 @@ struct Avx512T {
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static I loadi(const uint32_t* p) { return _mm512_loadu_si512((const void*)p); }
+  static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
   static F load_h(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
@@ -293,6 +297,11 @@ struct NeonT {
   static F load(const float* p) { return vld1q_f32(p); }
   static void store(float* p, F v) { vst1q_f32(p, v); }
   static I loadi(const uint32_t* p) { return vld1q_u32(p); }
+  static I load_u8(const uint8_t* p) {  // 4 bytes -> 4 lanes
+    uint32_t w;
+    std::memcpy(&w, p, 4);
+    return vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8((uint64_t)w))));
+  }
   static F load_h(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
   static F add(F a, F b) { return vaddq_f32(a, b); }
   static F sub(F a, F b) { return vsubq_f32(a, b); }

@@ -2,8 +2,8 @@
 the CPU K-side prototype is compiled and run (one round) where the CPU has AVX-512 VNNI and VBMI, and
 exits non-zero when its integer scores leave the float64 scores of the same quantizer; the CUDA
 prototypes are compiled (host and device code) where nvcc is found, and the V-side one runs its host check
-of the one-permute fp16 decode against its layout model (its GPU timing needs a device); the real-loop
-patch still applies (its host check is a ctest)."""
+of the one-permute fp16 decode against its layout model (its GPU timing needs a device). (The real-loop
+candidate is format version 3's CUDA kernels now; its layout check against the fragment decode is a ctest.)"""
 import json
 import os
 import shutil
@@ -70,13 +70,3 @@ def test_cuda_v_prototype_host_check(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     check = json.loads(r.stdout.splitlines()[0])
     assert check["ok"] and check["mismatches"] == 0 and check["pairs"] == 3200000
-
-
-def test_decode_loop_patch_applies():
-    """The real-loop prototype (bench/proto/format3_decode_loop.patch, measured by format3_decode_ab.sh) still
-    applies to the decode kernel it patches, so its measurement can be re-run on the current tree."""
-    if not shutil.which("git") or not os.path.isdir(os.path.join(ROOT, ".git")):
-        pytest.skip("not a git checkout")
-    r = subprocess.run(["git", "apply", "--check", "bench/proto/format3_decode_loop.patch"], cwd=ROOT,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
