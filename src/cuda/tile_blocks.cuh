@@ -8,6 +8,8 @@
 //    not apply), tree sums in tree_sum32's order: bytes equal to the reference's.
 //  * tile_put_codes_atomic: a lane's codes written bit by bit with global atomics (set / clear one bit
 //    each), so writers of different tokens of one tile never race (the fused step).
+//  * tile_put_group_red: a thread's group of one token (the append's thread quantizer's code words) merged
+//    into the block word by word (red.and / red.or), or ORed into a zero-filled shared copy of whole tiles.
 //  * Decode (decode_attention.cuh): a lane's X[g] / Y[g] words are its operands of the tile's
 //    mma fragments; one prmt per four int8 K levels (tile_k_fragment) or per fp16 V pair
 //    (tile_v_fragment), from 8-byte tables built at compile time from the generated integer levels.
@@ -85,22 +87,6 @@ __device__ __forceinline__ void tile_put_codes_atomic(uint8_t* block, int is_v, 
       const unsigned int bit = 1u << (n & 31);
       if ((code[g] >> b) & 1u) atomicOr(w, bit);
       else atomicAnd(w, ~bit);
-    }
-}
-
-// The same into a warp's shared-memory copy of the block (the append's tile tasks: one warp owns the
-// whole tile block while it writes it; shared atomics, so the lanes of one token do not race either).
-template <int NR>
-__device__ __forceinline__ void tile_put_codes_shared(unsigned int* block, int is_v, int t16, const uint32_t (&code)[NR],
-                                                      int lane) {
-#pragma unroll
-  for (int g = 0; g < NR; ++g)
-#pragma unroll
-    for (int b = 0; b < 3; ++b) {
-      const int n = fmkv_tile_code_bit(NR, is_v, t16, g, lane, b);
-      const unsigned int bit = 1u << (n & 31);
-      if ((code[g] >> b) & 1u) atomicOr(block + (n >> 5), bit);
-      else atomicAnd(block + (n >> 5), ~bit);
     }
 }
 
