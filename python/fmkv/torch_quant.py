@@ -6,7 +6,9 @@ float32 roundings of the reference (``src/format/quantize_group.h``, ``src/forma
 * canonical fp16 input, rotation signs from splitmix64(seed, layer), FWHT stages h = 1, 2, ..., d/2,
   multiplication by the float32 constant nearest 1/sqrt(d);
 * per group of 32: RMS through the fixed tree sum (steps 16, 8, 4, 2, 1), fp16 with saturation,
-  codes from midpoint thresholds of the fp16 Lloyd-Max levels (sign-magnitude), LSQ rescale.
+  codes from midpoint thresholds of the codebook's levels (sign-magnitude), LSQ rescale. The codebook is
+  the format version's for the side: format 2's fp16 Lloyd-Max levels, or format 3's 3-bit integer levels x
+  an fp16 step, different for K and V (``format_version``, ``side``).
 
 Every step is one correctly rounded float32 torch operation (elementwise add, mul, div; no fused
 multiply-add, no reduction whose order torch chooses) or, for the square root, which torch does not
@@ -14,7 +16,7 @@ round correctly in float32, a float64 root corrected to the correctly rounded fl
 so codes and scales are bit-identical to :func:`fmkv.quantize_vector` (tests/python/test_torch_quant.py
 checks it, on fixed and on fresh random inputs).
 
-The codebooks come from :func:`fmkv.codebook` (the library's generated table), never from a
+The codebooks come from :func:`fmkv.codebook_levels` (the library's generated tables), never from a
 hand-typed copy. ``rotate=False`` gives the no-rotation ablation (groups of 32 raw coordinates).
 
 Dequantization (``dequantize``) returns float32 values in the original basis; the inverse rotation
@@ -89,24 +91,25 @@ def unrotate(y: torch.Tensor, seed: int = 0, layer: int = 0) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _codebook_cpu(bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    import fmkv  # the library's generated table (src/format/codebooks.inc)
+def _codebook_cpu(bits: int, format_version: int = 0, side: str = "k") -> Tuple[torch.Tensor, torch.Tensor]:
+    import fmkv  # the library's generated tables (src/format/codebooks.inc), per format version and side
 
-    mags = torch.as_tensor(fmkv.codebook(int(bits)), dtype=torch.float32).clone()
-    thr = (mags[:-1] + mags[1:]) * 0.5  # midpoints, exact in float32
+    mags = torch.as_tensor(fmkv.codebook_levels(int(format_version), int(bits), side), dtype=torch.float32).clone()
+    thr = (mags[:-1] + mags[1:]) * 0.5  # midpoints, exact in float32 (as the core's table_threshold)
     return mags, thr
 
 
-def codebook_tensor(bits: int, device=None, levels: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(positive levels, midpoint thresholds) of the b-bit codebook as float32 tensors. ``levels``
-    replaces the format's levels (research only, e.g. fmkv.eval.e5m2_levels; the result is then not
-    the format's codes)."""
+def codebook_tensor(bits: int, device=None, levels: Optional[torch.Tensor] = None, format_version: int = 0,
+                    side: str = "k") -> Tuple[torch.Tensor, torch.Tensor]:
+    """(positive levels, midpoint thresholds) of the b-bit codebook of ``side`` ('k' or 'v') in ``format_version``
+    (0: the library's default) as float32 tensors. ``levels`` replaces the format's levels (research only, e.g.
+    fmkv.eval.e5m2_levels; the result is then not the format's codes)."""
     if levels is not None:
         mags = levels.to(device=device, dtype=torch.float32)
         if mags.numel() != 1 << (int(bits) - 1):
             raise ValueError(f"{mags.numel()} levels for a {bits}-bit codebook (expected {1 << (int(bits) - 1)})")
         return mags, (mags[:-1] + mags[1:]) * 0.5
-    mags, thr = _codebook_cpu(int(bits))
+    mags, thr = _codebook_cpu(int(bits), int(format_version), side)
     return mags.to(device), thr.to(device)
 
 
@@ -165,10 +168,12 @@ class QuantizedTensor:
     layer: int = 0
     rotated: bool = True
     levels: Optional[torch.Tensor] = None  # research codebook (codebook_tensor), None: the format's
+    format_version: int = 0  # 0: the library's default (fmkv.format_version())
+    side: str = "k"  # which codebook ('k' or 'v'): format 3's 3-bit K and V levels differ
 
 
-def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq",
-                     levels: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq", levels: Optional[torch.Tensor] = None,
+                     format_version: int = 0, side: str = "k") -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize rotated float32 values y [..., d] group-wise. Returns (codes uint8, scales fp16)."""
     if bits not in (1, 2, 3, 4):
         raise ValueError(f"bits {bits} is not supported")
@@ -177,7 +182,7 @@ def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq",
     d = y.shape[-1]
     lead = y.shape[:-1]
     g = y.reshape(*lead, d // _GROUP, _GROUP)
-    mags, thr = codebook_tensor(bits, y.device, levels)
+    mags, thr = codebook_tensor(bits, y.device, levels, format_version, side)
     rms = _sqrt_rn(_tree_sum32(g * g) / torch.tensor(32.0))
     s0 = _to_f16_saturating(rms)
     s0f = s0.to(torch.float32)
@@ -202,42 +207,45 @@ def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq",
 
 
 def quantize(x: torch.Tensor, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq",
-             rotate_input: bool = True, levels: Optional[torch.Tensor] = None) -> QuantizedTensor:
-    """Quantize head vectors x [..., d] (any float dtype; rounded to fp16 first)."""
+             rotate_input: bool = True, levels: Optional[torch.Tensor] = None, format_version: int = 0,
+             side: str = "k") -> QuantizedTensor:
+    """Quantize head vectors x [..., d] (any float dtype; rounded to fp16 first) with the codebook of ``side`` in
+    ``format_version`` (the codes are the format's; how a version lays them out in pages does not matter here)."""
     d = x.shape[-1]
     if d % _GROUP:
         raise ValueError(f"head_dim {d} is not a multiple of {_GROUP}")
     xf = canonical(x)
     y = rotate(xf, seed, layer) if rotate_input else xf
-    codes, scales = quantize_rotated(y, bits, scale_rule, levels)
-    return QuantizedTensor(codes, scales, bits, seed, layer, rotate_input, levels)
+    codes, scales = quantize_rotated(y, bits, scale_rule, levels, format_version, side)
+    return QuantizedTensor(codes, scales, bits, seed, layer, rotate_input, levels, format_version, side)
 
 
-def decode_levels(codes: torch.Tensor, bits: int, levels: Optional[torch.Tensor] = None) -> torch.Tensor:
-    mags, _ = codebook_tensor(bits, codes.device, levels)
+def decode_levels(codes: torch.Tensor, bits: int, levels: Optional[torch.Tensor] = None, format_version: int = 0,
+                  side: str = "k") -> torch.Tensor:
+    mags, _ = codebook_tensor(bits, codes.device, levels, format_version, side)
     c = codes.to(torch.int64)
     lv = mags[c & ((1 << (bits - 1)) - 1)]
     return torch.where(((c >> (bits - 1)) & 1).bool(), -lv, lv)
 
 
 def dequantize_rotated(codes: torch.Tensor, scales: torch.Tensor, bits: int,
-                       levels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       levels: Optional[torch.Tensor] = None, format_version: int = 0, side: str = "k") -> torch.Tensor:
     """Rotated-domain values level x scale (exact in float32), shape [..., d]."""
     d = codes.shape[-1]
     lead = codes.shape[:-1]
-    lv = decode_levels(codes, bits, levels).reshape(*lead, d // _GROUP, _GROUP)
+    lv = decode_levels(codes, bits, levels, format_version, side).reshape(*lead, d // _GROUP, _GROUP)
     return (lv * scales.to(torch.float32).unsqueeze(-1)).reshape(*lead, d)
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
     """float32 [..., d] in the original basis."""
-    y = dequantize_rotated(q.codes, q.scales, q.bits, q.levels)
+    y = dequantize_rotated(q.codes, q.scales, q.bits, q.levels, q.format_version, q.side)
     return unrotate(y, q.seed, q.layer) if q.rotated else y
 
 
 def fake_quantize(x: torch.Tensor, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq",
                   rotate_input: bool = True, chunk: Optional[int] = 65536,
-                  levels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  levels: Optional[torch.Tensor] = None, format_version: int = 0, side: str = "k") -> torch.Tensor:
     """dequantize(quantize(x)) in x's dtype and shape; bits 16 returns the fp16 rounding of x.
 
     Processes at most ``chunk`` vectors at a time to bound temporary memory.
@@ -250,6 +258,7 @@ def fake_quantize(x: torch.Tensor, bits: int, seed: int = 0, layer: int = 0, sca
     n = flat.shape[0]
     step = n if not chunk else chunk
     for i in range(0, n, max(step, 1)):
-        outs.append(dequantize(quantize(flat[i:i + step], bits, seed, layer, scale_rule, rotate_input, levels)))
+        outs.append(dequantize(quantize(flat[i:i + step], bits, seed, layer, scale_rule, rotate_input, levels,
+                                                format_version, side)))
     out = torch.cat(outs, 0) if outs else flat.to(torch.float32)
     return out.reshape(x.shape).to(x.dtype)

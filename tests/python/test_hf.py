@@ -104,6 +104,26 @@ def test_k3v3_bytes_and_options():
     assert cache.used_bytes < cache.fp16_equivalent_bytes()
 
 
+def test_layer_bits_and_format_version():
+    """layer_bits gives each layer its own widths (a budget plan), format_version reaches every layer's config;
+    a plan of the wrong length, or combined with boundary_layers, is refused before anything is allocated."""
+    model = _model("llama")
+    plan = [(4, 4), (3, 3), (3, 2), (16, 4)]
+    for cls, kw in ((fhf.FmkvCache, {}), (fhf.FmkvStaticCache, {})):
+        cache = cls(model.config, max_cache_len=64, window_tokens=0, layer_bits=plan, format_version=3, **kw)
+        ids = torch.randint(0, 320, (1, 20), generator=torch.Generator().manual_seed(6))
+        assert _gen(model, ids, 3, cache).shape == (3,)
+        assert [(layer.k_bits, layer.v_bits) for layer in cache.fmkv_layers] == plan
+        assert all(layer.config.format_version == 3 for layer in cache.fmkv_layers)
+        assert cache.options["layer_bits"] == plan
+        with pytest.raises(ValueError, match="3 entries for a model of 4 layers"):
+            cls(model.config, max_cache_len=64, layer_bits=plan[:3])
+        with pytest.raises(ValueError, match="pass one of them"):
+            cls(model.config, max_cache_len=64, layer_bits=plan, boundary_layers=1)
+        with pytest.raises(ValueError, match=r"layer_bits\[1\]"):
+            cls(model.config, max_cache_len=64, layer_bits=[(4, 4), (3,), (3, 3), (3, 3)])
+
+
 def test_attn_implementation_fmkv_at_load():
     cfg = transformers.LlamaConfig(**COMMON)
     model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="fmkv").eval()
@@ -162,6 +182,8 @@ def check_fused_against_dequantized(log, q_cfg, tol=2e-5):
     ("k4v2-rms", dict(k_bits=4, v_bits=2, scale_rule="rms", window_tokens=0)),
     ("k3v3-s2-w8", dict(k_bits=3, v_bits=3, sink_tokens=2, window_tokens=8)),
     ("k16v3", dict(k_bits=16, v_bits=3, window_tokens=0)),
+    ("k3v3-fmt3", dict(k_bits=3, v_bits=3, window_tokens=0, format_version=3)),
+    ("k4v3-fmt3-s2-w8", dict(k_bits=4, v_bits=3, sink_tokens=2, window_tokens=8, format_version=3)),
 ])
 def test_fused_decode_equals_dequantize_then_attend(name, kw, monkeypatch):
     """fmkv.Cache.attention token by token == fmkv.eval's dequantize-then-attend.

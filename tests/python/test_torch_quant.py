@@ -112,3 +112,35 @@ def test_sqrt_rn_is_correctly_rounded():
                         np.array([0x353E3EF8], np.uint32).view(np.float32)])
     got = tq._sqrt_rn(torch.from_numpy(x)).numpy()
     assert np.array_equal(got.view(np.uint32), np.sqrt(x).view(np.uint32))
+
+
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("side", ["k", "v"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("rule", ["lsq", "rms"])
+def test_codes_and_scales_bit_exact_per_format_version(version, side, bits, rule):
+    d = 128
+    x = np.concatenate([_inputs(d, n=48, seed=version), np.random.default_rng().standard_normal((64, d)).astype(np.float32)])
+    seed, layer = 0xFEED_0000_1111_2222, 5
+    q = tq.quantize(torch.from_numpy(x), bits, seed, layer, rule, format_version=version, side=side)
+    mags, _ = tq.codebook_tensor(bits, format_version=version, side=side)
+    assert np.array_equal(mags.numpy(), fmkv.codebook_levels(version, bits, side))
+    for i in range(x.shape[0]):
+        codes, scales = fmkv.quantize_vector(x[i], bits, seed=seed, layer=layer, scale_rule=rule,
+                                             format_version=version, side=side)
+        np.testing.assert_array_equal(q.codes[i].numpy(), codes, err_msg=f"codes row {i}")
+        np.testing.assert_array_equal(q.scales[i].numpy().view(np.uint16), scales.view(np.uint16),
+                                      err_msg=f"scales row {i}")
+        ref = fmkv.dequantize_vector(codes, scales, bits, seed=seed, layer=layer, format_version=version, side=side)
+        out = tq.dequantize(tq.QuantizedTensor(q.codes[i:i + 1], q.scales[i:i + 1], bits, seed, layer,
+                                               format_version=version, side=side)).numpy()[0]
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(ref).max())))
+
+
+def test_format3_three_bit_levels_differ_from_format2():
+    # the case the version parameter exists for: 3-bit codes of format 3 stand for other values, per side
+    k2, _ = tq.codebook_tensor(3, format_version=2, side="k")
+    k3, _ = tq.codebook_tensor(3, format_version=3, side="k")
+    v3, _ = tq.codebook_tensor(3, format_version=3, side="v")
+    assert not torch.equal(k2, k3) and not torch.equal(k3, v3)
+    assert torch.equal(tq.codebook_tensor(4, format_version=3, side="v")[0], tq.codebook_tensor(4)[0])

@@ -18,7 +18,9 @@ Config names (``parse_config``):
                    fp16), ``-only<i>`` (diagnostic: only layer i quantized), ``-e5m2`` (research,
                    not format v1: levels restricted to a common factor x fp8-e5m2 values,
                    fmkv.eval.e5m2_levels; ``-ve5m2``: on V only, the format-3 candidate's
-                   V levels, whose K levels are the int8 grid's, within 0.003% of Lloyd-Max)
+                   V levels, whose K levels are the int8 grid's, within 0.003% of Lloyd-Max),
+                   ``-fmt3`` (format version 3's codebooks: 3-bit K and V on integer levels x an fp16
+                   step; 2- and 4-bit codes are format 2's)
 ``quanto-int4``    per-token asymmetric int4 / int2 with one fp16 scale + fp16 zero per group
 ``quanto-int2``    of ``-g<G>`` channels (default 64), as optimum-quanto's KV cache does
 ``kivi-4/kivi-2``  KIVI: K per-channel (groups of 32 tokens), V per-token (groups of 32 channels),
@@ -67,6 +69,7 @@ class KVQuantizer:
     only_layer: int = -1  # diagnostic: quantize this layer only (others fp16)
     e5m2: bool = False  # research: e5m2-restricted levels (fmkv.eval.e5m2_levels), not format v1
     e5m2_k: bool = True  # ... on K too (False: -ve5m2, V only)
+    format_version: int = 0  # fmkv format version (0: the library's default); picks the codebooks
     num_layers: int = 0  # set by the evaluation (needed for boundary layers and bytes)
     seed: int = 0
     options: Dict[str, object] = field(default_factory=dict)
@@ -130,7 +133,8 @@ class KVQuantizer:
                 mu = x[:, :, :128].to(torch.float16).float().mean(dim=2, keepdim=True)
                 x = x - mu
             levels = e5m2_codebook(bits) if self.e5m2 and (side == "v" or self.e5m2_k) else None
-            out = tq.fake_quantize(x, bits, self.seed, layer, self.scale_rule, self.rotate, levels=levels)
+            out = tq.fake_quantize(x, bits, self.seed, layer, self.scale_rule, self.rotate, levels=levels,
+                                   format_version=self.format_version, side=side)
             return (out if mu is None else out + mu).to(dt)
         if self.kind == "quanto":
             return _asym_groups(x, bits, self.group, axis=-1).to(dt)
@@ -215,6 +219,8 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
                 q.e5m2 = True
             elif mod == "ve5m2":
                 q.e5m2, q.e5m2_k = True, False
+            elif mod == "fmt3":
+                q.format_version = 3
             elif mod == "km":
                 q.key_mean = True
             elif mod == "vm":
@@ -235,6 +241,10 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
                      "window_tokens": q.residual, "key_mean": q.key_mean, "value_mean": q.value_mean,
                      "fp16_boundary_layers": q.boundary, "fp16_layers": list(q.fp16_layers),
                      "only_layer": q.only_layer, "group": 32}
+        if q.format_version:
+            q.options["format_version"] = q.format_version
+        if q.e5m2 and q.format_version:
+            raise ValueError(f"config {name!r}: -e5m2 / -ve5m2 replace the codebooks; they do not combine with -fmt3")
         if q.e5m2:
             q.options["levels"] = ("e5m2-restricted (research, not format v1)" if q.e5m2_k
                                    else "V e5m2-restricted, K Lloyd-Max (research: the format-3 candidate's V levels)")

@@ -19,8 +19,9 @@
 * Options: asymmetric ``k_bits`` / ``v_bits`` (K may be 16 = fp16), ``window_tokens`` (recent
   tokens kept in fp16, default 64: measured to matter most, see docs/EVAL.md; pass 0 to compress
   every token), ``sink_tokens``, ``boundary_layers`` (first/last N layers at ``boundary_k_bits`` /
-  ``boundary_v_bits``), ``scale_rule`` ('lsq' default, or 'rms'), rotation ``seed``, ``backend``
-  (default: the device's), ``device``.
+  ``boundary_v_bits``) or ``layer_bits`` (a (k_bits, v_bits) pair per layer, e.g. a budget plan of
+  ``fmkv-eval plan``), ``scale_rule`` ('lsq' default, or 'rms'), rotation ``seed``, ``format_version``
+  (0: the library's default; 3: format 3's 3-bit codes), ``backend`` (default: the device's), ``device``.
 * The host keeps each layer's length (a Python int: it plans each CUDA call for the actual length),
   so a step is not capturable in a CUDA graph; fmkv.hf.FmkvStaticCache is the graph-capturable form.
 
@@ -39,7 +40,7 @@ import fmkv
 from fmkv import format as _format
 
 from .attention import use_fmkv_attention
-from .compat import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, layer_types, text_config
+from .compat import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, layer_bit_widths, layer_types, text_config
 
 __all__ = ["FmkvCache", "FmkvLayer", "DEFAULT_WINDOW_TOKENS", "layer_seed", "pages_per_sequence"]
 
@@ -86,9 +87,10 @@ class FmkvLayer(CacheLayerMixin):
     def __init__(self, layer_idx: int, k_bits: int = 3, v_bits: int = 3, max_cache_len: int = 4096,
                  page_size: int = 64, sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                  scale_rule: str = "lsq", seed: int = 0, backend: Optional[str] = None,
-                 prefill: str = "full", device=None, fused: bool = True):
+                 prefill: str = "full", device=None, fused: bool = True, format_version: int = 0):
         super().__init__()
         self.fused = bool(fused)
+        self.format_version = int(format_version)
         self._pending = None  # (k rows, v rows, n) of a decode chunk update() kept for the fused step
         self.layer_idx = int(layer_idx)
         self.k_bits, self.v_bits = int(k_bits), int(v_bits)
@@ -128,7 +130,7 @@ class FmkvLayer(CacheLayerMixin):
         self.config = fmkv.Config(head_dim=d, num_kv_heads=h, k_bits=self.k_bits, v_bits=self.v_bits,
                                   page_size=self.page_size, sink_tokens=self.sink_tokens,
                                   window_tokens=self.window_tokens, scale_rule=self.scale_rule,
-                                  seed=layer_seed(self.seed, self.layer_idx))
+                                  seed=layer_seed(self.seed, self.layer_idx), format_version=self.format_version)
         self._cfg = torch_ops.config_to_list(self.config)
         pps = pages_per_sequence(self.max_cache_len, self.sink_tokens, self.page_size)
         R = self.sink_tokens + self.window_tokens
@@ -298,12 +300,14 @@ class FmkvCache(Cache):
                  page_size: int = 64, sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                  boundary_layers: int = 0, boundary_k_bits: int = 16, boundary_v_bits: int = 4,
                  scale_rule: str = "lsq", seed: int = 0, backend: Optional[str] = None,
-                 prefill: str = "full", set_attention: bool = True, device=None, fused: bool = True):
+                 prefill: str = "full", set_attention: bool = True, device=None, fused: bool = True,
+                 format_version: int = 0, layer_bits=None):
         if prefill not in ("full", "compressed"):
             raise ValueError("prefill must be 'full' or 'compressed'")
         text = text_config(config)
         types = layer_types(text)
         n = len(types)
+        widths = layer_bit_widths(n, k_bits, v_bits, boundary_layers, boundary_k_bits, boundary_v_bits, layer_bits)
         layers = []
         for i, t in enumerate(types):
             if t == "sliding_attention" and getattr(text, "sliding_window", None):
@@ -311,17 +315,16 @@ class FmkvCache(Cache):
                 continue
             if t not in ("full_attention", "sliding_attention"):
                 raise ValueError(f"layer {i}: type {t!r} is not supported by FmkvCache")
-            boundary = boundary_layers > 0 and (i < boundary_layers or i >= n - boundary_layers)
-            layers.append(FmkvLayer(i, boundary_k_bits if boundary else k_bits,
-                                    boundary_v_bits if boundary else v_bits, max_cache_len, page_size,
+            layers.append(FmkvLayer(i, widths[i][0], widths[i][1], max_cache_len, page_size,
                                     sink_tokens, window_tokens, scale_rule, seed, backend, prefill, device,
-                                    fused))
+                                    fused, format_version))
         super().__init__(layers=layers)
         self._max_cache_len = int(max_cache_len)
         self.options = dict(k_bits=k_bits, v_bits=v_bits, page_size=page_size, sink_tokens=sink_tokens,
                             window_tokens=window_tokens, boundary_layers=boundary_layers,
                             scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend,
-                            device=None if device is None else str(device), fused=fused)
+                            device=None if device is None else str(device), fused=fused,
+                            format_version=format_version, layer_bits=None if layer_bits is None else widths)
         if set_attention:
             use_fmkv_attention(config)
 

@@ -44,3 +44,22 @@ def layer_types(config) -> List[str]:
         return ["sliding_attention" if (sw and use) else "full_attention"] * n
     return list(types)[:n]
 
+
+
+def layer_bit_widths(n: int, k_bits: int, v_bits: int, boundary_layers: int = 0, boundary_k_bits: int = 16,
+                     boundary_v_bits: int = 4, layer_bits=None) -> List[tuple]:
+    """(k_bits, v_bits) of each of the ``n`` layers: ``layer_bits`` (one (k, v) pair per layer, e.g. a budget
+    plan from ``fmkv-eval plan``) when given, else k_bits / v_bits with the first and last ``boundary_layers``
+    layers at boundary_k_bits / boundary_v_bits. The widths themselves are checked by fmkv.Config."""
+    if layer_bits is None:
+        return [(boundary_k_bits, boundary_v_bits) if boundary_layers > 0 and (i < boundary_layers or i >= n - boundary_layers)
+                else (k_bits, v_bits) for i in range(n)]
+    pairs = [tuple(p) for p in layer_bits]
+    if len(pairs) != n:
+        raise ValueError(f"layer_bits has {len(pairs)} entries for a model of {n} layers")
+    for i, p in enumerate(pairs):
+        if len(p) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in p):
+            raise ValueError(f"layer_bits[{i}] = {p!r} is not a (k_bits, v_bits) pair of integers")
+    if boundary_layers:
+        raise ValueError("layer_bits and boundary_layers both choose the layers' widths; pass one of them")
+    return pairs

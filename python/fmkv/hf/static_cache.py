@@ -43,7 +43,7 @@ import fmkv
 
 from .attention import use_fmkv_attention
 from .cache import DEFAULT_WINDOW_TOKENS, layer_seed, pages_per_sequence
-from .compat import Cache, CacheLayerMixin, layer_types, text_config
+from .compat import Cache, CacheLayerMixin, layer_bit_widths, layer_types, text_config
 
 try:
     from transformers.cache_utils import StaticSlidingWindowLayer
@@ -74,8 +74,9 @@ class FmkvStaticLayer(CacheLayerMixin):
 
     def __init__(self, layer_idx: int, max_cache_len: int, k_bits: int = 3, v_bits: int = 3, page_size: int = 64,
                  sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS, scale_rule: str = "lsq",
-                 seed: int = 0, backend: Optional[str] = None, prefill: str = "full"):
+                 seed: int = 0, backend: Optional[str] = None, prefill: str = "full", format_version: int = 0):
         super().__init__()
+        self.format_version = int(format_version)
         if prefill not in ("full", "compressed"):
             raise ValueError("prefill must be 'full' or 'compressed'")
         self.layer_idx = int(layer_idx)
@@ -105,7 +106,7 @@ class FmkvStaticLayer(CacheLayerMixin):
         return fmkv.Config(head_dim=int(head_dim), num_kv_heads=int(num_kv_heads), k_bits=self.k_bits,
                            v_bits=self.v_bits, page_size=self.page_size, sink_tokens=self.sink_tokens,
                            window_tokens=self.window_tokens, scale_rule=self.scale_rule,
-                           seed=layer_seed(self.seed, self.layer_idx))
+                           seed=layer_seed(self.seed, self.layer_idx), format_version=self.format_version)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate every tensor for key_states' batch, heads, head_dim and device (also the entry point of
@@ -361,10 +362,12 @@ class FmkvStaticCache(Cache):
                  sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS, boundary_layers: int = 0,
                  boundary_k_bits: int = 16, boundary_v_bits: int = 4, scale_rule: str = "lsq", seed: int = 0,
                  backend: Optional[str] = None, prefill: str = "full", set_attention: bool = True,
-                 batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None):
+                 batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None,
+                 format_version: int = 0, layer_bits=None):
         text = text_config(config)
         types = layer_types(text)
         n = len(types)
+        widths = layer_bit_widths(n, k_bits, v_bits, boundary_layers, boundary_k_bits, boundary_v_bits, layer_bits)
         layers = []
         for i, t in enumerate(types):
             if t == "sliding_attention" and getattr(text, "sliding_window", None):
@@ -373,16 +376,15 @@ class FmkvStaticCache(Cache):
                 continue
             if t not in ("full_attention", "sliding_attention"):
                 raise ValueError(f"layer {i}: type {t!r} is not supported by FmkvStaticCache")
-            boundary = boundary_layers > 0 and (i < boundary_layers or i >= n - boundary_layers)
-            layers.append(FmkvStaticLayer(i, max_cache_len, boundary_k_bits if boundary else k_bits,
-                                          boundary_v_bits if boundary else v_bits, page_size, sink_tokens,
-                                          window_tokens, scale_rule, seed, backend, prefill))
+            layers.append(FmkvStaticLayer(i, max_cache_len, widths[i][0], widths[i][1], page_size, sink_tokens,
+                                          window_tokens, scale_rule, seed, backend, prefill, format_version))
         super().__init__(layers=layers)
         self._max_cache_len = int(max_cache_len)
         self.options = dict(k_bits=k_bits, v_bits=v_bits, page_size=page_size, sink_tokens=sink_tokens,
                             window_tokens=window_tokens, boundary_layers=boundary_layers,
                             boundary_k_bits=boundary_k_bits, boundary_v_bits=boundary_v_bits,
-                            scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend)
+                            scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend,
+                            format_version=format_version, layer_bits=None if layer_bits is None else widths)
         if set_attention:
             use_fmkv_attention(config)
         if batch_size is not None:
