@@ -3,8 +3,12 @@
 # backend), on a machine with an NVIDIA GPU, python3 with torch (CUDA build), nanobind, cmake,
 # ninja, pytest, transformers; no internet and no package downloads.
 #
-#   bash tests/python/run_device_cuda.sh [stage-gguf] [build] [tests] [needle] [demo]
+#   bash tests/python/run_device_cuda.sh [stage-gguf] [build] [tests] [needle] [demo] [ppl] [plan]
 #
+# ppl / plan: the SmolLM2-135M WikiText-2 quality runs of docs/EVAL.md on the GPU (`fmkv-eval ppl`, 131k tokens,
+# the format-2 vs format-3 configs; `fmkv-eval plan`, budget plans checked on held-out windows), reading the
+# token ids from build-evaldev/p2/ids.pt (torch.save of the tokenized text: the device has no data) and the GGUF
+# as the demo does. They need only the binding (FMKV_CUDA_BUILD=OFF builds it in a minute).
 # Default (no step named): build tests needle demo. Run from the repository root. Every step
 # prints what it runs and its exit status, and the script goes on after a failed step; the last
 # line is the summary. Outputs (flat, at most 8 files) go to $OUT (default /tmp/fmkv-out):
@@ -198,7 +202,28 @@ for s in "${STEPS[@]}"; do
       echo "GGUF: $G" >> "$OUT/demo.log"
       step demo 420 env PYTHONPATH=$PKG:$PYDEPS "$PY" -m fmkv.demo --model "$G" --devices auto >> "$OUT/demo.log" 2>&1
       grep -v -E "it/s\]|Converting|Loading weights" "$OUT/demo.log" | tail -40 ;;
-    *) echo "unknown step '$s' (stage-gguf build tests needle demo)"; SUMMARY+=("$s unknown") ;;
+    ppl|plan)  # the SmolLM2 quality runs of docs/EVAL.md on the GPU (see eval_model below)
+      if ! check_pkg; then skip $s "no built package in $PKG (run the build step)"; continue; fi
+      G=$(find_gguf)
+      if [ -z "$G" ] || ! have_gguf_pkg >> "$OUT/$s.log" 2>&1; then
+        skip $s "SmolLM2 GGUF or the gguf package not found (carry build-evaldev/p1 + p2 + whl; see the header)"; continue
+      fi
+      IDS=()
+      [ -f build-evaldev/p2/ids.pt ] && IDS=(--ids build-evaldev/p2/ids.pt)
+      C=${FMKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+      if [ "$s" = ppl ]; then
+        step ppl 420 env PYTHONPATH=$PKG:$PYDEPS "$PY" -m fmkv.eval ppl --model "$G" "${IDS[@]}" --device cuda \
+          --configs "${PPL_CONFIGS:-fp16,k4v4,k3v3,k3v3-fmt3,k4v3,k4v3-fmt3,k4v4-w32,k3v3-w64,k3v3-fmt3-w64}" \
+          --ctx 2048 --tokens "${PPL_TOKENS:-131072}" --commit "$C" --out "$OUT/ppl.jsonl" --no-progress \
+          --max-minutes 6.5 >> "$OUT/ppl.log" 2>&1
+      else
+        step plan 420 env PYTHONPATH=$PKG:$PYDEPS "$PY" -m fmkv.eval plan --model "$G" "${IDS[@]}" --device cuda \
+          --budgets "${PLAN_BUDGETS:-56,64,72,91}" --windows "${PLAN_WINDOWS:-0,64,128}" --format-version "${PLAN_FORMAT:-3}" \
+          --calib-tokens "${PLAN_CALIB:-6144}" --check-tokens "${PLAN_CHECK:-65536}" --commit "$C" \
+          --out "$OUT/plan.jsonl" --no-progress >> "$OUT/plan.log" 2>&1
+      fi
+      tail -25 "$OUT/$s.log" ;;
+    *) echo "unknown step '$s' (stage-gguf build tests needle demo ppl plan)"; SUMMARY+=("$s unknown") ;;
   esac
 done
 

@@ -2,6 +2,7 @@
 
     python -m fmkv.eval ppl --model smollm2-135m --text wiki.test.raw \
         --configs fp16,k4v4,k3v3,k2v2,k4v2,k16v3 --ctx 2048 --tokens 65536
+    python -m fmkv.eval plan --budgets 56,64,72 --calib-tokens 8192 --check-tokens 131072 --device cuda
     python -m fmkv.eval needle --max-ctx 131072
     python -m fmkv.eval needle --device cuda --max-ctx 1048576 --out needle_cuda.jsonl
 """
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import time
 from typing import List, Optional
+
+import numpy as np
 
 DEFAULT_TEXT = "/work/shared/data/wikitext-2-raw/wiki.test.raw"
 
@@ -223,6 +226,199 @@ def cmd_ppl(a: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str, allowed=None, what: str = "value") -> List[int]:
+    try:
+        vals = [int(t, 10) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not vals:
+        raise argparse.ArgumentTypeError(f"empty {what} list")
+    for v in vals:
+        if (allowed is not None and v not in allowed) or v < 0:
+            raise argparse.ArgumentTypeError(f"{what} {v} is not supported (expected one of {sorted(allowed)})"
+                                             if allowed is not None else f"{what} {v} is negative")
+    return vals
+
+
+def _float_list(text: str) -> List[float]:
+    try:
+        vals = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not vals or not all(math.isfinite(v) and v > 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"budgets {text!r}: expected positive finite numbers")
+    return vals
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    """Budget planner (fmkv.eval.plan): sensitivity on calibration windows, exact allocation per budget, and a
+    check of each plan against the uniform configs of its budget on held-out windows."""
+    import torch
+    from tqdm import tqdm
+
+    from . import plan as PL
+    from . import ppl as P
+    from .quantizers import parse_config
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if not a.ids and not os.path.exists(a.text):
+        print(f"text file {a.text} not found (WikiText-2: pass --text PATH)", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    model, tok = P.load_model(a.model, device=a.device)
+    P.register()
+    P.set_attn(model, P.ATTN_NAME)
+    ids = torch.load(a.ids).long().reshape(-1) if a.ids else P.tokenize_file(tok, a.text)
+    n_layers = int(model.config.num_hidden_layers)
+    d = int(getattr(model.config, "head_dim", 0) or model.config.hidden_size // model.config.num_attention_heads)
+    n_all = ids.numel() // a.ctx
+    n_cal = max(1, a.calib_tokens // a.ctx)
+    n_chk = min(max(1, a.check_tokens // a.ctx), n_all - n_cal)
+    if n_chk < 1:
+        print(f"the text has {n_all} windows of {a.ctx}: none left to check after {n_cal} calibration windows",
+              file=sys.stderr)
+        return 2
+    sens_cfg = PL.sensitivity_configs(n_layers, a.k_bits, a.v_bits, a.windows, a.format_version, a.seed)
+    quants = []
+    for name, (w, side, i, b) in sens_cfg.items():
+        bits = [(16, 16)] * n_layers
+        bits[i] = (b, 16) if side == "k" else (16, b)
+        quants.append(PL.planned_quantizer(name, bits, w, a.format_version, a.seed))
+    print(f"model {a.model} loaded in {time.time() - t0:.1f}s; {n_layers} layers, head_dim {d}; "
+          f"calibration: {n_cal} windows of {a.ctx} ({len(quants)} sensitivity configs); check: {n_chk} later windows",
+          file=sys.stderr)
+    sums = {q.name: 0.0 for q in quants}
+    count = 0
+    bar = tqdm(total=n_cal * len(quants), desc="sensitivity", unit="fwd", file=sys.stderr, disable=a.no_progress)
+    for w in range(n_cal):
+        win = ids[w * a.ctx:(w + 1) * a.ctx].unsqueeze(0).to(a.device)
+        res = P.eval_window(model, win, quants, on_config=lambda _n: bar.update(1))
+        for k in sums:
+            sums[k] += res[k]["kld"]
+        count += res[quants[0].name]["n"]
+    bar.close()
+    sens = {}  # (W, side) -> [layers, menu]
+    for w in a.windows:
+        for side, menu in (("k", a.k_bits), ("v", a.v_bits)):
+            m = np.zeros((n_layers, len(menu)))
+            for j, b in enumerate(menu):
+                if b != 16:
+                    for i in range(n_layers):
+                        m[i, j] = max(0.0, sums[f"sens-w{w}-{side}{b}-L{i}"] / count)
+            sens[(w, side)] = m
+    commit = a.commit or _commit()
+    base = {"model": "smollm2-135m" if a.model == "smollm2-135m" else a.model, "text": os.path.basename(a.text),
+            "ctx": a.ctx, "commit": commit, "device": a.device, "format_version": a.format_version or None}
+    rows = []
+    for (w, side), m in sens.items():
+        menu = a.k_bits if side == "k" else a.v_bits
+        for j, b in enumerate(menu):
+            if b != 16:
+                rows.append(dict(base, suite="plan-sensitivity", window_tokens=w, side=side, bits=b,
+                                 calib_tokens=count, kld_per_layer=[round(float(x), 7) for x in m[:, j]]))
+    plans, checks = [], {}
+    for budget in a.budgets:
+        best = None
+        for w in a.windows:
+            r = PL.allocate(sens[(w, "k")], sens[(w, "v")], a.k_bits, a.v_bits, d, budget, w, a.ctx)
+            if r is not None and (best is None or r[1] < best[1]):
+                best = (r[0], r[1], r[2], w)
+        if best is None:
+            print(f"budget {budget} B: no configuration of the menus fits", file=sys.stderr)
+            continue
+        bits, pred, nbytes, w = best
+        name = f"plan-{budget:g}B"
+        checks[name] = PL.planned_quantizer(name, bits, w, a.format_version, a.seed)
+        uni = sorted(PL.uniform_candidates(a.k_bits, a.v_bits, a.windows, d, budget, a.ctx), key=lambda t: -t[1])
+        uni = [u for u in uni if u[1] >= 0.8 * budget][:a.uniform_per_budget]
+        for u, _ in uni:
+            nm = u + ("-fmt3" if a.format_version == 3 else "")
+            checks.setdefault(nm, parse_config(nm, seed=a.seed))
+        plans.append(dict(base, suite="plan", budget=budget, config=name, window_tokens=w, layer_bits=[list(p) for p in bits],
+                          bytes_per_token_per_head=round(nbytes, 3), predicted_kld=round(pred, 6),
+                          uniform_compared=[u + ("-fmt3" if a.format_version == 3 else "") for u, _ in uni],
+                          calib_windows=[0, n_cal], check_windows=[n_cal, n_cal + n_chk]))
+        print(f"budget {budget:g} B: window {w}, {nbytes:.2f} B, predicted KLD {pred:.5f}, layers (k,v): "
+              + " ".join(f"{k}{v}" if k < 16 else f"F{v}" for k, v in bits), file=sys.stderr)
+    cq = [parse_config("fp16")] + list(checks.values())
+    for q in cq:
+        q.num_layers = n_layers
+    tot = {q.name: {"nll": 0.0, "kld": 0.0, "agree": 0, "n": 0} for q in cq}
+    bar = tqdm(total=n_chk * len(cq), desc="check", unit="fwd", file=sys.stderr, disable=a.no_progress)
+    for w in range(n_cal, n_cal + n_chk):
+        win = ids[w * a.ctx:(w + 1) * a.ctx].unsqueeze(0).to(a.device)
+        res = P.eval_window(model, win, cq, on_config=lambda _n: bar.update(1))
+        for k, v in res.items():
+            for f in ("nll", "kld", "agree", "n"):
+                tot[k][f] += v[f]
+    bar.close()
+    summ = P.summarize(tot)
+    measured = {}
+    for q in cq:
+        s = summ[q.name]
+        measured[q.name] = dict(base, suite="plan-check", config=q.name, tokens=s["n"],
+                                bytes_per_token_per_head=round(q.bytes_per_token_per_head(d, a.ctx), 3),
+                                ppl=round(s["ppl"], 5), ppl_ratio=round(s["ppl_ratio"], 5), kld=round(s["kld"], 6),
+                                top1_agree=round(s["top1_agree"], 5), options=dict(q.options, kind=q.kind))
+    for p in plans:
+        m = measured[p["config"]]
+        p["check"] = {f: m[f] for f in ("tokens", "ppl", "ppl_ratio", "kld", "top1_agree")}
+        uni = [measured[u] for u in p["uniform_compared"]]
+        if uni:
+            b = min(uni, key=lambda r: r["kld"])
+            p["best_uniform"] = {f: b[f] for f in ("config", "bytes_per_token_per_head", "ppl_ratio", "kld")}
+        print(f"{p['config']}: {p['bytes_per_token_per_head']:.2f} B, held-out ppl ratio {m['ppl_ratio']:.4f}, "
+              f"KLD {m['kld']:.5f} (predicted {p['predicted_kld']:.5f})"
+              + (f"; best uniform {b['config']} ({b['bytes_per_token_per_head']:.2f} B): ppl ratio {b['ppl_ratio']:.4f}, "
+                 f"KLD {b['kld']:.5f}" if uni else ""), file=sys.stderr)
+    out_rows = rows + plans + list(measured.values())
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        for r in out_rows:
+            f.write(json.dumps(r) + "\n")
+    print(f"wrote {a.out}", file=sys.stderr)
+    if a.plot != "":
+        path = a.plot or os.path.splitext(a.out)[0] + ".png"
+        plot_plan(plans, list(measured.values()), path)
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def plot_plan(plans: List[dict], measured: List[dict], path: str) -> None:
+    """Held-out ppl ratio vs bytes: each budget's plan (filled) and the uniform configs it was compared with."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    plan_names = {p["config"] for p in plans}
+    uni = sorted((r for r in measured if r["config"] not in plan_names and r["config"] != "fp16"),
+                 key=lambda r: r["bytes_per_token_per_head"])
+    pl = sorted((r for r in measured if r["config"] in plan_names), key=lambda r: r["bytes_per_token_per_head"])
+    ax.plot([r["bytes_per_token_per_head"] for r in uni], [r["ppl_ratio"] for r in uni], "o", mfc="none",
+            label="uniform widths (fmkv)")
+    for r in uni:
+        ax.annotate(r["config"], (r["bytes_per_token_per_head"], r["ppl_ratio"]), fontsize=6, xytext=(3, 2),
+                    textcoords="offset points")
+    ax.plot([r["bytes_per_token_per_head"] for r in pl], [r["ppl_ratio"] for r in pl], "s-", label="planned per layer")
+    for r in pl:
+        ax.annotate(r["config"], (r["bytes_per_token_per_head"], r["ppl_ratio"]), fontsize=7, xytext=(3, -9),
+                    textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes per token per kv head (K+V, fp16 window amortised at ctx)")
+    ax.set_ylabel("held-out perplexity / fp16 (log)")
+    r0 = measured[0]
+    ax.set_title(f"budget plans vs uniform: {r0['model']}, {r0['text']}, ctx {r0['ctx']}, {r0['tokens']} held-out tokens",
+                 fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def cmd_needle(a: argparse.Namespace) -> int:
     from .needle import run_needle
 
@@ -324,6 +520,32 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--static", action="store_true",
                    help="fmkv.hf.FmkvStaticCache instead of FmkvCache; on CUDA with compiled decoding (CUDA graphs)")
     g.set_defaults(func=cmd_generate)
+    pn = sub.add_parser("plan", help="per-layer bit widths + fp16 window minimising measured KLD at byte budgets")
+    pn.add_argument("--model", default="smollm2-135m")
+    pn.add_argument("--text", default=DEFAULT_TEXT)
+    pn.add_argument("--ids", default="", help="pre-tokenized text (torch.save of a 1-D id tensor)")
+    pn.add_argument("--budget", "--budgets", dest="budgets", type=_float_list, default=[60.0],
+                    help="bytes per token per kv head (K+V), comma-separated for several plans (default 60)")
+    pn.add_argument("--ctx", type=_int_at_least(2), default=2048)
+    pn.add_argument("--calib-tokens", type=_int_at_least(1), default=8192,
+                    help="calibration text (whole windows from the start)")
+    pn.add_argument("--check-tokens", type=_int_at_least(1), default=65536,
+                    help="held-out text after the calibration windows (whole windows)")
+    pn.add_argument("--k-bits", type=lambda t: _int_list(t, {2, 3, 4, 16}, "k width"), default=[2, 3, 4, 16])
+    pn.add_argument("--v-bits", type=lambda t: _int_list(t, {2, 3, 4}, "v width"), default=[2, 3, 4])
+    pn.add_argument("--windows", type=lambda t: _int_list(t, None, "window"), default=[0, 64],
+                    help="fp16 recent-token windows to choose from (default 0,64)")
+    pn.add_argument("--format-version", type=int, choices=[0, 2, 3], default=0)
+    pn.add_argument("--uniform-per-budget", type=_int_at_least(0), default=4,
+                    help="uniform configs (largest that fit, >= 0.8 x budget) checked beside each plan")
+    pn.add_argument("--device", default="cpu")
+    pn.add_argument("--threads", type=_int_at_least(0), default=0)
+    pn.add_argument("--seed", type=_int_at_least(0), default=0)
+    pn.add_argument("--commit", default="")
+    pn.add_argument("--out", default="docs/results/plan.jsonl")
+    pn.add_argument("--plot", default=None, help="PNG (default: --out with .png; '' for none)")
+    pn.add_argument("--no-progress", action="store_true")
+    pn.set_defaults(func=cmd_plan)
     n = sub.add_parser("needle", help="kernel-level needle retrieval through fmkv.Cache")
     n.add_argument("--max-ctx", type=_int_at_least(1), default=131072)
     n.add_argument("--bits", default="2,3,4")

@@ -70,6 +70,7 @@ class KVQuantizer:
     e5m2: bool = False  # research: e5m2-restricted levels (fmkv.eval.e5m2_levels), not format v1
     e5m2_k: bool = True  # ... on K too (False: -ve5m2, V only)
     format_version: int = 0  # fmkv format version (0: the library's default); picks the codebooks
+    layer_bits: tuple = ()  # ((k_bits, v_bits) per layer): per-layer widths (fmkv.eval.plan), 16 = fp16
     num_layers: int = 0  # set by the evaluation (needed for boundary layers and bytes)
     seed: int = 0
     options: Dict[str, object] = field(default_factory=dict)
@@ -105,7 +106,11 @@ class KVQuantizer:
     def bytes_per_token_per_head(self, d: int, ctx: Optional[int] = None) -> float:
         """K+V bytes per token per kv head, averaged over layers; with ``ctx``, fp16 sink/residual
         tokens amortised over ctx."""
-        q = self._side_bytes(d, self.k_bits, "k") + self._side_bytes(d, self.v_bits, "v")
+        if self.layer_bits:
+            q = sum(self._side_bytes(d, kb, "k") + self._side_bytes(d, vb, "v")
+                    for kb, vb in self.layer_bits) / len(self.layer_bits)
+        else:
+            q = self._side_bytes(d, self.k_bits, "k") + self._side_bytes(d, self.v_bits, "v")
         n16 = self.residual + self.sinks
         if ctx and n16:
             n16 = min(n16, ctx)
@@ -117,10 +122,10 @@ class KVQuantizer:
 
     # ---------------------------------------------------------------- quantizers
     def quant_k(self, k: torch.Tensor, layer: int) -> torch.Tensor:
-        return self._quant(k, layer, self.k_bits, "k")
+        return self._quant(k, layer, self.layer_bits[layer][0] if self.layer_bits else self.k_bits, "k")
 
     def quant_v(self, v: torch.Tensor, layer: int) -> torch.Tensor:
-        return self._quant(v, layer, self.v_bits, "v")
+        return self._quant(v, layer, self.layer_bits[layer][1] if self.layer_bits else self.v_bits, "v")
 
     def _quant(self, x: torch.Tensor, layer: int, bits: int, side: str) -> torch.Tensor:
         dt = x.dtype
