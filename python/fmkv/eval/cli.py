@@ -308,7 +308,10 @@ def cmd_plan(a: argparse.Namespace) -> int:
                         m[i, j] = max(0.0, sums[f"sens-w{w}-{side}{b}-L{i}"] / count)
             sens[(w, side)] = m
     commit = a.commit or _commit()
-    base = {"model": "smollm2-135m" if a.model == "smollm2-135m" else a.model, "text": os.path.basename(a.text),
+    model_name = a.model
+    if a.model == "smollm2-135m" or os.path.basename(a.model) == P.MODELS["smollm2-135m"][1]:
+        model_name = "smollm2-135m"
+    base = {"model": model_name, "text": os.path.basename(a.text),
             "ctx": a.ctx, "commit": commit, "device": a.device, "format_version": a.format_version or None}
     rows = []
     for (w, side), m in sens.items():
