@@ -1,6 +1,8 @@
 // CPU backend benchmark: decode attention on compressed pages, quantize-append throughput, and a
 // STREAM-style copy bandwidth measured in the same run. Prints one JSON object per line.
-//   cpu_bench [--contexts 4096,32768,131072] [--reps N] [--quick] [--format-version 2|3]
+//   cpu_bench [--contexts 4096,32768,131072] [--reps N] [--quick] [--format-version 2|3] [--kbits B]
+//             [--geom 0|1] [--skip-quant]
+// (an unknown flag, a missing value or an out-of-range number is an error: exit 2 with a message)
 // Timing: median of several runs (fewer at long contexts); the cache is filled with random valid
 // codes and finite fp16 scales (values do not change the work done).
 #include <algorithm>
@@ -132,31 +134,51 @@ int main(int argc, char** argv) {
   bool skip_quant = false;
   int only_kb = 0, only_geom = -1;
   int32_t format_version = 0;  // the caches' fmkv_config.format_version (0: the library's default)
+  auto fail = [](const std::string& m) {
+    std::fprintf(stderr, "cpu_bench: %s\n", m.c_str());
+    std::exit(2);
+  };
+  auto number = [&](int& i, const std::string& flag, long long lo, long long hi) {
+    if (i + 1 >= argc) fail(flag + " needs a value");
+    const std::string v = argv[++i];
+    char* end = nullptr;
+    const long long x = std::strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end || x < lo || x > hi)
+      fail(flag + " " + v + ": expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    return x;
+  };
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--contexts" && i + 1 < argc) {
+    if (a == "--contexts") {
+      if (i + 1 >= argc) fail("--contexts needs a value");
       contexts.clear();
       std::string s = argv[++i];
       size_t p = 0;
-      while (p < s.size()) {
+      while (p <= s.size()) {
         size_t q = s.find(',', p);
-        contexts.push_back(std::stoll(s.substr(p, q == std::string::npos ? std::string::npos : q - p)));
+        const std::string item = s.substr(p, q == std::string::npos ? std::string::npos : q - p);
+        char* end = nullptr;
+        const long long x = std::strtoll(item.c_str(), &end, 10);
+        if (item.empty() || *end || x < 1 || x > (1ll << 24)) fail("--contexts " + s + ": each context in [1, 2^24]");
+        contexts.push_back(x);
         if (q == std::string::npos) break;
         p = q + 1;
       }
-    } else if (a == "--reps" && i + 1 < argc) {
-      reps_override = std::atoi(argv[++i]);
-    } else if (a == "--kbits" && i + 1 < argc) {
-      only_kb = std::atoi(argv[++i]);
-    } else if (a == "--geom" && i + 1 < argc) {
-      only_geom = std::atoi(argv[++i]);
-    } else if (a == "--format-version" && i + 1 < argc) {
-      format_version = std::atoi(argv[++i]);
+    } else if (a == "--reps") {
+      reps_override = (int)number(i, a, 1, 1000);
+    } else if (a == "--kbits") {
+      only_kb = (int)number(i, a, 2, 16);
+    } else if (a == "--geom") {
+      only_geom = (int)number(i, a, 0, 1);
+    } else if (a == "--format-version") {
+      format_version = (int32_t)number(i, a, 0, 99);  // the C API names an unsupported version
     } else if (a == "--skip-quant") {
       skip_quant = true;
     } else if (a == "--quick") {
       contexts = {4096, 32768};
       reps_override = 3;
+    } else {
+      fail("unknown flag '" + a + "' (--contexts, --reps, --quick, --format-version, --kbits, --geom, --skip-quant)");
     }
   }
   if (!fmkv_backend_available(FMKV_BACKEND_CPU)) {
@@ -185,6 +207,7 @@ int main(int argc, char** argv) {
     c.v_bits = f.vb;
     c.page_size = 64;
     c.format_version = format_version;
+    check(fmkv_config_validate(&c), "config");
     const int64_t T = 4096, np = T / c.page_size;
     std::vector<uint8_t> pages((size_t)(np * fmkv_config_page_bytes(&c)));
     std::vector<int32_t> table(np);
@@ -207,14 +230,14 @@ int main(int argc, char** argv) {
     double bytes = 2.0 * T * 8 * 128 * 4;
     std::printf("{\"op\":\"quantize_append_api\",\"batch\":1,\"q_len\":%lld,\"context\":%lld,\"head_dim\":128,\"q_heads\":32,"
                 "\"kv_heads\":8,\"layers\":1,\"k_bits\":%d,\"v_bits\":%d,\"page_size\":64,\"time_us\":%.1f,\"bytes\":%.0f,"
-                "\"gbps\":%.3f,\"gbps_per_core\":%.3f,\"threads\":%d,\"copy_gbps\":%.3f,\"pct_copy_bw\":%.2f}\n",
+                "\"gbps\":%.3f,\"gbps_per_core\":%.3f,\"threads\":%d,\"copy_gbps\":%.3f,\"pct_copy_bw\":%.2f,\"format_version\":%d}\n",
                 (long long)T, (long long)T, f.kb, f.vb, us_api, bytes, bytes / (us_api * 1e3), bytes / (us_api * 1e3) / used_threads,
-                used_threads, copy, 100.0 * bytes / (us_api * 1e3) / copy);
+                used_threads, copy, 100.0 * bytes / (us_api * 1e3) / copy, fmkv_resolved_format_version(format_version));
     std::printf("{\"op\":\"quantize_append\",\"batch\":1,\"q_len\":%lld,\"context\":%lld,\"head_dim\":128,\"q_heads\":32,"
                 "\"kv_heads\":8,\"layers\":1,\"k_bits\":%d,\"v_bits\":%d,\"page_size\":64,\"time_us\":%.1f,\"bytes\":%.0f,"
-                "\"gbps\":%.3f,\"gbps_per_core\":%.3f,\"threads\":%d,\"copy_gbps\":%.3f,\"pct_copy_bw\":%.2f}\n",
+                "\"gbps\":%.3f,\"gbps_per_core\":%.3f,\"threads\":%d,\"copy_gbps\":%.3f,\"pct_copy_bw\":%.2f,\"format_version\":%d}\n",
                 (long long)T, (long long)T, f.kb, f.vb, us, bytes, bytes / (us * 1e3), bytes / (us * 1e3) / used_threads,
-                used_threads, copy, 100.0 * bytes / (us * 1e3) / copy);
+                used_threads, copy, 100.0 * bytes / (us * 1e3) / copy, fmkv_resolved_format_version(format_version));
     std::fflush(stdout);
   }
 
@@ -237,6 +260,7 @@ int main(int argc, char** argv) {
       c.page_size = 64;
       c.seed = 1234;
       c.format_version = format_version;
+      check(fmkv_config_validate(&c), "config");
       const int64_t np = (max_ctx + c.page_size - 1) / c.page_size;
       std::vector<uint8_t> pages;
       fill_cache(c, pages, np, 99 + f.kb * 7 + f.vb + gm.d);
@@ -263,8 +287,10 @@ int main(int argc, char** argv) {
         double gbps = bytes / (us * 1e3);
         std::printf("{\"op\":\"decode_attention\",\"batch\":1,\"q_len\":1,\"context\":%lld,\"head_dim\":%d,\"q_heads\":%d,"
                     "\"kv_heads\":%d,\"layers\":1,\"k_bits\":%d,\"v_bits\":%d,\"page_size\":64,\"time_us\":%.1f,"
-                    "\"bytes\":%.0f,\"gbps\":%.3f,\"copy_gbps\":%.3f,\"pct_copy_bw\":%.2f,\"threads\":%d,\"cpu_us\":%.1f}\n",
-                    (long long)ctx, gm.d, gm.hq, gm.hkv, f.kb, f.vb, us, bytes, gbps, copy, 100.0 * gbps / copy, used_threads, g_cpu_us);
+                    "\"bytes\":%.0f,\"gbps\":%.3f,\"copy_gbps\":%.3f,\"pct_copy_bw\":%.2f,\"threads\":%d,\"cpu_us\":%.1f,"
+                    "\"format_version\":%d}\n",
+                    (long long)ctx, gm.d, gm.hq, gm.hkv, f.kb, f.vb, us, bytes, gbps, copy, 100.0 * gbps / copy, used_threads, g_cpu_us,
+                    fmkv_resolved_format_version(format_version));
         std::fflush(stdout);
       }
     }

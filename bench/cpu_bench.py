@@ -7,7 +7,9 @@ on CPU (fp32 and bf16, GQA via enable_gqa) for the same decode shapes, prints a 
 with the fields of BENCHMARKS.md ("baseline" = the faster torch dtype; the fp32 time is kept too).
 
 Usage: python3 bench/cpu_bench.py [--bin build-cpu/bench/cpu_bench] [--contexts 4096,32768,131072]
-       [--out docs/results] [--quick]
+       [--format-versions 2,3] [--isas best,avx2] [--out docs/results] [--quick]
+Each (ISA, format version) pair is one run of the binary (FMKV_CPU_ISA selects the kernel set; "best" is
+the library's own choice); rows carry `format_version` and `isa`. torch SDPA is timed once per shape.
 Threads: both sides use all cores (FMKV_NUM_THREADS / torch.set_num_threads override).
 """
 import argparse
@@ -82,18 +84,49 @@ def main():
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--format-versions", default="2,3", help="fmkv format versions, one binary run each")
+    ap.add_argument("--isas", default="best", help="CPU kernel sets (FMKV_CPU_ISA): best, avx512, avx2, scalar, neon")
     a = ap.parse_args()
     binp = find_bin(a.bin)
     threads = int(os.environ.get("FMKV_NUM_THREADS", "0")) or os.cpu_count() or 1
-    cmd = [binp, "--contexts", a.contexts] + (["--reps", "3"] if a.quick else [])
-    print("running", " ".join(cmd), flush=True)
-    lines = [json.loads(l) for l in subprocess.check_output(cmd, text=True).splitlines() if l.startswith("{")]
-    info = next(l for l in lines if l["op"] == "info")
-    info_end = next((l for l in lines if l["op"] == "info_end"), {})
-    load = [info.get("loadavg"), info_end.get("loadavg")]
-    device, rev = info["device"], commit()
-    decode = [l for l in lines if l["op"] == "decode_attention"]
-    quant = [l for l in lines if l["op"].startswith("quantize_append")]
+    versions = [int(v) for v in a.format_versions.split(",")]
+    isas = a.isas.split(",")
+    for isa in isas:
+        if isa not in ("best", "avx512", "avx2", "scalar", "neon"):
+            sys.exit("--isas: unknown kernel set %r (best, avx512, avx2, scalar, neon)" % isa)
+    decode, quant, infos, seen = [], [], [], set()
+    for isa in isas:
+        for fv in versions:
+            cmd = [binp, "--contexts", a.contexts, "--format-version", str(fv)] + (["--reps", "3"] if a.quick else [])
+            env = dict(os.environ)
+            env.pop("FMKV_CPU_ISA", None)
+            if isa != "best":
+                env["FMKV_CPU_ISA"] = isa
+            print("running", ("FMKV_CPU_ISA=%s " % isa if isa != "best" else "") + " ".join(cmd), flush=True)
+            lines = [json.loads(l) for l in subprocess.check_output(cmd, text=True, env=env).splitlines()
+                     if l.startswith("{")]
+            info = next(l for l in lines if l["op"] == "info")
+            got = info["device"].split("(")[-1].split(",")[0]  # "AMD EPYC (avx2, 2 threads)" -> avx2
+            if isa != "best" and got != isa:
+                print("  (%s is not available here: the library ran %s; skipped)" % (isa, got))
+                continue
+            if (got, fv) in seen:
+                print("  (%s, format %d already measured; skipped)" % (got, fv))
+                continue
+            seen.add((got, fv))
+            info_end = next((l for l in lines if l["op"] == "info_end"), {})
+            info["loadavg_start_end"] = [info.get("loadavg"), info_end.get("loadavg")]
+            infos.append(info)
+            for l in lines:
+                l["isa"], l["device"] = got, info["device"]
+                l["loadavg_start_end"] = info["loadavg_start_end"]
+            decode += [l for l in lines if l["op"] == "decode_attention"]
+            quant += [l for l in lines if l["op"].startswith("quantize_append")]
+    if not infos:
+        sys.exit("no requested kernel set ran")
+    info = infos[0]
+    load = [i["loadavg_start_end"] for i in infos]
+    device, rev = info["device"].split(" (")[0], commit()
 
     shapes = sorted({(l["q_heads"], l["kv_heads"], l["head_dim"], l["context"]) for l in decode})
     tt, tver = torch_times(shapes, threads, a.quick)
@@ -103,18 +136,20 @@ def main():
         t = tt[(l["q_heads"], l["kv_heads"], l["head_dim"], l["context"])]
         best = "bf16" if t["bf16"][0] < t["fp32"][0] else "fp32"
         r = {k: l.get(k) for k in FIELDS}
-        r.update(suite="cpu_decode", backend="cpu", device=device, commit=rev,
+        r.update(suite="cpu_decode", backend="cpu", device=l["device"], commit=rev, format_version=l["format_version"],
+                 isa=l["isa"],
                  baseline="torch_sdpa_%s_%s" % (best, t[best][1]), baseline_time_us=round(t[best][0], 1),
                  speedup=round(t[best][0] / l["time_us"], 3))
         r.update(threads=l["threads"], torch_version=tver, torch_fp32_time_us=round(t["fp32"][0], 1),
                  torch_bf16_time_us=round(t["bf16"][0], 1), speedup_vs_fp32=round(t["fp32"][0] / l["time_us"], 3),
-                 cpu_us=l.get("cpu_us"), loadavg_start_end=load)
+                 cpu_us=l.get("cpu_us"), loadavg_start_end=l["loadavg_start_end"])
         rows_d.append(r)
     for l in quant:
         r = {k: l.get(k) for k in FIELDS}
-        r.update(suite="cpu_quantize", backend="cpu", device=device, commit=rev, baseline=None,
+        r.update(suite="cpu_quantize", backend="cpu", device=l["device"], commit=rev, format_version=l["format_version"],
+                 isa=l["isa"], baseline=None,
                  baseline_time_us=None, speedup=None, threads=l["threads"], gbps_per_core=l["gbps_per_core"],
-                 input_dtype="f32", loadavg_start_end=load,
+                 input_dtype="f32", loadavg_start_end=l["loadavg_start_end"],
                  note="bytes = fp32 K+V input; quantize_append_api includes the C API's per-value input validation")
         rows_q.append(r)
 
@@ -126,19 +161,20 @@ def main():
         for r in rows_q:
             f.write(json.dumps(r) + "\n")
 
-    print("\ndevice: %s   copy bandwidth (read+write): %.2f GB/s   torch %s, %d threads   load avg %s" %
-          (device, info["copy_gbps"], tver, threads, load))
-    print("%-12s %-5s %7s %10s %8s %7s %10s %10s %8s %8s" %
-          ("shape", "fmt", "ctx", "fmkv_us", "GB/s", "%copy", "sdpa32_us", "sdpa16_us", "x_fp32", "x_best"))
+    print("\ndevice: %s   copy bandwidth (read+write, per run): %s GB/s   torch %s, %d threads   load avg %s" %
+          (device, ", ".join("%.2f" % i["copy_gbps"] for i in infos), tver, threads, load))
+    print("%-12s %-6s %-3s %-5s %7s %10s %8s %7s %10s %10s %8s %8s" %
+          ("shape", "isa", "fv", "fmt", "ctx", "fmkv_us", "GB/s", "%copy", "sdpa32_us", "sdpa16_us", "x_fp32", "x_best"))
     for r in rows_d:
-        print("%-12s %-5s %7d %10.1f %8.2f %7.1f %10.1f %10.1f %8.2f %8.2f" %
-              ("%dq/%dkv d%d" % (r["q_heads"], r["kv_heads"], r["head_dim"]), "k%dv%d" % (r["k_bits"], r["v_bits"]),
-               r["context"], r["time_us"], r["gbps"], r["pct_copy_bw"], r["torch_fp32_time_us"],
-               r["torch_bf16_time_us"], r["speedup_vs_fp32"], r["speedup"]))
-    print("\n%-20s %-5s %10s %8s %10s" % ("quantize (4096 tok)", "fmt", "time_us", "GB/s", "GB/s/core"))
+        print("%-12s %-6s %-3d %-5s %7d %10.1f %8.2f %7.1f %10.1f %10.1f %8.2f %8.2f" %
+              ("%dq/%dkv d%d" % (r["q_heads"], r["kv_heads"], r["head_dim"]), r["isa"], r["format_version"],
+               "k%dv%d" % (r["k_bits"], r["v_bits"]), r["context"], r["time_us"], r["gbps"], r["pct_copy_bw"],
+               r["torch_fp32_time_us"], r["torch_bf16_time_us"], r["speedup_vs_fp32"], r["speedup"]))
+    print("\n%-20s %-6s %-3s %-5s %10s %8s %10s" % ("quantize (4096 tok)", "isa", "fv", "fmt", "time_us", "GB/s", "GB/s/core"))
     for r in rows_q:
-        print("%-20s %-5s %10.1f %8.3f %10.3f" % (r["op"], "k%dv%d" % (r["k_bits"], r["v_bits"]), r["time_us"],
-                                                r["gbps"], r["gbps_per_core"]))
+        print("%-20s %-6s %-3d %-5s %10.1f %8.3f %10.3f" % (r["op"], r["isa"], r["format_version"],
+                                                         "k%dv%d" % (r["k_bits"], r["v_bits"]), r["time_us"],
+                                                         r["gbps"], r["gbps_per_core"]))
 
     try:
         import matplotlib
@@ -148,9 +184,14 @@ def main():
         fig, axes = plt.subplots(1, len(geoms), figsize=(6 * len(geoms), 4.5), squeeze=False)
         for ax, g in zip(axes[0], geoms):
             rs = [r for r in rows_d if (r["q_heads"], r["kv_heads"], r["head_dim"]) == g]
-            for fmt in sorted({(r["k_bits"], r["v_bits"]) for r in rs}, reverse=True):
-                pts = sorted((r["context"], r["time_us"]) for r in rs if (r["k_bits"], r["v_bits"]) == fmt)
-                ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], "o-", label="fmkv k%dv%d" % fmt)
+            series = sorted({(r["k_bits"], r["v_bits"], r["format_version"], r["isa"]) for r in rs}, reverse=True)
+            for (kb, vb, fv, isa) in series:
+                if fv >= 3 and 3 not in (kb, vb):
+                    continue  # version 3 changes only 3-bit sections: those rows repeat version 2's (a noise check)
+                pts = sorted((r["context"], r["time_us"]) for r in rs
+                             if (r["k_bits"], r["v_bits"], r["format_version"], r["isa"]) == (kb, vb, fv, isa))
+                ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], "o-" if fv >= 3 else "s--",
+                        label="fmkv k%dv%d v%d %s" % (kb, vb, fv, isa), lw=1.2, ms=4)
             for key, style in (("torch_fp32_time_us", "k--"), ("torch_bf16_time_us", "k:")):
                 pts = sorted({(r["context"], r[key]) for r in rs})
                 ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], style,
@@ -161,7 +202,7 @@ def main():
             ax.set_ylabel("decode attention time (ms, median)")
             ax.set_title("%dq/%dkv d=%d, batch 1, q_len 1" % g)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=6, ncol=2)
         fig.suptitle("fmkv CPU backend vs torch SDPA: %s" % device, fontsize=10)
         fig.tight_layout()
         fig.savefig(os.path.join(a.out, "cpu_decode.png"), dpi=110)
