@@ -85,8 +85,13 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--format-versions", default="2,3", help="fmkv format versions, one binary run each")
+    ap.add_argument("--replot", nargs=2, metavar=("JSONL", "PNG"), help="only redraw PNG from a cpu_decode.jsonl")
     ap.add_argument("--isas", default="best", help="CPU kernel sets (FMKV_CPU_ISA): best, avx512, avx2, scalar, neon")
     a = ap.parse_args()
+    if a.replot:
+        with open(a.replot[0]) as f:
+            plot([json.loads(l) for l in f if l.strip()], a.replot[1])
+        return
     binp = find_bin(a.bin)
     threads = int(os.environ.get("FMKV_NUM_THREADS", "0")) or os.cpu_count() or 1
     versions = [int(v) for v in a.format_versions.split(",")]
@@ -176,39 +181,47 @@ def main():
                                                          "k%dv%d" % (r["k_bits"], r["v_bits"]), r["time_us"],
                                                          r["gbps"], r["gbps_per_core"]))
 
+    plot(rows_d, os.path.join(a.out, "cpu_decode.png"))
+
+
+def plot(rows_d, png):
+    """One panel per (geometry, ISA): fmkv decode time per format (version 3 solid, 2 dashed) and torch SDPA."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        geoms = sorted({(r["q_heads"], r["kv_heads"], r["head_dim"]) for r in rows_d}, reverse=True)
-        fig, axes = plt.subplots(1, len(geoms), figsize=(6 * len(geoms), 4.5), squeeze=False)
-        for ax, g in zip(axes[0], geoms):
-            rs = [r for r in rows_d if (r["q_heads"], r["kv_heads"], r["head_dim"]) == g]
-            series = sorted({(r["k_bits"], r["v_bits"], r["format_version"], r["isa"]) for r in rs}, reverse=True)
-            for (kb, vb, fv, isa) in series:
+    except ImportError:
+        print("matplotlib missing (pip install matplotlib): no plot")
+        return
+    geoms = sorted({(r["q_heads"], r["kv_heads"], r["head_dim"]) for r in rows_d}, reverse=True)
+    isas = sorted({r.get("isa", "?") for r in rows_d}, reverse=True)
+    fig, axes = plt.subplots(len(isas), len(geoms), figsize=(6 * len(geoms), 4.2 * len(isas)), squeeze=False)
+    colors = {(4, 4): "C0", (3, 3): "C3", (2, 2): "C2", (16, 4): "C4"}
+    for row, isa in enumerate(isas):
+        for ax, g in zip(axes[row], geoms):
+            rs = [r for r in rows_d if (r["q_heads"], r["kv_heads"], r["head_dim"]) == g and r.get("isa", "?") == isa]
+            for (kb, vb, fv) in sorted({(r["k_bits"], r["v_bits"], r.get("format_version", 2)) for r in rs}, reverse=True):
                 if fv >= 3 and 3 not in (kb, vb):
                     continue  # version 3 changes only 3-bit sections: those rows repeat version 2's (a noise check)
                 pts = sorted((r["context"], r["time_us"]) for r in rs
-                             if (r["k_bits"], r["v_bits"], r["format_version"], r["isa"]) == (kb, vb, fv, isa))
+                             if (r["k_bits"], r["v_bits"], r.get("format_version", 2)) == (kb, vb, fv))
                 ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], "o-" if fv >= 3 else "s--",
-                        label="fmkv k%dv%d v%d %s" % (kb, vb, fv, isa), lw=1.2, ms=4)
+                        color=colors.get((kb, vb)), label="fmkv k%dv%d, format %d" % (kb, vb, fv), lw=1.2, ms=4)
             for key, style in (("torch_fp32_time_us", "k--"), ("torch_bf16_time_us", "k:")):
                 pts = sorted({(r["context"], r[key]) for r in rs})
-                ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], style,
-                        label="torch SDPA " + key.split("_")[1])
+                ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], style, label="torch SDPA " + key.split("_")[1])
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("context (tokens)")
             ax.set_ylabel("decode attention time (ms, median)")
-            ax.set_title("%dq/%dkv d=%d, batch 1, q_len 1" % g)
+            ax.set_title("%dq/%dkv d=%d, batch 1, q_len 1, %s" % (g + (isa,)), fontsize=10)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=6, ncol=2)
-        fig.suptitle("fmkv CPU backend vs torch SDPA: %s" % device, fontsize=10)
-        fig.tight_layout()
-        fig.savefig(os.path.join(a.out, "cpu_decode.png"), dpi=110)
-        print("\nwrote", os.path.join(a.out, "cpu_decode.png"))
-    except ImportError:
-        print("matplotlib missing (pip install matplotlib): no plot")
+            ax.legend(fontsize=7)
+    device = rows_d[0]["device"].split(" (")[0] if rows_d else ""
+    fig.suptitle("fmkv CPU backend vs torch SDPA, 2 threads: %s" % device, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    print("\nwrote", png)
 
 
 if __name__ == "__main__":
