@@ -115,3 +115,31 @@ def test_turbo_lsq_refits_the_one_scale(bits):
     assert el.mean() < er.mean() * 0.999
     with pytest.raises(ValueError):
         parse_config("turbo-3-foo")
+
+
+def test_key_mean_window_and_skip():
+    """-km subtracts the fp16 mean of tokens 0..127 before quantizing and adds it back; -kms<N> of tokens
+    N..N+127: shifting every key by a constant c shifts the dequantized keys by c (up to fp16 rounding of
+    the mean), and the skipped tokens do not enter the mean."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, 300, 64, generator=g)
+    x[:, :, :4] += 50.0  # sink-like outliers in the first 4 tokens
+    km, kms = parse_config("k3v3-km"), parse_config("k3v3-kms4")
+    assert km.key_mean and km.key_mean_skip == 0 and kms.key_mean_skip == 4
+    assert kms.options["key_mean_skip"] == 4
+    base = parse_config("k3v3").quant_k(x, 0)
+    # kms4's mean ignores the outliers: adding a constant to tokens 0..3 only changes those tokens' output
+    y = x.clone()
+    y[:, :, :4] += 7.0
+    a, b = kms.quant_k(x, 0), kms.quant_k(y, 0)
+    assert torch.equal(a[:, :, 4:], b[:, :, 4:])
+    # km's mean includes them: the same change moves later tokens too
+    assert not torch.equal(km.quant_k(x, 0)[:, :, 4:], km.quant_k(y, 0)[:, :, 4:])
+    # the mean is removed before quantizing: a large common offset costs km nothing, plain k3v3 a lot
+    off = x + 30.0
+    err_km = (km.quant_k(off, 0) - off).pow(2).mean()
+    err_plain = (parse_config("k3v3").quant_k(off, 0) - off).pow(2).mean()
+    assert err_km < 0.5 * err_plain
+    assert torch.isfinite(base).all()
+    with pytest.raises(ValueError):
+        parse_config("k3v3-kmsx")

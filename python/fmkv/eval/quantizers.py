@@ -12,7 +12,8 @@ Config names (``parse_config``):
                    (``k16vB``: K in fp16). Suffixes: ``-rms`` (RMS scale instead of LSQ),
                    ``-norot`` (no rotation: ablation), ``-s<N>`` (first N tokens fp16),
                    ``-w<N>`` (fp16 window of the N most recent tokens), ``-km`` (subtract the
-                   per-channel key mean of the first 128 tokens before quantizing; softmax-invariant)
+                   per-channel key mean of the first 128 tokens before quantizing; softmax-invariant;
+                   ``-kms<N>``: of tokens N .. N + 127, skipping the first N, e.g. attention sinks)
                    ``-vm`` (same for V, added back to the output: exact since softmax weights sum
                    to 1), ``-b<N>`` (first and last N layers fp16), ``-f<i.j..>`` (those layers
                    fp16), ``-only<i>`` (diagnostic: only layer i quantized), ``-e5m2`` (research,
@@ -63,6 +64,7 @@ class KVQuantizer:
     residual: int = 0  # fp16 recent tokens (per query)
     sinks: int = 0  # first tokens kept fp16
     key_mean: bool = False
+    key_mean_skip: int = 0  # -kms<N>: the key mean over tokens N .. N + 127 (skips the first N, e.g. sinks)
     value_mean: bool = False
     boundary: int = 0  # first and last `boundary` layers kept fp16
     fp16_layers: tuple = ()  # explicit layers kept fp16
@@ -135,7 +137,8 @@ class KVQuantizer:
         if self.kind == "fmkv":
             mu = None
             if (side == "k" and self.key_mean) or (side == "v" and self.value_mean):
-                mu = x[:, :, :128].to(torch.float16).float().mean(dim=2, keepdim=True)
+                k0 = self.key_mean_skip if side == "k" else 0
+                mu = x[:, :, k0:k0 + 128].to(torch.float16).float().mean(dim=2, keepdim=True)
                 x = x - mu
             levels = e5m2_codebook(bits) if self.e5m2 and (side == "v" or self.e5m2_k) else None
             out = tq.fake_quantize(x, bits, self.seed, layer, self.scale_rule, self.rotate, levels=levels,
@@ -228,6 +231,8 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
                 q.format_version = 3
             elif mod == "km":
                 q.key_mean = True
+            elif re.fullmatch(r"kms\d+", mod):
+                q.key_mean, q.key_mean_skip = True, int(mod[3:])
             elif mod == "vm":
                 q.value_mean = True
             elif re.fullmatch(r"b\d+", mod):
@@ -243,7 +248,8 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
             else:
                 raise ValueError(f"config {name!r}: unknown modifier {mod!r}")
         q.options = {"scale_rule": q.scale_rule, "rotation": q.rotate, "sink_tokens": q.sinks,
-                     "window_tokens": q.residual, "key_mean": q.key_mean, "value_mean": q.value_mean,
+                     "window_tokens": q.residual, "key_mean": q.key_mean, "key_mean_skip": q.key_mean_skip,
+                     "value_mean": q.value_mean,
                      "fp16_boundary_layers": q.boundary, "fp16_layers": list(q.fp16_layers),
                      "only_layer": q.only_layer, "group": 32}
         if q.format_version:
