@@ -173,7 +173,7 @@ void run_attention_case(const AttentionCase& ac) {
 // definitions (src/format: tree_sum32 / quantize_group, pack_group_words, rotate), bit for bit, on
 // adversarial inputs: wide dynamic range (summation order shows), values exactly on decision
 // thresholds (ties), zero / -0 / subnormal / overflowing groups (saturating scales).
-void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
+void run_core_case(int d, int bits, int rule, int table, uint32_t threads, Order order) {
   auto t0 = std::chrono::steady_clock::now();
   const int G = d / 32, nvec = 48;
   std::vector<float> x((size_t)nvec * d);
@@ -199,7 +199,7 @@ void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
           float t[32];
           for (int j = 0; j < 32; ++j) t[j] = y[j] * y[j];
           const float s0f = fmkv::f16_to_f32(fmkv::scale_to_f16(__builtin_sqrtf(fmkv::tree_sum32(t) / 32.0f)));
-          for (int j = 0; j < 32; j += 3) y[j] = (j % 2 ? -1.0f : 1.0f) * fmkv::codebook_threshold(bits, ms[j]) * s0f;
+          for (int j = 0; j < 32; j += 3) y[j] = (j % 2 ? -1.0f : 1.0f) * fmkv::table_threshold(table, bits, ms[j]) * s0f;
         }
       }
     }
@@ -207,7 +207,7 @@ void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
   std::vector<float> sums(nsum, NAN), rot((size_t)nvec * d, NAN);
   std::vector<uint32_t> codes((size_t)nvec * d, 0xDEADBEEFu), words((size_t)nvec * G * 4, 0xDEADBEEFu);
   std::vector<uint16_t> scales((size_t)nvec * G, 0xFFFFu);
-  emu_kernels::CoreTestParams p{d, bits, rule, (int32_t)(g_rng() % 40), g_rng(), nvec, 0};
+  emu_kernels::CoreTestParams p{d, bits, rule, (int32_t)(g_rng() % 40), g_rng(), nvec, table};
   emu_kernels::CoreTestBuffers b{x.data(), sums.data(), rot.data(), codes.data(), scales.data(), words.data()};
   const uint32_t nsg = threads / 32;
   emu_kernels::core_test(p, b, {(uint32_t)((nvec + nsg - 1) / nsg), threads, order, g_rng()});
@@ -230,7 +230,7 @@ void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
           err = "group sum differs from tree_sum32 (vector " + std::to_string(vi) + ", group " + std::to_string(g) +
                 ", lane " + std::to_string(lane) + ")";
       uint8_t rc[32];
-      const uint16_t rs = fmkv::quantize_group(y, bits, rule, rc);
+      const uint16_t rs = fmkv::quantize_group_table(y, bits, table, rule, rc);
       uint32_t rw[4] = {0, 0, 0, 0};
       fmkv::ref::pack_group(rc, bits, rw, 1);
       if (scales[(size_t)vi * G + g] != rs) err = "scale differs (vector " + std::to_string(vi) + ", group " + std::to_string(g) + ")";
@@ -247,13 +247,13 @@ void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
         const float s0f = fmkv::f16_to_f32(fmkv::scale_to_f16(__builtin_sqrtf(fmkv::tree_sum32(t2) / 32.0f)));
         for (int j = 0; j < 32; ++j)
           for (int m = 0; m + 1 < fmkv::magnitude_count(bits); ++m)
-            ties += s0f != 0.0f && std::fabs(y[j] / s0f) == fmkv::codebook_threshold(bits, m);
+            ties += s0f != 0.0f && std::fabs(y[j] / s0f) == fmkv::table_threshold(table, bits, m);
       }
     }
   }
   char name[160];
-  snprintf(name, sizeof name, "core primitives d%d %d-bit %s tg=%u %s (tree sum, FWHT, scale, codes, code words)", d, bits,
-           rule ? "lsq" : "rms", threads, order_name(order));
+  snprintf(name, sizeof name, "core primitives d%d %d-bit table%d %s tg=%u %s (tree sum, FWHT, scale, codes, code words)", d,
+           bits, table, rule ? "lsq" : "rms", threads, order_name(order));
   report(err.empty() && ties > 0, name, err.empty() ? std::to_string(ties) + " threshold ties" : err,
          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
@@ -302,14 +302,16 @@ void run_error_cases() {
 
 // The parameter blocks must have the layout python/fmkv/mlx/kernels.py packs (no implicit padding).
 void run_layout_case() {
-  bool ok = sizeof(fmkv_metal_append_params) == 128 && sizeof(fmkv_metal_attention_params) == 160 &&
+  bool ok = sizeof(fmkv_metal_append_params) == 136 && sizeof(fmkv_metal_attention_params) == 160 &&
             offsetof(fmkv_metal_append_params, seed) == 32 && offsetof(fmkv_metal_append_params, page_bytes) == 120 &&
+            offsetof(fmkv_metal_append_params, format_version) == 128 &&
             offsetof(fmkv_metal_attention_params, softmax_scale) == 120 &&
+            offsetof(fmkv_metal_attention_params, format_version) == 148 &&
             offsetof(fmkv_metal_attention_params, page_bytes) == 152;
   char d[128];
   snprintf(d, sizeof d, "sizeof append %zu, attention %zu", sizeof(fmkv_metal_append_params),
            sizeof(fmkv_metal_attention_params));
-  report(ok, "parameter block layout (128 / 160 bytes, natural alignment, no padding)", d, 0.0);
+  report(ok, "parameter block layout (136 / 160 bytes, natural alignment, no padding)", d, 0.0);
 }
 
 // Parameter blocks of a fixed configuration as hex, for tests/metal/run.sh to compare with
@@ -317,6 +319,7 @@ void run_layout_case() {
 int dump_params() {
   fmkv_config c = make_config(128, 3, 4, 2, 16, 2, 8, FMKV_SCALE_RMS);
   c.seed = 0x1234567890abcdefull;
+  c.format_version = 3;
   std::vector<int64_t> lens{40, 100}, offs{0, 3, 4};
   std::vector<int32_t> slots{1, 0}, table(18, 0);
   fmkv_layer_cache lc{nullptr, 77, nullptr, nullptr, 3, 5};
@@ -399,7 +402,14 @@ int main(int argc, char** argv) {
     for (int bits : {2, 3, 4})
       for (int rule : {0, 1}) {
         if (quick && (d + bits + rule) % 2) continue;
-        run_core_case(d, bits, rule, 32u * (uint32_t)(1 + (d / 64 + bits + rule) % 4), (Order)((bits + rule) % 3));
+        run_core_case(d, bits, rule, 0, 32u * (uint32_t)(1 + (d / 64 + bits + rule) % 4), (Order)((bits + rule) % 3));
+      }
+  // format 3's 3-bit codebooks: table 1 (K) and 2 (V), integer levels x fp16 step
+  for (int d : {64, 128, 256})
+    for (int table : {1, 2})
+      for (int rule : {0, 1}) {
+        if (quick && (d / 64 + table + rule) % 2) continue;
+        run_core_case(d, 3, rule, table, 32u * (uint32_t)(1 + (d / 64 + table + rule) % 4), (Order)((table + rule) % 3));
       }
 
   // ---- quantize-append, bit-exact ----
@@ -429,6 +439,26 @@ int main(int argc, char** argv) {
       if (quick && tg != 96u) continue;
       ap.push_back({make_config(256, 4, 3, 1, 16, 1, 4, FMKV_SCALE_LSQ), {3, 20}, {{9, 2}}, FMKV_F32, tg, tg / 2 + 1, o});
     }
+  // Format version 3 (tests/test_backends.cpp FormatVersion3MatchesOrIsRefused): 3-bit sections in tile blocks of
+  // 16 slots. Calls start mid-tile and end in partial tiles, so one tile block is written by several calls and,
+  // within a call, by several SIMD groups of one threadgroup (their fibers interleave at every SIMD-group
+  // operation) and by several threadgroups; bytes of slots no call writes (random) must survive.
+  ap.push_back({make_config3(64, 3, 3, 2, 16, 0, 0, FMKV_SCALE_LSQ), {5, 0, 29}, {{3, 17, 2}, {9, 1, 16}, {1, 30, 5}},
+                FMKV_F16, 256, 64, Order::kRandom});
+  ap.push_back({make_config3(64, 3, 3, 1, 16, 0, 0, FMKV_SCALE_RMS), {7, 1}, {{11, 2}, {13, 29}}, FMKV_F32, 1024, 64,
+                Order::kReverse});
+  ap.push_back({make_config3(128, 3, 3, 2, 64, 4, 16, FMKV_SCALE_LSQ), {30, 9, 0}, {{1, 16, 25}, {21, 3, 40}, {2, 1, 1}},
+                FMKV_BF16, 128, 48, Order::kRandom});
+  ap.push_back({make_config3(256, 3, 2, 1, 32, 0, 0, FMKV_SCALE_RMS), {13}, {{20}, {1}, {35}}, FMKV_F16, 256, 64,
+                Order::kForward});
+  ap.push_back({make_config3(128, 16, 3, 2, 16, 0, 32, FMKV_SCALE_LSQ), {40, 33}, {{9, 1}, {30, 17}}, FMKV_F16, 192, 64,
+                Order::kRandom});
+  ap.push_back({make_config3(128, 4, 3, 2, 128, 2, 0, FMKV_SCALE_LSQ), {70}, {{25}, {6}, {40}}, FMKV_F32, 128, 33,
+                Order::kReverse});
+  ap.push_back({make_config3(256, 2, 3, 2, 16, 1, 3, FMKV_SCALE_LSQ), {3, 20}, {{9, 2}, {18, 7}}, FMKV_F16, 96, 64,
+                Order::kRandom});
+  ap.push_back({make_config3(64, 3, 4, 2, 32, 3, 6, FMKV_SCALE_LSQ), {5, 9, 0}, {{4, 0, 30}, {0, 2, 0}, {17, 5, 1}},
+                FMKV_F16, 64, 40, Order::kForward});  // sequences without rows
   for (auto& c : ap) run_append_case(c);
 
   // ---- decode attention ----
@@ -453,6 +483,22 @@ int main(int argc, char** argv) {
                 0.0f, 0.0f, 2, 5, 1, Order::kReverse});
   at.push_back({make_config(128, 4, 3, 2, 16, 2, 4, FMKV_SCALE_RMS), 2, {30, 7, 12}, {2, 0, 3}, FMKV_F16, FMKV_F32,
                 0.0f, 0.0f, 2, 2, 2, Order::kRandom});  // a sequence without query rows
+  // Format version 3 (FormatVersion3MatchesOrIsRefused's shapes, lengths scaled to the emulator), state from the
+  // reference append.
+  at.push_back({make_config3(64, 3, 3, 2, 16, 0, 0, FMKV_SCALE_LSQ), 4, {37, 2, 120}, {1, 2, 1}, FMKV_F16, FMKV_F32,
+                0.0f, 0.0f, 2, 3, 2, Order::kRandom});
+  at.push_back({make_config3(128, 3, 3, 4, 64, 4, 16, FMKV_SCALE_LSQ), 2, {300, 25, 64}, {1, 16, 3}, FMKV_F16,
+                FMKV_F32, 0.0f, 0.0f, 4, 2, 2, Order::kReverse});
+  at.push_back({make_config3(256, 3, 2, 1, 32, 0, 0, FMKV_SCALE_RMS), 8, {400}, {2}, FMKV_F32, FMKV_F32, 0.0f, 0.0f,
+                3, 2, 1, Order::kForward});
+  at.push_back({make_config3(128, 16, 3, 2, 16, 0, 32, FMKV_SCALE_LSQ), 4, {90, 33}, {1, 1}, FMKV_F16, FMKV_F32, 0.0f,
+                0.0f, 2, 2, 2, Order::kRandom});
+  at.push_back({make_config3(128, 4, 3, 2, 128, 2, 0, FMKV_SCALE_LSQ), 3, {700}, {1}, FMKV_F16, FMKV_F32, 0.0f, 0.0f,
+                4, 3, 1, Order::kRandom});
+  at.push_back({make_config3(64, 2, 3, 1, 16, 1, 1, FMKV_SCALE_LSQ), 2, {1, 2, 47}, {1, 2, 16}, FMKV_F32, FMKV_F32,
+                0.0f, 30.0f, 1, 4, 2, Order::kReverse});
+  at.push_back({make_config3(256, 3, 4, 2, 16, 2, 4, FMKV_SCALE_RMS), 1, {60, 7}, {3, 0}, FMKV_BF16, FMKV_F32, 0.0f,
+                0.0f, 2, 1, 2, Order::kRandom});  // a sequence without query rows
   for (auto& c : at) run_attention_case(c);
 
   run_error_cases();
