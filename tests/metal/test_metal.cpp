@@ -25,6 +25,7 @@
 #include "format/rotation.h"
 #include "ref/quantize.h"
 #include "fmkv/fmkv.hpp"
+#include "../golden_cases.h"
 #include "kernels_emu.h"
 #include "metal/host_plan.h"
 #include "test_util.h"
@@ -37,6 +38,28 @@ using namespace mtest;
 
 const char* order_name(Order o) { return o == Order::kForward ? "fwd" : o == Order::kReverse ? "rev" : "rand"; }
 
+
+// Appends one batch (rows per sequence after lens tokens; K / V rows of dtype dt) with the emulated Metal
+// kernels, through host_plan.h as backend.mm does; status: the kernels' status words.
+void append_metal(Layer& met, const std::vector<int64_t>& lens, const std::vector<int64_t>& offs,
+                  std::vector<uint8_t>& kbytes, std::vector<uint8_t>& vbytes, fmkv_dtype dt, uint32_t threads,
+                  uint32_t fp16_threads, Order order, uint32_t status[2]) {
+  const fmkv_config& c = met.cfg;
+  const int64_t total = offs.back();
+  fmkv_tensor k = fmkv::make_tensor(kbytes.data(), dt, total, c.num_kv_heads, c.head_dim);
+  fmkv_tensor v = fmkv::make_tensor(vbytes.data(), dt, total, c.num_kv_heads, c.head_dim);
+  fmkv_batch mb{met.seqs(), met.slots.data(), lens.data(), offs.data(), met.table.data(), met.stride};
+  fmkv::AppendArgs a{c, met.cache(), mb, k, v, nullptr};
+  const fmkv_metal_append_params p = fmkv::metal::append_params(a);
+  const fmkv::metal::AppendLaunch launch = fmkv::metal::append_launch(p, threads);
+  emu_kernels::AppendBuffers b{met.pages.data(), met.fk.data(), met.fv.data(), kbytes.data(), vbytes.data(),
+                               lens.data(),      offs.data(),    met.table.data(), met.slots.data(), status};
+  const uint64_t seed = g_rng();
+  if (launch.compress_groups > 0)
+    emu_kernels::append_compress(p, b, {launch.compress_groups, launch.compress_threads, order, seed});
+  if (launch.fp16_threads > 0)
+    emu_kernels::append_fp16(p, b, {(launch.fp16_threads + fp16_threads - 1) / fp16_threads, fp16_threads, order, seed});
+}
 
 // Appends one batch with the reference and with the emulated Metal kernels; returns the emulator's
 // status words.
@@ -52,18 +75,32 @@ void append_both(Layer& ref, Layer& met, const std::vector<int64_t>& lens, const
   fmkv_batch bt{ref.seqs(), ref.slots.data(), lens.data(), offs.data(), ref.table.data(), ref.stride};
   fmkv_layer_cache rl = ref.cache();
   fmkv::check(fmkv_append(FMKV_BACKEND_REF, &c, &rl, &bt, &k, &v, nullptr));
+  append_metal(met, lens, offs, kbytes, vbytes, dt, threads, fp16_threads, order, status);
+}
 
-  fmkv_batch mb{met.seqs(), met.slots.data(), lens.data(), offs.data(), met.table.data(), met.stride};
-  fmkv::AppendArgs a{c, met.cache(), mb, k, v, nullptr};
-  const fmkv_metal_append_params p = fmkv::metal::append_params(a);
-  const fmkv::metal::AppendLaunch launch = fmkv::metal::append_launch(p, threads);
-  emu_kernels::AppendBuffers b{met.pages.data(), met.fk.data(), met.fv.data(), kbytes.data(), vbytes.data(),
-                               lens.data(),      offs.data(),    met.table.data(), met.slots.data(), status};
+// Decode attention with the emulated Metal kernels (lens include the query rows; q_heads query heads);
+// out (out_dt) and the workspace are poisoned with NaN first.
+void attention_metal(Layer& L, const std::vector<int64_t>& lens, const std::vector<int64_t>& offs,
+                     std::vector<uint8_t>& qbytes, fmkv_dtype q_dt, int32_t q_heads, fmkv_dtype out_dt,
+                     const fmkv_attention_opts& opts, int simdgroups, int splits, int merge_simdgroups, Order order,
+                     std::vector<uint8_t>& out, uint32_t status[2]) {
+  const fmkv_config& c = L.cfg;
+  const int64_t nrows = offs.back();
+  const int d = c.head_dim;
+  out.assign((size_t)nrows * q_heads * d * (out_dt == FMKV_F32 ? 4 : 2), 0xFF);  // NaN
+  fmkv_tensor q = fmkv::make_tensor(qbytes.data(), q_dt, nrows, q_heads, d);
+  fmkv_tensor o = fmkv::make_tensor(out.data(), out_dt, nrows, q_heads, d);
+  fmkv_batch bt{L.seqs(), L.slots.data(), lens.data(), offs.data(), L.table.data(), L.stride};
+  fmkv::AttentionArgs a{c, L.cache(), bt, q, o, opts, nullptr, 0, nullptr};
+  const fmkv_metal_attention_params p = fmkv::metal::attention_params(a, simdgroups, splits);
+  std::vector<float> ws((size_t)fmkv::metal::attention_workspace_floats(p), NAN);
+  emu_kernels::AttentionBuffers b{L.pages.data(), L.fk.data(), L.fv.data(),   qbytes.data(), lens.data(),
+                                  offs.data(),    L.table.data(), L.slots.data(), ws.data(),  out.data(),
+                                  status};
   const uint64_t seed = g_rng();
-  if (launch.compress_groups > 0)
-    emu_kernels::append_compress(p, b, {launch.compress_groups, launch.compress_threads, order, seed});
-  if (launch.fp16_threads > 0)
-    emu_kernels::append_fp16(p, b, {(launch.fp16_threads + fp16_threads - 1) / fp16_threads, fp16_threads, order, seed});
+  emu_kernels::attention_partial(p, b, {fmkv::metal::attention_partial_groups(p), (uint32_t)simdgroups * 32, order, seed});
+  emu_kernels::attention_merge(p, b, {fmkv::metal::attention_merge_groups(p, merge_simdgroups),
+                                      (uint32_t)merge_simdgroups * 32, order, seed + 1});
 }
 
 
@@ -133,25 +170,15 @@ void run_attention_case(const AttentionCase& ac) {
   auto qbytes = random_tensor(ac.q_dt, nrows, HQ, d);
   fmkv_tensor q = fmkv::make_tensor(qbytes.data(), ac.q_dt, nrows, HQ, d);
   const size_t out_es = ac.out_dt == FMKV_F32 ? 4 : 2, nout = (size_t)nrows * HQ * d;
-  std::vector<uint8_t> out_ref(nout * out_es, 0xFF), out_met(nout * out_es, 0xFF);  // NaN poison
+  std::vector<uint8_t> out_ref(nout * out_es, 0xFF), out_met;  // NaN poison
   fmkv_tensor oref = fmkv::make_tensor(out_ref.data(), ac.out_dt, nrows, HQ, d);
-  fmkv_tensor omet = fmkv::make_tensor(out_met.data(), ac.out_dt, nrows, HQ, d);
   fmkv_batch bt{L.seqs(), L.slots.data(), ac.lens.data(), offs.data(), L.table.data(), L.stride};
   fmkv_layer_cache lc = L.cache();
   fmkv_attention_opts opts{ac.scale, ac.softcap, 0};
   fmkv::check(fmkv_attention(FMKV_BACKEND_REF, &c, &lc, &bt, &q, &opts, &oref, nullptr, 0, nullptr));
-
-  fmkv::AttentionArgs a{c, lc, bt, q, omet, opts, nullptr, 0, nullptr};
-  const fmkv_metal_attention_params p = fmkv::metal::attention_params(a, ac.simdgroups, ac.splits);
-  std::vector<float> ws((size_t)fmkv::metal::attention_workspace_floats(p), NAN);
   uint32_t status[2] = {0, 0};
-  emu_kernels::AttentionBuffers b{L.pages.data(), L.fk.data(), L.fv.data(),   qbytes.data(), ac.lens.data(),
-                                  offs.data(),    L.table.data(), L.slots.data(), ws.data(),  out_met.data(),
-                                  status};
-  const uint64_t seed = g_rng();
-  emu_kernels::attention_partial(p, b, {fmkv::metal::attention_partial_groups(p), (uint32_t)ac.simdgroups * 32, ac.order, seed});
-  emu_kernels::attention_merge(p, b, {fmkv::metal::attention_merge_groups(p, ac.merge_simdgroups),
-                                      (uint32_t)ac.merge_simdgroups * 32, ac.order, seed + 1});
+  attention_metal(L, ac.lens, offs, qbytes, ac.q_dt, HQ, ac.out_dt, opts, ac.simdgroups, ac.splits,
+                  ac.merge_simdgroups, ac.order, out_met, status);
   const double tol = ac.out_dt == FMKV_F32 ? 1e-5 : ac.out_dt == FMKV_F16 ? 2e-3 : 1.2e-2;
   const double err = rel_error(as_floats(out_met, ac.out_dt, nout), as_floats(out_ref, ac.out_dt, nout));
   std::string detail;
@@ -167,6 +194,102 @@ void run_attention_case(const AttentionCase& ac) {
            ac.splits, ac.merge_simdgroups, order_name(ac.order));
   report(err <= tol && !status[0] && !status[1], name, detail,
          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+// Golden vectors (tests/golden/v<version>.txt, written by the reference; cases and inputs in tests/golden_cases.h):
+// the emulated Metal kernels reproduce the page bytes (a pool of 0xA5 bytes: unwritten slots of partly filled
+// pages and tile blocks keep them) and fp16 region bytes exactly, and the attention output within 1e-5 relative.
+// FMKV_GOLDEN_DIR overrides the directory (default tests/golden, run.sh runs from the repository root).
+std::string hex_of(const void* p, size_t n) {
+  static const char digits[] = "0123456789abcdef";
+  std::string s;
+  for (size_t i = 0; i < n; ++i) {
+    s += digits[((const uint8_t*)p)[i] >> 4];
+    s += digits[((const uint8_t*)p)[i] & 15];
+  }
+  return s;
+}
+
+void run_golden_cases(int32_t version, const std::vector<fmkv::test::GoldenCase>& cases) {
+  using namespace fmkv::test;
+  const char* dir = std::getenv("FMKV_GOLDEN_DIR");
+  const std::string path = std::string(dir ? dir : "tests/golden") + "/v" + std::to_string(version) + ".txt";
+  std::vector<std::string> lines;
+  {
+    FILE* f = std::fopen(path.c_str(), "r");
+    std::string cur;
+    for (int ch; f && (ch = std::fgetc(f)) != EOF;) {
+      if (ch != '\n') {
+        cur += (char)ch;
+        continue;
+      }
+      if (!cur.empty() && cur[0] != '#') lines.push_back(cur);
+      cur.clear();
+    }
+    if (f) std::fclose(f);
+  }
+  if (lines.size() != 4 * cases.size()) {
+    report(false, "golden v" + std::to_string(version), path + " missing or malformed", 0.0);
+    return;
+  }
+  for (size_t i = 0; i < cases.size(); ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    const GoldenCase& g = cases[i];
+    Layer L;
+    L.cfg = golden_config(g, (int)i, version);
+    const fmkv_config& c = L.cfg;
+    L.layer = (int32_t)i;
+    L.stride = (int64_t)kGoldenTable.size();
+    L.num_pages = kGoldenPages;
+    L.table = kGoldenTable;
+    L.slots = {0};
+    L.pages.assign((size_t)(kGoldenPages * fmkv_config_page_bytes(&c)), 0xA5);
+    L.fk.assign((size_t)fmkv_config_fp16_slot_bytes(&c) / 4, 0x7E00);
+    L.fv = L.fk;
+    const size_t n = (size_t)g.tokens * g.d;
+    auto bytes_of = [](const std::vector<uint16_t>& h) {
+      std::vector<uint8_t> b(h.size() * 2 + 16);
+      std::memcpy(b.data(), h.data(), h.size() * 2);
+      return b;
+    };
+    std::vector<uint8_t> kb = bytes_of(golden_values(100 + i, n)), vb = bytes_of(golden_values(200 + i, n));
+    std::vector<uint8_t> qb = bytes_of(golden_values(300 + i, (size_t)2 * g.d));
+    const Order order = (Order)(i % 3);
+    uint32_t status[2] = {0, 0};
+    append_metal(L, {0}, {0, g.tokens}, kb, vb, FMKV_F16, 32u * (uint32_t)(1 + i % 4), 64, order, status);
+    std::string err;
+    if (hex_of(L.pages.data(), L.pages.size()) != lines[4 * i + 1]) {
+      const std::string got = hex_of(L.pages.data(), L.pages.size());
+      size_t at = 0;
+      while (at < got.size() && at < lines[4 * i + 1].size() && got[at] == lines[4 * i + 1][at]) ++at;
+      err = "page bytes differ from the golden file at byte " + std::to_string(at / 2);
+    }
+    const std::string fp16 = L.fk.empty() ? "-" : hex_of(L.fk.data(), L.fk.size() * 2) + hex_of(L.fv.data(), L.fv.size() * 2);
+    if (err.empty() && fp16 != lines[4 * i + 2]) err = "fp16 region bytes differ from the golden file";
+    std::vector<uint8_t> out;
+    uint32_t st2[2] = {0, 0};
+    attention_metal(L, {g.tokens}, {0, 1}, qb, FMKV_F16, 2, FMKV_F32, fmkv_attention_opts{0.0f, 0.0f, 0}, 2, 2, 1, order,
+                    out, st2);
+    const std::string& h = lines[4 * i + 3];
+    std::vector<float> want((size_t)2 * g.d);
+    double rel = 1.0;
+    if (h.size() == want.size() * 8) {
+      for (size_t j = 0; j < want.size(); ++j) {
+        uint8_t b4[4];
+        for (int k = 0; k < 4; ++k) b4[k] = (uint8_t)std::stoul(h.substr(j * 8 + k * 2, 2), nullptr, 16);
+        std::memcpy(&want[j], b4, 4);
+      }
+      rel = rel_error(as_floats(out, FMKV_F32, want.size()), want);
+    }
+    if (err.empty() && !(rel <= 1e-5)) err = "attention rel error " + std::to_string(rel) + " vs the golden output";
+    if (status[0] || status[1] || st2[0] || st2[1]) err += " kernel status set";
+    char name[200];
+    snprintf(name, sizeof name, "golden v%d: %s (%s)", version, lines[4 * i].c_str(), order_name(order));
+    char detail[64];
+    snprintf(detail, sizeof detail, "pages and fp16 bytes equal, attention rel error %.3g", rel);
+    report(err.empty(), name, err.empty() ? detail : err,
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
 }
 
 // Per-SIMD-group primitives of kernel_core.h (tests/metal/core_test.metal) against the scalar
@@ -502,6 +625,8 @@ int main(int argc, char** argv) {
   for (auto& c : at) run_attention_case(c);
 
   run_error_cases();
+  run_golden_cases(2, fmkv::test::kCasesV2);
+  run_golden_cases(3, fmkv::test::kCasesV3);
 
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const emu::Stats& st = emu::stats();
