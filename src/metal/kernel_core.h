@@ -12,13 +12,14 @@
 // Format version 3, 3-bit sections (tile blocks of 16 token slots, FORMAT.md section 6; the parameter
 // blocks carry fmkv_config.format_version): the quantizer uses table fmkv::codebook_table(version, 3, is_v)
 // (integer levels x fp16 step, K and V differ) with the reference's comparisons (encode_value_table). The
-// SIMD group of token slot t, group g writes no whole word: lane j computes the 3 bit positions of its code
-// (coordinate j) with fmkv_tile_code_bit and replaces them with at most one atomic AND and one atomic OR per
-// containing aligned uint32 word of the tile block (fmkv::tile_put_code_atomic; a uint16 Y word is half of
-// such a word), because the other 15 slots of the block may be written at the same time by other SIMD groups
-// and threadgroups. Attention: lane j of the SIMD group of a key loads the (one or two) uint32 words of the
-// key's tile block that hold coordinate j's code of group g (fmkv::tile_get_code_words) and dequantizes it
-// as decode_level_table x scale.
+// SIMD group of (token slot t, kv head, K|V) writes no whole word of the tile block: for each group g, lane j
+// computes the 3 bit positions of its code (coordinate j of group g) with fmkv_tile_code_bit and replaces
+// them with at most one atomic AND and one atomic OR per containing aligned uint32 word of the block
+// (fmkv::tile_put_code_atomic; a uint16 Y word is the low or high half of such a word), because the other 15
+// slots of the block may be written at the same time by other SIMD groups and threadgroups; lane 0 stores
+// the group's fp16 scale. Attention: lane j of the SIMD group of a key loads the (one or two) uint32 words
+// of the key's tile block that hold coordinate j's code of group g (fmkv::tile_get_code_words) and
+// dequantizes it as decode_level_table x scale.
 // Every arithmetic step of the quantizer mirrors src/format/quantize_group.h operation by operation
 // (float32, no FMA: compile with fast math off / -ffp-contract=off). docs/FORMAT.md is normative;
 // tests/metal/ checks bit-exactness against src/ref in the emulator.
