@@ -1,7 +1,7 @@
 // Golden vectors of format v2 (tests/golden/v2.txt) and v3 (tests/golden/v3.txt): inputs -> page bytes ->
 // dequantized values -> attention output. Every backend must reproduce the bytes bit-exactly and the output within its stated bound
 // (at least 1e-5: the file stores the output in float32).
-// Inputs come from splitmix64 (not <random>) so the file is platform independent.
+// Cases and inputs: tests/golden_cases.h (splitmix64, not <random>: the files are platform independent).
 // A backend that does not read and write a version refuses its cases (FMKV_ERR_UNSUPPORTED).
 // Regenerate (only with a format version change): FMKV_WRITE_GOLDEN=1 fmkv_tests --gtest_filter=Golden.*
 #include <cstdio>
@@ -10,41 +10,11 @@
 
 #include "core/backend.h"
 #include "format/rotation.h"
+#include "golden_cases.h"
 #include "harness.h"
 
 namespace fmkv::test {
 namespace {
-
-struct GoldenCase {
-  int d, kb, vb, page, sink, window, rule;
-  int64_t tokens;
-};
-const std::vector<GoldenCase> kCasesV2 = {
-    {64, 2, 3, 16, 0, 0, FMKV_SCALE_LSQ, 21},
-    {128, 3, 3, 16, 2, 4, FMKV_SCALE_RMS, 23},
-    {128, 4, 2, 32, 0, 0, FMKV_SCALE_LSQ, 19},
-    {256, 16, 4, 16, 1, 0, FMKV_SCALE_LSQ, 18},
-};
-// format 3: 3-bit codes in tile blocks (partly filled tiles: the other slots keep the pool's 0xA5 bytes)
-const std::vector<GoldenCase> kCasesV3 = {
-    {64, 3, 3, 16, 0, 0, FMKV_SCALE_LSQ, 21},
-    {128, 3, 2, 32, 2, 4, FMKV_SCALE_RMS, 39},
-    {128, 16, 3, 16, 0, 0, FMKV_SCALE_LSQ, 17},
-    {256, 4, 3, 16, 1, 0, FMKV_SCALE_LSQ, 18},
-};
-
-// Deterministic approximately-Gaussian fp16 inputs (sum of 4 uniforms, scaled): uniforms from the
-// splitmix64 stream of `seed` (the rotation's generator with layer 0: output k + 1 is sign word k).
-std::vector<uint16_t> golden_values(uint64_t seed, size_t n) {
-  std::vector<uint16_t> v(n);
-  int32_t k_out = 0;
-  for (auto& x : v) {
-    double s = 0;
-    for (int k = 0; k < 4; ++k) s += (double)(fmkv_rotation_sign_word(seed, 0, k_out++) >> 11) * 0x1.0p-53 - 0.5;
-    x = f32_to_f16((float)(s * 1.7320508 * 2.0));
-  }
-  return v;
-}
 
 std::string hex(const void* p, size_t n) {
   std::string s;
@@ -62,21 +32,17 @@ struct Produced {
 };
 
 Produced produce(fmkv_backend b, const GoldenCase& g, int idx, int32_t version) {
-  fmkv_config c;
-  fmkv_config_default(&c);
-  c.format_version = version;
-  c.head_dim = g.d; c.num_kv_heads = 1; c.k_bits = g.kb; c.v_bits = g.vb; c.page_size = g.page;
-  c.sink_tokens = g.sink; c.window_tokens = g.window; c.scale_rule = g.rule; c.seed = 0x0123456789ABCDEFull + idx;
+  const fmkv_config c = golden_config(g, idx, version);
   Scenario s;
   s.cfg = c;
   s.layer = idx;
   s.lens = {0};
   s.rows = {g.tokens};
-  s.table_stride = 4;
-  s.table = {2, 0, 3, 1};
+  s.table_stride = (int64_t)kGoldenTable.size();
+  s.table = kGoldenTable;
   s.slots = {0};
-  s.num_pages = 4;
-  s.pages.assign((size_t)(4 * fmkv_config_page_bytes(&c)), 0xA5);
+  s.num_pages = kGoldenPages;
+  s.pages.assign((size_t)(kGoldenPages * fmkv_config_page_bytes(&c)), 0xA5);
   s.fp16_k.assign((size_t)fmkv_config_fp16_slot_bytes(&c) / 4, 0x7E00);
   s.fp16_v = s.fp16_k;
   auto k = golden_values(100 + idx, (size_t)g.tokens * g.d), v = golden_values(200 + idx, (size_t)g.tokens * g.d);

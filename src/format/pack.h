@@ -36,7 +36,7 @@ FMKV_HD uint32_t unpack_code(FMKV_DEVICE const uint32_t* words, int64_t stride, 
 
 // Format 3, 3-bit codes (tile blocks, include/fmkv/format.h): write the 3-bit code of tile token t16, group
 // g, coordinate c (K: is_v = 0) into the tile block (its three bits replaced; the other tokens' bits kept),
-// and read it back.
+// and read it back, byte by byte.
 FMKV_HD void tile_put_code(FMKV_DEVICE uint8_t* block, int32_t G, int is_v, int32_t t16, int32_t g, int32_t c, uint32_t code) {
   for (int32_t b = 0; b < 3; ++b) {
     const int32_t n = fmkv_tile_code_bit(G, is_v, t16, g, c, b);
@@ -49,6 +49,43 @@ FMKV_HD uint32_t tile_get_code(FMKV_DEVICE const uint8_t* block, int32_t G, int 
   for (int32_t b = 0; b < 3; ++b) {
     const int32_t n = fmkv_tile_code_bit(G, is_v, t16, g, c, b);
     code |= (uint32_t)((block[n >> 3] >> (n & 7)) & 1u) << b;
+  }
+  return code;
+}
+
+// The same two through the block's aligned little-endian uint32 words (bit n of the block is bit n & 31 of
+// word n >> 5, so a uint16 Y word is the low or high half of its containing uint32 word), for writers that run
+// concurrently with writers of other tokens of the same block: the code's bits are replaced with atomic AND /
+// OR on their containing words (one AND and one OR per word at most), so every other bit keeps its value
+// whatever the interleaving. `block` must be 4-byte aligned (sections are 16-byte aligned, blocks 64 G 3 bytes).
+FMKV_HD void tile_put_code_atomic(FMKV_DEVICE uint32_t* block, int32_t G, int is_v, int32_t t16, int32_t g, int32_t c,
+                                  uint32_t code) {
+  int32_t n[3];
+  for (int32_t b = 0; b < 3; ++b) n[b] = fmkv_tile_code_bit(G, is_v, t16, g, c, b);
+  for (int32_t b = 0; b < 3; ++b) {
+    const int32_t w = n[b] >> 5;
+    if ((b > 0 && (n[0] >> 5) == w) || (b > 1 && (n[1] >> 5) == w)) continue;  // word done with an earlier bit
+    uint32_t mask = 0, set = 0;
+    for (int32_t b2 = b; b2 < 3; ++b2)
+      if ((n[b2] >> 5) == w) {
+        mask |= 1u << (n[b2] & 31);
+        set |= ((code >> b2) & 1u) << (n[b2] & 31);
+      }
+    if (set != mask) FMKV_ATOMIC_AND_U32(block + w, ~mask | set);
+    if (set != 0u) FMKV_ATOMIC_OR_U32(block + w, set);
+  }
+}
+FMKV_HD uint32_t tile_get_code_words(FMKV_DEVICE const uint32_t* block, int32_t G, int is_v, int32_t t16, int32_t g,
+                                     int32_t c) {
+  uint32_t code = 0, word = 0;
+  int32_t loaded = -1;
+  for (int32_t b = 0; b < 3; ++b) {
+    const int32_t n = fmkv_tile_code_bit(G, is_v, t16, g, c, b);
+    if ((n >> 5) != loaded) {
+      loaded = n >> 5;
+      word = block[loaded];
+    }
+    code |= ((word >> (n & 31)) & 1u) << b;
   }
   return code;
 }

@@ -6,7 +6,8 @@
 //     tests/metal/shim/metal_stdlib (which defines __METAL_VERSION__ and address spaces).
 //   * host C++ inside the CPU emulator (FMKV_EMULATOR, set by tests/metal/emu/metal_stdlib): the
 //     MSL names (simd_shuffle_xor, simd_ballot, threadgroup_barrier, half, as_type, precise::)
-//     are provided by the emulator, which runs every thread as a fiber.
+//     are provided by the emulator, which runs every thread as a fiber (atomic_fetch_or_explicit /
+//     atomic_fetch_and_explicit as host atomics: genuinely atomic, whatever the fiber schedule).
 //   * CUDA (__CUDACC__): warp = SIMD group of 32 lanes, compiled by nvcc (tests/metal/cuda_check.cu,
 //     cuda_core_test.cu) or by NVRTC at run time (__CUDACC_RTC__: MLX's mx.fast.cuda_kernel, whose
 //     generated source includes only CUDA's own headers, no C library).
@@ -61,6 +62,12 @@ typedef long fmkv_i64;
 #define FMKV_TANH(x) precise::tanh(x)
 // a * b rounded to float32, never fused with a following add (contraction is off, see above).
 #define FMKV_MUL_RN(a, b) ((a) * (b))
+// Atomic OR / AND of a device uint32 word (relaxed: only the bits a thread owns matter, nothing is
+// ordered by them). The emulator's <metal_stdlib> implements the same MSL names with host atomics.
+#define FMKV_ATOMIC_OR_U32(p, v) \
+  atomic_fetch_or_explicit((FMKV_DEVICE atomic_uint*)(p), (fmkv_u32)(v), memory_order_relaxed)
+#define FMKV_ATOMIC_AND_U32(p, v) \
+  atomic_fetch_and_explicit((FMKV_DEVICE atomic_uint*)(p), (fmkv_u32)(v), memory_order_relaxed)
 
 #elif defined(__CUDACC__)
 // ------------------------------------------------------------------------------ CUDA
@@ -91,6 +98,24 @@ typedef int64_t fmkv_i64;
 // a * b rounded to float32 and never contracted into an FMA: nvcc and NVRTC contract a*b + c by
 // default (-fmad=true; MLX's NVRTC call passes no option to turn it off), __fmul_rn is exempt.
 #define FMKV_MUL_RN(a, b) __fmul_rn((a), (b))
+// Atomic OR / AND of a global uint32 word (relaxed, like MSL's memory_order_relaxed); callable from the
+// format core's __host__ __device__ functions (the host pass uses the host compiler's atomics).
+__host__ __device__ __forceinline__ fmkv_u32 fmkv_atomic_or_u32(fmkv_u32* p, fmkv_u32 v) {
+#if defined(__CUDA_ARCH__)
+  return atomicOr((unsigned int*)p, (unsigned int)v);
+#else
+  return __atomic_fetch_or(p, v, __ATOMIC_RELAXED);
+#endif
+}
+__host__ __device__ __forceinline__ fmkv_u32 fmkv_atomic_and_u32(fmkv_u32* p, fmkv_u32 v) {
+#if defined(__CUDA_ARCH__)
+  return atomicAnd((unsigned int*)p, (unsigned int)v);
+#else
+  return __atomic_fetch_and(p, v, __ATOMIC_RELAXED);
+#endif
+}
+#define FMKV_ATOMIC_OR_U32(p, v) fmkv_atomic_or_u32((fmkv_u32*)(p), (fmkv_u32)(v))
+#define FMKV_ATOMIC_AND_U32(p, v) fmkv_atomic_and_u32((fmkv_u32*)(p), (fmkv_u32)(v))
 
 #else
 // ------------------------------------------------------------------------------ plain host (types only)
@@ -105,6 +130,10 @@ typedef int64_t fmkv_i64;
 #define FMKV_CONSTANT
 #define FMKV_THREADGROUP
 #define FMKV_THREAD
+// Atomic OR / AND of a uint32 word (relaxed; GCC / Clang builtins), for host code that writes shared words
+// from threads.
+#define FMKV_ATOMIC_OR_U32(p, v) __atomic_fetch_or((fmkv_u32*)(p), (fmkv_u32)(v), __ATOMIC_RELAXED)
+#define FMKV_ATOMIC_AND_U32(p, v) __atomic_fetch_and((fmkv_u32*)(p), (fmkv_u32)(v), __ATOMIC_RELAXED)
 #endif
 
 #endif  // FMKV_FORMAT_PORTABILITY_H

@@ -38,6 +38,7 @@ inline fmkv_metal_append_params append_params(const AppendArgs& a) {
   p.v_head_stride = a.v.head_stride;
   p.total_rows = a.batch.num_seqs > 0 ? a.batch.row_offsets[a.batch.num_seqs] : 0;
   p.page_bytes = page_bytes(c);
+  p.format_version = c.format_version;
   return p;
 }
 
@@ -97,6 +98,7 @@ inline fmkv_metal_attention_params attention_params(const AttentionArgs& a, int3
   p.num_splits = splits < 1 ? 1 : splits;
   p.split_len = (max_len + p.num_splits - 1) / p.num_splits;
   p.parts = p.num_splits * simdgroups;
+  p.format_version = c.format_version;
   p.page_bytes = page_bytes(c);
   return p;
 }

@@ -9,6 +9,17 @@
 //   * 2/3-bit codes: 1-bit planes are one ballot each, the 2-bit field plane is built from two
 //     ballots; 4-bit codes: nibble words (format version 2) are built from four ballots;
 //   * attention decodes the code of coordinate i in lane i mod 32 from broadcast code words.
+// Format version 3, 3-bit sections (tile blocks of 16 token slots, FORMAT.md section 6; the parameter
+// blocks carry fmkv_config.format_version): the quantizer uses table fmkv::codebook_table(version, 3, is_v)
+// (integer levels x fp16 step, K and V differ) with the reference's comparisons (encode_value_table). The
+// SIMD group of (token slot t, kv head, K|V) writes no whole word of the tile block: for each group g, lane j
+// computes the 3 bit positions of its code (coordinate j of group g) with fmkv_tile_code_bit and replaces
+// them with at most one atomic AND and one atomic OR per containing aligned uint32 word of the block
+// (fmkv::tile_put_code_atomic; a uint16 Y word is the low or high half of such a word), because the other 15
+// slots of the block may be written at the same time by other SIMD groups and threadgroups; lane 0 stores
+// the group's fp16 scale. Attention: lane j of the SIMD group of a key loads the (one or two) uint32 words
+// of the key's tile block that hold coordinate j's code of group g (fmkv::tile_get_code_words) and
+// dequantizes it as decode_level_table x scale.
 // Every arithmetic step of the quantizer mirrors src/format/quantize_group.h operation by operation
 // (float32, no FMA: compile with fast math off / -ffp-contract=off). docs/FORMAT.md is normative;
 // tests/metal/ checks bit-exactness against src/ref in the emulator.
@@ -101,26 +112,33 @@ FMKV_INLINE void fmkv_unrotate_lanes(FMKV_THREAD float* v, int G, FMKV_THREAD co
   }
 }
 
-// quantize_group (src/format/quantize_group.h) with lane j holding y_j: returns lane j's code;
-// *scale = fp16 bits of the group's stored scale (identical in every lane). The products are rounded
-// before the butterfly adds them (FMKV_MUL_RN: never an FMA), as in tree_sum32.
-FMKV_INLINE fmkv_u32 fmkv_quantize_group_lane(float y, int bits, int scale_rule, FMKV_THREAD fmkv_u16* scale) {
+// quantize_group_table (src/format/quantize_group.h) with lane j holding y_j and codebook `table`
+// (fmkv::codebook_table: 0 = the fp16 Lloyd-Max levels, 1 / 2 = format 3's integer levels of 3-bit K / V):
+// returns lane j's code; *scale = fp16 bits of the group's stored scale (identical in every lane). The
+// products are rounded before the butterfly adds them (FMKV_MUL_RN: never an FMA), as in tree_sum32; the
+// code is encode_value_table's (a value equal to a threshold takes the smaller magnitude).
+FMKV_INLINE fmkv_u32 fmkv_quantize_group_lane_table(float y, int bits, int table, int scale_rule,
+                                                    FMKV_THREAD fmkv_u16* scale) {
   fmkv_u16 s0 = fmkv::rms_scale(fmkv_simd_tree_sum(FMKV_MUL_RN(y, y)));
   float s0f = fmkv::f16_to_f32(s0);
   if (s0f == 0.0f) {  // uniform across the SIMD group
     *scale = 0;
     return 0u;
   }
-  fmkv_u32 code = fmkv::encode_value(y / s0f, bits);
+  fmkv_u32 code = fmkv::encode_value_table(y / s0f, bits, table);
   if (scale_rule == FMKV_SCALE_RMS) {
     *scale = s0;
     return code;
   }
-  float l = fmkv::decode_level(code, bits);
+  float l = fmkv::decode_level_table(code, bits, table);
   float num = fmkv_simd_tree_sum(FMKV_MUL_RN(y, l));
   float den = fmkv_simd_tree_sum(FMKV_MUL_RN(l, l));
   *scale = fmkv::lsq_scale(num, den);
   return code;
+}
+// The same with table 0 (every width of format 2).
+FMKV_INLINE fmkv_u32 fmkv_quantize_group_lane(float y, int bits, int scale_rule, FMKV_THREAD fmkv_u16* scale) {
+  return fmkv_quantize_group_lane_table(y, bits, 0, scale_rule, scale);
 }
 
 // Bits 0..7 of x spread to bits 0, 4, ..., 28 (bit k -> bit 4k): one bit of 8 nibbles.
@@ -167,21 +185,41 @@ FMKV_INLINE void fmkv_pack_group_lanes(fmkv_u32 code, int bits, FMKV_THREAD fmkv
   w[2] = sign_plane;  // bits == 3
 }
 
-// Dequantized rotated values (or fp16 values, bits == 16) of token slot t of a section, lane layout.
-FMKV_INLINE void fmkv_load_section_lanes(FMKV_DEVICE const fmkv_u8* section, int bits, fmkv_i32 d, fmkv_i32 P,
-                                         fmkv_i32 t, fmkv_u32 lane, FMKV_THREAD float* out) {
+// Dequantized rotated values (or fp16 values, bits == 16) of token slot t of the K (is_v = 0) or V section
+// of a cache in format `version` (resolved: 2 or 3), lane layout: lane reads coordinate g*32 + lane of every
+// group g. Code words (format 2, and 2- / 4-bit codes of format 3): unpack_code from the group's words.
+// Tile blocks (3-bit codes of format 3): the lane loads the (at most two) aligned uint32 words of its tile
+// block that hold its code's three bits (tile_get_code_words); level = decode_level_table with the
+// section's table (signed integer level x fp16 step, exact in float32), times the fp16 scale.
+FMKV_INLINE void fmkv_load_section_lanes_fmt(FMKV_DEVICE const fmkv_u8* section, int bits, fmkv_i32 version, int is_v,
+                                             fmkv_i32 d, fmkv_i32 P, fmkv_i32 t, fmkv_u32 lane,
+                                             FMKV_THREAD float* out) {
   int G = d / 32;
   if (bits == 16) {
     FMKV_DEVICE const fmkv_u16* vals = (FMKV_DEVICE const fmkv_u16*)section + (fmkv_i64)t * d;
     for (int g = 0; g < G; ++g) out[g] = fmkv::f16_to_f32(vals[g * 32 + (int)lane]);
     return;
   }
-  FMKV_DEVICE const fmkv_u32* words = (FMKV_DEVICE const fmkv_u32*)section;
   FMKV_DEVICE const fmkv_u16* scales = (FMKV_DEVICE const fmkv_u16*)(section + fmkv_scales_offset(d, bits, P));
+  const int table = fmkv::codebook_table(version, bits, is_v);
+  if (fmkv_tiled_codes(version, bits)) {  // uniform per kernel
+    FMKV_DEVICE const fmkv_u32* block = (FMKV_DEVICE const fmkv_u32*)(section + fmkv_tile_block_offset(d, t));
+    for (int g = 0; g < G; ++g) {
+      fmkv_u32 code = fmkv::tile_get_code_words(block, G, is_v, t & 15, g, (int32_t)lane);
+      out[g] = fmkv::decode_level_table(code, bits, table) * fmkv::f16_to_f32(scales[(fmkv_i64)g * P + t]);
+    }
+    return;
+  }
+  FMKV_DEVICE const fmkv_u32* words = (FMKV_DEVICE const fmkv_u32*)section;
   for (int g = 0; g < G; ++g) {
     fmkv_u32 code = fmkv::unpack_code(words + fmkv_code_word_index(bits, P, g, 0, t), P, bits, (int32_t)lane);
-    out[g] = fmkv::decode_level(code, bits) * fmkv::f16_to_f32(scales[(fmkv_i64)g * P + t]);
+    out[g] = fmkv::decode_level_table(code, bits, table) * fmkv::f16_to_f32(scales[(fmkv_i64)g * P + t]);
   }
+}
+// The same for format 2.
+FMKV_INLINE void fmkv_load_section_lanes(FMKV_DEVICE const fmkv_u8* section, int bits, fmkv_i32 d, fmkv_i32 P,
+                                         fmkv_i32 t, fmkv_u32 lane, FMKV_THREAD float* out) {
+  fmkv_load_section_lanes_fmt(section, bits, 2, 0, d, P, t, lane, out);
 }
 
 // Online softmax: fold score sc with value vector v (lane layout) into (m, l, acc).
@@ -265,9 +303,24 @@ FMKV_INLINE void fmkv_append_compress_spec(
   fmkv_rotate_lanes(y, G, sw, fmkv_rotation_norm(d), lane);
   FMKV_DEVICE fmkv_u32* words = (FMKV_DEVICE fmkv_u32*)section;
   FMKV_DEVICE fmkv_u16* scales = (FMKV_DEVICE fmkv_u16*)(section + fmkv_scales_offset(d, bits, P));
+  const fmkv_i32 version = fmkv_resolved_format_version(p.format_version);
+  const int table = fmkv::codebook_table(version, bits, is_v);
+  if (fmkv_tiled_codes(version, bits)) {  // uniform per SIMD group
+    // Tile block of slot t: lane j writes its own code (coordinate j of group g) with atomic AND / OR on
+    // the words holding its bits; the block's other 15 tokens may be written concurrently by other SIMD
+    // groups (this dispatch) and keep their bits.
+    FMKV_DEVICE fmkv_u32* block = (FMKV_DEVICE fmkv_u32*)(section + fmkv_tile_block_offset(d, t));
+    for (int g = 0; g < G; ++g) {
+      fmkv_u16 scale;
+      fmkv_u32 code = fmkv_quantize_group_lane_table(y[g], bits, table, p.scale_rule, &scale);
+      fmkv::tile_put_code_atomic(block, G, is_v, t & 15, g, (int32_t)lane, code);
+      if (lane == 0u) scales[(fmkv_i64)g * P + t] = scale;
+    }
+    return;
+  }
   for (int g = 0; g < G; ++g) {
     fmkv_u16 scale;
-    fmkv_u32 code = fmkv_quantize_group_lane(y[g], bits, p.scale_rule, &scale);
+    fmkv_u32 code = fmkv_quantize_group_lane_table(y[g], bits, table, p.scale_rule, &scale);
     fmkv_u32 w[4];
     fmkv_pack_group_lanes(code, bits, w);
     for (int b = 0; b < bits; ++b)
@@ -351,6 +404,7 @@ FMKV_INLINE void fmkv_attention_partial_spec(
   const int nq = (int)fmkv_min_i64(FMKV_METAL_QTILE, nquery - qbase);
   const fmkv_i64 e = fmkv_compressed_end(S, W, len);
   const fmkv_i64 slot = p.has_slots ? slots[s] : 0;
+  const fmkv_i32 version = fmkv_resolved_format_version(p.format_version);
   fmkv_u64 sw[4];
   fmkv::rotation_sign_words(p.seed, p.layer, d, sw);
   const float norm = fmkv_rotation_norm(d);
@@ -394,7 +448,7 @@ FMKV_INLINE void fmkv_attention_partial_spec(
       }
       t = (fmkv_i32)(ci % P);
       base = pages + (fmkv_i64)page * p.page_bytes;
-      fmkv_load_section_lanes(base + fmkv_section_offset(d, KB, VB, P, h, 0), KB, d, P, t, lane, kv);
+      fmkv_load_section_lanes_fmt(base + fmkv_section_offset(d, KB, VB, P, h, 0), KB, version, 0, d, P, t, lane, kv);
       k_rot = KB != 16;
     } else {
       off = fmkv_fp16_offset(H, S + W, d, slot, h, fmkv_fp16_row(S, W, kp));
@@ -412,7 +466,7 @@ FMKV_INLINE void fmkv_attention_partial_spec(
       sc[qt] = x;
     }
     if (comp) {
-      fmkv_load_section_lanes(base + fmkv_section_offset(d, KB, VB, P, h, 1), VB, d, P, t, lane, vv);
+      fmkv_load_section_lanes_fmt(base + fmkv_section_offset(d, KB, VB, P, h, 1), VB, version, 1, d, P, t, lane, vv);
     } else {
       for (int g = 0; g < G; ++g) vv[g] = fmkv::f16_to_f32(fp16_v[off + g * 32 + lane]);
       fmkv_rotate_lanes(vv, G, sw, norm, lane);

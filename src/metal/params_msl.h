@@ -37,6 +37,9 @@ struct fmkv_metal_append_params {
   fmkv_i64 k_row_stride, k_head_stride, v_row_stride, v_head_stride;
   fmkv_i64 total_rows;  // row_offsets[num_seqs]
   fmkv_i64 page_bytes;  // fmkv_page_bytes(...)
+  // fmkv_config.format_version as given (0 = FMKV_FORMAT_VERSION; the kernels resolve it): format 3's 3-bit
+  // sections use integer levels and tile blocks (FORMAT.md sections 4, 6)
+  fmkv_i32 format_version, reserved;
 };
 
 // decode attention, pass 1 (partial) and pass 2 (merge). Buffers: 0 params, 1 pages, 2 fp16_k,
@@ -59,7 +62,7 @@ struct fmkv_metal_attention_params {
   fmkv_i32 num_splits;           // key splits (threadgroups) per tile
   fmkv_i64 split_len;            // keys per split
   fmkv_i32 parts;                // partial states per query = num_splits * simdgroups per threadgroup
-  fmkv_i32 reserved;
+  fmkv_i32 format_version;       // fmkv_config.format_version as given (0 = FMKV_FORMAT_VERSION)
   fmkv_i64 page_bytes;
 };
 

@@ -3,7 +3,7 @@
 // against the MSL shim like the real kernels. One SIMD group per vector of head_dim floats:
 //   sums[(v*G + g)*32 + lane] = group sum of group g in every lane (must equal tree_sum32),
 //   codes / scales / words    = quantization of each group taken as rotated values y
-//                               (must equal quantize_group + pack_group),
+//                               with codebook p.table (must equal quantize_group_table + pack_group),
 //   rotated                   = the vector rotated (must equal fmkv::rotate, bitwise).
 #include "../../src/format/portability.h"
 #include "../../src/metal/params_msl.h"
@@ -12,7 +12,7 @@
 struct fmkv_core_test_params {
   fmkv_i32 head_dim, bits, scale_rule, layer;
   fmkv_u64 seed;
-  fmkv_i32 vectors, reserved;
+  fmkv_i32 vectors, table;  // table: fmkv::codebook_table (0; 1 / 2 = format 3's 3-bit K / V levels)
 };
 
 kernel void fmkv_core_test(device const fmkv_core_test_params& p [[buffer(0)]],
@@ -34,7 +34,7 @@ kernel void fmkv_core_test(device const fmkv_core_test_params& p [[buffer(0)]],
   for (int g = 0; g < G; ++g) {
     sums[(vec * G + g) * 32 + lane] = fmkv_simd_tree_sum(v[g]);
     fmkv_u16 scale;
-    fmkv_u32 code = fmkv_quantize_group_lane(v[g], p.bits, p.scale_rule, &scale);
+    fmkv_u32 code = fmkv_quantize_group_lane_table(v[g], p.bits, p.table, p.scale_rule, &scale);
     codes[vec * d + g * 32 + lane] = code;
     fmkv_u32 w[4];
     fmkv_pack_group_lanes(code, p.bits, w);

@@ -38,7 +38,7 @@ struct Launch {
 struct CoreTestParams {
   int32_t head_dim, bits, scale_rule, layer;
   uint64_t seed;
-  int32_t vectors, reserved;
+  int32_t vectors, table;
 };
 struct CoreTestBuffers {
   const float* x;

@@ -25,6 +25,7 @@
 #include "format/rotation.h"
 #include "ref/quantize.h"
 #include "fmkv/fmkv.hpp"
+#include "../golden_cases.h"
 #include "kernels_emu.h"
 #include "metal/host_plan.h"
 #include "test_util.h"
@@ -37,6 +38,28 @@ using namespace mtest;
 
 const char* order_name(Order o) { return o == Order::kForward ? "fwd" : o == Order::kReverse ? "rev" : "rand"; }
 
+
+// Appends one batch (rows per sequence after lens tokens; K / V rows of dtype dt) with the emulated Metal
+// kernels, through host_plan.h as backend.mm does; status: the kernels' status words.
+void append_metal(Layer& met, const std::vector<int64_t>& lens, const std::vector<int64_t>& offs,
+                  std::vector<uint8_t>& kbytes, std::vector<uint8_t>& vbytes, fmkv_dtype dt, uint32_t threads,
+                  uint32_t fp16_threads, Order order, uint32_t status[2]) {
+  const fmkv_config& c = met.cfg;
+  const int64_t total = offs.back();
+  fmkv_tensor k = fmkv::make_tensor(kbytes.data(), dt, total, c.num_kv_heads, c.head_dim);
+  fmkv_tensor v = fmkv::make_tensor(vbytes.data(), dt, total, c.num_kv_heads, c.head_dim);
+  fmkv_batch mb{met.seqs(), met.slots.data(), lens.data(), offs.data(), met.table.data(), met.stride};
+  fmkv::AppendArgs a{c, met.cache(), mb, k, v, nullptr};
+  const fmkv_metal_append_params p = fmkv::metal::append_params(a);
+  const fmkv::metal::AppendLaunch launch = fmkv::metal::append_launch(p, threads);
+  emu_kernels::AppendBuffers b{met.pages.data(), met.fk.data(), met.fv.data(), kbytes.data(), vbytes.data(),
+                               lens.data(),      offs.data(),    met.table.data(), met.slots.data(), status};
+  const uint64_t seed = g_rng();
+  if (launch.compress_groups > 0)
+    emu_kernels::append_compress(p, b, {launch.compress_groups, launch.compress_threads, order, seed});
+  if (launch.fp16_threads > 0)
+    emu_kernels::append_fp16(p, b, {(launch.fp16_threads + fp16_threads - 1) / fp16_threads, fp16_threads, order, seed});
+}
 
 // Appends one batch with the reference and with the emulated Metal kernels; returns the emulator's
 // status words.
@@ -52,18 +75,32 @@ void append_both(Layer& ref, Layer& met, const std::vector<int64_t>& lens, const
   fmkv_batch bt{ref.seqs(), ref.slots.data(), lens.data(), offs.data(), ref.table.data(), ref.stride};
   fmkv_layer_cache rl = ref.cache();
   fmkv::check(fmkv_append(FMKV_BACKEND_REF, &c, &rl, &bt, &k, &v, nullptr));
+  append_metal(met, lens, offs, kbytes, vbytes, dt, threads, fp16_threads, order, status);
+}
 
-  fmkv_batch mb{met.seqs(), met.slots.data(), lens.data(), offs.data(), met.table.data(), met.stride};
-  fmkv::AppendArgs a{c, met.cache(), mb, k, v, nullptr};
-  const fmkv_metal_append_params p = fmkv::metal::append_params(a);
-  const fmkv::metal::AppendLaunch launch = fmkv::metal::append_launch(p, threads);
-  emu_kernels::AppendBuffers b{met.pages.data(), met.fk.data(), met.fv.data(), kbytes.data(), vbytes.data(),
-                               lens.data(),      offs.data(),    met.table.data(), met.slots.data(), status};
+// Decode attention with the emulated Metal kernels (lens include the query rows; q_heads query heads);
+// out (out_dt) and the workspace are poisoned with NaN first.
+void attention_metal(Layer& L, const std::vector<int64_t>& lens, const std::vector<int64_t>& offs,
+                     std::vector<uint8_t>& qbytes, fmkv_dtype q_dt, int32_t q_heads, fmkv_dtype out_dt,
+                     const fmkv_attention_opts& opts, int simdgroups, int splits, int merge_simdgroups, Order order,
+                     std::vector<uint8_t>& out, uint32_t status[2]) {
+  const fmkv_config& c = L.cfg;
+  const int64_t nrows = offs.back();
+  const int d = c.head_dim;
+  out.assign((size_t)nrows * q_heads * d * (out_dt == FMKV_F32 ? 4 : 2), 0xFF);  // NaN
+  fmkv_tensor q = fmkv::make_tensor(qbytes.data(), q_dt, nrows, q_heads, d);
+  fmkv_tensor o = fmkv::make_tensor(out.data(), out_dt, nrows, q_heads, d);
+  fmkv_batch bt{L.seqs(), L.slots.data(), lens.data(), offs.data(), L.table.data(), L.stride};
+  fmkv::AttentionArgs a{c, L.cache(), bt, q, o, opts, nullptr, 0, nullptr};
+  const fmkv_metal_attention_params p = fmkv::metal::attention_params(a, simdgroups, splits);
+  std::vector<float> ws((size_t)fmkv::metal::attention_workspace_floats(p), NAN);
+  emu_kernels::AttentionBuffers b{L.pages.data(), L.fk.data(), L.fv.data(),   qbytes.data(), lens.data(),
+                                  offs.data(),    L.table.data(), L.slots.data(), ws.data(),  out.data(),
+                                  status};
   const uint64_t seed = g_rng();
-  if (launch.compress_groups > 0)
-    emu_kernels::append_compress(p, b, {launch.compress_groups, launch.compress_threads, order, seed});
-  if (launch.fp16_threads > 0)
-    emu_kernels::append_fp16(p, b, {(launch.fp16_threads + fp16_threads - 1) / fp16_threads, fp16_threads, order, seed});
+  emu_kernels::attention_partial(p, b, {fmkv::metal::attention_partial_groups(p), (uint32_t)simdgroups * 32, order, seed});
+  emu_kernels::attention_merge(p, b, {fmkv::metal::attention_merge_groups(p, merge_simdgroups),
+                                      (uint32_t)merge_simdgroups * 32, order, seed + 1});
 }
 
 
@@ -133,25 +170,15 @@ void run_attention_case(const AttentionCase& ac) {
   auto qbytes = random_tensor(ac.q_dt, nrows, HQ, d);
   fmkv_tensor q = fmkv::make_tensor(qbytes.data(), ac.q_dt, nrows, HQ, d);
   const size_t out_es = ac.out_dt == FMKV_F32 ? 4 : 2, nout = (size_t)nrows * HQ * d;
-  std::vector<uint8_t> out_ref(nout * out_es, 0xFF), out_met(nout * out_es, 0xFF);  // NaN poison
+  std::vector<uint8_t> out_ref(nout * out_es, 0xFF), out_met;  // NaN poison
   fmkv_tensor oref = fmkv::make_tensor(out_ref.data(), ac.out_dt, nrows, HQ, d);
-  fmkv_tensor omet = fmkv::make_tensor(out_met.data(), ac.out_dt, nrows, HQ, d);
   fmkv_batch bt{L.seqs(), L.slots.data(), ac.lens.data(), offs.data(), L.table.data(), L.stride};
   fmkv_layer_cache lc = L.cache();
   fmkv_attention_opts opts{ac.scale, ac.softcap, 0};
   fmkv::check(fmkv_attention(FMKV_BACKEND_REF, &c, &lc, &bt, &q, &opts, &oref, nullptr, 0, nullptr));
-
-  fmkv::AttentionArgs a{c, lc, bt, q, omet, opts, nullptr, 0, nullptr};
-  const fmkv_metal_attention_params p = fmkv::metal::attention_params(a, ac.simdgroups, ac.splits);
-  std::vector<float> ws((size_t)fmkv::metal::attention_workspace_floats(p), NAN);
   uint32_t status[2] = {0, 0};
-  emu_kernels::AttentionBuffers b{L.pages.data(), L.fk.data(), L.fv.data(),   qbytes.data(), ac.lens.data(),
-                                  offs.data(),    L.table.data(), L.slots.data(), ws.data(),  out_met.data(),
-                                  status};
-  const uint64_t seed = g_rng();
-  emu_kernels::attention_partial(p, b, {fmkv::metal::attention_partial_groups(p), (uint32_t)ac.simdgroups * 32, ac.order, seed});
-  emu_kernels::attention_merge(p, b, {fmkv::metal::attention_merge_groups(p, ac.merge_simdgroups),
-                                      (uint32_t)ac.merge_simdgroups * 32, ac.order, seed + 1});
+  attention_metal(L, ac.lens, offs, qbytes, ac.q_dt, HQ, ac.out_dt, opts, ac.simdgroups, ac.splits,
+                  ac.merge_simdgroups, ac.order, out_met, status);
   const double tol = ac.out_dt == FMKV_F32 ? 1e-5 : ac.out_dt == FMKV_F16 ? 2e-3 : 1.2e-2;
   const double err = rel_error(as_floats(out_met, ac.out_dt, nout), as_floats(out_ref, ac.out_dt, nout));
   std::string detail;
@@ -169,11 +196,107 @@ void run_attention_case(const AttentionCase& ac) {
          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
+// Golden vectors (tests/golden/v<version>.txt, written by the reference; cases and inputs in tests/golden_cases.h):
+// the emulated Metal kernels reproduce the page bytes (a pool of 0xA5 bytes: unwritten slots of partly filled
+// pages and tile blocks keep them) and fp16 region bytes exactly, and the attention output within 1e-5 relative.
+// FMKV_GOLDEN_DIR overrides the directory (default tests/golden, run.sh runs from the repository root).
+std::string hex_of(const void* p, size_t n) {
+  static const char digits[] = "0123456789abcdef";
+  std::string s;
+  for (size_t i = 0; i < n; ++i) {
+    s += digits[((const uint8_t*)p)[i] >> 4];
+    s += digits[((const uint8_t*)p)[i] & 15];
+  }
+  return s;
+}
+
+void run_golden_cases(int32_t version, const std::vector<fmkv::test::GoldenCase>& cases) {
+  using namespace fmkv::test;
+  const char* dir = std::getenv("FMKV_GOLDEN_DIR");
+  const std::string path = std::string(dir ? dir : "tests/golden") + "/v" + std::to_string(version) + ".txt";
+  std::vector<std::string> lines;
+  {
+    FILE* f = std::fopen(path.c_str(), "r");
+    std::string cur;
+    for (int ch; f && (ch = std::fgetc(f)) != EOF;) {
+      if (ch != '\n') {
+        cur += (char)ch;
+        continue;
+      }
+      if (!cur.empty() && cur[0] != '#') lines.push_back(cur);
+      cur.clear();
+    }
+    if (f) std::fclose(f);
+  }
+  if (lines.size() != 4 * cases.size()) {
+    report(false, "golden v" + std::to_string(version), path + " missing or malformed", 0.0);
+    return;
+  }
+  for (size_t i = 0; i < cases.size(); ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    const GoldenCase& g = cases[i];
+    Layer L;
+    L.cfg = golden_config(g, (int)i, version);
+    const fmkv_config& c = L.cfg;
+    L.layer = (int32_t)i;
+    L.stride = (int64_t)kGoldenTable.size();
+    L.num_pages = kGoldenPages;
+    L.table = kGoldenTable;
+    L.slots = {0};
+    L.pages.assign((size_t)(kGoldenPages * fmkv_config_page_bytes(&c)), 0xA5);
+    L.fk.assign((size_t)fmkv_config_fp16_slot_bytes(&c) / 4, 0x7E00);
+    L.fv = L.fk;
+    const size_t n = (size_t)g.tokens * g.d;
+    auto bytes_of = [](const std::vector<uint16_t>& h) {
+      std::vector<uint8_t> b(h.size() * 2 + 16);
+      std::memcpy(b.data(), h.data(), h.size() * 2);
+      return b;
+    };
+    std::vector<uint8_t> kb = bytes_of(golden_values(100 + i, n)), vb = bytes_of(golden_values(200 + i, n));
+    std::vector<uint8_t> qb = bytes_of(golden_values(300 + i, (size_t)2 * g.d));
+    const Order order = (Order)(i % 3);
+    uint32_t status[2] = {0, 0};
+    append_metal(L, {0}, {0, g.tokens}, kb, vb, FMKV_F16, 32u * (uint32_t)(1 + i % 4), 64, order, status);
+    std::string err;
+    if (hex_of(L.pages.data(), L.pages.size()) != lines[4 * i + 1]) {
+      const std::string got = hex_of(L.pages.data(), L.pages.size());
+      size_t at = 0;
+      while (at < got.size() && at < lines[4 * i + 1].size() && got[at] == lines[4 * i + 1][at]) ++at;
+      err = "page bytes differ from the golden file at byte " + std::to_string(at / 2);
+    }
+    const std::string fp16 = L.fk.empty() ? "-" : hex_of(L.fk.data(), L.fk.size() * 2) + hex_of(L.fv.data(), L.fv.size() * 2);
+    if (err.empty() && fp16 != lines[4 * i + 2]) err = "fp16 region bytes differ from the golden file";
+    std::vector<uint8_t> out;
+    uint32_t st2[2] = {0, 0};
+    attention_metal(L, {g.tokens}, {0, 1}, qb, FMKV_F16, 2, FMKV_F32, fmkv_attention_opts{0.0f, 0.0f, 0}, 2, 2, 1, order,
+                    out, st2);
+    const std::string& h = lines[4 * i + 3];
+    std::vector<float> want((size_t)2 * g.d);
+    double rel = 1.0;
+    if (h.size() == want.size() * 8) {
+      for (size_t j = 0; j < want.size(); ++j) {
+        uint8_t b4[4];
+        for (int k = 0; k < 4; ++k) b4[k] = (uint8_t)std::stoul(h.substr(j * 8 + k * 2, 2), nullptr, 16);
+        std::memcpy(&want[j], b4, 4);
+      }
+      rel = rel_error(as_floats(out, FMKV_F32, want.size()), want);
+    }
+    if (err.empty() && !(rel <= 1e-5)) err = "attention rel error " + std::to_string(rel) + " vs the golden output";
+    if (status[0] || status[1] || st2[0] || st2[1]) err += " kernel status set";
+    char name[200];
+    snprintf(name, sizeof name, "golden v%d: %s (%s)", version, lines[4 * i].c_str(), order_name(order));
+    char detail[64];
+    snprintf(detail, sizeof detail, "pages and fp16 bytes equal, attention rel error %.3g", rel);
+    report(err.empty(), name, err.empty() ? detail : err,
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+}
+
 // Per-SIMD-group primitives of kernel_core.h (tests/metal/core_test.metal) against the scalar
 // definitions (src/format: tree_sum32 / quantize_group, pack_group_words, rotate), bit for bit, on
 // adversarial inputs: wide dynamic range (summation order shows), values exactly on decision
 // thresholds (ties), zero / -0 / subnormal / overflowing groups (saturating scales).
-void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
+void run_core_case(int d, int bits, int rule, int table, uint32_t threads, Order order) {
   auto t0 = std::chrono::steady_clock::now();
   const int G = d / 32, nvec = 48;
   std::vector<float> x((size_t)nvec * d);
@@ -199,7 +322,7 @@ void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
           float t[32];
           for (int j = 0; j < 32; ++j) t[j] = y[j] * y[j];
           const float s0f = fmkv::f16_to_f32(fmkv::scale_to_f16(__builtin_sqrtf(fmkv::tree_sum32(t) / 32.0f)));
-          for (int j = 0; j < 32; j += 3) y[j] = (j % 2 ? -1.0f : 1.0f) * fmkv::codebook_threshold(bits, ms[j]) * s0f;
+          for (int j = 0; j < 32; j += 3) y[j] = (j % 2 ? -1.0f : 1.0f) * fmkv::table_threshold(table, bits, ms[j]) * s0f;
         }
       }
     }
@@ -207,7 +330,7 @@ void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
   std::vector<float> sums(nsum, NAN), rot((size_t)nvec * d, NAN);
   std::vector<uint32_t> codes((size_t)nvec * d, 0xDEADBEEFu), words((size_t)nvec * G * 4, 0xDEADBEEFu);
   std::vector<uint16_t> scales((size_t)nvec * G, 0xFFFFu);
-  emu_kernels::CoreTestParams p{d, bits, rule, (int32_t)(g_rng() % 40), g_rng(), nvec, 0};
+  emu_kernels::CoreTestParams p{d, bits, rule, (int32_t)(g_rng() % 40), g_rng(), nvec, table};
   emu_kernels::CoreTestBuffers b{x.data(), sums.data(), rot.data(), codes.data(), scales.data(), words.data()};
   const uint32_t nsg = threads / 32;
   emu_kernels::core_test(p, b, {(uint32_t)((nvec + nsg - 1) / nsg), threads, order, g_rng()});
@@ -230,7 +353,7 @@ void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
           err = "group sum differs from tree_sum32 (vector " + std::to_string(vi) + ", group " + std::to_string(g) +
                 ", lane " + std::to_string(lane) + ")";
       uint8_t rc[32];
-      const uint16_t rs = fmkv::quantize_group(y, bits, rule, rc);
+      const uint16_t rs = fmkv::quantize_group_table(y, bits, table, rule, rc);
       uint32_t rw[4] = {0, 0, 0, 0};
       fmkv::ref::pack_group(rc, bits, rw, 1);
       if (scales[(size_t)vi * G + g] != rs) err = "scale differs (vector " + std::to_string(vi) + ", group " + std::to_string(g) + ")";
@@ -247,13 +370,13 @@ void run_core_case(int d, int bits, int rule, uint32_t threads, Order order) {
         const float s0f = fmkv::f16_to_f32(fmkv::scale_to_f16(__builtin_sqrtf(fmkv::tree_sum32(t2) / 32.0f)));
         for (int j = 0; j < 32; ++j)
           for (int m = 0; m + 1 < fmkv::magnitude_count(bits); ++m)
-            ties += s0f != 0.0f && std::fabs(y[j] / s0f) == fmkv::codebook_threshold(bits, m);
+            ties += s0f != 0.0f && std::fabs(y[j] / s0f) == fmkv::table_threshold(table, bits, m);
       }
     }
   }
   char name[160];
-  snprintf(name, sizeof name, "core primitives d%d %d-bit %s tg=%u %s (tree sum, FWHT, scale, codes, code words)", d, bits,
-           rule ? "lsq" : "rms", threads, order_name(order));
+  snprintf(name, sizeof name, "core primitives d%d %d-bit table%d %s tg=%u %s (tree sum, FWHT, scale, codes, code words)", d,
+           bits, table, rule ? "lsq" : "rms", threads, order_name(order));
   report(err.empty() && ties > 0, name, err.empty() ? std::to_string(ties) + " threshold ties" : err,
          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
@@ -302,14 +425,16 @@ void run_error_cases() {
 
 // The parameter blocks must have the layout python/fmkv/mlx/kernels.py packs (no implicit padding).
 void run_layout_case() {
-  bool ok = sizeof(fmkv_metal_append_params) == 128 && sizeof(fmkv_metal_attention_params) == 160 &&
+  bool ok = sizeof(fmkv_metal_append_params) == 136 && sizeof(fmkv_metal_attention_params) == 160 &&
             offsetof(fmkv_metal_append_params, seed) == 32 && offsetof(fmkv_metal_append_params, page_bytes) == 120 &&
+            offsetof(fmkv_metal_append_params, format_version) == 128 &&
             offsetof(fmkv_metal_attention_params, softmax_scale) == 120 &&
+            offsetof(fmkv_metal_attention_params, format_version) == 148 &&
             offsetof(fmkv_metal_attention_params, page_bytes) == 152;
   char d[128];
   snprintf(d, sizeof d, "sizeof append %zu, attention %zu", sizeof(fmkv_metal_append_params),
            sizeof(fmkv_metal_attention_params));
-  report(ok, "parameter block layout (128 / 160 bytes, natural alignment, no padding)", d, 0.0);
+  report(ok, "parameter block layout (136 / 160 bytes, natural alignment, no padding)", d, 0.0);
 }
 
 // Parameter blocks of a fixed configuration as hex, for tests/metal/run.sh to compare with
@@ -317,6 +442,7 @@ void run_layout_case() {
 int dump_params() {
   fmkv_config c = make_config(128, 3, 4, 2, 16, 2, 8, FMKV_SCALE_RMS);
   c.seed = 0x1234567890abcdefull;
+  c.format_version = 3;
   std::vector<int64_t> lens{40, 100}, offs{0, 3, 4};
   std::vector<int32_t> slots{1, 0}, table(18, 0);
   fmkv_layer_cache lc{nullptr, 77, nullptr, nullptr, 3, 5};
@@ -399,7 +525,14 @@ int main(int argc, char** argv) {
     for (int bits : {2, 3, 4})
       for (int rule : {0, 1}) {
         if (quick && (d + bits + rule) % 2) continue;
-        run_core_case(d, bits, rule, 32u * (uint32_t)(1 + (d / 64 + bits + rule) % 4), (Order)((bits + rule) % 3));
+        run_core_case(d, bits, rule, 0, 32u * (uint32_t)(1 + (d / 64 + bits + rule) % 4), (Order)((bits + rule) % 3));
+      }
+  // format 3's 3-bit codebooks: table 1 (K) and 2 (V), integer levels x fp16 step
+  for (int d : {64, 128, 256})
+    for (int table : {1, 2})
+      for (int rule : {0, 1}) {
+        if (quick && (d / 64 + table + rule) % 2) continue;
+        run_core_case(d, 3, rule, table, 32u * (uint32_t)(1 + (d / 64 + table + rule) % 4), (Order)((table + rule) % 3));
       }
 
   // ---- quantize-append, bit-exact ----
@@ -429,6 +562,26 @@ int main(int argc, char** argv) {
       if (quick && tg != 96u) continue;
       ap.push_back({make_config(256, 4, 3, 1, 16, 1, 4, FMKV_SCALE_LSQ), {3, 20}, {{9, 2}}, FMKV_F32, tg, tg / 2 + 1, o});
     }
+  // Format version 3 (tests/test_backends.cpp FormatVersion3MatchesOrIsRefused): 3-bit sections in tile blocks of
+  // 16 slots. Calls start mid-tile and end in partial tiles, so one tile block is written by several calls and,
+  // within a call, by several SIMD groups of one threadgroup (their fibers interleave at every SIMD-group
+  // operation) and by several threadgroups; bytes of slots no call writes (random) must survive.
+  ap.push_back({make_config3(64, 3, 3, 2, 16, 0, 0, FMKV_SCALE_LSQ), {5, 0, 29}, {{3, 17, 2}, {9, 1, 16}, {1, 30, 5}},
+                FMKV_F16, 256, 64, Order::kRandom});
+  ap.push_back({make_config3(64, 3, 3, 1, 16, 0, 0, FMKV_SCALE_RMS), {7, 1}, {{11, 2}, {13, 29}}, FMKV_F32, 1024, 64,
+                Order::kReverse});
+  ap.push_back({make_config3(128, 3, 3, 2, 64, 4, 16, FMKV_SCALE_LSQ), {30, 9, 0}, {{1, 16, 25}, {21, 3, 40}, {2, 1, 1}},
+                FMKV_BF16, 128, 48, Order::kRandom});
+  ap.push_back({make_config3(256, 3, 2, 1, 32, 0, 0, FMKV_SCALE_RMS), {13}, {{20}, {1}, {35}}, FMKV_F16, 256, 64,
+                Order::kForward});
+  ap.push_back({make_config3(128, 16, 3, 2, 16, 0, 32, FMKV_SCALE_LSQ), {40, 33}, {{9, 1}, {30, 17}}, FMKV_F16, 192, 64,
+                Order::kRandom});
+  ap.push_back({make_config3(128, 4, 3, 2, 128, 2, 0, FMKV_SCALE_LSQ), {70}, {{25}, {6}, {40}}, FMKV_F32, 128, 33,
+                Order::kReverse});
+  ap.push_back({make_config3(256, 2, 3, 2, 16, 1, 3, FMKV_SCALE_LSQ), {3, 20}, {{9, 2}, {18, 7}}, FMKV_F16, 96, 64,
+                Order::kRandom});
+  ap.push_back({make_config3(64, 3, 4, 2, 32, 3, 6, FMKV_SCALE_LSQ), {5, 9, 0}, {{4, 0, 30}, {0, 2, 0}, {17, 5, 1}},
+                FMKV_F16, 64, 40, Order::kForward});  // sequences without rows
   for (auto& c : ap) run_append_case(c);
 
   // ---- decode attention ----
@@ -453,9 +606,27 @@ int main(int argc, char** argv) {
                 0.0f, 0.0f, 2, 5, 1, Order::kReverse});
   at.push_back({make_config(128, 4, 3, 2, 16, 2, 4, FMKV_SCALE_RMS), 2, {30, 7, 12}, {2, 0, 3}, FMKV_F16, FMKV_F32,
                 0.0f, 0.0f, 2, 2, 2, Order::kRandom});  // a sequence without query rows
+  // Format version 3 (FormatVersion3MatchesOrIsRefused's shapes, lengths scaled to the emulator), state from the
+  // reference append.
+  at.push_back({make_config3(64, 3, 3, 2, 16, 0, 0, FMKV_SCALE_LSQ), 4, {37, 2, 120}, {1, 2, 1}, FMKV_F16, FMKV_F32,
+                0.0f, 0.0f, 2, 3, 2, Order::kRandom});
+  at.push_back({make_config3(128, 3, 3, 4, 64, 4, 16, FMKV_SCALE_LSQ), 2, {300, 25, 64}, {1, 16, 3}, FMKV_F16,
+                FMKV_F32, 0.0f, 0.0f, 4, 2, 2, Order::kReverse});
+  at.push_back({make_config3(256, 3, 2, 1, 32, 0, 0, FMKV_SCALE_RMS), 8, {400}, {2}, FMKV_F32, FMKV_F32, 0.0f, 0.0f,
+                3, 2, 1, Order::kForward});
+  at.push_back({make_config3(128, 16, 3, 2, 16, 0, 32, FMKV_SCALE_LSQ), 4, {90, 33}, {1, 1}, FMKV_F16, FMKV_F32, 0.0f,
+                0.0f, 2, 2, 2, Order::kRandom});
+  at.push_back({make_config3(128, 4, 3, 2, 128, 2, 0, FMKV_SCALE_LSQ), 3, {700}, {1}, FMKV_F16, FMKV_F32, 0.0f, 0.0f,
+                4, 3, 1, Order::kRandom});
+  at.push_back({make_config3(64, 2, 3, 1, 16, 1, 1, FMKV_SCALE_LSQ), 2, {1, 2, 47}, {1, 2, 16}, FMKV_F32, FMKV_F32,
+                0.0f, 30.0f, 1, 4, 2, Order::kReverse});
+  at.push_back({make_config3(256, 3, 4, 2, 16, 2, 4, FMKV_SCALE_RMS), 1, {60, 7}, {3, 0}, FMKV_BF16, FMKV_F32, 0.0f,
+                0.0f, 2, 1, 2, Order::kRandom});  // a sequence without query rows
   for (auto& c : at) run_attention_case(c);
 
   run_error_cases();
+  run_golden_cases(2, fmkv::test::kCasesV2);
+  run_golden_cases(3, fmkv::test::kCasesV3);
 
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const emu::Stats& st = emu::stats();

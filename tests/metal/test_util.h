@@ -109,6 +109,13 @@ inline fmkv_config make_config(int d, int kb, int vb, int H, int page, int sink,
   return c;
 }
 
+// The same in format version 3 (3-bit codes: integer levels, tile blocks).
+inline fmkv_config make_config3(int d, int kb, int vb, int H, int page, int sink, int window, int rule) {
+  fmkv_config c = make_config(d, kb, vb, H, page, sink, window, rule);
+  c.format_version = 3;
+  return c;
+}
+
 inline double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -117,8 +124,9 @@ inline const char* dt_name(fmkv_dtype dt) { return dt == FMKV_F32 ? "f32" : dt =
 
 inline std::string config_name(const fmkv_config& c) {
   char b[128];
-  snprintf(b, sizeof b, "d%d k%dv%d H%d P%d S%d W%d %s", c.head_dim, c.k_bits, c.v_bits, c.num_kv_heads, c.page_size,
-           c.sink_tokens, c.window_tokens, c.scale_rule == FMKV_SCALE_RMS ? "rms" : "lsq");
+  snprintf(b, sizeof b, "d%d k%dv%d H%d P%d S%d W%d %s%s", c.head_dim, c.k_bits, c.v_bits, c.num_kv_heads, c.page_size,
+           c.sink_tokens, c.window_tokens, c.scale_rule == FMKV_SCALE_RMS ? "rms" : "lsq",
+           c.format_version == 3 ? " fmt3" : "");
   return b;
 }
 

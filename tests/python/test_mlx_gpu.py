@@ -3,7 +3,7 @@ mx.fast.metal_kernel (Apple GPUs), the same launch path for both.
 
 Against the reference backend: pages and fp16 regions bit-exact (storage poisoned first, every byte
 compared) for appends in random chunks, every code width, both scale rules, sink/window, f32/f16/bf16
-inputs; attention within the bounds of docs/METAL.md (1e-5 relative with float32 queries, 2e-3
+inputs, format versions 2 and 3; attention within the bounds of docs/METAL.md (1e-5 relative with float32 queries, 2e-3
 float16, 1.2e-2 bfloat16) of the float64 reference, GQA and multi-row causal queries, several
 plans (splits x SIMD groups); kernel-detected errors reported by MlxLayer.check. Skips naming MLX's
 GPU backends when neither is available (run by tests/python/run_device_mlx.sh on the H200)."""
@@ -56,11 +56,27 @@ def _name(c):
     return f"d{c[0]}h{c[1]}q{c[2]}k{c[3]}v{c[4]}P{c[5]}S{c[6]}W{c[7]}{c[8]}-{c[9] if isinstance(c[9], str) else np.dtype(c[9]).name}"
 
 
+FORMAT3 = [  # format version 3: 3-bit sections in tile blocks (FORMAT.md section 6), the other side unchanged
+    (64, 2, 8, 3, 3, 16, 0, 0, "lsq", np.float16), (128, 2, 8, 3, 3, 64, 4, 16, "lsq", np.float32),
+    (256, 1, 8, 3, 2, 32, 0, 0, "rms", np.float16), (128, 2, 8, 16, 3, 16, 0, 32, "lsq", np.float16),
+    (128, 2, 6, 4, 3, 128, 2, 0, "lsq", "bfloat16"),
+]
+
+
 @pytest.mark.parametrize("case", CASES + EXTRA, ids=_name)
 def test_gpu_append_bit_exact_and_attention(rng, case):
+    _append_bit_exact_and_attention(rng, case, 0)
+
+
+@pytest.mark.parametrize("case", FORMAT3, ids=_name)
+def test_gpu_format3_append_bit_exact_and_attention(rng, case):
+    _append_bit_exact_and_attention(rng, case, 3)
+
+
+def _append_bit_exact_and_attention(rng, case, format_version):
     d, H, HQ, kb, vb, P, S, W, rule, dtype = case
     cfg = fmkv.Config(head_dim=d, num_kv_heads=H, k_bits=kb, v_bits=vb, page_size=P, sink_tokens=S, window_tokens=W,
-                      scale_rule=rule, seed=int(rng.integers(0, 2**63)))
+                      scale_rule=rule, seed=int(rng.integers(0, 2**63)), format_version=format_version)
     layer_index = int(rng.integers(0, 40))
     T = int(rng.integers(3 * P, 5 * P)) + W
     layer = fm.MlxLayer(cfg, layer=layer_index, max_tokens=T + 8)

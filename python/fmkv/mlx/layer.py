@@ -10,7 +10,9 @@ Storage: a page pool (uint8, ``pages_per_seq`` pages per sequence for ``max_toke
 b owns pages [b * pages_per_seq, (b + 1) * pages_per_seq)), the fp16 sink/window regions (uint16
 bits) and, on the GPU runtimes, eight uint32 status words. Bytes are those of the format
 (docs/FORMAT.md), identical on every runtime; ``layer`` selects the rotation signs (FORMAT.md
-section 3), so a model's layers stored here hold the bytes of one multi-layer fmkv cache.
+section 3), so a model's layers stored here hold the bytes of one multi-layer fmkv cache. The config's
+``format_version`` (0 = the default, 2 or 3) goes to every runtime: the GPU kernels read it from their
+parameter block (format 3's 3-bit sections: integer levels, tile blocks), the host backends from the config.
 """
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ class MlxLayer:
         self.cfg_fields = dict(head_dim=config.head_dim, num_kv_heads=config.num_kv_heads, k_bits=config.k_bits,
                                v_bits=config.v_bits, page_size=config.page_size, sink_tokens=config.sink_tokens,
                                window_tokens=config.window_tokens, scale_rule=_SCALE_RULES[config.scale_rule],
-                               seed=config.seed)
+                               seed=config.seed, format_version=config.format_version)
         c = config
         R = c.sink_tokens + c.window_tokens
         self.pages_per_seq = max(1, math.ceil(max(0, self.max_tokens - c.sink_tokens) / c.page_size))
