@@ -1,5 +1,6 @@
 """fmkv.eval quantizers: byte accounting and basic behaviour of fmkv configs and baselines (no model)."""
 import json
+import re
 
 import pytest
 
@@ -143,3 +144,26 @@ def test_key_mean_window_and_skip():
     assert torch.isfinite(base).all()
     with pytest.raises(ValueError):
         parse_config("k3v3-kmsx")
+
+
+def test_generate_cache_options_from_config_names():
+    from fmkv.eval.cli import generate_cache_options
+
+    assert generate_cache_options("k4v4") == dict(k_bits=4, v_bits=4, window_tokens=0, sink_tokens=0,
+                                                  scale_rule="lsq", format_version=0)
+    assert generate_cache_options("k3v3-fmt3-w64-s4-rms") == dict(k_bits=3, v_bits=3, window_tokens=64, sink_tokens=4,
+                                                                  scale_rule="rms", format_version=3)
+    assert generate_cache_options("k16v3-w32")["k_bits"] == 16
+    for bad, word in (("k3v3-km", "-km"), ("k4v4-norot", "-norot"), ("k4v4-b1", "-b<N>"), ("kivi-4", "fmkv caches"),
+                      ("k3v3-w", "unknown modifier"), ("k5v3", "k_bits")):
+        with pytest.raises(ValueError, match=re.escape(word)):
+            generate_cache_options(bad)
+
+
+def test_generate_refuses_cache_less_configs_before_loading(capsys):
+    from fmkv.eval.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--configs", "k4v4,k3v3-vm", "--model", "/nonexistent.gguf"])
+    assert e.value.code == 2
+    assert "-vm exist only in the evaluation" in capsys.readouterr().err

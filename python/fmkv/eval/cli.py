@@ -428,6 +428,38 @@ def cmd_needle(a: argparse.Namespace) -> int:
     return run_needle(a)
 
 
+def generate_cache_options(spec: str) -> dict:
+    """FmkvCache / FmkvStaticCache keyword arguments of an fmkv config name (fmkv.eval.quantizers syntax): the
+    widths, ``-w<N>`` (window; 0 when absent: every token compressed), ``-s<N>`` (sinks), ``-rms``/``-lsq``,
+    ``-fmt3``. Modifiers the caches do not have (evaluation-only simulations) are refused by name."""
+    from .quantizers import parse_config
+
+    q = parse_config(spec)
+    if q.kind != "fmkv":
+        raise ValueError(f"config {spec!r}: generate runs fmkv caches only (k<b>v<b>[-w<N>][-s<N>][-rms][-fmt3])")
+    unsupported = [name for name, on in (("-norot", not q.rotate), ("-km/-kms", q.key_mean), ("-vm", q.value_mean),
+                                         ("-e5m2/-ve5m2", q.e5m2), ("-b<N>", q.boundary > 0),
+                                         ("-f<layers>", bool(q.fp16_layers)), ("-only<i>", q.only_layer >= 0))
+                   if on]
+    if unsupported:
+        raise ValueError(f"config {spec!r}: {', '.join(unsupported)} exist only in the evaluation's quantizers, "
+                         "not in the caches")
+    return dict(k_bits=q.k_bits, v_bits=q.v_bits, window_tokens=q.residual, sink_tokens=q.sinks,
+                scale_rule=q.scale_rule, format_version=q.format_version)
+
+
+def _check_generate_configs(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Every generate --configs name is an fmkv cache configuration (before any model is loaded)."""
+    names = [c for c in a.configs.split(",") if c.strip()]
+    if not names:
+        p.error("--configs: empty list (e.g. --configs k4v4,k3v3-w64)")
+    for c in names:
+        try:
+            generate_cache_options(c.strip())
+        except ValueError as e:
+            p.error(f"--configs: {e}")
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     """Greedy generation with an fp16 DynamicCache and with fmkv.hf.FmkvCache (--static: FmkvStaticCache;
     on CUDA with transformers' compiled decoding, each step a CUDA graph); cache bytes."""
@@ -437,6 +469,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     from . import ppl as P
 
+    specs = [c.strip() for c in a.configs.split(",") if c.strip()]  # checked by _check_generate_configs
     if a.threads:
         torch.set_num_threads(a.threads)
     cuda = a.device.startswith("cuda")
@@ -452,14 +485,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         ref = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False)
         t_ref = time.time() - t0
         print(f"fp16 DynamicCache: {t_ref:.1f}s  {tok.decode(ref[0, ids.shape[1]:])!r}")
-        for spec in a.configs.split(","):
-            k, v = spec[1:].split("v")
-            w = 0
-            if "-w" in v:
-                v, w = v.split("-w")
+        for spec in specs:
             make = fhf.FmkvStaticCache if a.static else fhf.FmkvCache
-            cache = make(model.config, k_bits=int(k), v_bits=int(v), window_tokens=int(w),
-                         max_cache_len=ids.shape[1] + a.new_tokens)
+            cache = make(model.config, max_cache_len=ids.shape[1] + a.new_tokens, **generate_cache_options(spec))
             kw = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False, **gen_kw,
                       **fhf.cache_kwargs(cache))
             if gen_kw:  # the first call compiles and captures the decode step; time the second
@@ -517,12 +545,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--text", default=DEFAULT_TEXT)
     g.add_argument("--prompt-tokens", type=_int_at_least(1), default=1024)
     g.add_argument("--new-tokens", type=_int_at_least(1), default=32)
-    g.add_argument("--configs", default="k4v4,k3v3,k4v4-w32")
+    g.add_argument("--configs", default="k4v4,k3v3,k4v4-w32",
+                   help="fmkv cache configs: k<b>v<b>[-w<N>][-s<N>][-rms][-fmt3] (window 0 unless -w)")
     g.add_argument("--threads", type=_int_at_least(0), default=0)
     g.add_argument("--device", default="cpu", help="cpu, or cuda (the model in float16)")
     g.add_argument("--static", action="store_true",
                    help="fmkv.hf.FmkvStaticCache instead of FmkvCache; on CUDA with compiled decoding (CUDA graphs)")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, check=_check_generate_configs)
     pn = sub.add_parser("plan", help="per-layer bit widths + fp16 window minimising measured KLD at byte budgets")
     pn.add_argument("--model", default="smollm2-135m")
     pn.add_argument("--text", default=DEFAULT_TEXT)
