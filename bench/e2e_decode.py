@@ -69,12 +69,25 @@ HEADROOM = 64  # tokens past the context: warm-up, capture and timed steps
 
 
 def parse_cache(name):
-    """'fp16' -> None; 'k4v4-w64' -> (4, 4, 64)."""
+    """'fp16' -> None; 'k4v4-w64' -> (4, 4, 64, ((4, 4),)); per-layer widths cycled over the layers:
+    'k4v4/k3v3-w64' -> (4, 4, 64, ((4, 4), (3, 3))) (layer i takes pair i mod 2; k_bits / v_bits of the row
+    are the first pair's, `layer_bits` the cycle)."""
     if name == "fp16":
         return None
     kv, _, w = name.partition("-w")
-    k, v = kv[1:].split("v")
-    return int(k), int(v), int(w or 0)
+    cycle = []
+    for pair in kv.split("/"):
+        if not (pair.startswith("k") and "v" in pair):
+            raise ValueError(f"cache {name!r}: expected fp16, k<b>v<b>[-w<N>] or k<b>v<b>/k<b>v<b>...[-w<N>]")
+        k, v = pair[1:].split("v")
+        cycle.append((int(k), int(v)))
+    return cycle[0][0], cycle[0][1], int(w or 0), tuple(cycle)
+
+
+def layer_bits_of(bits, layers):
+    """The caches' layer_bits for a parsed name (None for one width everywhere)."""
+    cycle = bits[3]
+    return None if len(cycle) == 1 else [cycle[i % len(cycle)] for i in range(layers)]
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -160,9 +173,10 @@ def make_cache(name, model, geo, batch, ctx, dtype, device, fill=True, seed=0):
         cache.early_initialization(batch, geo["kv_heads"], geo["head_dim"], dtype, torch.device(device))
         nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     else:
-        k, v, w = bits
+        k, v, w, _ = bits
         cache = fhf.FmkvStaticCache(model.config, max_cache_len=L, k_bits=k, v_bits=v, window_tokens=w,
-                                    batch_size=batch, device=device, dtype=dtype)  # sets the "fmkv" attention
+                                    batch_size=batch, device=device, dtype=dtype,  # sets the "fmkv" attention
+                                    layer_bits=layer_bits_of(bits, geo["layers"]))
         nbytes = cache.device_bytes
     if fill and ctx > 0:
         step = max(1, min(batch, (1 << 27) // max(1, geo["kv_heads"] * ctx * geo["head_dim"])))  # 2^27-value blocks
@@ -427,8 +441,9 @@ def capacity_case(a, ctx_, model, geo, name, ctx):
     if bits is None:
         per_seq = fp16_cache_bytes(geo, 1, L, ctx_["elem"])
     else:
-        k, v, w = bits
-        per_seq = fhf.FmkvStaticCache.bytes_per_sequence(model.config, L, k_bits=k, v_bits=v, window_tokens=w)
+        k, v, w, _ = bits
+        per_seq = fhf.FmkvStaticCache.bytes_per_sequence(model.config, L, k_bits=k, v_bits=v, window_tokens=w,
+                                                         layer_bits=layer_bits_of(bits, geo["layers"]))
     # per-sequence activations of a step: logits (bf16 + fp32 argmax input), hidden / MLP rows, attention
     # workspace (fmkv: its planned splits), with a 2x margin
     act = 2 * (geo["vocab"] * 6 + geo["mlp"] * 8 + geo["hidden"] * 16)
@@ -753,6 +768,10 @@ def main(argv=None) -> int:
                  page_size=0 if bits is None else 64, max_batch=None,
                  cache_dtype=str(dtype)[6:] if bits is None else f"fmkv k{bits[0]}v{bits[1]} pages + fp16 window",
                  attention_ms=None, weights_ms=None, other_ms=None)
+        if bits is not None and len(bits[3]) > 1:
+            r["layer_bits"] = layer_bits_of(bits, geo["layers"])
+            r["cache_dtype"] = "fmkv per-layer widths %s (cycled) pages + fp16 window" % "/".join(
+                f"k{k}v{v}" for k, v in bits[3])
         if kind == "prefill":
             r["chunk"] = p["chunk"]
         if budget.left() < est:

@@ -304,6 +304,15 @@ def test_bytes_and_early_allocation():
     # a prompt through the early-allocated cache
     out = _gen(model, _ids(b, 10, 12), 3, cache)
     assert out.shape == (b, 3) and cache.lengths() == [12] * b
+    # per-layer widths: the same accounting, each layer at its own width
+    n = len(layers)
+    lb = [(4, 4) if i % 2 == 0 else (2, 3) for i in range(n)]
+    mixed = fhf.FmkvStaticCache(model.config, max_cache_len=L, batch_size=b, device="cpu", layer_bits=lb, **kw)
+    per_mixed = fhf.FmkvStaticCache.bytes_per_sequence(model.config, L, layer_bits=lb, **kw)
+    assert mixed.device_bytes == b * per_mixed + n * (8 + 8 * (FUSED_MAX_ROWS + 1))
+    assert per_mixed != per_seq
+    with pytest.raises(ValueError, match="layer_bits has"):
+        fhf.FmkvStaticCache.bytes_per_sequence(model.config, L, layer_bits=lb[:-1], **kw)
 
 
 def test_write_then_decode_equals_prefill_compressed():

@@ -461,11 +461,12 @@ class FmkvStaticCache(Cache):
     @staticmethod
     def bytes_per_sequence(config, max_cache_len: int, k_bits: int = 3, v_bits: int = 3, page_size: int = 64,
                            sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS,
-                           boundary_layers: int = 0, boundary_k_bits: int = 16, boundary_v_bits: int = 4) -> int:
+                           boundary_layers: int = 0, boundary_k_bits: int = 16, boundary_v_bits: int = 4,
+                           layer_bits=None) -> int:
         """Device bytes one sequence slot of an FmkvStaticCache with these options allocates over all
         full-attention layers (page pool + fp16 regions + its block-table row, length and offsets), from
         the format's page and region sizes: what a batch of B slots takes is B times this (plus a few
-        bytes per layer). Sliding-window layers are not counted."""
+        bytes per layer). Sliding-window layers are not counted. ``layer_bits``: as the constructor's."""
         text = text_config(config)
         kv_heads, head_dim = _kv_shape(text)
         types = layer_types(text)
@@ -474,15 +475,13 @@ class FmkvStaticCache(Cache):
 
         pps = pages_per_sequence(max_cache_len, sink_tokens, page_size)
         index = pps * 4 + 4 + 8 + 8 * (FUSED_MAX_ROWS + 1)  # block-table row, slot, length, one entry per offsets row
+        widths = layer_bit_widths(n, k_bits, v_bits, boundary_layers, boundary_k_bits, boundary_v_bits, layer_bits)
         total = 0
         for i, t in enumerate(types):
             if t == "sliding_attention" and getattr(text, "sliding_window", None):
                 continue
-            boundary = boundary_layers > 0 and (i < boundary_layers or i >= n - boundary_layers)
-            c = fmkv.Config(head_dim=head_dim, num_kv_heads=kv_heads,
-                            k_bits=boundary_k_bits if boundary else k_bits,
-                            v_bits=boundary_v_bits if boundary else v_bits, page_size=page_size,
-                            sink_tokens=sink_tokens, window_tokens=window_tokens)
+            c = fmkv.Config(head_dim=head_dim, num_kv_heads=kv_heads, k_bits=widths[i][0], v_bits=widths[i][1],
+                            page_size=page_size, sink_tokens=sink_tokens, window_tokens=window_tokens)
             total += pps * c.page_bytes + c.fp16_slot_bytes + index
         return total
 
