@@ -189,8 +189,8 @@ void quantize_dispatch(const QuantParams& qp, const uint16_t* x, uint8_t* sectio
 // accumulators with weight p * scale.
 // Tile blocks (format 3, 3-bit K: KT, V: VT; tile.h): at the first block of each 16-token tile the tile
 // block is unpacked into a scratch (tile_unpack_k / tile_unpack_v: K as 4 nibble words per token and
-// group, V as 16 bytes per token and group); K then runs the 4-bit loop on it (q in tile_k_query_order),
-// V loads a token's code bytes as lanes (tile_v_coord order). The tables are signed and 8-periodic
+// group, V as the X / YH words of a 4-token column per lane); K then runs the 4-bit loop on it (q in
+// tile_k_query_order), V shifts the token's nibbles of its column into place (lanes in tile_v_coord order). The tables are signed and 8-periodic
 // (job.tk / job.tv), so no sign step and no mask of the nibbles' bit 3.
 // Nothing is dequantized to memory; each page is read once for all R queries.
 template <class T, int KB, int VB, int R, bool KT, bool VT>
@@ -207,7 +207,7 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
   alignas(64) float wbuf[R][N];
   alignas(64) float sbuf[R][N];
   alignas(64) uint32_t kscr[KT ? 4 * 8 * 16 : 1];  // tiled K: the tile's nibble words [q G + g][16 tokens]
-  alignas(64) uint8_t vscr[VT ? 16 * 8 * 16 : 1];  // tiled V: the tile's code bytes, tile_v_entry
+  alignas(64) uint32_t vscr[VT ? 4 * 8 * 16 : 1];  // tiled V: the tile's column words [kb G + g][16 lanes]
   // Software prefetch kAhead tokens ahead: each plane of a page is only P * 4 bytes long, too short
   // for the hardware stream prefetchers, and a block's compute hides one block of latency at most.
   const int64_t kAhead = job.prefetch_tokens;
@@ -350,11 +350,15 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
         }
         const int u0 = hv * N;
         if constexpr (VT) {
-          // Lanes u0 .. u0 + N - 1 of token t: bytes u0 & 15 .. of its entry, nibble u0 >> 4 (tile_v_coord).
-          const uint8_t* ve = vscr + tile_v_entry(t0 & 15, g) + (u0 & 15);
-          for (int t = 0; t < nany; ++t) {
-            I idx = T::load_u8(ve + 16 * t);
-            if (u0 >= 16) idx = T::srl(idx, 4);
+          // Lanes u0 .. u0 + N - 1 of token t: words u0 & 15 .. of its column, its nibble u0 >> 4 (tile_v_word).
+          const int32_t t16 = t0 & 15;
+          const uint32_t* vc = vscr + (u0 & 15);
+          // (t16 is a multiple of N: for N >= 4 the shift depends on t only and unrolls to immediates)
+#pragma GCC unroll 16
+          for (int t = 0; t < N; ++t) {
+            if (t >= nany) break;
+            const int sh = tile_v_shift(N >= 4 ? t : t16 + t) + 4 * (u0 >> 4);
+            const I idx = T::srl(T::loadi(vc + tile_v_word(t16 + t, g, G)), sh);
             const F lev = T::lut(tv, idx);
             for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
           }

@@ -1,10 +1,11 @@
 // Format 3's 3-bit tile blocks (docs/FORMAT.md section 6 "Tile blocks"; the rule is fmkv_tile_code_bit in
 // include/fmkv/format.h, one code at a time in src/format/pack.h) in the word form the CPU backend uses:
 //   * append: one token's codes of one group written from its three bit planes (tile_write_planes);
-//   * attention: a whole 16-token block unpacked into a per-tile scratch that the attention loops read
-//     with lane = token (K) or lane = coordinate (V), and the fixed coordinate orders of that scratch
-//     (the rotated query is permuted once for K, the V accumulator is un-permuted once).
-//
+//   * attention: a whole 16-token block unpacked into per-tile scratches that the attention loops read
+//     with lane = token (K) or lane = coordinate (V): both are the transpose of the block's 16 x 4 G word
+//     matrix (rows: X and YH words of 8 lane quads, columns: (lane in quad, group)), in two row orders;
+//     and the fixed coordinate orders of those scratches (the rotated query is permuted once for K, the V
+//     accumulator is un-permuted once).
 // Word form of a block (G = d / 32 groups): X[lane][g] uint32 at word lane G + g, Y[lane][g] uint16 after
 // the 32 G X words (byte 128 G). Of a lane's 16 nibbles (X's 8, Y's 4, 4 "hole" codes j whose bits 0, 1, 2
 // sit in bit 3 of X nibble j, X nibble 4 + j and Y nibble j) the hole word of the lane is
@@ -15,7 +16,9 @@
 //     n = 4 (c >> 4) + (c & 3) of X (even t) or of YH (odd t). So lane 4 p + q holds tokens 2 p, 2 p + 1 at
 //     the coordinates ck(q, n) = 4 q + (n & 3) + 16 (n >> 2) in the same nibble order.
 //   V (t = 4 kb + 2 h + o, bx = h + 2 o): lane 4 ra + kb, byte bx of X holds coordinates ra (low nibble)
-//     and ra + 8 (high nibble), byte bx of YH holds 16 + ra and 24 + ra, for ra = 0..7.
+//     and ra + 8 (high nibble), byte bx of YH holds 16 + ra and 24 + ra, for ra = 0..7. So the X (YH) word
+//     of lane 4 ra + kb holds the four tokens 4 kb + (0, 2, 1, 3) of coordinate pair (ra, ra + 8)
+//     ((16 + ra, 24 + ra)) in its bytes 0..3.
 // All functions here have internal linkage: this header is compiled into every per-ISA kernel file.
 #pragma once
 #include <cstdint>
@@ -36,7 +39,8 @@ namespace {
 // ---- coordinate orders of the scratch --------------------------------------------------------
 // K scratch: nibble j (word j >> 3 = q, nibble j & 7 = n) of a token's group stands for coordinate tile_k_coord(j).
 inline int tile_k_coord(int j) { return 4 * (j >> 3) + (j & 3) + 16 * ((j >> 2) & 1); }
-// V scratch: lane u (byte u & 15 of a token's group entry, nibble u >> 4) stands for coordinate tile_v_coord(u).
+// V scratch: lane u (word u & 15 of the token's column, its nibble u >> 4: see tile_v_word) stands for
+// coordinate tile_v_coord(u).
 inline int tile_v_coord(int u) { return (u & 7) + 16 * ((u >> 3) & 1) + 8 * (u >> 4); }
 
 // The rotated query of tiled K in scratch order: out[32 g + j] = q[32 g + tile_k_coord(j)].
@@ -49,25 +53,10 @@ inline void tile_v_unpermute(const float* acc, int32_t d, float* out) {
   for (int32_t g = 0; g < d / 32; ++g)
     for (int u = 0; u < 32; ++u) out[g * 32 + tile_v_coord(u)] = acc[g * 32 + u];
 }
-// Byte offset of tile token t's group-g entry (16 bytes) in the V scratch.
-inline int32_t tile_v_entry(int32_t t, int32_t g) { return 16 * (16 * g + t); }
-// The entry of byte column col = 4 (kb G + g) + bx of the V transpose (below): token 4 kb + 2 (bx & 1) + (bx >> 1).
-inline int32_t tile_v_column_entry(int32_t col, int32_t G) {
-  const int32_t bx = col & 3, kg = col >> 2;
-  return tile_v_entry(4 * (kg / G) + 2 * (bx & 1) + (bx >> 1), kg % G);
-}
-// tile_v_column_entry for every column of a G-group block (G = 2, 4, 8), computed once.
-struct TileVColumns {
-  uint16_t entry[3][16 * 8];
-  TileVColumns() {
-    for (int lg = 0; lg < 3; ++lg)
-      for (int32_t col = 0; col < 16 << (lg + 1); ++col) entry[lg][col] = (uint16_t)tile_v_column_entry(col, 2 << lg);
-  }
-};
-inline const uint16_t* tile_v_columns(int32_t G) {
-  static const TileVColumns t;
-  return t.entry[G == 2 ? 0 : G == 4 ? 1 : 2];
-}
+// V scratch word of lane m (0..15) for tile token t, group g: word vs[tile_v_word(t, g, G) + m]; the token's
+// codes of lanes m, 16 + m are its nibbles at bit tile_v_shift(t) and tile_v_shift(t) + 4.
+inline int32_t tile_v_word(int32_t t, int32_t g, int32_t G) { return 16 * ((t >> 2) * G + g); }
+inline int tile_v_shift(int32_t t) { return 8 * (((t >> 1) & 1) | ((t & 1) << 1)); }
 
 inline uint32_t tile_hole_word(uint32_t x, uint32_t y) {
   return ((x >> 3) & 0x1111u) | ((x >> 18) & 0x2222u) | ((y >> 1) & 0x4444u);
@@ -141,11 +130,10 @@ inline void tile_write_planes(uint8_t* block, int32_t G, int is_v, int32_t t16, 
 // ---- attention: a 16-token block -> scratch ------------------------------------------------------
 // K scratch ks[16 (q G + g) + t] (uint32, 4 G x 16): token t's nibble word q of group g (X of lane
 // 4 (t >> 1) + q for even t, YH for odd t). It is the transpose of the 16 x 4 G word matrix whose row t
-// is those words of token t.
-// V scratch vs[16 (16 g + t) + m] (bytes, G x 16 x 16): for t = 4 kb + 2 h + o, bx = h + 2 o, byte bx of X
-// (m < 8) or YH (m >= 8) of lane 4 (m & 7) + kb, group g. Its entries are the columns of the 16 x 16 G byte
-// matrix whose row m < 8 is the X words of lanes 4 m .. 4 m + 3 (all groups: 16 G contiguous bytes) and row
-// 8 + ra the YH words of the same lanes: column 4 (kb G + g) + bx is the entry of (t, g) (tile_v_column_entry).
+// is those words of token t (rows in the order X of quad 0, YH of quad 0, X of quad 1, ...).
+// V scratch vs[16 (kb G + g) + m] (uint32, 4 G x 16): the X word (m < 8) or YH word (m >= 8) of lane
+// 4 (m & 7) + kb, group g: the transpose of the same matrix with rows in the order X of quads 0..7, YH of
+// quads 0..7. Lane m of tile token t is byte tile_v_shift(t) / 8 of word tile_v_word(t, g, G) + m.
 inline void tile_unpack_k_scalar(const uint8_t* block, int32_t G, uint32_t* ks) {
   const uint32_t* X = (const uint32_t*)block;
   const uint16_t* Y = (const uint16_t*)(block + 128 * G);
@@ -156,17 +144,14 @@ inline void tile_unpack_k_scalar(const uint8_t* block, int32_t G, uint32_t* ks) 
       ks[16 * col + 2 * p + 1] = y | tile_hole_word(x, y) << 16;
     }
 }
-inline void tile_unpack_v_scalar(const uint8_t* block, int32_t G, uint8_t* vs) {
+inline void tile_unpack_v_scalar(const uint8_t* block, int32_t G, uint32_t* vs) {
   const uint32_t* X = (const uint32_t*)block;
   const uint16_t* Y = (const uint16_t*)(block + 128 * G);
   for (int32_t ra = 0; ra < 8; ++ra)
     for (int32_t col = 0; col < 4 * G; ++col) {  // col = kb G + g: lane 4 ra + kb, group g
-      const uint32_t x = X[4 * G * ra + col], y = Y[4 * G * ra + col], yh = y | tile_hole_word(x, y) << 16;
-      for (int bx = 0; bx < 4; ++bx) {
-        uint8_t* e = vs + tile_v_column_entry(4 * col + bx, G);
-        e[ra] = (uint8_t)(x >> (8 * bx));
-        e[8 + ra] = (uint8_t)(yh >> (8 * bx));
-      }
+      const uint32_t x = X[4 * G * ra + col], y = Y[4 * G * ra + col];
+      vs[16 * col + ra] = x;
+      vs[16 * col + 8 + ra] = y | tile_hole_word(x, y) << 16;
     }
 }
 
@@ -216,30 +201,22 @@ inline void tile_unpack_k_avx2(const uint8_t* block, int32_t G, uint32_t* ks) {
     }
   }
 }
-inline void tile_unpack_v(const uint8_t* block, int32_t G, uint8_t* vs) {
+inline void tile_unpack_v_avx2(const uint8_t* block, int32_t G, uint32_t* vs) {
+  const uint32_t* X = (const uint32_t*)block;
   const uint16_t* Y = (const uint16_t*)(block + 128 * G);
-  const uint16_t* entry = tile_v_columns(G);
-  for (int32_t cb = 0; cb < 16 * G; cb += 32) {  // 32 byte columns: two 16 x 16 byte transposes, one per 128-bit half
+  for (int32_t cb = 0; cb < 4 * G; cb += 8) {  // 8 columns
     __m256i r[16];
-    for (int ra = 0; ra < 8; ++ra) {
-      const __m256i x = _mm256_loadu_si256((const __m256i*)(block + 16 * G * ra + cb));
-      const __m256i y = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(Y + 4 * G * ra + cb / 4)));
+    for (int ra = 0; ra < 8; ++ra) {  // rows: X of quads 0..7 in r[0..7], YH in r[8..15]
+      const __m256i x = _mm256_loadu_si256((const __m256i*)(X + 4 * G * ra + cb));
+      const __m256i y = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(Y + 4 * G * ra + cb)));
       r[ra] = x;
       r[8 + ra] = tile_yh8(x, y);
     }
-    // Four rounds of "register i with i + 8, interleave bytes" transpose a 16 x 16 byte matrix: each round
-    // rotates the (register, byte) index bits by one; afterwards r[j] holds column j.
-    for (int round = 0; round < 4; ++round) {
-      __m256i n[16];
-      for (int i = 0; i < 8; ++i) {
-        n[2 * i] = _mm256_unpacklo_epi8(r[i], r[i + 8]);
-        n[2 * i + 1] = _mm256_unpackhi_epi8(r[i], r[i + 8]);
-      }
-      for (int i = 0; i < 16; ++i) r[i] = n[i];
-    }
-    for (int j = 0; j < 16; ++j) {
-      _mm_storeu_si128((__m128i*)(vs + entry[cb + j]), _mm256_castsi256_si128(r[j]));
-      _mm_storeu_si128((__m128i*)(vs + entry[cb + 16 + j]), _mm256_extracti128_si256(r[j], 1));
+    tile_transpose8x8_epi32(r);
+    tile_transpose8x8_epi32(r + 8);
+    for (int j = 0; j < 8; ++j) {  // column cb + j: lanes m = 0..7 from r[j], 8..15 from r[8 + j]
+      _mm256_storeu_si256((__m256i*)(vs + 16 * (cb + j)), r[j]);
+      _mm256_storeu_si256((__m256i*)(vs + 16 * (cb + j) + 8), r[8 + j]);
     }
   }
 }
@@ -270,9 +247,10 @@ inline void tile_transpose16x16_epi32(__m512i* r) {
     r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xDD);
   }
 }
-// 16 columns at a time (G >= 4): rows in token order (X, YH of lane quad p for tokens 2 p, 2 p + 1).
-inline void tile_unpack_k(const uint8_t* block, int32_t G, uint32_t* ks) {
-  if (G < 4) return tile_unpack_k_avx2(block, G, ks);
+// 16 columns at a time (G >= 4): the 16 x 4 G word matrix transposed; row of X (YH) of lane quad p is
+// row xrow(p) (yrow(p)): K's token order (2 p, 2 p + 1) or V's (p, 8 + p).
+template <bool TokenRows>
+inline void tile_unpack_avx512(const uint8_t* block, int32_t G, uint32_t* out) {
   const uint32_t* X = (const uint32_t*)block;
   const uint16_t* Y = (const uint16_t*)(block + 128 * G);
   for (int32_t cb = 0; cb < 4 * G; cb += 16) {
@@ -283,15 +261,24 @@ inline void tile_unpack_k(const uint8_t* block, int32_t G, uint32_t* ks) {
       // y | hole(x, y) << 16: x bit 4 j + 3 -> 16 + 4 j, x bit 19 + 4 j -> 17 + 4 j, y bit 4 j + 3 -> 18 + 4 j
       __m512i h = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x22220000), _mm512_srli_epi32(x, 2), _mm512_slli_epi32(x, 13), 0xCA);
       h = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x44440000), _mm512_slli_epi32(y, 15), h, 0xCA);
-      r[2 * p] = x;
-      r[2 * p + 1] = _mm512_ternarylogic_epi32(h, _mm512_set1_epi32(0x77770000), y, 0xEA);  // (h & m) | y
+      r[TokenRows ? 2 * p : p] = x;
+      r[TokenRows ? 2 * p + 1 : 8 + p] = _mm512_ternarylogic_epi32(h, _mm512_set1_epi32(0x77770000), y, 0xEA);  // (h & m) | y
     }
     tile_transpose16x16_epi32(r);
-    for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(ks + 16 * (cb + j)), r[j]);
+    for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(out + 16 * (cb + j)), r[j]);
   }
+}
+inline void tile_unpack_k(const uint8_t* block, int32_t G, uint32_t* ks) {
+  if (G < 4) return tile_unpack_k_avx2(block, G, ks);
+  tile_unpack_avx512<true>(block, G, ks);
+}
+inline void tile_unpack_v(const uint8_t* block, int32_t G, uint32_t* vs) {
+  if (G < 4) return tile_unpack_v_avx2(block, G, vs);
+  tile_unpack_avx512<false>(block, G, vs);
 }
 #else
 inline void tile_unpack_k(const uint8_t* block, int32_t G, uint32_t* ks) { tile_unpack_k_avx2(block, G, ks); }
+inline void tile_unpack_v(const uint8_t* block, int32_t G, uint32_t* vs) { tile_unpack_v_avx2(block, G, vs); }
 #endif
 #elif defined(__aarch64__) && defined(__ARM_NEON) && defined(FMKV_CPU_NEON_TU)
 inline uint32x4_t tile_yh4(uint32x4_t x, uint32x4_t y) {  // y | hole(x, y) << 16, 4 lanes
@@ -315,31 +302,30 @@ inline void tile_unpack_k(const uint8_t* block, int32_t G, uint32_t* ks) {
       vst1q_u32(o + 48, vcombine_u32(vget_high_u32(a.val[1]), vget_high_u32(b.val[1])));
     }
 }
-inline void tile_unpack_v(const uint8_t* block, int32_t G, uint8_t* vs) {
+inline void tile_unpack_v(const uint8_t* block, int32_t G, uint32_t* vs) {
+  const uint32_t* X = (const uint32_t*)block;
   const uint16_t* Y = (const uint16_t*)(block + 128 * G);
-  const uint16_t* entry = tile_v_columns(G);
-  for (int32_t cb = 0; cb < 16 * G; cb += 16) {  // 16 byte columns: one 16 x 16 byte transpose
-    uint8x16_t r[16];
-    for (int ra = 0; ra < 8; ++ra) {
-      const uint32x4_t x = vld1q_u32((const uint32_t*)(block + 16 * G * ra + cb));
-      const uint32x4_t y = vmovl_u16(vld1_u16(Y + 4 * G * ra + cb / 4));
-      r[ra] = vreinterpretq_u8_u32(x);
-      r[8 + ra] = vreinterpretq_u8_u32(tile_yh4(x, y));
-    }
-    for (int round = 0; round < 4; ++round) {  // as tile_unpack_v (AVX2): zip1 / zip2 are unpacklo / unpackhi
-      uint8x16_t n[16];
-      for (int i = 0; i < 8; ++i) {
-        n[2 * i] = vzip1q_u8(r[i], r[i + 8]);
-        n[2 * i + 1] = vzip2q_u8(r[i], r[i + 8]);
+  for (int32_t cb = 0; cb < 4 * G; cb += 4)  // 4 columns
+    for (int ra = 0; ra < 8; ra += 4) {  // rows ra .. ra + 3 of X (lanes m = ra ..) and of YH (m = 8 + ra ..), 4 x 4 transposed
+      uint32x4_t x[4], yh[4];
+      for (int i = 0; i < 4; ++i) {
+        x[i] = vld1q_u32(X + 4 * G * (ra + i) + cb);
+        yh[i] = tile_yh4(x[i], vmovl_u16(vld1_u16(Y + 4 * G * (ra + i) + cb)));
       }
-      for (int i = 0; i < 16; ++i) r[i] = n[i];
+      for (int h = 0; h < 2; ++h) {
+        const uint32x4_t* r = h ? yh : x;
+        const uint32x4x2_t a = vtrnq_u32(r[0], r[1]), b = vtrnq_u32(r[2], r[3]);
+        uint32_t* o = vs + 16 * cb + 8 * h + ra;
+        vst1q_u32(o, vcombine_u32(vget_low_u32(a.val[0]), vget_low_u32(b.val[0])));
+        vst1q_u32(o + 16, vcombine_u32(vget_low_u32(a.val[1]), vget_low_u32(b.val[1])));
+        vst1q_u32(o + 32, vcombine_u32(vget_high_u32(a.val[0]), vget_high_u32(b.val[0])));
+        vst1q_u32(o + 48, vcombine_u32(vget_high_u32(a.val[1]), vget_high_u32(b.val[1])));
+      }
     }
-    for (int j = 0; j < 16; ++j) vst1q_u8(vs + entry[cb + j], r[j]);
-  }
 }
 #else
 inline void tile_unpack_k(const uint8_t* block, int32_t G, uint32_t* ks) { tile_unpack_k_scalar(block, G, ks); }
-inline void tile_unpack_v(const uint8_t* block, int32_t G, uint8_t* vs) { tile_unpack_v_scalar(block, G, vs); }
+inline void tile_unpack_v(const uint8_t* block, int32_t G, uint32_t* vs) { tile_unpack_v_scalar(block, G, vs); }
 #endif
 
 }  // namespace
