@@ -7,7 +7,7 @@ on CPU (fp32 and bf16, GQA via enable_gqa) for the same decode shapes, prints a 
 with the fields of BENCHMARKS.md ("baseline" = the faster torch dtype; the fp32 time is kept too).
 
 Usage: python3 bench/cpu_bench.py [--bin build-cpu/bench/cpu_bench] [--contexts 4096,32768,131072]
-       [--format-versions 2,3] [--isas best,avx2] [--out docs/results] [--quick]
+       [--format-versions 2,3] [--isas best,avx512,avx2] [--out docs/results] [--quick]
 Each (ISA, format version) pair is one run of the binary (FMKV_CPU_ISA selects the kernel set; "best" is
 the library's own choice); rows carry `format_version` and `isa`. torch SDPA is timed once per shape.
 Threads: both sides use all cores (FMKV_NUM_THREADS / torch.set_num_threads override).
@@ -86,7 +86,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--format-versions", default="2,3", help="fmkv format versions, one binary run each")
     ap.add_argument("--replot", nargs=2, metavar=("JSONL", "PNG"), help="only redraw PNG from a cpu_decode.jsonl")
-    ap.add_argument("--isas", default="best", help="CPU kernel sets (FMKV_CPU_ISA): best, avx512, avx2, scalar, neon")
+    ap.add_argument("--isas", default="best", help="CPU kernel sets (FMKV_CPU_ISA): best, avx512vnni, avx512, avx2, scalar, neon")
     a = ap.parse_args()
     if a.replot:
         with open(a.replot[0]) as f:
@@ -97,8 +97,8 @@ def main():
     versions = [int(v) for v in a.format_versions.split(",")]
     isas = a.isas.split(",")
     for isa in isas:
-        if isa not in ("best", "avx512", "avx2", "scalar", "neon"):
-            sys.exit("--isas: unknown kernel set %r (best, avx512, avx2, scalar, neon)" % isa)
+        if isa not in ("best", "avx512vnni", "avx512", "avx2", "scalar", "neon"):
+            sys.exit("--isas: unknown kernel set %r (best, avx512vnni, avx512, avx2, scalar, neon)" % isa)
     decode, quant, infos, seen = [], [], [], set()
     for isa in isas:
         for fv in versions:

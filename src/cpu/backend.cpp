@@ -1,5 +1,5 @@
 // The CPU backend in the backend registry: identity, run-time ISA selection and its table.
-//   FMKV_CPU_ISA=scalar|avx2|avx512|neon forces a kernel set (an unsupported request falls back to
+//   FMKV_CPU_ISA=scalar|avx2|avx512|avx512vnni|neon forces a kernel set (an unsupported request falls back to
 //   the best supported one; NEON is the default on AArch64); FMKV_NUM_THREADS sets the pool size
 //   (thread_pool.h).
 #include <cstdlib>
@@ -21,8 +21,11 @@ const Kernels& select_kernels() {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
+  const bool vnni = avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
   if (want == "scalar") return kernels_scalar();
   if (want == "avx2" && avx2) return kernels_avx2();
+  if (want == "avx512" && avx512) return kernels_avx512();
+  if (vnni) return kernels_avx512vnni();
   if (avx512) return kernels_avx512();
   if (avx2) return kernels_avx2();
 #endif

@@ -138,8 +138,10 @@ void decode_attention(const AttentionArgs& a) {
       job.v_tiled = v_tiled;
       job.softcap = a.opts.softcap;
       job.prefetch_tokens = prefetch_distance();
-      if (k_tiled) signed_table16(codebook_table(version, c.k_bits, 0), job.tk);
-      else if (c.k_bits != FMKV_FP16_BITS) codebook_table16(c.k_bits, codebook_table(version, c.k_bits, 0), job.tk);
+      if (k_tiled) {
+        signed_table16(codebook_table(version, c.k_bits, 0), job.tk);
+        signed_int_table16(codebook_table(version, c.k_bits, 0), job.tk_int, &job.tk_step);
+      } else if (c.k_bits != FMKV_FP16_BITS) codebook_table16(c.k_bits, codebook_table(version, c.k_bits, 0), job.tk);
       if (v_tiled) signed_table16(codebook_table(version, c.v_bits, 1), job.tv);
       else codebook_table16(c.v_bits, codebook_table(version, c.v_bits, 1), job.tv);
     }

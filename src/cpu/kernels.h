@@ -37,6 +37,9 @@ struct AttnJob {
   int64_t prefetch_tokens;  // software prefetch distance (multiple of 16; 0 = off)
   // Level tables: magnitudes as in QuantParams::mag16; for a tiled section the signed level of code i & 7.
   alignas(64) float tk[16], tv[16];
+  // Tiled K (format 3): the same levels as integers, tk[i] = tk_int[i] * tk_step exactly (integer dot products).
+  int8_t tk_int[16];
+  float tk_step;
 };
 
 constexpr int kMaxTile = 4;  // query vectors per attention kernel call
@@ -65,11 +68,12 @@ const Kernels& kernels_scalar();
 #if defined(__x86_64__)
 const Kernels& kernels_avx2();
 const Kernels& kernels_avx512();
+const Kernels& kernels_avx512vnni();
 #endif
 #if defined(__aarch64__) && defined(__ARM_NEON)
 const Kernels& kernels_neon();
 #endif
-// The kernels used by the backend: best supported ISA, or FMKV_CPU_ISA=scalar|avx2|avx512|neon.
+// The kernels used by the backend: best supported ISA, or FMKV_CPU_ISA=scalar|avx2|avx512|avx512vnni|neon.
 const Kernels& kernels();
 
 }  // namespace fmkv::cpu

@@ -1,9 +1,16 @@
 // AVX-512F kernels (N = 16). Compiled with -mavx512f -mavx2 -mfma -mf16c (cmake/cpu_sources.cmake);
-// used only when the CPU reports AVX-512F.
+// used only when the CPU reports AVX-512F. kernels_avx512vnni.cpp compiles this same file with VNNI + BW
+// and the traits Avx512VnniT (format 3's K scored with integer dot products).
 // GCC 12 warns about _mm512_undefined_* inside its own headers (false positive).
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "kernels_impl.h"
+
+#ifndef FMKV_AVX512_ENTRY  // this file itself: the AVX-512F set
+#define FMKV_AVX512_ENTRY kernels_avx512
+#define FMKV_AVX512_NAME "avx512"
+#define FMKV_AVX512_TRAITS Avx512T
+#endif
 
 namespace fmkv::cpu {
 namespace {
@@ -24,8 +31,9 @@ void to_f16_avx512(const void* src, int32_t dtype, int32_t n, uint16_t* dst) {
 }
 }  // namespace
 
-const Kernels& kernels_avx512() {
-  static const Kernels k{"avx512", 16, quantize_dispatch<Avx512T>, to_f16_avx512, attend_dispatch<Avx512T>, attend_fp16_t<Avx512T>, unpermute_acc};
+const Kernels& FMKV_AVX512_ENTRY() {
+  using T = FMKV_AVX512_TRAITS;
+  static const Kernels k{FMKV_AVX512_NAME, 16, quantize_dispatch<T>, to_f16_avx512, attend_dispatch<T>, attend_fp16_t<T>, unpermute_acc};
   return k;
 }
 }  // namespace fmkv::cpu

@@ -174,6 +174,54 @@ void quantize_dispatch(const QuantParams& qp, const uint16_t* x, uint8_t* sectio
 #undef FMKV_Q
 }
 
+// ---- format 3's K with integer dot products (traits with kIntDot: AVX-512 VNNI) ------------------
+// A group's rotated query (32 coordinates, K scratch order) as integers q24 on a per-(vector, group) scale
+// qs = max |q| / kQMax, written as kQParts int8 parts q24 = 65536 p0 + 256 p1 + p2 (each in [-128, 127]):
+// 24 bits, as precise as the float32 path. The levels are the table's integers L (|L| <= 127) biased to
+// u8 (L + 128) for vpdpbusd's unsigned operand; the bias is taken out by starting each part's
+// accumulator at -128 * (the part's sum over the group). Every int32 sum is exact: |sum L p| <= 32 * 127
+// * 128, and (acc1 << 8) + acc2 < 2^31; the parts are joined in float: 65536 acc0 + ((acc1 << 8) + acc2).
+constexpr int kQParts = 3;
+constexpr int32_t kQMax = 127 * 65536;
+
+template <int R>
+struct IntQuery {
+  uint32_t dw[R][8][4][2][kQParts];  // [r][g][word w][half h][part]: int8 parts of coordinates 8 w + h + {0, 2, 4, 6}
+  int32_t corr[R][8][kQParts];       // -128 * sum of the part over the group
+  float scale[R][8];                 // qs * the level table's step
+};
+
+template <int R>
+void make_int_query(const float* const* q, int32_t d, float step, IntQuery<R>& o) {
+  for (int r = 0; r < R; ++r)
+    for (int32_t g = 0; g < d / 32; ++g) {
+      const float* qg = q[r] + 32 * g;
+      float mx = 0.0f;
+      for (int j = 0; j < 32; ++j) mx = __builtin_fabsf(qg[j]) > mx ? __builtin_fabsf(qg[j]) : mx;
+      int8_t part[kQParts][32];
+      for (int j = 0; j < 32; ++j) {
+        int32_t v = mx > 0.0f ? (int32_t)__builtin_lrint((double)qg[j] * kQMax / mx) : 0;  // |v| <= kQMax
+        for (int k = kQParts - 1; k >= 0; --k) {  // lowest part first, each in [-128, 127]
+          const int32_t lo = ((v + 128) & 255) - 128;
+          part[k][j] = (int8_t)lo;
+          v = (v - lo) / 256;
+        }
+      }
+      for (int k = 0; k < kQParts; ++k) {
+        int32_t sum = 0;
+        for (int j = 0; j < 32; ++j) sum += part[k][j];
+        o.corr[r][g][k] = -128 * sum;
+        for (int w = 0; w < 4; ++w)
+          for (int h = 0; h < 2; ++h) {
+            uint32_t x = 0;
+            for (int b = 0; b < 4; ++b) x |= (uint32_t)(uint8_t)part[k][8 * w + h + 2 * b] << (8 * b);
+            o.dw[r][g][w][h][k] = x;
+          }
+      }
+      o.scale[r][g] = (float)((double)mx / kQMax * step);
+    }
+}
+
 // ---- decode attention over compressed pages ------------------------------------------------
 // One call = one kv head, R query vectors (GQA group heads x query rows), compressed tokens
 // [c0, c1) in blocks of N tokens (N = SIMD lanes; a block never crosses a page since P >= 16).
@@ -208,6 +256,13 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
   alignas(64) float sbuf[R][N];
   alignas(64) uint32_t kscr[KT ? 4 * 8 * 16 : 1];  // tiled K: the tile's nibble words [q G + g][16 tokens]
   alignas(64) uint32_t vscr[VT ? 4 * 8 * 16 : 1];  // tiled V: the tile's column words [kb G + g][16 lanes]
+  constexpr bool IK = KT && T::kIntDot;  // tiled K scored with integer dot products
+  IntQuery<IK ? R : 1> iq;
+  alignas(16) uint8_t ktab[16];  // IK: u8 levels + 128 of the nibble (8-periodic)
+  if constexpr (IK) {
+    make_int_query<R>(q, d, job.tk_step, iq);
+    for (int i = 0; i < 16; ++i) ktab[i] = (uint8_t)(job.tk_int[i] + 128);
+  }
   // Software prefetch kAhead tokens ahead: each plane of a page is only P * 4 bytes long, too short
   // for the hardware stream prefetchers, and a block's compute hides one block of latency at most.
   const int64_t kAhead = job.prefetch_tokens;
@@ -263,6 +318,32 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
         }
       }
       for (int r = 0; r < R; ++r) s[r] = T::load(sbuf[r]);
+    } else if constexpr (IK) {
+      // Nibble words as in the KT branch below; per word, its low and high nibbles (scratch coordinates
+      // 8 w + {0, 2, 4, 6} and 8 w + {1, 3, 5, 7}) become u8 levels by one byte permute each, and every
+      // query part takes them in one vpdpbusd per 4 coordinates (IntQuery).
+      static_assert(!IK || N == 16, "the integer K path runs on 16-lane blocks (one 16-token tile)");
+      for (int r = 0; r < R; ++r) s[r] = T::zero();
+      const uint32_t* kw = kscr + (t0 & 15);
+      const uint16_t* ksc = (const uint16_t*)(ksec + fmkv_scales_offset(d, KB, P));
+      const I nib = T::set1i(0x0F0F0F0Fu), tab = T::table_u8(ktab);
+      for (int g = 0; g < G; ++g) {
+        I acc[R][kQParts];
+        for (int r = 0; r < R; ++r)
+          for (int k = 0; k < kQParts; ++k) acc[r][k] = T::set1_i32(iq.corr[r][g][k]);
+        for (int w = 0; w < 4; ++w) {
+          const I W = T::loadi(kw + 16 * (w * G + g));
+          const I lev[2] = {T::lut_u8(tab, T::and_i(W, nib)), T::lut_u8(tab, T::and_i(T::srl(W, 4), nib))};
+          for (int h = 0; h < 2; ++h)
+            for (int r = 0; r < R; ++r)
+              for (int k = 0; k < kQParts; ++k) acc[r][k] = T::dot_u8s8(acc[r][k], lev[h], T::set1i(iq.dw[r][g][w][h][k]));
+        }
+        const F sc = T::load_h(ksc + (int64_t)g * P + t0);
+        for (int r = 0; r < R; ++r) {
+          const F v = T::fmadd(T::cvt_f(acc[r][0]), T::set1(65536.0f), T::cvt_f(T::add_i(T::sll(acc[r][1], 8), acc[r][2])));
+          s[r] = T::fmadd(v, T::mul(sc, T::set1(iq.scale[r][g])), s[r]);
+        }
+      }
     } else if constexpr (KT) {
       // Nibble words of the tile scratch: word q of token t (lane t - tile start) at kscr[16 (q G + g) + t].
       for (int r = 0; r < R; ++r) s[r] = T::zero();

@@ -1,3 +1,5 @@
+#include <cmath>
+
 #include "quantize.h"
 
 #include "../format/quantize_group.h"
@@ -12,6 +14,11 @@ void codebook_table16(int32_t bits, int table, float* mag16) {
 
 void signed_table16(int table, float* mag16) {
   for (int i = 0; i < 16; ++i) mag16[i] = decode_level_table((uint32_t)(i & 7), 3, table);
+}
+
+void signed_int_table16(int table, int8_t* lev16, float* step) {
+  *step = f16_to_f32(codebook_step_f16(table));
+  for (int i = 0; i < 16; ++i) lev16[i] = (int8_t)std::lrint(decode_level_table((uint32_t)(i & 7), 3, table) / *step);
 }
 
 void make_quant_params(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int32_t layer, int32_t format_version,

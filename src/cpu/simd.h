@@ -18,11 +18,15 @@
 #include <arm_neon.h>
 #endif
 
+// Internal linkage (anonymous namespace): each per-ISA translation unit has its own copy of every traits
+// function, so the linker never merges one compiled with other -m flags (Avx512VnniT derives from Avx512T).
 namespace fmkv::cpu {
+namespace {
 
 // ---- scalar (N = 1) ------------------------------------------------------------------------
 struct ScalarT {
   static constexpr int N = 1;
+  static constexpr bool kIntDot = false;  // integer dot products for format 3's K (kernels_impl.h)
   using F = float;
   using I = uint32_t;
   using Table = const float*;
@@ -80,6 +84,7 @@ struct ScalarT {
 // ---- AVX2 + FMA + F16C (N = 8) -------------------------------------------------------------
 struct Avx2T {
   static constexpr int N = 8;
+  static constexpr bool kIntDot = false;  // integer dot products for format 3's K (kernels_impl.h)
   using F = __m256;
   using I = __m256i;
   using Table = __m256;
@@ -186,6 +191,7 @@ struct Avx2T {
 // ---- AVX-512F (N = 16) ---------------------------------------------------------------------
 struct Avx512T {
   static constexpr int N = 16;
+  static constexpr bool kIntDot = false;  // integer dot products for format 3's K (kernels_impl.h)
   using F = __m512;
   using I = __m512i;
   using Table = __m512;
@@ -280,6 +286,25 @@ struct Avx512T {
 };
 #endif
 
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// ---- AVX-512 with VNNI and BW (N = 16): Avx512T plus the byte operations of the integer K path ------
+// Format 3's 3-bit K (tile blocks) is scored with vpdpbusd on int8 levels (kernels_impl.h, tile_scores_int);
+// everything else is Avx512T's.
+struct Avx512VnniT : Avx512T {
+  static constexpr bool kIntDot = true;
+  static I set1_i32(int32_t x) { return _mm512_set1_epi32(x); }
+  static I and_i(I a, I b) { return _mm512_and_si512(a, b); }
+  static I add_i(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I table_u8(const uint8_t* t16) {  // 16 bytes, repeated in each 128-bit lane
+    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)t16));
+  }
+  static I lut_u8(I table, I idx) { return _mm512_shuffle_epi8(table, idx); }  // idx bytes < 16
+  // acc + sum over the 4 bytes of each 32-bit lane of u8(a) * s8(b)
+  static I dot_u8s8(I acc, I a, I b) { return _mm512_dpbusd_epi32(acc, a, b); }
+  static F cvt_f(I x) { return _mm512_cvtepi32_ps(x); }
+};
+#endif
+
 #if defined(__aarch64__) && defined(__ARM_NEON) && defined(FMKV_CPU_NEON_TU)
 // ---- AArch64 Advanced SIMD (N = 4) ---------------------------------------------------------
 // Visible only in kernels_neon.cpp (FMKV_CPU_NEON_TU). Quantize ops are the correctly rounded
@@ -288,6 +313,7 @@ struct Avx512T {
 // FPCR, bit-identical to half.h for finite values; tests/cross/aarch64.sh checks it).
 struct NeonT {
   static constexpr int N = 4;
+  static constexpr bool kIntDot = false;  // integer dot products for format 3's K (kernels_impl.h)
   using F = float32x4_t;
   using I = uint32x4_t;
   using Table = uint8x16x2_t;  // mag16[0..7] as bytes; indices are taken mod 8 (mag16 has period <= 8)
@@ -386,4 +412,5 @@ struct NeonT {
 };
 #endif
 
+}  // namespace
 }  // namespace fmkv::cpu
