@@ -238,8 +238,10 @@ void make_int_query(const float* const* q, int32_t d, float step, IntQuery<R>& o
 // Tile blocks (format 3, 3-bit K: KT, V: VT; tile.h): at the first block of each 16-token tile the tile
 // block is unpacked into a scratch (tile_unpack_k / tile_unpack_v: K as 4 nibble words per token and
 // group, V as the X / YH words of a 4-token column per lane); K then runs the 4-bit loop on it (q in
-// tile_k_query_order), V shifts the token's nibbles of its column into place (lanes in tile_v_coord order). The tables are signed and 8-periodic
-// (job.tk / job.tv), so no sign step and no mask of the nibbles' bit 3.
+// tile_k_query_order), V shifts the token's nibbles of its column into place (lanes in tile_v_coord order). The
+// tables are signed and 8-periodic (job.tk / job.tv), so no sign step and no mask of the nibbles' bit 3. With
+// integer dot products (T::kIntDot: the avx512vnni set) K's nibble words become u8 levels by byte permutes and
+// each of the query's three int8 parts takes 4 coordinates per vpdpbusd (IntQuery; exact int32 sums).
 // Nothing is dequantized to memory; each page is read once for all R queries.
 template <class T, int KB, int VB, int R, bool KT, bool VT>
 void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, AttnState* st) {
