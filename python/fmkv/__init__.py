@@ -127,7 +127,7 @@ class Config:
     page_size: tokens per page, a power of two in [16, 256]. sink_tokens / window_tokens: first /
     last tokens kept in fp16. scale_rule: 'lsq' (default) or 'rms'. seed: rotation seed.
     format_version: 0 (the library's default, :func:`format_version`), 2, or 3 (3-bit codes in tile blocks:
-    integer levels; written and read by the 'ref' backend, refused by the others; docs/FORMAT.md).
+    integer levels; docs/FORMAT.md; a backend that does not have it refuses it by name).
     """
 
     head_dim: int = 128

@@ -115,6 +115,35 @@ def test_save_load_round_trip_and_trim(tiny, tmp_path):
     assert empty.state[:3] == (None, None, None) and empty.nbytes == 0 and empty.trim(3) == 0
 
 
+def test_format_version(tiny, tmp_path):
+    """format_version reaches the layer's pages (format 3: 3-bit tile blocks), survives save / load, and is
+    checked when the cache is made; a state saved before the field existed loads as format 2."""
+    rng = np.random.default_rng(3)
+    prompt, steps, more = (rng.integers(0, 97, n).tolist() for n in (40, 6, 3))
+    ref = _run(tiny, [lm_cache.KVCache() for _ in range(2)], prompt, steps)
+    outs = {}
+    for fv in (2, 3):
+        cache = lm.make_prompt_cache(tiny, k_bits=3, v_bits=3, window_tokens=0, max_tokens=128, format_version=fv)
+        assert cache[0].format_version == fv and "format %d" % fv in repr(cache[0])
+        outs[fv] = _run(tiny, cache, prompt, steps)
+        assert cache[0].fmkv.config.format_version == fv
+        err = np.linalg.norm(outs[fv] - ref) / np.linalg.norm(ref)
+        assert 0 < err < 0.3, (fv, err)
+        path = str(tmp_path / f"cache_v{fv}.safetensors")
+        lm_cache.save_prompt_cache(path, cache)
+        loaded = lm_cache.load_prompt_cache(path)
+        assert loaded[0].format_version == fv and loaded[0].meta_state == cache[0].meta_state
+        want = [_step(tiny, [t], cache) for t in more]
+        assert all(np.array_equal(a, _step(tiny, [t], loaded)) for a, t in zip(want, more))
+    assert not np.array_equal(outs[2], outs[3])  # format 3's levels and layout: other pages, other outputs
+    assert lm.FmkvKVCache().format_version == fmkv.format_version()  # 0: the library's default, resolved
+    old = lm.FmkvKVCache(window_tokens=0)
+    old.state = (None, None, None, *old._scalars()[:-1])  # the scalars as saved before format_version existed
+    assert old.format_version == 2
+    with pytest.raises(fmkv.FmkvError, match="format"):
+        lm.FmkvKVCache(format_version=7)
+
+
 def test_errors(tiny):
     c = lm.FmkvKVCache(window_tokens=0, max_tokens=16)
     k = mx.random.normal((1, 2, 4, 64))

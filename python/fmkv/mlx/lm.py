@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 from typing import Any, List, Optional
 
-from .. import Config, FmkvError
+from .. import Config, FmkvError, format_version as fmkv_format_version
 from .layer import MlxLayer
 
 __all__ = ["FmkvKVCache", "make_prompt_cache", "install", "DEFAULT_WINDOW_TOKENS"]
@@ -57,7 +57,9 @@ class _Compressed:
 
 
 _STATE_SCALARS = ("offset", "k_bits", "v_bits", "page_size", "sink_tokens", "window_tokens", "scale_rule", "seed",
-                  "layer", "batch", "max_tokens", "prefill", "num_kv_heads", "head_dim")
+                  "layer", "batch", "max_tokens", "prefill", "num_kv_heads", "head_dim", "format_version")
+# Saved before the cache recorded its format version: those scalars less the last, always format version 2.
+_STATE_SCALARS_V2 = _STATE_SCALARS[:-1]
 
 
 class FmkvKVCache(_BaseCache):
@@ -65,16 +67,19 @@ class FmkvKVCache(_BaseCache):
 
     k_bits 2/3/4/16, v_bits 2/3/4; ``window_tokens`` recent tokens (and ``sink_tokens`` first ones)
     kept in fp16; ``max_tokens`` per sequence (pages are allocated up front at the first update);
-    ``layer`` selects the layer's rotation signs; ``runtime`` 'metal' / 'cuda' / 'host' (default:
-    MLX's default device); ``gpu_options`` go to fmkv.mlx.gpu.GpuOps.
+    ``layer`` selects the layer's rotation signs; ``format_version`` 0 (the library's default), 2 or 3
+    (fmkv.Config's); ``runtime`` 'metal' / 'cuda' / 'host' (default: MLX's default device);
+    ``gpu_options`` go to fmkv.mlx.gpu.GpuOps.
     """
 
     def __init__(self, k_bits: int = 4, v_bits: int = 4, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                  sink_tokens: int = 0, page_size: int = 64, max_tokens: int = 4096, scale_rule: str = "lsq",
                  seed: int = 0, layer: int = 0, runtime: Optional[str] = None, prefill: str = "full",
-                 **gpu_options):
+                 format_version: int = 0, **gpu_options):
         if prefill not in ("full", "compressed"):
             raise FmkvError("prefill must be 'full' or 'compressed'")
+        # checked now (not at the first update): the version the cache will write and save
+        self.format_version = Config(format_version=format_version).format_version or fmkv_format_version()
         self.k_bits, self.v_bits = int(k_bits), int(v_bits)
         self.window_tokens, self.sink_tokens = int(window_tokens), int(sink_tokens)
         self.page_size, self.max_tokens = int(page_size), int(max_tokens)
@@ -87,13 +92,13 @@ class FmkvKVCache(_BaseCache):
         self.fmkv: Optional[MlxLayer] = None
 
     def __repr__(self) -> str:
-        return (f"FmkvKVCache(layer={self.layer}, k{self.k_bits}v{self.v_bits}, offset={self.offset}, "
+        return (f"FmkvKVCache(layer={self.layer}, k{self.k_bits}v{self.v_bits}, format {self.format_version}, offset={self.offset}, "
                 f"window={self.window_tokens}, runtime={self.fmkv.runtime if self.fmkv else self.runtime})")
 
     def _allocate(self, batch: int, heads: int, head_dim: int) -> None:
         cfg = Config(head_dim=head_dim, num_kv_heads=heads, k_bits=self.k_bits, v_bits=self.v_bits,
                      page_size=self.page_size, sink_tokens=self.sink_tokens, window_tokens=self.window_tokens,
-                     scale_rule=self.scale_rule, seed=self.seed)
+                     scale_rule=self.scale_rule, seed=self.seed, format_version=self.format_version)
         self.fmkv = MlxLayer(cfg, layer=self.layer, batch=batch, max_tokens=self.max_tokens, runtime=self.runtime,
                              **self.gpu_options)
         self.batch, self.num_kv_heads, self.head_dim = batch, heads, head_dim
@@ -165,7 +170,7 @@ class FmkvKVCache(_BaseCache):
     def _scalars(self) -> List[Any]:
         return [self.offset, self.k_bits, self.v_bits, self.page_size, self.sink_tokens, self.window_tokens,
                 self.scale_rule, str(self.seed), self.layer, self.batch, self.max_tokens, self.prefill,
-                self.num_kv_heads, self.head_dim]
+                self.num_kv_heads, self.head_dim, self.format_version]
 
     @property
     def state(self):
@@ -177,6 +182,8 @@ class FmkvKVCache(_BaseCache):
     @state.setter
     def state(self, v) -> None:
         pages, fk, fv, *scalars = v
+        if len(scalars) == len(_STATE_SCALARS_V2):
+            scalars = [*scalars, 2]
         if len(scalars) != len(_STATE_SCALARS):
             raise FmkvError(f"FmkvKVCache state: {len(scalars)} scalars, expected {len(_STATE_SCALARS)}")
         vals = dict(zip(_STATE_SCALARS, scalars))
@@ -184,7 +191,8 @@ class FmkvKVCache(_BaseCache):
                              window_tokens=int(vals["window_tokens"]), sink_tokens=int(vals["sink_tokens"]),
                              page_size=int(vals["page_size"]), max_tokens=int(vals["max_tokens"]),
                              scale_rule=str(vals["scale_rule"]), seed=int(vals["seed"]), layer=int(vals["layer"]),
-                             prefill=str(vals["prefill"]), runtime=getattr(self, "runtime", None),
+                             prefill=str(vals["prefill"]), format_version=int(vals["format_version"]),
+                             runtime=getattr(self, "runtime", None),
                              **getattr(self, "gpu_options", {}))
         if pages is None:
             return
