@@ -2,9 +2,10 @@
 # One device call (~9 minutes on an H200 machine): the working tree's CUDA tests and a same-run A/B of its
 # decode, decode-step and quantize-append benchmarks against another commit.
 #
-#   OUT=$OUT [AB_EXTRA=CASEFILE [AB_EXTRA_ENV=VAR=value]] bash tests/cuda/check_tree.sh BASE.tar [ROUNDS]
-#   (BASE.tar: `git archive <commit>`, carried; AB_EXTRA: cases only the tree runs, alone or against the tree with
-#   the environment AB_EXTRA_ENV)
+#   OUT=$OUT [AB_CASES=CASEFILE] [AB_EXTRA=CASEFILE [AB_EXTRA_ENV=VAR=value]] bash tests/cuda/check_tree.sh BASE.tar [ROUNDS]
+#   (BASE.tar: `git archive <commit>`, carried; AB_CASES: the A/B's cases instead of the default set (decode + quantize);
+#   AB_EXTRA: cases only the tree runs, alone or against the tree with the environment AB_EXTRA_ENV; TESTS_FILTER:
+#   the harness's gtest filter instead of the CUDA, golden, error and reliability suites)
 #
 # 1. Builds, in parallel: the tree's tests and benchmark (default grid of decode kernels, -DFMKV_CUDA=ON, in
 #    /tmp/b) and the base's benchmark (tests/cuda/ab.sh's build of BASE.tar, in /tmp/ab_base).
@@ -40,7 +41,7 @@ CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
 python3 tests/cuda/tile_loop_check.py --cuobjdump "$CUOBJDUMP" /tmp/b/CMakeFiles/fmkv.dir/src/cuda/decode_k*.cu.o > "$OUT/tile_loops.log" 2>&1
 echo "tile loop check rc=$? ($(tail -n 1 "$OUT/tile_loops.log"))"
 L=$OUT/cuda_tests.log
-timeout 240 /tmp/b/tests/fmkv_tests --gtest_filter='*cuda*:Golden*:Errors*:Reliability*' > "$L" 2>&1; echo "tests rc=$?"
+timeout 240 /tmp/b/tests/fmkv_tests --gtest_filter="${TESTS_FILTER:-*cuda*:Golden*:Errors*:Reliability*}" > "$L" 2>&1; echo "tests rc=$?"
 timeout 120 /tmp/b/fmkv_cuda_tests >> "$L" 2>&1; echo "cuda error tests rc=$?"
 timeout 60 /tmp/b/fmkv_half_cuda_test >> "$L" 2>&1; echo "device fp16 conversions rc=$?"
 timeout 60 /tmp/b/fmkv_balanced_plan_cuda_test >> "$L" 2>&1; echo "balanced split plan on the device rc=$?"
@@ -51,7 +52,8 @@ echo "tests done at $(el)"
 # A/B: the tree's bench binary is reused (AB_REUSE), the base's was built above.
 mkdir -p /tmp/ab_tree && ln -sf /tmp/b/fmkv_cuda_bench /tmp/ab_tree/fmkv_cuda_bench
 cases=$OUT/ab.cases
-{ bash tests/cuda/ab.sh -p; echo "--quant-only 3 3"; echo "--quant-only 4 4"; } > "$cases"
+if [ -n "${AB_CASES:-}" ]; then cp "$AB_CASES" "$cases"  # AB_CASES: a case file instead of the default set
+else { bash tests/cuda/ab.sh -p; echo "--quant-only 3 3"; echo "--quant-only 4 4"; } > "$cases"; fi
 budget=540; [ -z "${AB_EXTRA:-}" ] || budget=440  # (AB_EXTRA: 100 s kept for it)
 left=$((budget - (SECONDS - T0))); [ $left -gt 60 ] || left=60
 AB_REUSE=1 AB_DIR=/tmp OUT=$OUT bash tests/cuda/ab.sh -r "$ROUNDS" -t "$left" -c "$cases" base="$BASE" tree=. 2>&1 | tail -n 40
