@@ -11,7 +11,8 @@
 # 3. Given BASE.tar: ROUNDS (default 3) interleaved rounds of the k3v3 decode, formats 2 and 3, base vs tree
 #    on every kernel set the tree has here, two threads on two pinned cores -> $OUT/cpu_ab.jsonl.
 # 4. bench/cpu_bench.py (every width, fmkv vs torch SDPA, copy bandwidth) on the best, avx512 and avx2 sets ->
-#    $OUT/results/cpu_decode.jsonl, cpu_quantize.jsonl, cpu_decode.png.
+#    $OUT/results/cpu_decode.jsonl, cpu_quantize.jsonl, cpu_decode.png (CPU_BENCH_ARGS: more arguments, e.g.
+#    --contexts 32768,131072).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
@@ -71,6 +72,6 @@ PY
 fi
 
 FMKV_NUM_THREADS=2 taskset -c "$CORES" python3 bench/cpu_bench.py --bin /tmp/bcpu/bench/cpu_bench --isas best,avx512,avx2 \
-  --format-versions 2,3 --out "$OUT/results" > "$OUT/cpu_bench.log" 2>&1
+  --format-versions 2,3 --out "$OUT/results" ${CPU_BENCH_ARGS:-} > "$OUT/cpu_bench.log" 2>&1
 echo "cpu_bench.py rc=$? at $(el)"
 tail -n 30 "$OUT/cpu_bench.log"
