@@ -279,7 +279,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         print(f"the text has {n_all} windows of {a.ctx}: none left to check after {n_cal} calibration windows",
               file=sys.stderr)
         return 2
-    sens_cfg = PL.sensitivity_configs(n_layers, a.k_bits, a.v_bits, a.windows, a.format_version, a.seed)
+    sens_cfg = PL.sensitivity_configs(n_layers, a.k_bits, a.v_bits, a.windows)
     quants = []
     for name, (w, side, i, b) in sens_cfg.items():
         bits = [(16, 16)] * n_layers

@@ -41,8 +41,8 @@ def planned_quantizer(name: str, layer_bits: Sequence[Tuple[int, int]], window: 
     return q
 
 
-def sensitivity_configs(num_layers: int, k_menu: Sequence[int], v_menu: Sequence[int], windows: Sequence[int],
-                        format_version: int = 0, seed: int = 0) -> Dict[str, Tuple[int, str, int, int]]:
+def sensitivity_configs(num_layers: int, k_menu: Sequence[int], v_menu: Sequence[int],
+                        windows: Sequence[int]) -> Dict[str, Tuple[int, str, int, int]]:
     """{config name: (window, side, layer, bits)}: one quantizer per (W, side, layer, width < 16), every other
     K/V of the model in fp16."""
     out = {}
@@ -52,8 +52,6 @@ def sensitivity_configs(num_layers: int, k_menu: Sequence[int], v_menu: Sequence
                 for b in menu:
                     if b == 16:
                         continue
-                    bits = [(16, 16)] * num_layers
-                    bits[i] = (b, 16) if side == "k" else (16, b)
                     name = f"sens-w{w}-{side}{b}-L{i}"
                     out[name] = (w, side, i, b)
     return out
