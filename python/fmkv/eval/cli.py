@@ -47,18 +47,24 @@ def _finite_at_least(lo: float):
     return parse
 
 
-def _check_configs(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """Every --configs name parses (before any model is loaded)."""
-    from .quantizers import parse_config
-
-    names = [c for c in a.configs.split(",") if c.strip()]
-    if not names:
-        p.error("--configs: empty list (e.g. --configs fp16,k4v4,k3v3)")
-    for c in names:
+def _check_config_names(p: argparse.ArgumentParser, names: str, example: str, check) -> None:
+    """Every name of a --configs list passes check(name) (before any model is loaded); its ValueError or
+    IndexError is the parser's error."""
+    listed = [c for c in names.split(",") if c.strip()]
+    if not listed:
+        p.error(f"--configs: empty list (e.g. --configs {example})")
+    for c in listed:
         try:
-            parse_config(c, seed=a.seed)
+            check(c)
         except (ValueError, IndexError) as e:
             p.error(f"--configs: {e}")
+
+
+def _check_configs(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Every ppl --configs name parses as an evaluation quantizer."""
+    from .quantizers import parse_config
+
+    _check_config_names(p, a.configs, "fp16,k4v4,k3v3", lambda c: parse_config(c, seed=a.seed))
 
 
 def _commit() -> str:
@@ -449,15 +455,8 @@ def generate_cache_options(spec: str) -> dict:
 
 
 def _check_generate_configs(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """Every generate --configs name is an fmkv cache configuration (before any model is loaded)."""
-    names = [c for c in a.configs.split(",") if c.strip()]
-    if not names:
-        p.error("--configs: empty list (e.g. --configs k4v4,k3v3-w64)")
-    for c in names:
-        try:
-            generate_cache_options(c.strip())
-        except ValueError as e:
-            p.error(f"--configs: {e}")
+    """Every generate --configs name is an fmkv cache configuration."""
+    _check_config_names(p, a.configs, "k4v4,k3v3-w64", lambda c: generate_cache_options(c.strip()))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
