@@ -3,6 +3,7 @@
     python -m fmkv.eval ppl --model smollm2-135m --text wiki.test.raw \
         --configs fp16,k4v4,k3v3,k2v2,k4v2,k16v3 --ctx 2048 --tokens 65536
     python -m fmkv.eval plan --budgets 56,64,72 --calib-tokens 8192 --check-tokens 131072 --device cuda
+    python -m fmkv.eval pareto docs/results/ppl.jsonl docs/results/ppl.format3.jsonl --out /tmp/pareto.jsonl
     python -m fmkv.eval needle --max-ctx 131072
     python -m fmkv.eval needle --device cuda --max-ctx 1048576 --out needle_cuda.jsonl
 """
@@ -428,6 +429,47 @@ def plot_plan(plans: List[dict], measured: List[dict], path: str) -> None:
     plt.close(fig)
 
 
+def cmd_pareto(a: argparse.Namespace) -> int:
+    """The bytes / quality front of measured rows and, per budget, the best fmkv vs the best other quantizer."""
+    from . import pareto as PA
+
+    for path in a.jsonl:
+        if not os.path.exists(path):
+            print(f"fmkv-eval pareto: {path}: no such file", file=sys.stderr)
+            return 2
+    try:
+        rows = PA.load_rows(a.jsonl)
+    except ValueError as e:
+        print(f"fmkv-eval pareto: {e}", file=sys.stderr)
+        return 2
+    if not rows:
+        print("fmkv-eval pareto: no configuration rows (suite 'ppl' or 'plan-check') in " + ", ".join(a.jsonl),
+              file=sys.stderr)
+        return 2
+    rep = PA.report(rows, a.budgets)
+    print(PA.format_table(rep))
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            for r in rep:
+                f.write(json.dumps(r) + "\n")
+        print(f"wrote {a.out}", file=sys.stderr)
+    if a.plot != "" and (a.plot or a.out):
+        path = a.plot or os.path.splitext(a.out)[0] + ".png"
+        PA.plot(rows, path)
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _budget_list(text: str) -> List[float]:
+    from .pareto import parse_budgets
+
+    try:
+        return parse_budgets(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_needle(a: argparse.Namespace) -> int:
     from .needle import run_needle
 
@@ -577,6 +619,13 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--plot", default=None, help="PNG (default: --out with .png; '' for none)")
     pn.add_argument("--no-progress", action="store_true")
     pn.set_defaults(func=cmd_plan)
+    pa = sub.add_parser("pareto", help="bytes vs quality front of measured rows; best fmkv vs best other per budget")
+    pa.add_argument("jsonl", nargs="+", help="ppl / plan JSONL files (rows compared within one measurement set)")
+    pa.add_argument("--budgets", type=_budget_list, default=_budget_list("36:128:4"),
+                    help="bytes per token per kv head: 'LO:HI:STEP' or a comma list (default 36:128:4)")
+    pa.add_argument("--out", default="", help="JSONL of the fronts and budget tables ('' : print only)")
+    pa.add_argument("--plot", default=None, help="PNG (default: --out with .png; '' for none)")
+    pa.set_defaults(func=cmd_pareto)
     n = sub.add_parser("needle", help="kernel-level needle retrieval through fmkv.Cache")
     n.add_argument("--max-ctx", type=_int_at_least(1), default=131072)
     n.add_argument("--bits", default="2,3,4")
