@@ -6,7 +6,7 @@ tests/cuda/ab.sh): one line per case, best (minimum) time per variant, and base 
 
 Input lines: {"variant": name, "r": <a "decode", "step" or "quantize" line of fmkv_cuda_bench>}. A step
 line gives two cases (fused and separate); a quantize line (a prefill chunk's quantize-append) is keyed by
-its token count. The base is the first variant seen unless --base names one.
+its token count. Cases are keyed by format version too. The base is the first variant seen unless --base names one.
 """
 import argparse
 import collections
@@ -23,10 +23,11 @@ def cases(path):
         v, r = rec["variant"], rec["r"]
         if v not in order:
             order.append(v)
+        fmt = "f%d" % r.get("format_version", 2)  # lines before the field existed are format 2
         if r["kind"] == "quantize":
-            table[("quantize", "k%dv%d" % (r["k_bits"], r["v_bits"]), r["tokens"], r.get("head_dim", 128))][v].append(r["time_us"])
+            table[("quantize", "k%dv%d" % (r["k_bits"], r["v_bits"]), fmt, r["tokens"], r.get("head_dim", 128))][v].append(r["time_us"])
             continue
-        key = (r["kind"], "k%dv%d" % (r["k_bits"], r["v_bits"]), r["batch"], r["context"], r.get("window", 0))
+        key = (r["kind"], "k%dv%d" % (r["k_bits"], r["v_bits"]), fmt, r["batch"], r["context"], r.get("window", 0))
         if r.get("kv_heads", 8) != 8:  # FMKV_BENCH_KV_HEADS runs (the default shape has 8)
             key += ("kv%d" % r["kv_heads"],)
         if r.get("q_len", 1) != 1:  # FMKV_BENCH_Q_LEN runs
@@ -50,14 +51,14 @@ def main():
     base = a.base or order[0]
     others = [v for v in order if v != base]
     w = max([12] + [len(v) for v in order])
-    print("%-40s %*s" % ("case (kind fmt B context window [kvH] [qN] [step])", w, base) +
+    print("%-46s %*s" % ("case (kind widths format B context window [kvH] [qN] [step])", w, base) +
           "".join(" %*s %7s" % (w, v, "ratio") for v in others))
     for key in sorted(table, key=str):
         row = table[key]
         if base not in row:
             continue
         b = min(row[base])
-        line = "%-40s %*.2f" % (" ".join(str(x) for x in key), w, b)
+        line = "%-46s %*.2f" % (" ".join(str(x) for x in key), w, b)
         for v in others:
             line += " %*.2f %7.3f" % (w, min(row[v]), b / min(row[v])) if v in row else " %*s %7s" % (w, "-", "-")
         print(line)

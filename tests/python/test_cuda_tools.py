@@ -115,7 +115,11 @@ def test_ab_table_best_of_each_variant(tmp_path):
                                rec("old", {"kind": "quantize", "k_bits": 3, "v_bits": 3, "tokens": 32768, "head_dim": 128,
                                            "time_us": 120.0}),
                                rec("new", {"kind": "quantize", "k_bits": 3, "v_bits": 3, "tokens": 32768, "head_dim": 128,
-                                           "time_us": 100.0})]) + "\n")
+                                           "time_us": 100.0}),
+                               rec("old", {"kind": "quantize", "k_bits": 3, "v_bits": 3, "tokens": 32768, "head_dim": 128,
+                                           "time_us": 190.0, "format_version": 3}),
+                               rec("new", {"kind": "quantize", "k_bits": 3, "v_bits": 3, "tokens": 32768, "head_dim": 128,
+                                           "time_us": 152.0, "format_version": 3})]) + "\n")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         argv, sys.argv = sys.argv, ["ab_table.py", str(path)]
@@ -125,11 +129,12 @@ def test_ab_table_best_of_each_variant(tmp_path):
             sys.argv = argv
     key = lambda ln: " ".join(t for t in ln.split() if "." not in t)  # the case's words (times have a ".")
     lines = {key(ln): ln.split() for ln in out.getvalue().splitlines()[1:]}
-    assert lines["decode k3v3 1 4096 0"][-3:] == ["15.00", "12.50", "1.200"]  # best of 2 for "old"
-    assert lines["step k4v4 1 4096 64 fused"][-3:] == ["12.00", "10.00", "1.200"]
-    assert lines["step k4v4 1 4096 64 separate"][-3:] == ["18.00", "20.00", "0.900"]
-    assert lines["decode k3v3 1 4096 0 kv1"][-3:] == ["40.00", "10.00", "4.000"]  # other kv head counts apart
-    assert lines["quantize k3v3 32768 128"][-3:] == ["120.00", "100.00", "1.200"]  # a prefill chunk's quantize-append
+    assert lines["decode k3v3 f2 1 4096 0"][-3:] == ["15.00", "12.50", "1.200"]  # best of 2 for "old"
+    assert lines["step k4v4 f2 1 4096 64 fused"][-3:] == ["12.00", "10.00", "1.200"]
+    assert lines["step k4v4 f2 1 4096 64 separate"][-3:] == ["18.00", "20.00", "0.900"]
+    assert lines["decode k3v3 f2 1 4096 0 kv1"][-3:] == ["40.00", "10.00", "4.000"]  # other kv head counts apart
+    assert lines["quantize k3v3 f2 32768 128"][-3:] == ["120.00", "100.00", "1.200"]  # a prefill chunk's quantize-append
+    assert lines["quantize k3v3 f3 32768 128"][-3:] == ["190.00", "152.00", "1.250"]  # format versions kept apart
 
 
 def test_trace_sm_groups_calls_and_ctas_by_sm(tmp_path):
