@@ -192,55 +192,42 @@ __device__ __forceinline__ void quantize_store(const float (&r)[64], const float
 }
 
 // Format 3: the thread's two groups of a 3-bit tiled section (FORMAT.md section 6) -- the exact quantizer
-// (thread_quantize_group with EXACT), then the token's codes into its tile block (tile_put_group_red) and
-// its scales as format 2 stores them. scratch: the task's whole tiles, zero-filled in shared memory
-// (token slots tok0 .. of the task), else nullptr: the page's blocks, by reductions.
+// (thread_quantize_group with EXACT, codes as nibbles), then the token's codes into its tile block and its scales as format 2
+// stores them. whole (warp-uniform): the warp's lanes hold consecutive tokens of one section from a multiple
+// of 8, so every block word is stored whole (tile_put_group_words: every lane takes part); otherwise each
+// token's bits are merged by reductions (tile_put_group_red).
 template <bool LSQ, int NT>
 __device__ __forceinline__ void quantize_store_tiled(const float (&r)[64], const float (&cn)[2], const QuantTables& qt,
-                                                     const VecTask& vt, int t, int P, int is_v, uint8_t* scratch,
-                                                     int32_t tok0) {
+                                                     const VecTask& vt, int t, int P, int is_v, bool whole) {
   constexpr int G = 2 * NT;
-  uint8_t* block = scratch ? scratch + fmkv_tile_block_offset(32 * G, vt.tok - tok0) : vt.sec + fmkv_tile_block_offset(32 * G, vt.tok);
-  uint16_t* scales = (uint16_t*)(vt.sec + (int64_t)G * 3 * P * 4) + vt.tok;  // fmkv_scales_offset
+  uint8_t* block = vt.sec ? vt.sec + fmkv_tile_block_offset(32 * G, vt.tok) : nullptr;
+  uint16_t* scales = vt.sec ? (uint16_t*)(vt.sec + (int64_t)G * 3 * P * 4) + vt.tok : nullptr;  // fmkv_scales_offset
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     float y[32];
 #pragma unroll
     for (int k = 0; k < 32; ++k) y[k] = __fmul_rn(r[32 * b + k], cn[b]);
-    uint32_t w[3];
-    const uint16_t sc = thread_quantize_group<3, LSQ, true>(y, qt, w);
+    uint32_t w[4];
+    const uint16_t sc = thread_quantize_group<3, LSQ, true, true>(y, qt, w);
     const int g = t + NT * b;
-    if (vt.sec) {
-      tile_put_group_red<G>(block, is_v, vt.tok & 15, g, w, scratch != nullptr);
-      scales[(int64_t)g * P] = sc;
-    }
+    if (whole) tile_put_group_words<G, NT>(block, is_v, vt.tok & 15, g, w);
+    else if (vt.sec) tile_put_group_red<G>(block, is_v, vt.tok & 15, g, w);
+    if (vt.sec) scales[(int64_t)g * P] = sc;
   }
 }
 
-// A warp task of a tiled side. When its VPW vectors are whole tile blocks -- the same page section, token
-// slots tok0 .. tok0 + VPW - 1 with tok0 a multiple of 16 (a prefill chunk: D = 64 and 128) -- the blocks are
-// built zero-filled in the task's own input stage (read into registers already; refilled only after this
-// task) and stored whole; otherwise every token's bits go to the page by reductions.
+// A warp task of a tiled side: VPW = 32 / NT vectors. When they are consecutive tokens of one page section
+// from a multiple of 8 (a prefill chunk), the tokens that share a block word are all in the warp and the words
+// are stored whole; otherwise (a decode step's rows, a chunk's ragged edges) by reductions.
 template <int D, bool LSQ>
 __device__ __forceinline__ void tiled_task(const AppendParams& p, const float (&r)[64], const float (&cn)[2],
-                                           const VecTask& vt, int t, int lane, int is_v, uint8_t* stage) {
-  constexpr int NT = D / 64, VPW = 32 / NT, G = D / 32, BW = VPW / 16 * 48 * G;  // BW: words of the whole blocks
+                                           const VecTask& vt, int t, int lane, int is_v) {
+  constexpr int NT = D / 64;
   const uint64_t sec0 = __shfl_sync(kFull, (uint64_t)(uintptr_t)vt.sec, 0);
   const int32_t tok0 = __shfl_sync(kFull, vt.tok, 0);
-  bool full = VPW >= 16 && (tok0 & 15) == 0;
-  full = __all_sync(kFull, full && vt.sec && (uint64_t)(uintptr_t)vt.sec == sec0 && vt.tok == tok0 + lane / NT);
-  uint32_t* blk = reinterpret_cast<uint32_t*>(stage);
-  if (full) {
-    __syncwarp();  // every lane has read its input from the stage
-    for (int i = lane; i < BW; i += 32) blk[i] = 0u;
-    __syncwarp();
-  }
-  quantize_store_tiled<LSQ, NT>(r, cn, p.qt3[is_v], vt, t, p.P, is_v, full ? stage : nullptr, tok0);
-  if (full) {
-    __syncwarp();
-    uint32_t* dst = reinterpret_cast<uint32_t*>(vt.sec + fmkv_tile_block_offset(D, tok0));
-    for (int i = lane; i < BW; i += 32) dst[i] = blk[i];
-  }
+  const bool whole = __all_sync(kFull, (tok0 & 7) == 0 && vt.sec && (uint64_t)(uintptr_t)vt.sec == sec0 &&
+                                           vt.tok == tok0 + lane / NT);
+  quantize_store_tiled<LSQ, NT>(r, cn, p.qt3[is_v], vt, t, p.P, is_v, whole);
 }
 
 // Place of chunk c (< 256) of a warp's 4 KB tile: segment c / 8 (= the owner lane), 16-byte slot
@@ -403,15 +390,15 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
       // when they were appended. Reported after the quantization (no live values around the call).
       bad = !(fabsf(r8[0]) <= 3.402823466e38f) && t == 0 && vt.src && !(vt.src & 1u);
       if constexpr (KB == VB && kTiled<VB, F3>) {
-        tiled_task<D, LSQ>(p, r8, cn, vt, t, lane, isv, const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(tile)));
+        tiled_task<D, LSQ>(p, r8, cn, vt, t, lane, isv);
       } else if constexpr (KB == VB) {
         quantize_store<VB, LSQ, NT>(r8, cn, p.qt[VB - 2], vt, t, p.P);
       } else {
         if (isv) {
-          if constexpr (kTiled<VB, F3>) tiled_task<D, LSQ>(p, r8, cn, vt, t, lane, 1, const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(tile)));
+          if constexpr (kTiled<VB, F3>) tiled_task<D, LSQ>(p, r8, cn, vt, t, lane, 1);
           else quantize_store<VB, LSQ, NT>(r8, cn, p.qt[VB - 2], vt, t, p.P);
         } else if constexpr (kTiled<KB, F3>) {
-          tiled_task<D, LSQ>(p, r8, cn, vt, t, lane, 0, const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(tile)));
+          tiled_task<D, LSQ>(p, r8, cn, vt, t, lane, 0);
         } else if constexpr (KB != FMKV_FP16_BITS) {
           quantize_store<KB, LSQ, NT>(r8, cn, p.qt[KB - 2], vt, t, p.P);
         }

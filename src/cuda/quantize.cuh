@@ -359,9 +359,13 @@ __device__ __forceinline__ void thread_fwht(float (&r)[64], int lane) {
 // Sums keep tree_sum32's pairs: t[j] + t[j+16] is formed as soon as both terms exist.
 // EXACT (format 3's 3-bit tables, whose thresholds have up to 18 significant bits: t_i s is not exact in
 // float): the group's thresholds from exact_threshold instead, the same compares after.
-template <int BITS, bool LSQ, bool EXACT = false>
+// NIB (3 bits only): the codes as nibbles instead of planes, coordinate j at nibble fmkv_nibble_shift(j) of
+// word fmkv_nibble_word(j) (magnitude bits 0-1, sign bit 2): the input of the tile writers (tile_token_words).
+template <int BITS, bool LSQ, bool EXACT = false, bool NIB = false>
 __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], const QuantTables& q,
-                                                         uint32_t (&w)[BITS]) {
+                                                         uint32_t (&w)[NIB ? 4 : BITS]) {
+  static_assert(!NIB || BITS == 3, "nibble output is for 3-bit codes");
+  constexpr int NW = NIB ? 4 : BITS;
   constexpr int M = 1 << (BITS - 1);
   float s8[8];  // tree_sum32 after steps 16 and 8
 #pragma unroll
@@ -385,7 +389,7 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
   for (int i = 0; i < M - 1; ++i)
     T[i] = EXACT ? exact_threshold(q.thr[i], q.hulp[i], s0f) : __fadd_rd(__fmul_rn(q.thr[i], s0f), __fmul_rn(q.hulp[i], s0f));
 #pragma unroll
-  for (int b = 0; b < BITS; ++b) w[b] = 0u;
+  for (int b = 0; b < NW; ++b) w[b] = 0u;
   float num8[8], den8[8];
   float num16[16], den16[16];
 #pragma unroll
@@ -403,9 +407,16 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
       const bool c0 = a > (c1 ? T[2] : T[0]);
       const float lo = c1 ? q.mag[2] : q.mag[0], hi = c1 ? q.mag[3] : q.mag[1];
       l = c0 ? hi : lo;
-      const int fw = fmkv_field_word(j), fs = fmkv_field_shift(j);
-      if (c0) w[fw] |= 1u << fs;
-      if (c1) w[fw] |= 2u << fs;
+      if constexpr (NIB) {
+        const int nw = fmkv_nibble_word(j), ns = fmkv_nibble_shift(j);
+        if (c0) w[nw] |= 1u << ns;
+        if (c1) w[nw] |= 2u << ns;
+        if (y[j] < 0.0f) w[nw] |= 4u << ns;
+      } else {
+        const int fw = fmkv_field_word(j), fs = fmkv_field_shift(j);
+        if (c0) w[fw] |= 1u << fs;
+        if (c1) w[fw] |= 2u << fs;
+      }
     } else {
       const bool c2 = a > T[3];
       const bool c1 = a > (c2 ? T[5] : T[1]);
@@ -421,7 +432,7 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
       if (c2) w[nw] |= 4u << ns;
       if (y[j] < 0.0f) w[nw] |= 8u << ns;
     }
-    if (BITS < 4 && y[j] < 0.0f) w[BITS - 1] |= 1u << j;
+    if (BITS < 4 && !NIB && y[j] < 0.0f) w[BITS - 1] |= 1u << j;
     if constexpr (LSQ) {
       const float tn = __fmul_rn(a, l), td = __fmul_rn(l, l);
       // jj & 1: second of the pair (j, j+16); jj & 2: second of the step-8 pair
@@ -452,7 +463,7 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
   }
   if (s0 == 0) {  // FORMAT.md 5.2: all codes 0, scale 0
 #pragma unroll
-    for (int b = 0; b < BITS; ++b) w[b] = 0u;
+    for (int b = 0; b < NW; ++b) w[b] = 0u;
     scale = 0;
   }
   return scale;

@@ -8,8 +8,8 @@
 //    not apply), tree sums in tree_sum32's order: bytes equal to the reference's.
 //  * tile_put_codes_atomic: a lane's codes written bit by bit with global atomics (set / clear one bit
 //    each), so writers of different tokens of one tile never race (the fused step).
-//  * tile_put_group_red: a thread's group of one token (the append's thread quantizer's code words) merged
-//    into the block word by word (red.and / red.or), or ORed into a zero-filled shared copy of whole tiles.
+//  * tile_writers.cuh: the append's writers of one token's group (the thread quantizer's nibble words):
+//    whole words when a warp holds the tokens sharing them, else red.and / red.or per word.
 //  * Decode (decode_attention.cuh): a lane's X[g] / Y[g] words are its operands of the tile's
 //    mma fragments; one prmt per four int8 K levels (tile_k_fragment) or per fp16 V pair
 //    (tile_v_fragment), from 8-byte tables built at compile time from the generated integer levels.
@@ -17,6 +17,7 @@
 #include "../format/codebook.h"
 #include "../format/pack.h"
 #include "quantize.cuh"
+#include "tile_writers.cuh"
 
 namespace fmkv {
 namespace cuda {
@@ -88,79 +89,6 @@ __device__ __forceinline__ void tile_put_codes_atomic(uint8_t* block, int is_v, 
       if ((code[g] >> b) & 1u) atomicOr(w, bit);
       else atomicAnd(w, ~bit);
     }
-}
-
-// The 32 codes of group g of tile token t16, given as format 2's 3-bit code words w (the thread quantizer's
-// output: field plane words 0-1, sign plane word 2), into the tile block: per lane word the token's bits,
-// merged by two reductions (red.and clears them, red.or sets them) -- other tokens' bits never change, so
-// writers of other tokens of the tile (other threads of the append) commute with these. K: 4 X words (even
-// t16), or 4 Y half-words (the odd token owns them: plain stores) and the 4 X words' hole bits; V: 8 X and
-// 8 Y words (their 32-bit words). G: groups of the section. zeroed: block is a zero-filled shared-memory
-// copy that the warp's threads fill together (only ORs are needed).
-template <int G>
-__device__ __forceinline__ void tile_put_group_red(uint8_t* block, int is_v, int t16, int g, const uint32_t (&w)[3],
-                                                   bool zeroed) {
-  auto code = [&](int c) {
-    return (((w[fmkv_field_word(c)] >> fmkv_field_shift(c)) & 3u) | (((w[2] >> c) & 1u) << 2));
-  };
-  auto merge = [&](int byte_off, uint32_t mask, uint32_t bits) {
-    unsigned int* a = reinterpret_cast<unsigned int*>(block + byte_off);
-    if (zeroed) {
-      if (bits) atomicOr(a, bits);
-    } else {
-      atomicAnd(a, bits | ~mask);
-      atomicOr(a, bits);
-    }
-  };
-  const int xoff = 4 * G, yoff = 128 * G;  // X[lane][g] at 4 (G lane + g), Y[lane][g] at 128 G + 2 (G lane + g)
-  if (!is_v) {
-    const int l0 = 4 * (t16 >> 1);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int lane = l0 + j;
-      if ((t16 & 1) == 0) {  // X nibbles 0-3: coordinates 4 j + e, 4-7: 16 + 4 j + e (bits 0-2)
-        uint32_t x = 0;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x |= code(4 * j + e) << (4 * e) | code(16 + 4 * j + e) << (16 + 4 * e);
-        merge(xoff * lane + 4 * g, 0x77777777u, x);
-      } else {  // Y nibbles: coordinates 4 j + e, bit 3 = hole bit 2; X bit 3s: hole bits 0 and 1
-        uint32_t y = 0, x = 0;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t hc = code(16 + 4 * j + e);
-          y |= (code(4 * j + e) | ((hc >> 2) & 1u) << 3) << (4 * e);
-          x |= (hc & 1u) << (4 * e + 3) | ((hc >> 1) & 1u) << (16 + 4 * e + 3);
-        }
-        *reinterpret_cast<uint16_t*>(block + yoff + 2 * (G * lane + g)) = (uint16_t)y;
-        merge(xoff * lane + 4 * g, 0x88888888u, x);
-      }
-    }
-    return;
-  }
-  // V: k = the token's mma k index, lanes 4 gID + tid; coordinates gID, gID + 8 (mma 0) and gID + 16, gID + 24
-  const int k = (t16 & 1) == 0 ? t16 >> 1 : 8 + (t16 >> 1), tid = (k & 7) >> 1, h = k & 1;
-  const int ysh = 16 * (g & 1), yword = yoff + 2 * (g & ~1);  // Y(lane, g) in the 32-bit word of (g & ~1, g | 1)
-#pragma unroll
-  for (int gid = 0; gid < 8; ++gid) {
-    const int lane = 4 * gid + tid;
-    const uint32_t c0 = code(gid), c1 = code(gid + 8), c2 = code(gid + 16), c3 = code(gid + 24);
-    uint32_t xm, xb, ym, yb;
-    if (k < 8) {  // X nibbles 2h, 2h + 1 and Y nibbles 2h, 2h + 1 (bits 0-2)
-      xm = 0x77u << (8 * h);
-      xb = (c0 | c1 << 4) << (8 * h);
-      ym = 0x77u << (8 * h);
-      yb = (c2 | c3 << 4) << (8 * h);
-    } else {  // X nibbles 4 + 2h, 5 + 2h; holes 2h (c2), 2h + 1 (c3)
-      const int j0 = 2 * h, j1 = 2 * h + 1;
-      xm = 0x77u << (16 + 8 * h) | 1u << (4 * j0 + 3) | 1u << (4 * j1 + 3) | 1u << (16 + 4 * j0 + 3) | 1u << (16 + 4 * j1 + 3);
-      xb = (c0 | c1 << 4) << (16 + 8 * h) | (c2 & 1u) << (4 * j0 + 3) | (c3 & 1u) << (4 * j1 + 3) |
-           ((c2 >> 1) & 1u) << (16 + 4 * j0 + 3) | ((c3 >> 1) & 1u) << (16 + 4 * j1 + 3);
-      ym = 1u << (4 * j0 + 3) | 1u << (4 * j1 + 3);
-      yb = ((c2 >> 2) & 1u) << (4 * j0 + 3) | ((c3 >> 2) & 1u) << (4 * j1 + 3);
-    }
-    merge(xoff * lane + 4 * g, xm, xb);
-    merge(yword + 2 * G * lane, ym << ysh, yb << ysh);
-  }
 }
 
 // ---- decode --------------------------------------------------------------------------------------
