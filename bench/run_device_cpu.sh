@@ -6,11 +6,11 @@
 #   sources, carried, when the image has none)
 #
 # 1. Builds the tree's CPU backend with its tests (no CUDA) and, given BASE.tar, the base's cpu_bench.
-# 2. The CPU tests of this CPU's kernel sets (ctest: the cross-backend harness on the best set, format 3 and the
-#    golden vectors on every other x86 set).
+# 2. The CPU tests of this CPU's kernel sets (ctest: the cross-backend harness on the default set, format 3 and the
+#    golden vectors on every x86 set).
 # 3. Given BASE.tar: ROUNDS (default 3) interleaved rounds of the k3v3 decode, formats 2 and 3, base vs tree
 #    on every kernel set the tree has here, two threads on two pinned cores -> $OUT/cpu_ab.jsonl.
-# 4. bench/cpu_bench.py (every width, fmkv vs torch SDPA, copy bandwidth) on the best, avx512 and avx2 sets ->
+# 4. bench/cpu_bench.py (every width, fmkv vs torch SDPA, copy bandwidth) on the avx512vnni, avx512 and avx2 sets ->
 #    $OUT/results/cpu_decode.jsonl, cpu_quantize.jsonl, cpu_decode.png (CPU_BENCH_ARGS: more arguments, e.g.
 #    --contexts 32768,131072).
 set -u
@@ -71,7 +71,7 @@ for k in sorted({key(r) for r in rows}):
 PY
 fi
 
-FMKV_NUM_THREADS=2 taskset -c "$CORES" python3 bench/cpu_bench.py --bin /tmp/bcpu/bench/cpu_bench --isas best,avx512,avx2 \
+FMKV_NUM_THREADS=2 taskset -c "$CORES" python3 bench/cpu_bench.py --bin /tmp/bcpu/bench/cpu_bench --isas avx512vnni,avx512,avx2 \
   --format-versions 2,3 --out "$OUT/results" ${CPU_BENCH_ARGS:-} > "$OUT/cpu_bench.log" 2>&1
 echo "cpu_bench.py rc=$? at $(el)"
 tail -n 30 "$OUT/cpu_bench.log"
