@@ -335,19 +335,22 @@ bool same_visible_state(const Scenario& s, const LayerState& a, const LayerState
 // Prefill-sized appends (hundreds of rows per sequence in one call), formats 2 and 3: chunks that start on
 // a multiple of 8 tokens and chunks that do not, several sequences in one call, chunks that cross pages, every
 // head_dim. On CUDA a warp task of consecutive tokens from a multiple of 8 stores format 3's tile-block words
-// whole, and any other task by reductions: both must write the reference's bytes.
+// whole, and any other task by reductions: both must write the reference's bytes. fp16, bf16 and fp32 inputs.
 TEST_P(Backends, PrefillChunksBitExact) {
   const fmkv_backend b = GetParam();
   struct C {
     int d, kb, vb, kv_heads, page, sink, window, rule;
     std::vector<int64_t> lens, rows;
+    fmkv_dtype in;  // bf16 / f32 inputs take CUDA's element-load staging instead of cp.async
   };
   const C cases[] = {
-      {128, 3, 3, 2, 64, 0, 0, FMKV_SCALE_LSQ, {0, 40}, {512, 300}},
-      {128, 4, 3, 3, 16, 4, 0, FMKV_SCALE_LSQ, {5, 0, 64}, {203, 96, 333}},
-      {64, 3, 2, 2, 32, 0, 32, FMKV_SCALE_RMS, {0, 13}, {250, 129}},
-      {256, 3, 3, 1, 128, 2, 16, FMKV_SCALE_LSQ, {8, 100}, {400, 37}},
-      {128, 2, 3, 2, 64, 0, 0, FMKV_SCALE_RMS, {3}, {261}},
+      {128, 3, 3, 2, 64, 0, 0, FMKV_SCALE_LSQ, {0, 40}, {512, 300}, FMKV_F16},
+      {128, 4, 3, 3, 16, 4, 0, FMKV_SCALE_LSQ, {5, 0, 64}, {203, 96, 333}, FMKV_F16},
+      {64, 3, 2, 2, 32, 0, 32, FMKV_SCALE_RMS, {0, 13}, {250, 129}, FMKV_F16},
+      {256, 3, 3, 1, 128, 2, 16, FMKV_SCALE_LSQ, {8, 100}, {400, 37}, FMKV_F16},
+      {128, 2, 3, 2, 64, 0, 0, FMKV_SCALE_RMS, {3}, {261}, FMKV_F16},
+      {128, 3, 4, 2, 32, 0, 0, FMKV_SCALE_LSQ, {0, 24}, {160, 72}, FMKV_BF16},
+      {64, 3, 3, 1, 16, 0, 16, FMKV_SCALE_LSQ, {16}, {96}, FMKV_F32},
   };
   for (int version : {2, 3}) {
     if (version > find_backend(b)->max_format_version) continue;
@@ -355,10 +358,10 @@ TEST_P(Backends, PrefillChunksBitExact) {
       fmkv_config c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
       c.format_version = version;
       int64_t n1 = 0;
-      Scenario s = filled_scenario(c, sh.lens, sh.rows, FMKV_F16, &n1);
-      auto k = random_tensor(FMKV_F16, n1, c.num_kv_heads, c.head_dim, 3.0), v = random_tensor(FMKV_F16, n1, c.num_kv_heads, c.head_dim);
-      const fmkv_tensor kt = make_tensor(k.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
-      const fmkv_tensor vt = make_tensor(v.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
+      Scenario s = filled_scenario(c, sh.lens, sh.rows, sh.in, &n1);
+      auto k = random_tensor(sh.in, n1, c.num_kv_heads, c.head_dim, 3.0), v = random_tensor(sh.in, n1, c.num_kv_heads, c.head_dim);
+      const fmkv_tensor kt = make_tensor(k.data(), sh.in, n1, c.num_kv_heads, c.head_dim);
+      const fmkv_tensor vt = make_tensor(v.data(), sh.in, n1, c.num_kv_heads, c.head_dim);
       const LayerState want = run_append(FMKV_BACKEND_REF, s, kt, vt), got = run_append(b, s, kt, vt);
       const std::string what = std::string(fmkv_backend_name(b)) + " format " + std::to_string(version) + " d=" +
                                std::to_string(sh.d) + " k" + std::to_string(sh.kb) + "v" + std::to_string(sh.vb);
