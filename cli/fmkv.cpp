@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "fmkv/fmkv.hpp"
+#include "fmkv/format_text.hpp"
 
 namespace {
 
@@ -34,7 +35,7 @@ const char* kUsage =
     "  demo [--context N] [--backend ref|cpu] [--formats k4v4,k3v3,...]\n"
     "                            compress a synthetic KV cache, run attention, report\n"
     "                            compression, error vs fp16 attention and time (formats kXvY:\n"
-    "                            X in 2,3,4,16, Y in 2,3,4)\n"
+    "                            X a code width or 16 for fp16 K, Y a code width; `fmkv spec`)\n"
     "exit status: 0 success, 1 error while running, 2 bad command line";
 
 // A bad command line: reported with the usage line, exit status 2.
@@ -159,17 +160,19 @@ std::pair<int, int> parse_format(const std::string& flag, const std::string& f, 
   if (f == "fp16") {
     if (allow_fp16) return {16, 16};
     throw UsageError(flag + ": 'fp16' is the uncompressed baseline the table compares against, not a cache format "
-                            "(formats are kXvY with X in 2, 3, 4, 16 and Y in 2, 3, 4, e.g. k3v3, k16v4)");
+                            "(formats are kXvY with X in " + fmkv::supported_code_bits_text(true) + " and Y in " +
+                     fmkv::supported_code_bits_text(false) + ", e.g. k3v3, k16v4)");
   }
   const size_t v = f.find('v');
-  const std::string bad = flag + ": format '" + f + "' is not kXvY (X in 2, 3, 4, 16; Y in 2, 3, 4; e.g. k3v3, k16v4)";
+  const std::string bad = flag + ": format '" + f + "' is not kXvY (X in " + fmkv::supported_code_bits_text(true) +
+                          "; Y in " + fmkv::supported_code_bits_text(false) + "; e.g. k3v3, k16v4)";
   if (f.size() < 4 || f[0] != 'k' || v == std::string::npos || v == 1 || v + 1 == f.size()) throw UsageError(bad);
   auto digits = [&](const std::string& x) {
     if (x.size() > 2 || !std::all_of(x.begin(), x.end(), [](char c) { return c >= '0' && c <= '9'; })) throw UsageError(bad);
     return std::stoi(x);
   };
   const int k = digits(f.substr(1, v - 1)), vb = digits(f.substr(v + 1));
-  if ((k != 2 && k != 3 && k != 4 && k != 16) || (vb != 2 && vb != 3 && vb != 4)) throw UsageError(bad);
+  if ((!fmkv_code_bits_supported(k) && k != FMKV_FP16_BITS) || !fmkv_code_bits_supported(vb)) throw UsageError(bad);
   return {k, vb};
 }
 
@@ -210,20 +213,22 @@ int cmd_info() {
 }
 
 int cmd_spec(const Args& a) {
-  std::vector<int> dims = {64, 128, 256};
+  std::vector<int32_t> dims = fmkv::supported_head_dims();
   if (a.count("head-dims")) {
     dims.clear();
     for (auto& s : split_list("--head-dims", a.at("head-dims"))) {
       const int64_t d = parse_number("--head-dims", s, Number::Integer, 1, kI32Max);
-      if (!fmkv_head_dim_supported((int32_t)d)) throw UsageError("--head-dims: head_dim " + s + " is not supported (64, 128, 256)");
-      dims.push_back((int)d);
+      if (!fmkv_head_dim_supported((int32_t)d)) throw UsageError("--head-dims: head_dim " + s + " is not supported (" + fmkv::supported_head_dims_text() + ")");
+      dims.push_back((int32_t)d);
     }
   }
   std::printf("fmkv format v%d: group %d, fp16 scale per group, Lloyd-Max codes, randomized Hadamard rotation\n",
               fmkv_format_version(), FMKV_GROUP_SIZE);
   std::printf("%-8s %-5s %12s %12s %14s %10s\n", "head_dim", "bits", "codes B", "scales B", "B/token/head", "vs fp16");
   for (int d : dims) {
-    for (int b : {2, 3, 4, 16}) {
+    std::vector<int32_t> widths = fmkv::supported_code_bits();
+    widths.push_back(FMKV_FP16_BITS);
+    for (int b : widths) {
       int64_t total = fmkv_bytes_per_token_head(d, b);
       int64_t scales = b == 16 ? 0 : 2 * fmkv_groups(d);
       std::printf("%-8d %-5s %12lld %12lld %14lld %9.2fx\n", d, b == 16 ? "fp16" : std::to_string(b).c_str(),
@@ -256,7 +261,7 @@ int cmd_capacity(const Args& a) {
   weights = size_option(a, "weights", weights, 0);
   if (!a.count("memory")) throw UsageError("--memory is required (e.g. --memory 141GB)");
   if (!layers || !kv || !d) throw UsageError("need --layers, --kv-heads and --head-dim (or --preset)");
-  if (!fmkv_head_dim_supported((int32_t)d)) throw UsageError("--head-dim: " + std::to_string(d) + " is not supported (64, 128, 256)");
+  if (!fmkv_head_dim_supported((int32_t)d)) throw UsageError("--head-dim: " + std::to_string(d) + " is not supported (" + fmkv::supported_head_dims_text() + ")");
   const int64_t memory = size_option(a, "memory", 0, 1);
   const int64_t batch = int_option(a, "batch", 1, 1, kI32Max);
   fmkv_config c;

@@ -33,6 +33,10 @@ RULES = [
      r"max\(\s*\w*\.?sink_tokens\s*,\s*\w+\s*-\s*\w*\.?window_tokens\s*\)|len\s*-\s*c(fg_?)?\.window_tokens",
      {"include/fmkv/format.h"}, {}),
     ("packed rows: the row -> sequence binary search", r"\(lo \+ hi \+ 1\) >> 1", {"src/format/rows.h"}, {}),
+    ("code widths: the supported set (FMKV_CODE_BITS_MIN .. MAX; messages from fmkv/format_text.hpp)",
+     r"[(\[{]\s*2\s*,\s*3\s*,\s*4\b|\"2, ?3, ?4|2, 3 or 4\b|bits >= 2 && bits <= 4",
+     {"include/fmkv/format.h", "include/fmkv/format_text.hpp"},
+     {"python/fmkv/format.py": "its docstring's example of the message form"}),
 ]
 
 

@@ -2,7 +2,7 @@
 // 3-bit codebooks of format v3, the only place they are computed. Usage: gen_codebooks [OUT]  (stdout when
 // OUT is omitted). The committed file must equal this program's output (tests/test_codebook.cpp checks it).
 //   gen_codebooks --integer-levels [MAX]   prints the integer-level tables (a format-3 draft, see
-//   tools/lloyd_max.h) for bits 1..4 with |level| <= MAX (default 127), then on the odd grid (int8 with the
+//   tools/lloyd_max.h) for bits 1..FMKV_CODE_BITS_MAX with |level| <= MAX (default 127), then on the odd grid (int8 with the
 //   sign as a complement) and the three- and four-significant-bit grids (fp16 operands), each with its distortion
 //   beside the continuous Lloyd-Max optimum; it writes no file.
 #include <cstdio>
@@ -11,7 +11,10 @@
 #include <numeric>
 #include <string>
 
+#include "fmkv/format.h"
 #include "lloyd_max.h"
+
+constexpr int kMaxBits = FMKV_CODE_BITS_MAX;  // codebooks of widths 1 .. kMaxBits
 
 static void print_levels(const char* grid, const fmkv::IntegerLevels& q) {
   const double opt = fmkv::lloyd_max_gaussian(q.bits).distortion;
@@ -23,12 +26,12 @@ static void print_levels(const char* grid, const fmkv::IntegerLevels& q) {
 
 static int print_integer_levels(int max_level) {
   std::printf("grid       bits max_level step                  distortion            lloyd-max             excess   levels\n");
-  for (int b = 1; b <= 4; ++b)
+  for (int b = 1; b <= kMaxBits; ++b)
     if (max_level >= (1 << (b - 1))) print_levels("int8", fmkv::integer_levels_gaussian(b, max_level));
   // the operand grids of format 3's decode paths (tools/lloyd_max.h)
-  for (int b = 1; b <= 4; ++b) print_levels("odd", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kOddGrid));
-  for (int b = 1; b <= 4; ++b) print_levels("3sig", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kThreeSignificantBits));
-  for (int b = 1; b <= 4; ++b) print_levels("4sig", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kFourSignificantBits));
+  for (int b = 1; b <= kMaxBits; ++b) print_levels("odd", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kOddGrid));
+  for (int b = 1; b <= kMaxBits; ++b) print_levels("3sig", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kThreeSignificantBits));
+  for (int b = 1; b <= kMaxBits; ++b) print_levels("4sig", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kFourSignificantBits));
   return 0;
 }
 
@@ -49,16 +52,16 @@ int main(int argc, char** argv) {
        " * (these fp16 values ARE the format's levels); magnitude m of a b-bit code is entry\n"
        " * FMKV_CODEBOOK_OFFSET(b) + m. The including file defines FMKV_TABLE (default: static const). */\n"
        "#ifndef FMKV_TABLE\n#define FMKV_TABLE static const\n#endif\n"
-       "#define FMKV_CODEBOOK_MAX_BITS 4\n"
+       "#define FMKV_CODEBOOK_MAX_BITS " + std::to_string(kMaxBits) + "\n"
        "#define FMKV_CODEBOOK_OFFSET(b) ((1 << ((b) - 1)) - 1)\n"
-       "#define FMKV_CODEBOOK_SIZE 15\n";
+       "#define FMKV_CODEBOOK_SIZE " + std::to_string((1 << kMaxBits) - 1) + "\n";
   std::string f16 = "FMKV_TABLE unsigned short fmkv_codebook_mag_f16[FMKV_CODEBOOK_SIZE] = {\n";
   std::string ex = "#ifndef FMKV_CODEBOOK_LEVELS_ONLY /* kernels (MSL has no double) define this */\n"
                    "/* Unrounded Lloyd-Max levels (double), for documentation and tests. */\n"
                    "FMKV_TABLE double fmkv_codebook_mag_exact[FMKV_CODEBOOK_SIZE] = {\n";
-  std::string dist = "/* Distortion E[(X-Q(X))^2] of the unrounded quantizers, bits 1..4. */\n"
+  std::string dist = "/* Distortion E[(X-Q(X))^2] of the unrounded quantizers, bits 1.." + std::to_string(kMaxBits) + ". */\n"
                      "FMKV_TABLE double fmkv_codebook_distortion[FMKV_CODEBOOK_MAX_BITS] = {";
-  for (int b = 1; b <= 4; ++b) {
+  for (int b = 1; b <= kMaxBits; ++b) {
     fmkv::LloydMax q = fmkv::lloyd_max_gaussian(b);
     int n = 1 << b;
     f16 += "  /* " + std::to_string(b) + "-bit */";

@@ -33,6 +33,8 @@ extern "C" {
 #define FMKV_FORMAT_VERSION_NEWEST 3 /* the newest version a cache can be created in (format_version 2 or 3) */
 #define FMKV_GROUP_SIZE 32 /* rotated coordinates per scale group */
 #define FMKV_FP16_BITS 16  /* k_bits value meaning "K kept in fp16, unrotated" */
+#define FMKV_CODE_BITS_MIN 2 /* code widths of a K or V side: FMKV_CODE_BITS_MIN .. FMKV_CODE_BITS_MAX */
+#define FMKV_CODE_BITS_MAX 4 /* (tools/gen_codebooks.cpp generates the codebooks of widths 1 .. this) */
 #define FMKV_MIN_PAGE_SIZE 16
 #define FMKV_MAX_PAGE_SIZE 256
 #define FMKV_MAX_HEAD_DIM 256 /* largest supported head_dim */
@@ -51,8 +53,8 @@ FMKV_HD int32_t fmkv_resolved_format_version(int32_t v) { return v == 0 ? FMKV_F
 
 /* Is head_dim supported by the format? (power of two, 64..256) */
 FMKV_HD int fmkv_head_dim_supported(int32_t d) { return d == 64 || d == 128 || d == 256; }
-/* Is this a supported code width (for K: 2,3,4 or 16 = fp16; for V: 2,3,4)? */
-FMKV_HD int fmkv_code_bits_supported(int32_t bits) { return bits >= 2 && bits <= 4; }
+/* Is this a supported code width? (K may also be FMKV_FP16_BITS: kept in fp16) */
+FMKV_HD int fmkv_code_bits_supported(int32_t bits) { return bits >= FMKV_CODE_BITS_MIN && bits <= FMKV_CODE_BITS_MAX; }
 /* Is page_size supported (a power of two in [FMKV_MIN_PAGE_SIZE, FMKV_MAX_PAGE_SIZE])? */
 FMKV_HD int fmkv_page_size_supported(int32_t p) {
   return p >= FMKV_MIN_PAGE_SIZE && p <= FMKV_MAX_PAGE_SIZE && (p & (p - 1)) == 0;

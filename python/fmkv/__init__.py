@@ -80,7 +80,7 @@ def cuda_check() -> None:
 
 
 def bytes_per_token_head(head_dim: int, bits: int) -> int:
-    """Bytes of one token of one kv head for K or V at ``bits`` (2, 3, 4; 16 = fp16 K)."""
+    """Bytes of one token of one kv head for K or V at ``bits`` (a width of ``fmkv.format.CODE_BITS``; 16 = fp16 K)."""
     return _fmkv.bytes_per_token_head(_args.integer("head_dim", head_dim), _args.integer("bits", bits))
 
 
@@ -123,7 +123,8 @@ def _dtype_name(dt: Any) -> str:
 class Config:
     """Cache-wide format parameters (fixed for a cache's life); validated on construction.
 
-    head_dim: 64, 128 or 256. k_bits: 2, 3, 4 or 16 (K kept in fp16). v_bits: 2, 3, 4.
+    head_dim: 64, 128 or 256. k_bits: a width of ``fmkv.format.CODE_BITS`` or 16 (K kept in fp16). v_bits: a
+    width of ``fmkv.format.CODE_BITS``.
     page_size: tokens per page, a power of two in [16, 256]. sink_tokens / window_tokens: first /
     last tokens kept in fp16. scale_rule: 'lsq' (default) or 'rms'. seed: rotation seed.
     format_version: 0 (the library's default, :func:`format_version`), 2, or 3 (3-bit codes in tile blocks:

@@ -175,8 +175,8 @@ class QuantizedTensor:
 def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq", levels: Optional[torch.Tensor] = None,
                      format_version: int = 0, side: str = "k") -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize rotated float32 values y [..., d] group-wise. Returns (codes uint8, scales fp16)."""
-    if bits not in (1, 2, 3, 4):
-        raise ValueError(f"bits {bits} is not supported")
+    if not 1 <= bits <= _format.CODEBOOK_MAX_BITS:
+        raise ValueError(f"bits {bits} is not supported (1 .. {_format.CODEBOOK_MAX_BITS})")
     if scale_rule not in ("lsq", "rms"):
         raise ValueError(f"scale_rule {scale_rule!r} is not supported (expected 'lsq' or 'rms')")
     d = y.shape[-1]

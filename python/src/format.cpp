@@ -6,6 +6,7 @@
 
 #include "bindings.h"
 #include "convert.h"
+#include "fmkv/format_text.hpp"
 
 namespace fmkv_py {
 
@@ -27,6 +28,12 @@ void bind_format(nb::module_& m) {
   m.attr("SCALE_RMS") = (int)FMKV_SCALE_RMS;
   m.attr("SCALE_LSQ") = (int)FMKV_SCALE_LSQ;
   m.attr("GROUP_SIZE") = (int)FMKV_GROUP_SIZE;
+  {
+    nb::list widths;  // the code widths of a K or V side (fmkv_code_bits_supported), ascending
+    for (int32_t b : fmkv::supported_code_bits()) widths.append(b);
+    m.attr("CODE_BITS") = nb::tuple(widths);
+  }
+  m.attr("CODEBOOK_MAX_BITS") = (int)FMKV_CODE_BITS_MAX;  // codebooks exist for widths 1 .. this (fmkv.codebook)
 
   m.def("config_validate", [](const fmkv_config& c) { fmkv::check(fmkv_config_validate(&c)); });
   m.def("config_page_bytes", [](const fmkv_config& c) {
@@ -39,16 +46,16 @@ void bind_format(nb::module_& m) {
   });
   m.def("bytes_per_token_head", [](int64_t d, int64_t bits) {
     if (!fits_i32(d) || !fmkv_head_dim_supported((int32_t)d))
-      fail("head_dim " + std::to_string(d) + " is not supported (format v2: 64, 128, 256)");
+      fail("head_dim " + std::to_string(d) + " is not supported (" + fmkv::supported_head_dims_text() + ")");
     if (!fits_i32(bits) || (!fmkv_code_bits_supported((int32_t)bits) && bits != FMKV_FP16_BITS))
-      fail("bits " + std::to_string(bits) + " is not supported (2, 3, 4 or 16)");
+      fail("bits " + std::to_string(bits) + " is not supported (" + fmkv::supported_code_bits_text(true) + ")");
     return fmkv_bytes_per_token_head((int32_t)d, (int32_t)bits);
   }, "head_dim"_a, "bits"_a);
 
   // The rotation (FORMAT.md "Rotation") and the token regions, for the Python layers that need them
   // (fmkv.torch_quant, fmkv.hf, fmkv.reference): the numbers come from include/fmkv/format.h.
   m.def("rotation_sign_words", [](uint64_t seed, int32_t layer, int32_t head_dim) {
-    if (!fmkv_head_dim_supported(head_dim)) fail("head_dim " + std::to_string(head_dim) + " is not supported (format v2: 64, 128, 256)");
+    if (!fmkv_head_dim_supported(head_dim)) fail("head_dim " + std::to_string(head_dim) + " is not supported (" + fmkv::supported_head_dims_text() + ")");
     std::vector<uint64_t> w((size_t)head_dim / 64);
     for (int32_t k = 0; k < head_dim / 64; ++k) w[(size_t)k] = fmkv_rotation_sign_word(seed, layer, k);
     size_t n = w.size();
@@ -57,7 +64,7 @@ void bind_format(nb::module_& m) {
   m.def("layer_seed", [](uint64_t seed, int32_t layer) { return fmkv_rotation_state(seed, layer); }, "seed"_a, "layer"_a,
         "The seed whose layer-0 rotation equals (seed, layer)'s (a one-layer cache holding layer `layer`).");
   m.def("rotation_norm", [](int32_t head_dim) {
-    if (!fmkv_head_dim_supported(head_dim)) fail("head_dim " + std::to_string(head_dim) + " is not supported (format v2: 64, 128, 256)");
+    if (!fmkv_head_dim_supported(head_dim)) fail("head_dim " + std::to_string(head_dim) + " is not supported (" + fmkv::supported_head_dims_text() + ")");
     return fmkv_rotation_norm(head_dim);
   }, "head_dim"_a, "The float32 nearest 1/sqrt(head_dim), applied after the unnormalised FWHT.");
   m.def("compressed_end", [](int32_t sink, int32_t window, int64_t length) {
@@ -66,7 +73,8 @@ void bind_format(nb::module_& m) {
   m.attr("FP16_BITS") = (int)FMKV_FP16_BITS;
 
   m.def("codebook", [](int64_t bits) {
-    if (bits < 1 || bits > 4) fail("bits " + std::to_string(bits) + " is not supported (codebooks exist for 1..4 bits)");
+    if (bits < 1 || bits > FMKV_CODE_BITS_MAX)
+      fail("bits " + std::to_string(bits) + " is not supported (codebooks exist for 1.." + std::to_string(FMKV_CODE_BITS_MAX) + " bits)");
     std::vector<float> mags((size_t)1 << (bits - 1));
     fmkv::check(fmkv_codebook((int32_t)bits, mags.data()));
     size_t n = mags.size();
@@ -74,7 +82,7 @@ void bind_format(nb::module_& m) {
   }, "bits"_a);
   m.def("codebook_levels", [](int64_t format_version, int64_t bits, bool is_v) {
     if (!fits_i32(format_version) || !fits_i32(bits)) fail("format_version and bits must be 32-bit integers");
-    std::vector<float> mags((size_t)1 << (bits >= 2 && bits <= 4 ? bits - 1 : 0));
+    std::vector<float> mags((size_t)1 << (fmkv_code_bits_supported((int32_t)bits) ? bits - 1 : 0));
     fmkv::check(fmkv_codebook_levels((int32_t)format_version, (int32_t)bits, is_v ? 1 : 0, mags.data()));
     size_t n = mags.size();
     return numpy_array(std::move(mags), {n});
@@ -85,7 +93,7 @@ void bind_format(nb::module_& m) {
                               int64_t format_version, bool is_v) {
     std::vector<uint16_t> xh = vector_f16("x", x);
     const int32_t d = (int32_t)xh.size();
-    if (!fmkv_head_dim_supported(d)) fail("x: length " + std::to_string(d) + " is not a supported head_dim (64, 128, 256)");
+    if (!fmkv_head_dim_supported(d)) fail("x: length " + std::to_string(d) + " is not a supported head_dim (" + fmkv::supported_head_dims_text() + ")");
     std::vector<uint8_t> codes(d);
     std::vector<uint16_t> scales(d / FMKV_GROUP_SIZE);
     fmkv::check(fmkv_quantize_vector_as(narrow_i32("format_version", format_version), is_v ? 1 : 0, d, narrow_i32("bits", bits),
@@ -100,7 +108,7 @@ void bind_format(nb::module_& m) {
     std::vector<uint8_t> c = vector_exact<uint8_t>("codes", codes, nb::dlpack::dtype_code::UInt, "uint8");
     std::vector<uint16_t> s = vector_exact<uint16_t>("scales", scale_bits, nb::dlpack::dtype_code::UInt, "float16 / uint16 bits");
     const int32_t d = (int32_t)c.size();
-    if (!fmkv_head_dim_supported(d)) fail("codes: length " + std::to_string(d) + " is not a supported head_dim (64, 128, 256)");
+    if (!fmkv_head_dim_supported(d)) fail("codes: length " + std::to_string(d) + " is not a supported head_dim (" + fmkv::supported_head_dims_text() + ")");
     if ((int32_t)s.size() != d / FMKV_GROUP_SIZE)
       fail("scales: length " + std::to_string(s.size()) + ", expected head_dim / 32 = " + std::to_string(d / FMKV_GROUP_SIZE));
     std::vector<float> out(d);

@@ -9,6 +9,7 @@
 
 #include "../core/backend.h"
 #include "../core/status.h"
+#include "fmkv/format_text.hpp"
 #include "../format/codebook.h"
 #include "../format/numbers.h"
 #include "../format/rotation.h"
@@ -270,7 +271,8 @@ namespace {
 // The codebook table of (format_version, is_v, bits), checked.
 int vector_table(int32_t format_version, int32_t is_v, int32_t bits) {
   require(format_version == 0 || fmkv_format_version_supported(format_version), FMKV_ERR_INVALID_ARGUMENT,
-          "format_version " + std::to_string(format_version) + " is not supported (0 = default, 2 or 3)");
+          "format_version " + std::to_string(format_version) + " is not supported (0 = default, " +
+                fmkv::supported_format_versions_text() + ")");
   require(is_v == 0 || is_v == 1, FMKV_ERR_INVALID_ARGUMENT, "is_v must be 0 (K) or 1 (V), got " + std::to_string(is_v));
   return fmkv::codebook_table(fmkv_resolved_format_version(format_version), bits, is_v);
 }
@@ -280,8 +282,8 @@ fmkv_status fmkv_quantize_vector_as(int32_t format_version, int32_t is_v, int32_
                                     uint64_t seed, int32_t layer, const uint16_t* x, uint8_t* codes, uint16_t* scales) {
   return guarded([&] {
     require(x && codes && scales, FMKV_ERR_INVALID_ARGUMENT, "fmkv_quantize_vector: NULL argument");
-    require(fmkv_head_dim_supported(d), FMKV_ERR_INVALID_ARGUMENT, "head_dim " + std::to_string(d) + " is not supported (64, 128, 256)");
-    require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, "bits " + std::to_string(bits) + " is not supported (2, 3, 4)");
+    require(fmkv_head_dim_supported(d), FMKV_ERR_INVALID_ARGUMENT, "head_dim " + std::to_string(d) + " is not supported (" + fmkv::supported_head_dims_text() + ")");
+    require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, "bits " + std::to_string(bits) + " is not supported (" + fmkv::supported_code_bits_text(false) + ")");
     require(rule == FMKV_SCALE_RMS || rule == FMKV_SCALE_LSQ, FMKV_ERR_INVALID_ARGUMENT, "unknown scale_rule");
     const int table = vector_table(format_version, is_v, bits);
     for (int32_t i = 0; i < d; ++i)
@@ -300,8 +302,8 @@ fmkv_status fmkv_dequantize_vector_as(int32_t format_version, int32_t is_v, int3
                                       int32_t layer, const uint8_t* codes, const uint16_t* scales, float* out) {
   return guarded([&] {
     require(codes && scales && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_dequantize_vector: NULL argument");
-    require(fmkv_head_dim_supported(d), FMKV_ERR_INVALID_ARGUMENT, "head_dim " + std::to_string(d) + " is not supported (64, 128, 256)");
-    require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, "bits " + std::to_string(bits) + " is not supported (2, 3, 4)");
+    require(fmkv_head_dim_supported(d), FMKV_ERR_INVALID_ARGUMENT, "head_dim " + std::to_string(d) + " is not supported (" + fmkv::supported_head_dims_text() + ")");
+    require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, "bits " + std::to_string(bits) + " is not supported (" + fmkv::supported_code_bits_text(false) + ")");
     const int table = vector_table(format_version, is_v, bits);
     for (int32_t i = 0; i < d; ++i)
       require(codes[i] < (1u << bits), FMKV_ERR_INVALID_ARGUMENT, "code " + std::to_string(codes[i]) + " does not fit in " + std::to_string(bits) + " bits");
@@ -331,7 +333,7 @@ void fmkv_bf16_to_f32(const uint16_t* x, float* out, int64_t n) {
 fmkv_status fmkv_codebook(int32_t bits, float* mags) {
   return guarded([&] {
     require(mags != nullptr, FMKV_ERR_INVALID_ARGUMENT, "mags is NULL");
-    require(bits >= 1 && bits <= FMKV_CODEBOOK_MAX_BITS, FMKV_ERR_INVALID_ARGUMENT, "bits must be 1..4");
+    require(bits >= 1 && bits <= FMKV_CODEBOOK_MAX_BITS, FMKV_ERR_INVALID_ARGUMENT, "bits must be 1.." + std::to_string(FMKV_CODEBOOK_MAX_BITS));
     for (int m = 0; m < fmkv::magnitude_count(bits); ++m) mags[m] = fmkv::codebook_mag(bits, m);
   });
 }
@@ -340,8 +342,9 @@ fmkv_status fmkv_codebook_levels(int32_t format_version, int32_t bits, int32_t i
   return guarded([&] {
     require(mags != nullptr, FMKV_ERR_INVALID_ARGUMENT, "mags is NULL");
     require(format_version == 0 || fmkv_format_version_supported(format_version), FMKV_ERR_INVALID_ARGUMENT,
-            "format_version " + std::to_string(format_version) + " is not supported (0 = default, 2 or 3)");
-    require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, "bits " + std::to_string(bits) + " is not supported (2, 3, 4)");
+            "format_version " + std::to_string(format_version) + " is not supported (0 = default, " +
+                fmkv::supported_format_versions_text() + ")");
+    require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, "bits " + std::to_string(bits) + " is not supported (" + fmkv::supported_code_bits_text(false) + ")");
     require(is_v == 0 || is_v == 1, FMKV_ERR_INVALID_ARGUMENT, "is_v must be 0 (K) or 1 (V)");
     const int table = fmkv::codebook_table(fmkv_resolved_format_version(format_version), bits, is_v);
     for (int m = 0; m < fmkv::magnitude_count(bits); ++m) mags[m] = fmkv::table_mag(table, bits, m);

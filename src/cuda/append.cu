@@ -290,8 +290,8 @@ constexpr int kCompressWarps = 8, kCompressStages = 2;
 
 constexpr int kCompressSmem = kCompressWarps * kCompressStages * 256 * 16;
 
-// One kernel per (K width, V width, scale rule): KB in {2, 3, 4, 16} (16: K kept in fp16, copied),
-// VB in {2, 3, 4}. A kernel holds at most two quantizers (one when KB == VB), so its hot loop stays in
+// One kernel per (K width, V width, scale rule): KB a code width or 16 (K kept in fp16, copied), VB a code
+// width. A kernel holds at most two quantizers (one when KB == VB), so its hot loop stays in
 // the instruction cache (a runtime switch over all six was 175 KB of code: a one-token k4v2 append in a
 // CUDA-graph decode step took ~21 us through it, ~12 us now; docs/history/cuda-quantize.md, d6d8e90).
 // F3: format 3, whose 3-bit sides are written as tile blocks (quantize_store_tiled); compiled for the width

@@ -24,3 +24,14 @@ def test_checker_finds_a_planted_copy(tmp_path):
     rules = {b.split(": ", 1)[1].split(" (its home")[0] for b in bad}
     assert "layout: bytes per token per head" in rules and "token regions: compressed end max(S, len - W)" in rules
     assert "rotation: splitmix64 and layer-mixing constants" in rules and any(b.startswith("python/x.py:2:") for b in bad)
+
+
+def test_checker_finds_a_restated_width_set(tmp_path):
+    """A copy of the supported code widths (a check or a message) outside format.h / format_text.hpp is found."""
+    for top in chk.SCANNED:
+        (tmp_path / top).mkdir()
+    (tmp_path / "python" / "w.py").write_text("ok = bits in (2, 3, 4)\n")
+    (tmp_path / "src" / "w.cpp").write_text('fail("v_bits is not supported (2, 3 or 4)");\n')
+    (tmp_path / "cli" / "w.cpp").write_text("for (int b : {2, 3, 4, 16}) {}\n")
+    bad = chk.scan(tmp_path)
+    assert sorted(b.split(":", 1)[0] for b in bad if "code widths" in b) == ["cli/w.cpp", "python/w.py", "src/w.cpp"]

@@ -550,6 +550,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import format as fmt
+
     p = argparse.ArgumentParser(prog="fmkv-eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -604,8 +606,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="calibration text (whole windows from the start)")
     pn.add_argument("--check-tokens", type=_int_at_least(1), default=65536,
                     help="held-out text after the calibration windows (whole windows)")
-    pn.add_argument("--k-bits", type=lambda t: _int_list(t, {2, 3, 4, 16}, "k width"), default=[2, 3, 4, 16])
-    pn.add_argument("--v-bits", type=lambda t: _int_list(t, {2, 3, 4}, "v width"), default=[2, 3, 4])
+    k_widths, v_widths = list(fmt.CODE_BITS) + [fmt.FP16_BITS], list(fmt.CODE_BITS)
+    pn.add_argument("--k-bits", type=lambda t: _int_list(t, set(k_widths), "k width"), default=k_widths)
+    pn.add_argument("--v-bits", type=lambda t: _int_list(t, set(v_widths), "v width"), default=v_widths)
     pn.add_argument("--windows", type=lambda t: _int_list(t, None, "window"), default=[0, 64],
                     help="fp16 recent-token windows to choose from (default 0,64)")
     pn.add_argument("--format-version", type=int, choices=[0, 2, 3], default=0)
@@ -628,7 +631,8 @@ def build_parser() -> argparse.ArgumentParser:
     pa.set_defaults(func=cmd_pareto)
     n = sub.add_parser("needle", help="kernel-level needle retrieval through fmkv.Cache")
     n.add_argument("--max-ctx", type=_int_at_least(1), default=131072)
-    n.add_argument("--bits", default="2,3,4")
+    n.add_argument("--bits", type=lambda t: _int_list(t, set(fmt.CODE_BITS), "k width"), default=list(fmt.CODE_BITS),
+                   help="K code widths, comma-separated (fp16 K is always added; default: every width)")
     n.add_argument("--trials", type=_int_at_least(1), default=8)
     n.add_argument("--margin", type=_finite_at_least(0.0), default=3.0, help="needle score margin in units of score std")
     n.add_argument("--head-dim", type=_int_at_least(1), default=128)

@@ -103,7 +103,9 @@ def run_needle(a) -> int:
         dev_name = fmkv.backends()[backend]["device"]
         all_ctx = (1024, 8192, 32768, 131072)
     ctxs = [c for c in all_ctx if c <= a.max_ctx]
-    bits = [int(b) for b in a.bits.split(",")] + [16]
+    from ..format import FP16_BITS
+
+    bits = list(a.bits) + [FP16_BITS]
     margins = [0.1, 0.25, 0.5, 1.0]
     from .cli import _commit  # the eval CLI's helper (cli imports this module lazily, no cycle at import)
 

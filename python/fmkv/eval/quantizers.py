@@ -42,6 +42,7 @@ from typing import Dict, Optional
 
 import torch
 
+from .. import format as fmt
 from .. import torch_quant as tq
 from .e5m2_levels import e5m2_codebook
 
@@ -213,8 +214,9 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
     m = _FMKV_RE.match(base)
     if m:
         kb, vb = int(m.group(1)), int(m.group(2))
-        if kb not in (2, 3, 4, 16) or vb not in (2, 3, 4):
-            raise ValueError(f"config {name!r}: k_bits must be 2, 3, 4 or 16 and v_bits 2, 3 or 4")
+        if kb not in fmt.CODE_BITS + (fmt.FP16_BITS,) or vb not in fmt.CODE_BITS:
+            raise ValueError(f"config {name!r}: k_bits must be {fmt.listed(fmt.CODE_BITS + (fmt.FP16_BITS,))} "
+                             f"and v_bits {fmt.listed(fmt.CODE_BITS)}")
         q = KVQuantizer(name, "fmkv", kb, vb, seed=seed)
         for mod in mods:
             if mod == "rms":
@@ -283,8 +285,8 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
         return q
     if base == "turbo":
         bits = int(mods[0]) if mods else 3
-        if bits not in (2, 3, 4) or any(m != "lsq" for m in mods[1:]):
-            raise ValueError(f"config {name!r}: turbo-<2|3|4>[-lsq]")
+        if bits not in fmt.CODE_BITS or any(m != "lsq" for m in mods[1:]):
+            raise ValueError(f"config {name!r}: turbo-<{'|'.join(map(str, fmt.CODE_BITS))}>[-lsq]")
         q = KVQuantizer(name, "turbo", bits, bits, seed=seed)
         q.scale_rule = "lsq" if "lsq" in mods[1:] else "rms"
         q.options = {"rotation": True, "norm": "fp16 per vector", "codebook": "fmkv Lloyd-Max",

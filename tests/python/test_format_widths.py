@@ -1,0 +1,51 @@
+"""The supported code widths and head dims come from one rule (include/fmkv/format.h): what the library accepts,
+what fmkv.format lists, what the error messages and the evaluation's config parser name, all agree."""
+import pytest
+
+import fmkv
+from fmkv import format as fmt
+
+
+def _accepted_widths():
+    ok = []
+    for b in range(0, 40):
+        try:
+            fmkv.bytes_per_token_head(64, b)
+            ok.append(b)
+        except fmkv.FmkvError:
+            pass
+    return ok
+
+
+def test_code_bits_are_what_the_library_accepts():
+    assert fmt.CODE_BITS == (2, 3, 4)  # docs/FORMAT.md section 6 (an independent statement of the rule)
+    assert _accepted_widths() == list(fmt.CODE_BITS) + [fmt.FP16_BITS]
+    assert fmt.CODEBOOK_MAX_BITS == max(fmt.CODE_BITS)
+    for b in range(1, fmt.CODEBOOK_MAX_BITS + 1):
+        assert len(fmkv.codebook(b)) == 2 ** (b - 1)
+    with pytest.raises(fmkv.FmkvError, match=r"codebooks exist for 1\.\.4 bits"):
+        fmkv.codebook(fmt.CODEBOOK_MAX_BITS + 1)
+
+
+@pytest.mark.parametrize("field,value,listed", [("k_bits", 5, "2, 3, 4 or 16"), ("v_bits", 16, "2, 3 or 4"),
+                                                ("head_dim", 96, "64, 128 or 256")])
+def test_messages_list_exactly_the_supported_values(field, value, listed):
+    with pytest.raises(fmkv.FmkvError, match=rf"{field} {value} is not supported \({listed}\)"):
+        fmkv.Config(**{"head_dim": 64, "num_kv_heads": 1, field: value})
+
+
+def test_format_listed():
+    assert fmt.listed([7]) == "7" and fmt.listed([2, 3]) == "2 or 3" and fmt.listed([2, 3, 4, 16]) == "2, 3, 4 or 16"
+
+
+def test_eval_config_parser_takes_the_widths_from_the_library():
+    from fmkv.eval.quantizers import parse_config
+
+    for kb in fmt.CODE_BITS + (fmt.FP16_BITS,):
+        for vb in fmt.CODE_BITS:
+            assert parse_config(f"k{kb}v{vb}").k_bits == kb
+    for bad in ("k5v3", "k3v16", "k1v2"):
+        with pytest.raises(ValueError, match=r"k_bits must be 2, 3, 4 or 16 and v_bits 2, 3 or 4"):
+            parse_config(bad)
+    with pytest.raises(ValueError, match=r"turbo-<2\|3\|4>"):
+        parse_config("turbo-5")
