@@ -49,3 +49,20 @@ def test_eval_config_parser_takes_the_widths_from_the_library():
             parse_config(bad)
     with pytest.raises(ValueError, match=r"turbo-<2\|3\|4>"):
         parse_config("turbo-5")
+
+
+def test_needle_widths_from_the_library(tmp_path):
+    """fmkv-eval needle: --bits defaults to every code width (plus fp16 K), and refuses a width the format lacks."""
+    import json
+    import subprocess
+    import sys
+
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fmkv.eval", "needle", *a], capture_output=True, text=True,
+                                    timeout=300)
+    r = run("--bits", "5")
+    assert r.returncode == 2 and "k width 5 is not supported (expected one of [2, 3, 4])" in r.stderr
+    out = tmp_path / "needle.jsonl"
+    r = run("--max-ctx", "1024", "--trials", "1", "--head-dim", "64", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted({row["k_bits"] for row in rows}) == list(fmt.CODE_BITS) + [fmt.FP16_BITS]

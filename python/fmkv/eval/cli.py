@@ -77,6 +77,15 @@ def _commit() -> str:
         return "unknown"
 
 
+def write_jsonl(path: str, rows: List[dict], append: bool = False) -> None:
+    """rows as JSON lines at path (its folder made if missing), then 'wrote PATH' on stderr."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a" if append else "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def _print_table(rows: List[dict], file=sys.stdout) -> None:
     hdr = f"{'config':<14} {'B/tok/head':>10} {'ppl':>9} {'ppl_ratio':>9} {'kld':>9} {'top1':>7} {'tokens':>8}"
     print(hdr, file=file)
@@ -218,11 +227,7 @@ def cmd_ppl(a: argparse.Namespace) -> int:
         })
     _print_table(rows)
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "a" if a.append else "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        print(f"wrote {a.out}", file=sys.stderr)
+        write_jsonl(a.out, rows, append=a.append)
     if a.plot is None:
         a.plot = os.path.splitext(a.out)[0] + ".png"
     if a.plot:
@@ -383,11 +388,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
               + (f"; best uniform {b['config']} ({b['bytes_per_token_per_head']:.2f} B): ppl ratio {b['ppl_ratio']:.4f}, "
                  f"KLD {b['kld']:.5f}" if uni else ""), file=sys.stderr)
     out_rows = rows + plans + list(measured.values())
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        for r in out_rows:
-            f.write(json.dumps(r) + "\n")
-    print(f"wrote {a.out}", file=sys.stderr)
+    write_jsonl(a.out, out_rows)
     if a.plot != "":
         path = a.plot or os.path.splitext(a.out)[0] + ".png"
         plot_plan(plans, list(measured.values()), path)
@@ -449,11 +450,7 @@ def cmd_pareto(a: argparse.Namespace) -> int:
     rep = PA.report(rows, a.budgets)
     print(PA.format_table(rep))
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            for r in rep:
-                f.write(json.dumps(r) + "\n")
-        print(f"wrote {a.out}", file=sys.stderr)
+        write_jsonl(a.out, rep)
     if a.plot != "" and (a.plot or a.out):
         path = a.plot or os.path.splitext(a.out)[0] + ".png"
         PA.plot(rows, path)

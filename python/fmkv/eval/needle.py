@@ -20,8 +20,6 @@ JSON lines (suite ``needle``, docs/results/README.md): ``ctx`` / ``context``, ``
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 
@@ -107,7 +105,7 @@ def run_needle(a) -> int:
 
     bits = list(a.bits) + [FP16_BITS]
     margins = [0.1, 0.25, 0.5, 1.0]
-    from .cli import _commit  # the eval CLI's helper (cli imports this module lazily, no cycle at import)
+    from .cli import _commit, write_jsonl  # the eval CLI's helpers (cli imports this module lazily, no cycle)
 
     commit = getattr(a, "commit", "") or _commit()
     rows = []
@@ -146,11 +144,7 @@ def run_needle(a) -> int:
                       f"({time.time() - t0:.0f}s)", file=sys.stderr)
             del cache
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        print(f"wrote {a.out}", file=sys.stderr)
+        write_jsonl(a.out, rows)
     # table: rate per (bits, margin) at each ctx
     print(f"needle retrieval rate, backend {backend} ({dev_name}), {time.time() - t0:.0f}s")
     print(f"{'k_bits':>6} " + " ".join(f"m={m:<5}" for m in margins) + "   (retrieval rate, per ctx)")
