@@ -80,13 +80,17 @@ def test_family_without_kind():
 
 def test_sets_are_kept_apart_and_last_row_wins():
     rows = [row("k4v4", 72, 1.2, 0.1), row("k4v4", 72, 1.048, 0.043), row("turbo-4", 68, 1.06, 0.05),
-            row("k4v4", 72, 1.0, 0.0001, suite="plan-check", tokens=65504)]
+            row("k4v4", 72, 1.0, 0.0001, suite="plan-check", tokens=65504),
+            dict(row("turbo-4", 68, 1.001, 0.001), device="cpu")]  # the same windows on another device
     sets = PA.measurement_sets(rows)
-    assert len(sets) == 2
-    main = [rs for k, rs in sets.items() if k[-1] == "ppl"][0]
+    assert len(sets) == 3
+    main = [rs for k, rs in sets.items() if k[4] == "ppl" and k[5] is None][0]
+    assert sorted(r["config"] for r in main) == ["k4v4", "turbo-4"]
     assert [r["ppl_ratio"] for r in main if r["config"] == "k4v4"] == [1.048]
     rep = PA.report(rows, [72])
     wins = {(r["set_suite"], r["metric"]): r["winner"] for r in rep if r["suite"] == "pareto-budget"}
+    wins = {(r["set_suite"], r["metric"]): r["winner"] for r in rep
+            if r["suite"] == "pareto-budget" and r["set_device"] is None}
     assert wins[("ppl", "ppl_ratio")] == "fmkv" and wins[("plan-check", "ppl_ratio")] == "fmkv"
     assert wins[("ppl", "kld")] == "fmkv"
 

@@ -3,8 +3,8 @@
 Input rows are the JSON lines ``fmkv-eval ppl`` and ``fmkv-eval plan`` write (``suite`` "ppl" or
 "plan-check"): a config name, ``bytes_per_token_per_head`` and the quality metrics ``ppl_ratio`` and ``kld``
 (lower is better for both). Rows are compared only inside one *measurement set*: the same model, text,
-context, token count and suite (``plan-check`` rows are measured on held-out windows, not the windows of a
-``ppl`` run). Within a set each config keeps its last row.
+context, token count, suite (``plan-check`` rows are measured on held-out windows, not the windows of a
+``ppl`` run) and device (the model runs in float32 on a CPU, float16 on a GPU). Within a set each config keeps its last row.
 
 For every budget B (bytes per token per kv head) the table names the best fmkv row and the best row of any
 other quantizer with at most B bytes, and which of the two is better; a row is on the front when no other
@@ -21,7 +21,7 @@ import re
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 METRICS = ("ppl_ratio", "kld")
-_SET_KEYS = ("model", "text", "ctx", "tokens", "suite")
+_SET_KEYS = ("model", "text", "ctx", "tokens", "suite", "device")
 _SUITES = ("ppl", "plan-check")
 
 
@@ -167,9 +167,9 @@ def format_table(rep: Sequence[dict]) -> str:
     for r in rep:
         if r["suite"] != "pareto-budget":
             continue
-        head = (r["set_model"], r["set_text"], r["set_ctx"], r["set_tokens"], r["set_suite"], r["metric"])
+        head = (r["set_model"], r["set_text"], r["set_ctx"], r["set_tokens"], r["set_suite"], r["set_device"], r["metric"])
         if head != last:
-            lines.append(f"\n{head[0]}, {head[1]}, ctx {head[2]}, {head[3]} tokens ({head[4]}): {head[5]}")
+            lines.append(f"\n{head[0]}, {head[1]}, ctx {head[2]}, {head[3]} tokens ({head[4]}, {head[5]}): {head[6]}")
             lines.append(f"{'budget':>7}  {'best fmkv':<28} {'':>9}  {'best other':<28} {'':>9}  winner")
             last = head
         m = r["metric"]
@@ -215,7 +215,7 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
             ax.set_xlabel("bytes per token per kv head (K+V; fp16 window amortised at ctx)")
             ax.set_ylabel(("perplexity / fp16" if metric == "ppl_ratio" else "KLD vs fp16") + " (log; lower is better)")
             ax.set_title(f"{info['model']}, {info['text']}, ctx {info['ctx']}, {info['tokens']} tokens "
-                         f"({info['suite']}): {metric}", fontsize=8)
+                         f"({info['suite']}, {info['device']}): {metric}", fontsize=8)
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
     if title:
