@@ -182,7 +182,8 @@ def format_table(rep: Sequence[dict]) -> str:
 
 
 def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
-    """One row of panels per measurement set (ppl ratio, KLD): every config, the front as a step line."""
+    """One row of panels per measurement set (ppl ratio - 1, KLD; log axes): every config, the front as a step
+    line. fp16, the reference, is not drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -196,24 +197,26 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
         info = dict(zip(_SET_KEYS, key))
         for j, metric in enumerate(METRICS):
             ax = axes[i][j]
+            # the ppl ratio is drawn as its excess over fp16 (ratio - 1) so that 1.002 and 1.006 stay apart on a log axis
+            yv = (lambda r: max(r[metric] - 1.0, 1e-5)) if metric == "ppl_ratio" else (lambda r: r[metric])
             shown = [r for r in rs if quantizer_family(r) != "fp16"]  # fp16 is the reference, not a point
             for fam in sorted({quantizer_family(r) for r in shown}):
                 fr = [r for r in shown if quantizer_family(r) == fam]
                 mk, col = styles.get(fam, ("x", "C5"))
-                ax.scatter([r["bytes_per_token_per_head"] for r in fr], [r[metric] for r in fr], marker=mk,
+                ax.scatter([r["bytes_per_token_per_head"] for r in fr], [yv(r) for r in fr], marker=mk,
                            color=col, s=22, label=fam, zorder=3, facecolors="none" if fam != "fmkv" else col)
             fr = [r for r in front(shown, metric)]
             if fr:
                 xs = [r["bytes_per_token_per_head"] for r in fr]
-                ys = [r[metric] for r in fr]
+                ys = [yv(r) for r in fr]
                 ax.step(xs + [max(r["bytes_per_token_per_head"] for r in shown)], ys + [ys[-1]], where="post",
                         color="0.3", linewidth=1, label="front", zorder=2)
                 for r in fr:
-                    ax.annotate(r["config"], (r["bytes_per_token_per_head"], r[metric]), fontsize=6,
+                    ax.annotate(r["config"], (r["bytes_per_token_per_head"], yv(r)), fontsize=6,
                                 xytext=(3, 3), textcoords="offset points")
             ax.set_yscale("log")
             ax.set_xlabel("bytes per token per kv head (K+V; fp16 window amortised at ctx)")
-            ax.set_ylabel(("perplexity / fp16" if metric == "ppl_ratio" else "KLD vs fp16") + " (log; lower is better)")
+            ax.set_ylabel(("perplexity / fp16 - 1" if metric == "ppl_ratio" else "KLD vs fp16") + " (log; lower is better)")
             ax.set_title(f"{info['model']}, {info['text']}, ctx {info['ctx']}, {info['tokens']} tokens "
                          f"({info['suite']}, {info['device']}): {metric}", fontsize=8)
             ax.grid(alpha=0.3, which="both")
