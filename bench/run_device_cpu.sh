@@ -13,17 +13,19 @@
 # 4. bench/cpu_bench.py (every width, fmkv vs torch SDPA, copy bandwidth) on the avx512vnni, avx512 and avx2 sets ->
 #    $OUT/results/cpu_decode.jsonl, cpu_quantize.jsonl, cpu_decode.png (CPU_BENCH_ARGS: more arguments, e.g.
 #    --contexts 32768,131072).
+# $OUT gets at most 8 files (the device tool's limit): machine.txt (lscpu, fmkv info), build.log, ctest.log,
+# cpu_bench.log, cpu_ab.jsonl and results/cpu_decode.jsonl, cpu_quantize.jsonl, cpu_decode.png.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
 BASE=${1:-}; ROUNDS=${2:-3}
 CORES=${FMKV_BENCH_CORES:-2,3}
 T0=$SECONDS; el() { echo "$((SECONDS - T0)) s"; }
-lscpu > "$OUT/lscpu.txt" 2>&1
+lscpu > "$OUT/machine.txt" 2>&1
 GT=""
 if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
-  cmake -S .gtest-src -B /tmp/gtb -G Ninja -DCMAKE_INSTALL_PREFIX=/tmp/gti -DBUILD_GMOCK=OFF > "$OUT/gtest_build.log" 2>&1 &&
-    ninja -C /tmp/gtb install >> "$OUT/gtest_build.log" 2>&1 || echo "gtest build failed"
+  cmake -S .gtest-src -B /tmp/gtb -G Ninja -DCMAKE_INSTALL_PREFIX=/tmp/gti -DBUILD_GMOCK=OFF > /tmp/gtest_build.log 2>&1 &&
+    ninja -C /tmp/gtb install >> /tmp/gtest_build.log 2>&1 || echo "gtest build failed"
   GT="-DCMAKE_PREFIX_PATH=/tmp/gti"
 fi
 ( cmake -S . -B /tmp/bcpu -G Ninja -DFMKV_CUDA=OFF -DCMAKE_BUILD_TYPE=Release $GT > "$OUT/build.log" 2>&1 &&
@@ -31,16 +33,17 @@ fi
   echo "tree: build rc=$? at $(el)" ) &
 if [ -n "$BASE" ]; then
   ( rm -rf /tmp/cpu_base_src && mkdir -p /tmp/cpu_base_src && tar -xf "$BASE" -C /tmp/cpu_base_src &&
-      cmake -S /tmp/cpu_base_src -B /tmp/bcpu_base -G Ninja -DFMKV_CUDA=OFF -DFMKV_BUILD_TESTS=OFF > "$OUT/build_base.log" 2>&1 &&
-      ninja -C /tmp/bcpu_base -j6 cpu_bench >> "$OUT/build_base.log" 2>&1
+      cmake -S /tmp/cpu_base_src -B /tmp/bcpu_base -G Ninja -DFMKV_CUDA=OFF -DFMKV_BUILD_TESTS=OFF > /tmp/build_base.log 2>&1 &&
+      ninja -C /tmp/bcpu_base -j6 cpu_bench >> /tmp/build_base.log 2>&1
     echo "base: build rc=$? at $(el)" ) &
 fi
 wait
+[ -f /tmp/build_base.log ] && { echo "== base build"; cat /tmp/build_base.log; } >> "$OUT/build.log"
 [ -x /tmp/bcpu/bench/cpu_bench ] || { echo "BUILD FAILED"; grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
 
 (cd /tmp/bcpu && ctest -j 8 -E "cuda|metal" > "$OUT/ctest.log" 2>&1)
 echo "ctest: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log") at $(el)"
-/tmp/bcpu/cli/fmkv info | tee "$OUT/info.txt"
+/tmp/bcpu/cli/fmkv info | tee -a "$OUT/machine.txt"
 
 if [ -n "$BASE" ] && [ -x /tmp/bcpu_base/bench/cpu_bench ]; then
   : > "$OUT/cpu_ab.jsonl"
