@@ -12,7 +12,7 @@
 namespace fmkv {
 namespace format_text_detail {
 // "a, b or c" of the values in v (one value: itself).
-inline std::string listed(const std::vector<int64_t>& v) {
+inline std::string listed(const std::vector<int32_t>& v) {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i == 0 ? "" : i + 1 == v.size() ? " or " : ", ") + std::to_string(v[i]);
   return s;
@@ -28,8 +28,7 @@ inline std::vector<int32_t> supported_code_bits() {
 }
 
 inline std::string supported_code_bits_text(bool with_fp16) {
-  std::vector<int64_t> v;
-  for (int32_t b : supported_code_bits()) v.push_back(b);
+  std::vector<int32_t> v = supported_code_bits();
   if (with_fp16) v.push_back(FMKV_FP16_BITS);
   return format_text_detail::listed(v);
 }
@@ -42,14 +41,10 @@ inline std::vector<int32_t> supported_head_dims() {
   return v;
 }
 
-inline std::string supported_head_dims_text() {
-  std::vector<int64_t> v;
-  for (int32_t d : supported_head_dims()) v.push_back(d);
-  return format_text_detail::listed(v);
-}
+inline std::string supported_head_dims_text() { return format_text_detail::listed(supported_head_dims()); }
 
 inline std::string supported_format_versions_text() {
-  std::vector<int64_t> v;
+  std::vector<int32_t> v;
   for (int32_t f = 1; f <= FMKV_FORMAT_VERSION_NEWEST; ++f)
     if (fmkv_format_version_supported(f)) v.push_back(f);
   return format_text_detail::listed(v);

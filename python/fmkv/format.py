@@ -8,19 +8,15 @@ import numpy as np
 
 from . import _fmkv
 
-__all__ = ["GROUP_SIZE", "FP16_BITS", "CODE_BITS", "CODEBOOK_MAX_BITS", "rotation_sign_words", "rotation_signs", "layer_seed", "rotation_norm",
+__all__ = ["GROUP_SIZE", "FP16_BITS", "CODE_BITS", "CODE_BITS_TEXT", "K_CODE_BITS_TEXT", "CODEBOOK_MAX_BITS", "rotation_sign_words", "rotation_signs", "layer_seed", "rotation_norm",
            "compressed_end"]
 
 GROUP_SIZE: int = _fmkv.GROUP_SIZE  # rotated coordinates per scale group
 FP16_BITS: int = _fmkv.FP16_BITS    # k_bits value meaning "K kept in fp16, unrotated"
 CODE_BITS: tuple = tuple(_fmkv.CODE_BITS)  # code widths of a K or V side, ascending (K may also be FP16_BITS)
+CODE_BITS_TEXT: str = _fmkv.CODE_BITS_TEXT  # CODE_BITS as the library's messages list them ("2, 3 or 4")
+K_CODE_BITS_TEXT: str = _fmkv.K_CODE_BITS_TEXT  # the same with fp16 K ("2, 3, 4 or 16")
 CODEBOOK_MAX_BITS: int = _fmkv.CODEBOOK_MAX_BITS  # fmkv.codebook(bits) exists for bits 1 .. this
-
-
-def listed(values) -> str:
-    """'2, 3 or 4': values as the library's error messages list them."""
-    v = [str(x) for x in values]
-    return v[0] if len(v) == 1 else ", ".join(v[:-1]) + " or " + v[-1]
 
 
 def rotation_sign_words(seed: int, layer: int, head_dim: int) -> np.ndarray:

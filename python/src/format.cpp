@@ -33,6 +33,8 @@ void bind_format(nb::module_& m) {
     for (int32_t b : fmkv::supported_code_bits()) widths.append(b);
     m.attr("CODE_BITS") = nb::tuple(widths);
   }
+  m.attr("CODE_BITS_TEXT") = fmkv::supported_code_bits_text(false);       // "2, 3 or 4", as messages list them
+  m.attr("K_CODE_BITS_TEXT") = fmkv::supported_code_bits_text(true);      // "2, 3, 4 or 16"
   m.attr("CODEBOOK_MAX_BITS") = (int)FMKV_CODE_BITS_MAX;  // codebooks exist for widths 1 .. this (fmkv.codebook)
 
   m.def("config_validate", [](const fmkv_config& c) { fmkv::check(fmkv_config_validate(&c)); });

@@ -34,8 +34,8 @@ def test_messages_list_exactly_the_supported_values(field, value, listed):
         fmkv.Config(**{"head_dim": 64, "num_kv_heads": 1, field: value})
 
 
-def test_format_listed():
-    assert fmt.listed([7]) == "7" and fmt.listed([2, 3]) == "2 or 3" and fmt.listed([2, 3, 4, 16]) == "2, 3, 4 or 16"
+def test_width_texts_from_the_library():
+    assert fmt.CODE_BITS_TEXT == "2, 3 or 4" and fmt.K_CODE_BITS_TEXT == "2, 3, 4 or 16"
 
 
 def test_eval_config_parser_takes_the_widths_from_the_library():

@@ -205,7 +205,7 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
                 mk, col = styles.get(fam, ("x", "C5"))
                 ax.scatter([r["bytes_per_token_per_head"] for r in fr], [yv(r) for r in fr], marker=mk,
                            color=col, s=22, label=fam, zorder=3, facecolors="none" if fam != "fmkv" else col)
-            fr = [r for r in front(shown, metric)]
+            fr = front(shown, metric)
             if fr:
                 xs = [r["bytes_per_token_per_head"] for r in fr]
                 ys = [yv(r) for r in fr]

@@ -215,8 +215,7 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
     if m:
         kb, vb = int(m.group(1)), int(m.group(2))
         if kb not in fmt.CODE_BITS + (fmt.FP16_BITS,) or vb not in fmt.CODE_BITS:
-            raise ValueError(f"config {name!r}: k_bits must be {fmt.listed(fmt.CODE_BITS + (fmt.FP16_BITS,))} "
-                             f"and v_bits {fmt.listed(fmt.CODE_BITS)}")
+            raise ValueError(f"config {name!r}: k_bits must be {fmt.K_CODE_BITS_TEXT} and v_bits {fmt.CODE_BITS_TEXT}")
         q = KVQuantizer(name, "fmkv", kb, vb, seed=seed)
         for mod in mods:
             if mod == "rms":
