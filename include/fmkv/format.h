@@ -35,6 +35,7 @@ extern "C" {
 #define FMKV_FP16_BITS 16  /* k_bits value meaning "K kept in fp16, unrotated" */
 #define FMKV_CODE_BITS_MIN 2 /* code widths of a K or V side: FMKV_CODE_BITS_MIN .. FMKV_CODE_BITS_MAX */
 #define FMKV_CODE_BITS_MAX 4 /* (tools/gen_codebooks.cpp generates the codebooks of widths 1 .. this) */
+#define FMKV_TILED_CODE_BITS 3 /* the width format version 3 stores in tile blocks (fmkv_tiled_codes) */
 #define FMKV_MIN_PAGE_SIZE 16
 #define FMKV_MAX_PAGE_SIZE 256
 #define FMKV_MAX_HEAD_DIM 256 /* largest supported head_dim */
@@ -143,7 +144,7 @@ FMKV_HD int32_t fmkv_field_shift(int32_t j) {
  * fmkv_tile_code_bit gives the bit of the block (bit n = bit n & 7 of byte n >> 3) that holds bit b of the
  * code of tile token t16, group g, coordinate c. */
 FMKV_HD int fmkv_tiled_codes(int32_t format_version, int32_t bits) {
-  return fmkv_resolved_format_version(format_version) >= 3 && bits == 3;
+  return fmkv_resolved_format_version(format_version) >= 3 && bits == FMKV_TILED_CODE_BITS;
 }
 FMKV_HD int64_t fmkv_tile_block_bytes(int32_t d) { return 64 * 3 * (int64_t)fmkv_groups(d); }
 /* Byte offset, inside a section, of the tile block holding token slot t. */

@@ -27,6 +27,7 @@
 #include <string>
 
 #include "../format/quantize_group.h"
+#include "code_widths.cuh"
 #include "quantize.cuh"
 #include "tile_blocks.cuh"
 
@@ -481,7 +482,7 @@ void launch_compress_f(const AppendParams& p, cudaStream_t st) {
 // format 3 with a 3-bit side: its own kernel (the format-2 one keeps its code)
 template <int D, int KB, int VB, bool LSQ>
 void launch_compress(const AppendParams& p, cudaStream_t st) {
-  if constexpr (KB == 3 || VB == 3) {
+  if constexpr (kTiled<KB, true> || kTiled<VB, true>) {
     if (p.f3) return launch_compress_f<D, KB, VB, LSQ, true>(p, st);
   }
   launch_compress_f<D, KB, VB, LSQ, false>(p, st);
@@ -491,21 +492,15 @@ void launch_compress(const AppendParams& p, cudaStream_t st) {
 template <int D, int KB>
 void launch_compress_kb(const AppendParams& p, cudaStream_t st) {
   const bool lsq = p.rule == FMKV_SCALE_LSQ;
-  switch (p.vb) {
-    case 2: lsq ? launch_compress<D, KB, 2, true>(p, st) : launch_compress<D, KB, 2, false>(p, st); break;
-    case 3: lsq ? launch_compress<D, KB, 3, true>(p, st) : launch_compress<D, KB, 3, false>(p, st); break;
-    default: lsq ? launch_compress<D, KB, 4, true>(p, st) : launch_compress<D, KB, 4, false>(p, st); break;
-  }
+  with_code_bits(p.vb, [&](auto vb) {
+    constexpr int VB = decltype(vb)::value;
+    lsq ? launch_compress<D, KB, VB, true>(p, st) : launch_compress<D, KB, VB, false>(p, st);
+  });
 }
 
 template <int D>
 void launch_append(const AppendParams& p, cudaStream_t st) {
-  switch (p.kb) {
-    case 2: launch_compress_kb<D, 2>(p, st); break;
-    case 3: launch_compress_kb<D, 3>(p, st); break;
-    case 4: launch_compress_kb<D, 4>(p, st); break;
-    default: launch_compress_kb<D, FMKV_FP16_BITS>(p, st); break;
-  }
+  with_k_bits(p.kb, [&](auto kb) { launch_compress_kb<D, decltype(kb)::value>(p, st); });
   if (p.R > 0) {
     const int64_t wblocks = std::min<int64_t>((p.rows * p.H * 2 + 7) / 8, 1 << 20);
     fp16_rows<D, true><<<(unsigned)wblocks, 256, 0, st>>>(p);

@@ -227,13 +227,9 @@ bool tiled_config(const fmkv_config& c) {
 
 AttnFn attn_kernel(const fmkv_config& c) {
   const bool f3 = tiled_config(c);
-  switch (c.k_bits) {
-    case 2: return attn_kernel_k2(c.head_dim, c.v_bits, c.page_size, f3);
-    case 3: return attn_kernel_k3(c.head_dim, c.v_bits, c.page_size, f3);
-    case 4: return attn_kernel_k4(c.head_dim, c.v_bits, c.page_size, f3);
-    case 16: return attn_kernel_k16(c.head_dim, c.v_bits, c.page_size, f3);
-  }
-  return AttnFn{};
+  AttnFn fn{};
+  with_k_bits(c.k_bits, [&](auto kb) { fn = attn_kernel_k<decltype(kb)::value>(c.head_dim, c.v_bits, c.page_size, f3); });
+  return fn;
 }
 
 // The current device's CTA slots for `fn` (SMs, CTAs per SM: split_count.h), after opting the kernel in to

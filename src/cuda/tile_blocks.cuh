@@ -95,7 +95,7 @@ __device__ __forceinline__ void tile_put_codes_atomic(uint8_t* block, int is_v, 
 
 // Is a b-bit section of a format-`F3 ? 3 : 2` kernel stored in tile blocks?
 template <int BITS, bool F3>
-constexpr bool kTiled = F3 && BITS == 3;
+constexpr bool kTiled = F3 && BITS == FMKV_TILED_CODE_BITS;
 
 // The generated integer levels (codebooks.inc) at compile time.
 constexpr int kTileInt[2][4] = FMKV_CODEBOOK3_INT;

@@ -38,7 +38,7 @@ wait
 [ -x /tmp/b/fmkv_cuda_bench ] || { echo "BUILD FAILED"; grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
 
 CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
-python3 tests/cuda/tile_loop_check.py --cuobjdump "$CUOBJDUMP" /tmp/b/CMakeFiles/fmkv.dir/src/cuda/decode_k*.cu.o > "$OUT/tile_loops.log" 2>&1
+python3 tests/cuda/tile_loop_check.py --cuobjdump "$CUOBJDUMP" /tmp/b/CMakeFiles/fmkv.dir/*/cuda/decode_k*.cu.o > "$OUT/tile_loops.log" 2>&1
 echo "tile loop check rc=$? ($(tail -n 1 "$OUT/tile_loops.log"))"
 L=$OUT/cuda_tests.log
 timeout 240 /tmp/b/tests/fmkv_tests --gtest_filter="${TESTS_FILTER:-*cuda*:Golden*:Errors*:Reliability*}" > "$L" 2>&1; echo "tests rc=$?"

@@ -19,7 +19,7 @@ ninja -C /tmp/b -j16 fmkv_tests fmkv_cuda_tests fmkv_half_cuda_test fmkv_cuda_be
 echo "build ok"
 # static check: no register spills (local memory) inside any decode tile loop
 CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
-python3 tests/cuda/tile_loop_check.py --cuobjdump $CUOBJDUMP /tmp/b/CMakeFiles/fmkv.dir/src/cuda/decode_k*.cu.o > $OUT/tile_loops.log 2>&1
+python3 tests/cuda/tile_loop_check.py --cuobjdump $CUOBJDUMP /tmp/b/CMakeFiles/fmkv.dir/*/cuda/decode_k*.cu.o > $OUT/tile_loops.log 2>&1
 echo "tile loop check rc=$? ($(tail -n 1 $OUT/tile_loops.log))"
 if [ "$MODE" != bench ]; then
   timeout 240 /tmp/b/tests/fmkv_tests --gtest_filter='*cuda*:Golden*:Errors*' > $OUT/cuda_tests.log 2>&1

@@ -14,7 +14,7 @@ starts after the first half of its kernel's instructions (--max-loop-position): 
 change of the sink/window dispatch made ptxas place the loop after ~11k instructions of cold code, with
 the loop's own SASS unchanged, and every decode step measured 7-9% slower (docs/history/cuda-fused-step.md).
 
-    python3 tests/cuda/tile_loop_check.py build/CMakeFiles/fmkv.dir/src/cuda/decode_k*.cu.o
+    python3 tests/cuda/tile_loop_check.py build/CMakeFiles/fmkv.dir/*/cuda/decode_k*.cu.o
 """
 import argparse
 import re

@@ -1,0 +1,34 @@
+// The decode attention kernels of one K width, FMKV_DECODE_K_BITS: every compiled (head_dim, V width,
+// page size, format) of attn_compiled / attn_compiled_f3 (decode_attention.cuh). cmake/cuda.cmake generates
+// one translation unit per K width (FMKV_CODE_BITS_MIN .. FMKV_CODE_BITS_MAX and FMKV_FP16_BITS, read from
+// include/fmkv/format.h) that defines FMKV_DECODE_K_BITS and includes this file, so the widths' kernels
+// compile in parallel; decode_attention.cu calls the explicit instantiations through with_k_bits.
+#pragma once
+#ifndef FMKV_DECODE_K_BITS
+#error "decode_k.cuh is included by the generated per-K-width translation units (FMKV_DECODE_K_BITS)"
+#endif
+#include "decode_attention.cuh"
+
+namespace fmkv {
+namespace cuda {
+
+template <int KB>
+AttnFn attn_kernel_k(int d, int vb, int page, bool f3) {
+  static_assert(is_k_bits(KB), "FMKV_DECODE_K_BITS is not a K width of the format");
+  AttnFn fn{};
+  const auto for_v = [&](auto VB) {
+    constexpr int V = decltype(VB)::value;
+    switch (d) {
+      case 64: fn = f3 ? attn_kernel_for_page<64, KB, V, true>(page) : attn_kernel_for_page<64, KB, V, false>(page); break;
+      case 128: fn = f3 ? attn_kernel_for_page<128, KB, V, true>(page) : attn_kernel_for_page<128, KB, V, false>(page); break;
+      case 256: fn = f3 ? attn_kernel_for_page<256, KB, V, true>(page) : attn_kernel_for_page<256, KB, V, false>(page); break;
+    }
+  };
+  with_code_bits(vb, for_v);
+  return fn;
+}
+
+template AttnFn attn_kernel_k<FMKV_DECODE_K_BITS>(int d, int vb, int page, bool f3);
+
+}  // namespace cuda
+}  // namespace fmkv

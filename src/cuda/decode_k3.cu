@@ -1,8 +1,0 @@
-// Instantiations of the decode attention kernel for k_bits = 3 (split by K width for build parallelism).
-#include "decode_attention.cuh"
-
-namespace fmkv {
-namespace cuda {
-FMKV_ATTN_DISPATCH(3)
-}  // namespace cuda
-}  // namespace fmkv
