@@ -4,6 +4,7 @@
 // (src/io) alike.
 #pragma once
 #include <string>
+#include <utility>
 
 #include "fmkv/error.hpp"
 #include "fmkv/fmkv.h"
@@ -27,8 +28,14 @@ const std::string& last_error();
 void set_last_error(const std::string& msg);
 
 [[noreturn]] inline void fail(int code, const std::string& msg) { throw Error(code, msg); }
-inline void require(bool ok, int code, const std::string& msg) {
+// A check with a fixed message, or with a message built only when the check fails (a callable returning
+// std::string: the passing path of a check allocates nothing).
+inline void require(bool ok, int code, const char* msg) {
   if (!ok) fail(code, msg);
+}
+template <typename MakeMessage, typename = decltype(std::string(std::declval<MakeMessage&>()()))>
+inline void require(bool ok, int code, MakeMessage&& make_message) {
+  if (!ok) fail(code, make_message());
 }
 
 // Run f(); FMKV_OK and an empty last error, or the status of what it threw and its message.
