@@ -110,3 +110,31 @@ def test_plan_rejects_bad_arguments(capsys):
         with pytest.raises(SystemExit):
             cli.main(argv)
         assert msg in capsys.readouterr().err
+
+
+def test_load_plans_reads_plan_rows_only(tmp_path):
+    from fmkv.eval.plan import load_plans
+    bits = [[3, 2], [4, 3], [16, 4]]
+    rows = [{"suite": "plan-sensitivity", "config": "k3v3"},
+            {"suite": "plan", "config": "plan-56B", "window_tokens": 64, "format_version": 3,
+             "layer_bits": json.dumps(bits)},
+            {"suite": "plan-check", "config": "fp16"},
+            {"suite": "plan", "config": "plan-91B", "window_tokens": 128, "layer_bits": [[4, 4]] * 3}]
+    p = tmp_path / "plan.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    qs = load_plans(str(p), num_layers=3)
+    assert [q.name for q in qs] == ["plan-56B", "plan-91B"]
+    assert qs[0].layer_bits == ((3, 2), (4, 3), (16, 4)) and qs[0].residual == 64 and qs[0].format_version == 3
+    assert qs[1].layer_bits == ((4, 4),) * 3 and qs[1].residual == 128
+    # the plan's bytes: its widths per layer, the window amortised as for any config
+    assert qs[1].bytes_per_token_per_head(64) == parse_config("k4v4").bytes_per_token_per_head(64)
+    with pytest.raises(ValueError, match="plan-56B' has 3 layers, the model 30"):
+        load_plans(str(p), num_layers=30)
+    q = tmp_path / "none.jsonl"
+    q.write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(ValueError, match="no plan rows"):
+        load_plans(str(q))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"suite": "plan", "config": "plan-x", "layer_bits": [[4]]}) + "\n")
+    with pytest.raises(ValueError, match="no \\(k_bits, v_bits\\) pair per layer"):
+        load_plans(str(bad))

@@ -176,6 +176,17 @@ def cmd_ppl(a: argparse.Namespace) -> int:
         configs.insert(0, parse_config("fp16"))
     t0 = time.time()
     model, tok = P.load_model(a.model, device=a.device)
+    if a.plans:
+        from .plan import load_plans
+        try:
+            for path in a.plans.split(","):
+                configs += load_plans(path, int(model.config.num_hidden_layers), seed=a.seed)
+        except (OSError, ValueError) as e:
+            print(f"--plans: {e}", file=sys.stderr)
+            return 2
+        if len({c.name for c in configs}) != len(configs):
+            print("--plans: a plan's name repeats a config name", file=sys.stderr)
+            return 2
     P.register()
     P.set_attn(model, P.ATTN_NAME)
     ids = torch.load(a.ids).long().reshape(-1) if a.ids else P.tokenize_file(tok, a.text)
@@ -559,6 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated config names (fmkv.eval.quantizers); fp16 is always added")
     q.add_argument("--ids", default="", help="pre-tokenized text (torch.save of a 1-D id tensor); "
                    "--text then only names it in the results")
+    q.add_argument("--plans", default="", help="also evaluate the budget plans of these fmkv-eval plan JSONL files "
+                   "(comma list; their per-layer widths and window, e.g. on text they were not calibrated on)")
     q.add_argument("--ctx", type=_int_at_least(1), default=2048)
     q.add_argument("--tokens", type=_int_at_least(1), default=65536, help="tokens of text to evaluate (whole windows)")
     q.add_argument("--device", default="cpu")

@@ -20,6 +20,7 @@ window_tokens=W) takes.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -39,6 +40,32 @@ def planned_quantizer(name: str, layer_bits: Sequence[Tuple[int, int]], window: 
     if format_version:
         q.options["format_version"] = int(format_version)
     return q
+
+
+def load_plans(path: str, num_layers: int = 0, seed: int = 0) -> List[KVQuantizer]:
+    """The budget plans of a `fmkv-eval plan` JSONL file (its rows with suite "plan") as quantizers named as the
+    plan named them (plan-<budget>B), to evaluate them on other text. num_layers > 0: each plan must have that
+    many layers (ValueError naming the plan otherwise)."""
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if r.get("suite") != "plan":
+                continue
+            bits = r.get("layer_bits")
+            if isinstance(bits, str):
+                bits = json.loads(bits)
+            if not bits or any(len(p) != 2 for p in bits):
+                raise ValueError(f"{path}:{i}: plan {r.get('config')!r} has no (k_bits, v_bits) pair per layer")
+            if num_layers and len(bits) != num_layers:
+                raise ValueError(f"{path}:{i}: plan {r.get('config')!r} has {len(bits)} layers, the model {num_layers}")
+            out.append(planned_quantizer(str(r["config"]), bits, int(r.get("window_tokens", 0)),
+                                         int(r.get("format_version", 0)), seed=seed))
+    if not out:
+        raise ValueError(f"{path}: no plan rows (suite 'plan'; write them with fmkv-eval plan)")
+    return out
 
 
 def sensitivity_configs(num_layers: int, k_menu: Sequence[int], v_menu: Sequence[int],
