@@ -16,6 +16,7 @@
 #pragma once
 #include "../format/codebook.h"
 #include "../format/pack.h"
+#include "code_widths.cuh"
 #include "quantize.cuh"
 #include "tile_writers.cuh"
 
@@ -95,7 +96,7 @@ __device__ __forceinline__ void tile_put_codes_atomic(uint8_t* block, int is_v, 
 
 // Is a b-bit section of a format-`F3 ? 3 : 2` kernel stored in tile blocks?
 template <int BITS, bool F3>
-constexpr bool kTiled = F3 && BITS == FMKV_TILED_CODE_BITS;
+constexpr bool kTiled = F3 && is_tiled_bits(BITS);
 
 // The generated integer levels (codebooks.inc) at compile time.
 constexpr int kTileInt[2][4] = FMKV_CODEBOOK3_INT;
