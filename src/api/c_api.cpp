@@ -28,7 +28,7 @@ using fmkv::require;
 // The backend b, compiled and usable, or an error naming why not.
 const BackendOps& usable_backend(fmkv_backend b) {
   const BackendOps* ops = fmkv::find_backend(b);
-  require((int)b >= 0 && (int)b < FMKV_BACKEND_COUNT, FMKV_ERR_INVALID_ARGUMENT, [&] { return std::string("unknown backend " + std::to_string((int)b)); });
+  require((int)b >= 0 && (int)b < FMKV_BACKEND_COUNT, FMKV_ERR_INVALID_ARGUMENT, [&] { return "unknown backend " + std::to_string((int)b); });
   require(ops && ops->available(), FMKV_ERR_UNSUPPORTED,
           [&] { return std::string("backend '") + fmkv_backend_name(b) + "' is not compiled into this build or has no usable device"; });
   return *ops;
@@ -191,8 +191,8 @@ fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const 
     fmkv::AppendArgs ap{*cfg, *layer, *batch, *k, *v, stream};
     fmkv::validate_append_shapes(ap);
     require(k->rows == q->rows, FMKV_ERR_INVALID_ARGUMENT,
-            [&] { return std::string("fmkv_append_attention: k has " + std::to_string(k->rows) + " rows but q has " + std::to_string(q->rows) +
-                " (one query row per appended token)"); });
+            [&] { return "fmkv_append_attention: k has " + std::to_string(k->rows) + " rows but q has " + std::to_string(q->rows) +
+                " (one query row per appended token)"; });
     if (!ops.host_memory) {  // device arrays: the backend checks them (and the row limit) itself
       fmkv::AttentionArgs a{*cfg, *layer, *batch, *q, *out, o, workspace, workspace_bytes, stream};
       fmkv::validate_attention_shapes(a);
@@ -207,9 +207,9 @@ fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const 
     for (int32_t s = 0; s < batch->num_seqs; ++s) {
       const int64_t rows = batch->row_offsets[s + 1] - batch->row_offsets[s];
       require(rows <= FMKV_FUSED_MAX_ROWS, FMKV_ERR_INVALID_ARGUMENT,
-              [&] { return std::string("fmkv_append_attention: sequence " + std::to_string(s) + ": " + std::to_string(rows) +
+              [&] { return "fmkv_append_attention: sequence " + std::to_string(s) + ": " + std::to_string(rows) +
                   " rows, but the fused call takes at most " + std::to_string(FMKV_FUSED_MAX_ROWS) +
-                  " per sequence (use fmkv_append, then fmkv_attention)"); });
+                  " per sequence (use fmkv_append, then fmkv_attention)"; });
       after[(size_t)s] = batch->seq_lens[s] + rows;  // validate_append_host checked for overflow
     }
     fmkv_batch b2 = *batch;
@@ -268,12 +268,27 @@ fmkv_status fmkv_device_synchronize(fmkv_backend b) {
 }
 
 namespace {
+// Checks shared by the format primitives below (one message each).
+void require_format_version(int32_t format_version) {
+  require(format_version == 0 || fmkv_format_version_supported(format_version), FMKV_ERR_INVALID_ARGUMENT,
+          [&] { return "format_version " + std::to_string(format_version) + " is not supported (0 = default, " +
+                fmkv::supported_format_versions_text() + ")"; });
+}
+void require_is_v(int32_t is_v) {
+  require(is_v == 0 || is_v == 1, FMKV_ERR_INVALID_ARGUMENT, [&] { return "is_v must be 0 (K) or 1 (V), got " + std::to_string(is_v); });
+}
+void require_head_dim(int32_t d) {
+  require(fmkv_head_dim_supported(d), FMKV_ERR_INVALID_ARGUMENT,
+          [&] { return "head_dim " + std::to_string(d) + " is not supported (" + fmkv::supported_head_dims_text() + ")"; });
+}
+void require_code_bits(int32_t bits) {
+  require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT,
+          [&] { return "bits " + std::to_string(bits) + " is not supported (" + fmkv::supported_code_bits_text(false) + ")"; });
+}
 // The codebook table of (format_version, is_v, bits), checked.
 int vector_table(int32_t format_version, int32_t is_v, int32_t bits) {
-  require(format_version == 0 || fmkv_format_version_supported(format_version), FMKV_ERR_INVALID_ARGUMENT,
-          [&] { return std::string("format_version " + std::to_string(format_version) + " is not supported (0 = default, " +
-                fmkv::supported_format_versions_text() + ")"); });
-  require(is_v == 0 || is_v == 1, FMKV_ERR_INVALID_ARGUMENT, [&] { return std::string("is_v must be 0 (K) or 1 (V), got " + std::to_string(is_v)); });
+  require_format_version(format_version);
+  require_is_v(is_v);
   return fmkv::codebook_table(fmkv_resolved_format_version(format_version), bits, is_v);
 }
 }  // namespace
@@ -282,12 +297,12 @@ fmkv_status fmkv_quantize_vector_as(int32_t format_version, int32_t is_v, int32_
                                     uint64_t seed, int32_t layer, const uint16_t* x, uint8_t* codes, uint16_t* scales) {
   return guarded([&] {
     require(x && codes && scales, FMKV_ERR_INVALID_ARGUMENT, "fmkv_quantize_vector: NULL argument");
-    require(fmkv_head_dim_supported(d), FMKV_ERR_INVALID_ARGUMENT, [&] { return std::string("head_dim " + std::to_string(d) + " is not supported (" + fmkv::supported_head_dims_text() + ")"); });
-    require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, [&] { return std::string("bits " + std::to_string(bits) + " is not supported (" + fmkv::supported_code_bits_text(false) + ")"); });
+    require_head_dim(d);
+    require_code_bits(bits);
     require(rule == FMKV_SCALE_RMS || rule == FMKV_SCALE_LSQ, FMKV_ERR_INVALID_ARGUMENT, "unknown scale_rule");
     const int table = vector_table(format_version, is_v, bits);
     for (int32_t i = 0; i < d; ++i)
-      require(fmkv::f16_is_finite(x[i]), FMKV_ERR_NON_FINITE, [&] { return std::string("x[" + std::to_string(i) + "] is NaN or Inf"); });
+      require(fmkv::f16_is_finite(x[i]), FMKV_ERR_NON_FINITE, [&] { return "x[" + std::to_string(i) + "] is NaN or Inf"; });
     auto sw = fmkv::ref::sign_words(seed, layer, d);
     fmkv::ref::quantize_vector(x, d, bits, rule, sw.data(), codes, scales, table);
   });
@@ -302,11 +317,11 @@ fmkv_status fmkv_dequantize_vector_as(int32_t format_version, int32_t is_v, int3
                                       int32_t layer, const uint8_t* codes, const uint16_t* scales, float* out) {
   return guarded([&] {
     require(codes && scales && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_dequantize_vector: NULL argument");
-    require(fmkv_head_dim_supported(d), FMKV_ERR_INVALID_ARGUMENT, [&] { return std::string("head_dim " + std::to_string(d) + " is not supported (" + fmkv::supported_head_dims_text() + ")"); });
-    require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, [&] { return std::string("bits " + std::to_string(bits) + " is not supported (" + fmkv::supported_code_bits_text(false) + ")"); });
+    require_head_dim(d);
+    require_code_bits(bits);
     const int table = vector_table(format_version, is_v, bits);
     for (int32_t i = 0; i < d; ++i)
-      require(codes[i] < (1u << bits), FMKV_ERR_INVALID_ARGUMENT, [&] { return std::string("code " + std::to_string(codes[i]) + " does not fit in " + std::to_string(bits) + " bits"); });
+      require(codes[i] < (1u << bits), FMKV_ERR_INVALID_ARGUMENT, [&] { return "code " + std::to_string(codes[i]) + " does not fit in " + std::to_string(bits) + " bits"; });
     auto sw = fmkv::ref::sign_words(seed, layer, d);
     std::vector<double> y(d), x(d);
     fmkv::ref::dequantize_vector(codes, scales, d, bits, y.data(), table);
@@ -333,7 +348,7 @@ void fmkv_bf16_to_f32(const uint16_t* x, float* out, int64_t n) {
 fmkv_status fmkv_codebook(int32_t bits, float* mags) {
   return guarded([&] {
     require(mags != nullptr, FMKV_ERR_INVALID_ARGUMENT, "mags is NULL");
-    require(bits >= 1 && bits <= FMKV_CODEBOOK_MAX_BITS, FMKV_ERR_INVALID_ARGUMENT, [&] { return std::string("bits must be 1.." + std::to_string(FMKV_CODEBOOK_MAX_BITS)); });
+    require(bits >= 1 && bits <= FMKV_CODEBOOK_MAX_BITS, FMKV_ERR_INVALID_ARGUMENT, [&] { return "bits must be 1.." + std::to_string(FMKV_CODEBOOK_MAX_BITS); });
     for (int m = 0; m < fmkv::magnitude_count(bits); ++m) mags[m] = fmkv::codebook_mag(bits, m);
   });
 }
@@ -341,11 +356,9 @@ fmkv_status fmkv_codebook(int32_t bits, float* mags) {
 fmkv_status fmkv_codebook_levels(int32_t format_version, int32_t bits, int32_t is_v, float* mags) {
   return guarded([&] {
     require(mags != nullptr, FMKV_ERR_INVALID_ARGUMENT, "mags is NULL");
-    require(format_version == 0 || fmkv_format_version_supported(format_version), FMKV_ERR_INVALID_ARGUMENT,
-            [&] { return std::string("format_version " + std::to_string(format_version) + " is not supported (0 = default, " +
-                fmkv::supported_format_versions_text() + ")"); });
-    require(fmkv_code_bits_supported(bits), FMKV_ERR_INVALID_ARGUMENT, [&] { return std::string("bits " + std::to_string(bits) + " is not supported (" + fmkv::supported_code_bits_text(false) + ")"); });
-    require(is_v == 0 || is_v == 1, FMKV_ERR_INVALID_ARGUMENT, "is_v must be 0 (K) or 1 (V)");
+    require_format_version(format_version);
+    require_code_bits(bits);
+    require_is_v(is_v);
     const int table = fmkv::codebook_table(fmkv_resolved_format_version(format_version), bits, is_v);
     for (int m = 0; m < fmkv::magnitude_count(bits); ++m) mags[m] = fmkv::table_mag(table, bits, m);
   });
