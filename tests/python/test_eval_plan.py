@@ -138,3 +138,112 @@ def test_load_plans_reads_plan_rows_only(tmp_path):
     bad.write_text(json.dumps({"suite": "plan", "config": "plan-x", "layer_bits": [[4]]}) + "\n")
     with pytest.raises(ValueError, match="no \\(k_bits, v_bits\\) pair per layer"):
         load_plans(str(bad))
+
+
+def test_budget_from_memory():
+    # 30 layers x 3 kv heads, 32k tokens, 2 sequences: 1 GiB is 2^30 / (32768 * 90 * 2) B per token per kv head
+    assert PL.budget_from_memory(2 ** 30, 32768, 30, 3, 2) == pytest.approx(2 ** 30 / (32768 * 90 * 2))
+    for bad in ((0, 10, 1, 1), (1e9, 0, 1, 1), (1e9, 10, -1, 1), (float("nan"), 10, 1, 1), (1e9, 10, 1, 1, 0)):
+        with pytest.raises(ValueError, match="must be a positive finite number"):
+            PL.budget_from_memory(*bad)
+
+
+def test_per_head_quantizer_matches_uniform_per_head():
+    d = 64
+    heads = [[(4, 4), (3, 2), (16, 3)], [(2, 2), (2, 2), (4, 16)]]
+    q = PL.planned_quantizer("ph", [], 0, head_bits=heads)
+    q.num_layers = 2
+    # the per-layer maxima are what a one-width-per-layer cache would need
+    assert q.layer_bits == ((16, 4), (4, 16))
+    pairs = [p for layer in heads for p in layer]
+    assert q.bytes_per_token_per_head(d) == pytest.approx(
+        sum(PL.side_bytes(d, k) + PL.side_bytes(d, v) for k, v in pairs) / len(pairs))
+    x = torch.randn(2, 3, 40, d)
+    for layer in range(2):
+        k, v = q.quant_k(x, layer), q.quant_v(x, layer)
+        for h, (kb, vb) in enumerate(heads[layer]):
+            uk = x[:, h:h + 1].half().float() if kb == 16 else parse_config(f"k{kb}v2").quant_k(x[:, h:h + 1], layer)
+            uv = x[:, h:h + 1].half().float() if vb == 16 else parse_config(f"k2v{vb}").quant_v(x[:, h:h + 1], layer)
+            assert torch.equal(k[:, h:h + 1], uk) and torch.equal(v[:, h:h + 1], uv)
+    with pytest.raises(ValueError, match="widths for 3 kv heads, the tensor 2"):
+        q.quant_k(torch.randn(1, 2, 8, d), 0)
+
+
+def test_sensitivity_configs_per_head():
+    cfg = PL.sensitivity_configs(2, [3, 16], [2], [0, 64], kv_heads=3)
+    assert len(cfg) == 2 * 2 * 2 * 3  # windows x sides (one width < 16 each) x layers x heads
+    assert cfg["sens-w64-k3-L1-H2"] == (64, "k", 1, 2, 3)
+    q = PL.sensitivity_quantizer("s", 2, 3, 64, "v", 1, 2, 2)
+    assert q.head_bits[1][2] == (16, 2) and all(p == (16, 16) for i, l in enumerate(q.head_bits)
+                                                  for h, p in enumerate(l) if (i, h) != (1, 2))
+    assert q.residual == 64
+    assert PL.sensitivity_configs(1, [2], [2], [0])["sens-w0-k2-L0"] == (0, "k", 0, -1, 2)
+
+
+def _tiny_plan_setup(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from fmkv.eval import ppl as P
+
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=512, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    monkeypatch.setattr(P, "load_model", lambda name, device="cpu": (model, None))
+    ids = torch.randint(0, 300, (64 * 5,), generator=torch.Generator().manual_seed(1))
+    torch.save(ids, tmp_path / "ids.pt")
+    return ["plan", "--model", "tiny", "--ids", str(tmp_path / "ids.pt"), "--ctx", "64", "--calib-tokens", "128",
+            "--check-tokens", "192", "--no-progress", "--commit", "test", "--plot", ""]
+
+
+def test_plan_per_head_and_memory_end_to_end(tmp_path, monkeypatch):
+    from fmkv.eval import cli
+
+    argv = _tiny_plan_setup(tmp_path, monkeypatch)
+    layer_out = tmp_path / "layer.jsonl"
+    assert cli.main(argv + ["--budgets", "70", "--windows", "0", "--out", str(layer_out)]) == 0
+    out = tmp_path / "heads.jsonl"
+    # 3 layers x 2 kv heads x 1024 tokens x 2 sequences at 70 B per token per kv head
+    mem = 3 * 2 * 1024 * 2 * 70
+    assert cli.main(argv + ["--per-head", "--memory", f"{mem}B", "--context", "1024", "--batch", "2",
+                            "--windows", "0", "--plans", str(layer_out), "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    sens = [r for r in rows if r["suite"] == "plan-sensitivity"]
+    assert len(sens) == 3 + 3 and all(len(r["kld_per_head"]) == 3 and len(r["kld_per_head"][0]) == 2 for r in sens)
+    (plan,) = [r for r in rows if r["suite"] == "plan"]
+    assert plan["config"] == "plan-70B-per-head" and plan["budget"] == pytest.approx(70.0)
+    assert plan["memory_bytes"] == mem and plan["context"] == 1024 and plan["batch"] == 2
+    assert len(plan["head_bits"]) == 3 and all(len(layer) == 2 for layer in plan["head_bits"])
+    assert plan["bytes_per_token_per_head"] <= 70.0 + 1e-6
+    # the per-head allocation is exact over (layer, head) units: its prediction is the sum of its units' entries
+    sk = {r["bits"]: r["kld_per_head"] for r in sens if r["side"] == "k"}
+    sv = {r["bits"]: r["kld_per_head"] for r in sens if r["side"] == "v"}
+    pred = sum((0.0 if kb == 16 else sk[kb][i][h]) + sv[vb][i][h]
+               for i, layer in enumerate(plan["head_bits"]) for h, (kb, vb) in enumerate(layer))
+    assert plan["predicted_kld"] == pytest.approx(pred, abs=1e-5)
+    checked = {r["config"] for r in rows if r["suite"] == "plan-check"}
+    assert {"fp16", "plan-70B", "plan-70B-per-head"} <= checked  # the stored per-layer plan checked beside it
+    # the plan file's per-head plan loads and evaluates as stored
+    (q,) = [q for q in PL.load_plans(str(out), num_layers=3)]
+    assert [[list(p) for p in layer] for layer in q.head_bits] == plan["head_bits"]
+
+
+def test_plan_memory_argument_errors(capsys):
+    from fmkv.eval import cli
+
+    for argv, msg in ((["plan", "--memory", "1GiB"], "--memory needs --context"),
+                      (["plan", "--memory", "1GiB", "--context", "64", "--budgets", "60"], "pass one of them"),
+                      (["plan", "--context", "4096"], "without --memory pass --budgets"),
+                      (["plan", "--memory", "2XB", "--context", "64"], "is not a size"),
+                      (["plan", "--memory", "0GiB", "--context", "64"], "must be positive"),
+                      (["plan", "--memory", "1GiB", "--context", "64", "--windows", "64"], "does not fit --context")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert msg in capsys.readouterr().err
+
+
+def test_load_plans_rejects_ragged_head_bits(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"suite": "plan", "config": "p", "head_bits": [[[4, 4], [3, 3]], [[4, 4]]]}) + "\n")
+    with pytest.raises(ValueError, match="pair per kv head"):
+        PL.load_plans(str(bad))

@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -273,6 +274,40 @@ def _float_list(text: str) -> List[float]:
     return vals
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _size_list(text: str) -> List[float]:
+    """argparse type: comma-separated byte sizes (4GiB, 512MB, 1e9)."""
+    out = []
+    for t in (t.strip() for t in text.split(",")):
+        if not t:
+            continue
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)", t)
+        if not m or m.group(2).lower() not in _SIZE_UNITS:
+            raise argparse.ArgumentTypeError(f"{t!r} is not a size (a number with an optional unit: B, KB, MB, GB, "
+                                             "TB, KiB, MiB, GiB, TiB)")
+        v = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+        if not (math.isfinite(v) and v > 0):
+            raise argparse.ArgumentTypeError(f"size {t!r} must be positive and finite")
+        out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError("empty size list")
+    return out
+
+
+def _check_plan_memory(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.memory and a.budgets:
+        parser.error("--memory and --budgets both set the budgets; pass one of them")
+    if a.memory and not a.context:
+        parser.error("--memory needs --context (the tokens per sequence the memory must hold)")
+    if (a.context or a.batch != 1) and not a.memory:
+        parser.error("--context and --batch size a --memory; without --memory pass --budgets")
+    if a.memory and any(w >= a.context for w in a.windows):
+        parser.error(f"--windows {max(a.windows)} does not fit --context {a.context}")
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     """Budget planner (fmkv.eval.plan): sensitivity on calibration windows, exact allocation per budget, and a
     check of each plan against the uniform configs of its budget on held-out windows."""
@@ -302,13 +337,26 @@ def cmd_plan(a: argparse.Namespace) -> int:
         print(f"the text has {n_all} windows of {a.ctx}: none left to check after {n_cal} calibration windows",
               file=sys.stderr)
         return 2
-    sens_cfg = PL.sensitivity_configs(n_layers, a.k_bits, a.v_bits, a.windows)
-    quants = []
-    for name, (w, side, i, b) in sens_cfg.items():
-        bits = [(16, 16)] * n_layers
-        bits[i] = (b, 16) if side == "k" else (16, b)
-        quants.append(PL.planned_quantizer(name, bits, w, a.format_version, a.seed))
-    print(f"model {a.model} loaded in {time.time() - t0:.1f}s; {n_layers} layers, head_dim {d}; "
+    n_kv = int(getattr(model.config, "num_key_value_heads", 0) or model.config.num_attention_heads)
+    budgets = list(a.budgets or [60.0])
+    if a.memory:
+        budgets = [PL.budget_from_memory(m, a.context, n_layers, n_kv, a.batch) for m in a.memory]
+        for m, b in zip(a.memory, budgets):
+            print(f"memory {m:,.0f} B for {a.batch} x {a.context} tokens, {n_layers} layers x {n_kv} kv heads: "
+                  f"{b:.2f} B per token per kv head", file=sys.stderr)
+    stored = []
+    if a.plans:
+        try:
+            for path in a.plans.split(","):
+                stored += PL.load_plans(path, n_layers, seed=a.seed)
+        except (OSError, ValueError) as e:
+            print(f"--plans: {e}", file=sys.stderr)
+            return 2
+    units = n_kv if a.per_head else 0  # sensitivity per (layer, kv head) instead of per layer
+    sens_cfg = PL.sensitivity_configs(n_layers, a.k_bits, a.v_bits, a.windows, units)
+    quants = [PL.sensitivity_quantizer(name, n_layers, n_kv, w, side, i, h, b, a.format_version, a.seed)
+              for name, (w, side, i, h, b) in sens_cfg.items()]
+    print(f"model {a.model} loaded in {time.time() - t0:.1f}s; {n_layers} layers, {n_kv} kv heads, head_dim {d}; "
           f"calibration: {n_cal} windows of {a.ctx} ({len(quants)} sensitivity configs); check: {n_chk} later windows",
           file=sys.stderr)
     sums = {q.name: 0.0 for q in quants}
@@ -321,52 +369,72 @@ def cmd_plan(a: argparse.Namespace) -> int:
             sums[k] += res[k]["kld"]
         count += res[quants[0].name]["n"]
     bar.close()
-    sens = {}  # (W, side) -> [layers, menu]
-    for w in a.windows:
-        for side, menu in (("k", a.k_bits), ("v", a.v_bits)):
-            m = np.zeros((n_layers, len(menu)))
-            for j, b in enumerate(menu):
-                if b != 16:
-                    for i in range(n_layers):
-                        m[i, j] = max(0.0, sums[f"sens-w{w}-{side}{b}-L{i}"] / count)
-            sens[(w, side)] = m
+    n_units = n_layers * (units or 1)
+    sens = {}  # (W, side) -> [units (layer-major, then kv head), menu]
+    for (w, side, i, h, b), name in ((v, k) for k, v in sens_cfg.items()):
+        menu = a.k_bits if side == "k" else a.v_bits
+        m = sens.setdefault((w, side), np.zeros((n_units, len(menu))))
+        m[i * (units or 1) + max(h, 0), menu.index(b)] = max(0.0, sums[name] / count)
+    for w in a.windows:  # a menu of fp16 only leaves zeros
+        for side in ("k", "v"):
+            sens.setdefault((w, side), np.zeros((n_units, len(a.k_bits if side == "k" else a.v_bits))))
     commit = a.commit or _commit()
     model_name = a.model
     if a.model == "smollm2-135m" or os.path.basename(a.model) == P.MODELS["smollm2-135m"][1]:
         model_name = "smollm2-135m"
     base = {"model": model_name, "text": os.path.basename(a.text),
             "ctx": a.ctx, "commit": commit, "device": a.device, "format_version": a.format_version or None}
+    amort = a.context if a.memory else a.ctx  # fp16 window tokens amortised over this many tokens
     rows = []
     for (w, side), m in sens.items():
         menu = a.k_bits if side == "k" else a.v_bits
         for j, b in enumerate(menu):
             if b != 16:
-                rows.append(dict(base, suite="plan-sensitivity", window_tokens=w, side=side, bits=b,
-                                 calib_tokens=count, kld_per_layer=[round(float(x), 7) for x in m[:, j]]))
+                row = dict(base, suite="plan-sensitivity", window_tokens=w, side=side, bits=b, calib_tokens=count)
+                if units:
+                    row["kld_per_head"] = [[round(float(x), 7) for x in m[i * units:(i + 1) * units, j]]
+                                           for i in range(n_layers)]
+                else:
+                    row["kld_per_layer"] = [round(float(x), 7) for x in m[:, j]]
+                rows.append(row)
     plans, checks = [], {}
-    for budget in a.budgets:
+    for q in stored:
+        checks[q.name] = q
+    for budget in budgets:
         best = None
         for w in a.windows:
-            r = PL.allocate(sens[(w, "k")], sens[(w, "v")], a.k_bits, a.v_bits, d, budget, w, a.ctx)
+            r = PL.allocate(sens[(w, "k")], sens[(w, "v")], a.k_bits, a.v_bits, d, budget, w, amort)
             if r is not None and (best is None or r[1] < best[1]):
                 best = (r[0], r[1], r[2], w)
         if best is None:
-            print(f"budget {budget} B: no configuration of the menus fits", file=sys.stderr)
+            print(f"budget {budget:.2f} B: no configuration of the menus fits", file=sys.stderr)
             continue
         bits, pred, nbytes, w = best
-        name = f"plan-{budget:g}B"
-        checks[name] = PL.planned_quantizer(name, bits, w, a.format_version, a.seed)
-        uni = sorted(PL.uniform_candidates(a.k_bits, a.v_bits, a.windows, d, budget, a.ctx), key=lambda t: -t[1])
+        name = f"plan-{budget:.4g}B" + ("-per-head" if units else "")
+        if name in checks:
+            print(f"plan {name} is also a stored plan's name (--plans)", file=sys.stderr)
+            return 2
+        heads = [bits[i * units:(i + 1) * units] for i in range(n_layers)] if units else None
+        checks[name] = PL.planned_quantizer(name, [] if units else bits, w, a.format_version, a.seed, head_bits=heads)
+        uni = sorted(PL.uniform_candidates(a.k_bits, a.v_bits, a.windows, d, budget, amort), key=lambda t: -t[1])
         uni = [u for u in uni if u[1] >= 0.8 * budget][:a.uniform_per_budget]
         for u, _ in uni:
             nm = u + ("-fmt3" if a.format_version == 3 else "")
             checks.setdefault(nm, parse_config(nm, seed=a.seed))
-        plans.append(dict(base, suite="plan", budget=budget, config=name, window_tokens=w, layer_bits=[list(p) for p in bits],
-                          bytes_per_token_per_head=round(nbytes, 3), predicted_kld=round(pred, 6),
-                          uniform_compared=[u + ("-fmt3" if a.format_version == 3 else "") for u, _ in uni],
-                          calib_windows=[0, n_cal], check_windows=[n_cal, n_cal + n_chk]))
-        print(f"budget {budget:g} B: window {w}, {nbytes:.2f} B, predicted KLD {pred:.5f}, layers (k,v): "
-              + " ".join(f"{k}{v}" if k < 16 else f"F{v}" for k, v in bits), file=sys.stderr)
+        plan = dict(base, suite="plan", budget=round(budget, 4), config=name, window_tokens=w,
+                    layer_bits=[list(p) for p in checks[name].layer_bits],
+                    bytes_per_token_per_head=round(nbytes, 3), predicted_kld=round(pred, 6),
+                    uniform_compared=[u + ("-fmt3" if a.format_version == 3 else "") for u, _ in uni],
+                    calib_windows=[0, n_cal], check_windows=[n_cal, n_cal + n_chk])
+        if units:
+            plan["head_bits"] = [[list(p) for p in layer] for layer in heads]
+        if a.memory:
+            plan.update(memory_bytes=a.memory[budgets.index(budget)], context=a.context, batch=a.batch)
+        plans.append(plan)
+        desc = (" ".join("/".join(f"{k}{v}" if k < 16 else f"F{v}" for k, v in layer) for layer in heads) if units
+                else " ".join(f"{k}{v}" if k < 16 else f"F{v}" for k, v in bits))
+        print(f"budget {budget:.2f} B: window {w}, {nbytes:.2f} B, predicted KLD {pred:.5f}, "
+              f"{'layers (k,v per kv head)' if units else 'layers (k,v)'}: {desc}", file=sys.stderr)
     cq = [parse_config("fp16")] + list(checks.values())
     for q in cq:
         q.num_layers = n_layers
@@ -609,7 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--model", default="smollm2-135m")
     pn.add_argument("--text", default=DEFAULT_TEXT)
     pn.add_argument("--ids", default="", help="pre-tokenized text (torch.save of a 1-D id tensor)")
-    pn.add_argument("--budget", "--budgets", dest="budgets", type=_float_list, default=[60.0],
+    pn.add_argument("--budget", "--budgets", dest="budgets", type=_float_list, default=None,
                     help="bytes per token per kv head (K+V), comma-separated for several plans (default 60)")
     pn.add_argument("--ctx", type=_int_at_least(2), default=2048)
     pn.add_argument("--calib-tokens", type=_int_at_least(1), default=8192,
@@ -630,8 +698,19 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--commit", default="")
     pn.add_argument("--out", default="docs/results/plan.jsonl")
     pn.add_argument("--plot", default=None, help="PNG (default: --out with .png; '' for none)")
+    pn.add_argument("--memory", type=_size_list, default=[],
+                    help="KV-cache memory instead of --budgets: sizes such as 2GiB,512MiB (with --context, --batch); "
+                         "each becomes a budget per token per kv head for this model")
+    pn.add_argument("--context", type=_int_at_least(1), default=0,
+                    help="tokens per sequence the --memory must hold (fp16 windows are amortised over it)")
+    pn.add_argument("--batch", type=_int_at_least(1), default=1, help="sequences the --memory must hold")
+    pn.add_argument("--per-head", action="store_true",
+                    help="widths per (layer, kv head) instead of per layer (sensitivity per kv head)")
+    pn.add_argument("--plans", default="",
+                    help="also check the plans of these fmkv-eval plan JSONL files (comma-separated) on the held-out "
+                         "windows")
     pn.add_argument("--no-progress", action="store_true")
-    pn.set_defaults(func=cmd_plan)
+    pn.set_defaults(func=cmd_plan, check=_check_plan_memory)
     pa = sub.add_parser("pareto", help="bytes vs quality front of measured rows; best fmkv vs best other per budget")
     pa.add_argument("jsonl", nargs="+", help="ppl / plan JSONL files (rows compared within one measurement set)")
     pa.add_argument("--budgets", type=_budget_list, default=_budget_list("36:128:4"),

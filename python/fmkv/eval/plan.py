@@ -30,13 +30,21 @@ from .quantizers import KVQuantizer
 
 
 def planned_quantizer(name: str, layer_bits: Sequence[Tuple[int, int]], window: int, format_version: int = 0,
-                      seed: int = 0) -> KVQuantizer:
-    """An fmkv quantizer with one (k_bits, v_bits) per layer (16: that side of that layer in fp16)."""
+                      seed: int = 0, head_bits: Optional[Sequence[Sequence[Tuple[int, int]]]] = None) -> KVQuantizer:
+    """An fmkv quantizer with one (k_bits, v_bits) per layer (16: that side of that layer in fp16); with
+    ``head_bits`` (a list of (k_bits, v_bits) per kv head for each layer) one pair per (layer, kv head), and
+    ``layer_bits`` the per-layer maxima (what a cache that takes one width per layer would need)."""
+    heads = tuple(tuple((int(k), int(v)) for k, v in layer) for layer in head_bits) if head_bits else ()
+    if heads:
+        layer_bits = [(max(k for k, _ in layer), max(v for _, v in layer)) for layer in heads]
     pairs = tuple((int(k), int(v)) for k, v in layer_bits)
     q = KVQuantizer(name, "fmkv", max(k for k, _ in pairs), max(v for _, v in pairs), residual=int(window),
-                    format_version=int(format_version), layer_bits=pairs, seed=seed, num_layers=len(pairs))
+                    format_version=int(format_version), layer_bits=pairs, head_bits=heads, seed=seed,
+                    num_layers=len(pairs))
     q.options = {"scale_rule": q.scale_rule, "rotation": True, "sink_tokens": 0, "window_tokens": int(window),
                  "group": 32, "layer_bits": [list(p) for p in pairs]}
+    if heads:
+        q.options["head_bits"] = [[list(p) for p in layer] for layer in heads]
     if format_version:
         q.options["format_version"] = int(format_version)
     return q
@@ -57,31 +65,65 @@ def load_plans(path: str, num_layers: int = 0, seed: int = 0) -> List[KVQuantize
             bits = r.get("layer_bits")
             if isinstance(bits, str):
                 bits = json.loads(bits)
+            heads = r.get("head_bits")
+            if isinstance(heads, str):
+                heads = json.loads(heads)
+            if heads is not None:
+                if (not heads or any(not layer or any(len(p) != 2 for p in layer) for layer in heads)
+                        or len({len(layer) for layer in heads}) != 1):
+                    raise ValueError(f"{path}:{i}: plan {r.get('config')!r} has no (k_bits, v_bits) pair per kv head "
+                                     "in every layer (head_bits)")
+                bits = [[max(p[0] for p in layer), max(p[1] for p in layer)] for layer in heads]
             if not bits or any(len(p) != 2 for p in bits):
                 raise ValueError(f"{path}:{i}: plan {r.get('config')!r} has no (k_bits, v_bits) pair per layer")
             if num_layers and len(bits) != num_layers:
                 raise ValueError(f"{path}:{i}: plan {r.get('config')!r} has {len(bits)} layers, the model {num_layers}")
             out.append(planned_quantizer(str(r["config"]), bits, int(r.get("window_tokens", 0)),
-                                         int(r.get("format_version", 0)), seed=seed))
+                                         int(r.get("format_version") or 0), seed=seed, head_bits=heads))
     if not out:
         raise ValueError(f"{path}: no plan rows (suite 'plan'; write them with fmkv-eval plan)")
     return out
 
 
 def sensitivity_configs(num_layers: int, k_menu: Sequence[int], v_menu: Sequence[int],
-                        windows: Sequence[int]) -> Dict[str, Tuple[int, str, int, int]]:
-    """{config name: (window, side, layer, bits)}: one quantizer per (W, side, layer, width < 16), every other
-    K/V of the model in fp16."""
+                        windows: Sequence[int], kv_heads: int = 0) -> Dict[str, Tuple[int, str, int, int, int]]:
+    """{config name: (window, side, layer, head, bits)}: one quantizer per (W, side, layer, width < 16), every
+    other K/V of the model in fp16; with ``kv_heads`` > 0 one per (W, side, layer, kv head, width) -- only that
+    head's side quantized -- and head -1 otherwise."""
     out = {}
     for w in windows:
         for side, menu in (("k", k_menu), ("v", v_menu)):
             for i in range(num_layers):
-                for b in menu:
-                    if b == 16:
-                        continue
-                    name = f"sens-w{w}-{side}{b}-L{i}"
-                    out[name] = (w, side, i, b)
+                for h in (range(kv_heads) if kv_heads else (-1,)):
+                    for b in menu:
+                        if b == 16:
+                            continue
+                        out[f"sens-w{w}-{side}{b}-L{i}" + (f"-H{h}" if h >= 0 else "")] = (w, side, i, h, b)
     return out
+
+
+def sensitivity_quantizer(name: str, num_layers: int, kv_heads: int, window: int, side: str, layer: int, head: int,
+                          bits: int, format_version: int = 0, seed: int = 0) -> KVQuantizer:
+    """The quantizer of one sensitivity config: ``side`` of ``layer`` (only kv head ``head`` when >= 0) at
+    ``bits``, every other K/V in fp16."""
+    pair = (bits, 16) if side == "k" else (16, bits)
+    if head < 0:
+        layer_bits = [(16, 16)] * num_layers
+        layer_bits[layer] = pair
+        return planned_quantizer(name, layer_bits, window, format_version, seed)
+    heads = [[(16, 16)] * kv_heads for _ in range(num_layers)]
+    heads[layer][head] = pair
+    return planned_quantizer(name, [], window, format_version, seed, head_bits=heads)
+
+
+def budget_from_memory(memory_bytes: float, context: int, num_layers: int, kv_heads: int, batch: int = 1) -> float:
+    """Bytes per token per kv head (K + V, the planner's budget) that fit ``memory_bytes`` of KV cache for
+    ``batch`` sequences of ``context`` tokens in a model of ``num_layers`` layers and ``kv_heads`` kv heads."""
+    for what, v in (("memory", memory_bytes), ("context", context), ("layers", num_layers),
+                    ("kv heads", kv_heads), ("batch", batch)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{what} must be a positive finite number, got {v!r}")
+    return float(memory_bytes) / (float(context) * num_layers * kv_heads * batch)
 
 
 def side_bytes(d: int, bits: int) -> int:

@@ -74,6 +74,7 @@ class KVQuantizer:
     e5m2_k: bool = True  # ... on K too (False: -ve5m2, V only)
     format_version: int = 0  # fmkv format version (0: the library's default); picks the codebooks
     layer_bits: tuple = ()  # ((k_bits, v_bits) per layer): per-layer widths (fmkv.eval.plan), 16 = fp16
+    head_bits: tuple = ()  # (((k_bits, v_bits) per kv head) per layer): per-head widths (fmkv.eval.plan --per-head)
     num_layers: int = 0  # set by the evaluation (needed for boundary layers and bytes)
     seed: int = 0
     options: Dict[str, object] = field(default_factory=dict)
@@ -109,7 +110,10 @@ class KVQuantizer:
     def bytes_per_token_per_head(self, d: int, ctx: Optional[int] = None) -> float:
         """K+V bytes per token per kv head, averaged over layers; with ``ctx``, fp16 sink/residual
         tokens amortised over ctx."""
-        if self.layer_bits:
+        if self.head_bits:
+            pairs = [p for layer in self.head_bits for p in layer]
+            q = sum(self._side_bytes(d, kb, "k") + self._side_bytes(d, vb, "v") for kb, vb in pairs) / len(pairs)
+        elif self.layer_bits:
             q = sum(self._side_bytes(d, kb, "k") + self._side_bytes(d, vb, "v")
                     for kb, vb in self.layer_bits) / len(self.layer_bits)
         else:
@@ -125,10 +129,27 @@ class KVQuantizer:
 
     # ---------------------------------------------------------------- quantizers
     def quant_k(self, k: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.head_bits:
+            return self._quant_heads(k, layer, 0, "k")
         return self._quant(k, layer, self.layer_bits[layer][0] if self.layer_bits else self.k_bits, "k")
 
     def quant_v(self, v: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.head_bits:
+            return self._quant_heads(v, layer, 1, "v")
         return self._quant(v, layer, self.layer_bits[layer][1] if self.layer_bits else self.v_bits, "v")
+
+    def _quant_heads(self, x: torch.Tensor, layer: int, j: int, side: str) -> torch.Tensor:
+        """Each kv head (dim 1) at its own width; heads of equal width are quantized together (the rotation and
+        the codes depend on the layer and the vector only, so a head's result does not depend on its batch)."""
+        widths = [int(p[j]) for p in self.head_bits[layer]]
+        if len(widths) != x.shape[1]:
+            raise ValueError(f"{self.name}: layer {layer} has widths for {len(widths)} kv heads, the tensor "
+                             f"{x.shape[1]}")
+        out = torch.empty_like(x)
+        for b in sorted(set(widths)):
+            idx = [h for h, w in enumerate(widths) if w == b]
+            out[:, idx] = self._quant(x[:, idx], layer, b, side)
+        return out
 
     def _quant(self, x: torch.Tensor, layer: int, bits: int, side: str) -> torch.Tensor:
         dt = x.dtype
