@@ -69,25 +69,37 @@ HEADROOM = 64  # tokens past the context: warm-up, capture and timed steps
 
 
 def parse_cache(name):
-    """'fp16' -> None; 'k4v4-w64' -> (4, 4, 64, ((4, 4),)); per-layer widths cycled over the layers:
-    'k4v4/k3v3-w64' -> (4, 4, 64, ((4, 4), (3, 3))) (layer i takes pair i mod 2; k_bits / v_bits of the row
-    are the first pair's, `layer_bits` the cycle)."""
+    """'fp16' -> None; 'k4v4-w64' -> (4, 4, 64, ((4, 4),), ()); per-layer widths cycled over the layers:
+    'k4v4/k3v3-w64' -> (4, 4, 64, ((4, 4), (3, 3)), ()) (layer i takes pair i mod 2; k_bits / v_bits of the row
+    are the first pair's, `layer_bits` the cycle); per-kv-head widths cycled over the heads of every layer:
+    'k4v4|k3v3-w64' -> (4, 4, 64, ((4, 4),), ((4, 4), (3, 3))) (kv head h takes pair h mod 2: `head_bits`)."""
     if name == "fp16":
         return None
     kv, _, w = name.partition("-w")
+    if "/" in kv and "|" in kv:
+        raise ValueError(f"cache {name!r}: widths per layer (/) or per kv head (|), not both")
     cycle = []
-    for pair in kv.split("/"):
+    for pair in kv.replace("|", "/").split("/"):
         if not (pair.startswith("k") and "v" in pair):
-            raise ValueError(f"cache {name!r}: expected fp16, k<b>v<b>[-w<N>] or k<b>v<b>/k<b>v<b>...[-w<N>]")
+            raise ValueError(f"cache {name!r}: expected fp16, k<b>v<b>[-w<N>], k<b>v<b>/k<b>v<b>...[-w<N>] (per "
+                             f"layer) or k<b>v<b>|k<b>v<b>...[-w<N>] (per kv head)")
         k, v = pair[1:].split("v")
         cycle.append((int(k), int(v)))
-    return cycle[0][0], cycle[0][1], int(w or 0), tuple(cycle)
+    if "|" in kv:
+        return cycle[0][0], cycle[0][1], int(w or 0), (cycle[0],), tuple(cycle)
+    return cycle[0][0], cycle[0][1], int(w or 0), tuple(cycle), ()
 
 
 def layer_bits_of(bits, layers):
-    """The caches' layer_bits for a parsed name (None for one width everywhere)."""
+    """The caches' layer_bits for a parsed name (None for one width everywhere or widths per head)."""
     cycle = bits[3]
     return None if len(cycle) == 1 else [cycle[i % len(cycle)] for i in range(layers)]
+
+
+def head_bits_of(bits, layers, kv_heads):
+    """The caches' head_bits for a parsed name (None unless it has widths per kv head)."""
+    cycle = bits[4]
+    return None if not cycle else [[cycle[h % len(cycle)] for h in range(kv_heads)] for _ in range(layers)]
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -173,10 +185,11 @@ def make_cache(name, model, geo, batch, ctx, dtype, device, fill=True, seed=0):
         cache.early_initialization(batch, geo["kv_heads"], geo["head_dim"], dtype, torch.device(device))
         nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     else:
-        k, v, w, _ = bits
+        k, v, w = bits[:3]
         cache = fhf.FmkvStaticCache(model.config, max_cache_len=L, k_bits=k, v_bits=v, window_tokens=w,
                                     batch_size=batch, device=device, dtype=dtype,  # sets the "fmkv" attention
-                                    layer_bits=layer_bits_of(bits, geo["layers"]))
+                                    layer_bits=layer_bits_of(bits, geo["layers"]),
+                                    head_bits=head_bits_of(bits, geo["layers"], geo["kv_heads"]))
         nbytes = cache.device_bytes
     if fill and ctx > 0:
         step = max(1, min(batch, (1 << 27) // max(1, geo["kv_heads"] * ctx * geo["head_dim"])))  # 2^27-value blocks
@@ -441,9 +454,10 @@ def capacity_case(a, ctx_, model, geo, name, ctx):
     if bits is None:
         per_seq = fp16_cache_bytes(geo, 1, L, ctx_["elem"])
     else:
-        k, v, w, _ = bits
+        k, v, w = bits[:3]
         per_seq = fhf.FmkvStaticCache.bytes_per_sequence(model.config, L, k_bits=k, v_bits=v, window_tokens=w,
-                                                         layer_bits=layer_bits_of(bits, geo["layers"]))
+                                                         layer_bits=layer_bits_of(bits, geo["layers"]),
+                                                         head_bits=head_bits_of(bits, geo["layers"], geo["kv_heads"]))
     # per-sequence activations of a step: logits (bf16 + fp32 argmax input), hidden / MLP rows, attention
     # workspace (fmkv: its planned splits), with a 2x margin
     act = 2 * (geo["vocab"] * 6 + geo["mlp"] * 8 + geo["hidden"] * 16)
@@ -772,6 +786,10 @@ def main(argv=None) -> int:
             r["layer_bits"] = layer_bits_of(bits, geo["layers"])
             r["cache_dtype"] = "fmkv per-layer widths %s (cycled) pages + fp16 window" % "/".join(
                 f"k{k}v{v}" for k, v in bits[3])
+        if bits is not None and bits[4]:
+            r["head_bits"] = [list(p) for p in head_bits_of(bits, geo["layers"], geo["kv_heads"])[0]]  # every layer
+            r["cache_dtype"] = "fmkv per-kv-head widths %s (cycled over the heads of every layer) pages + fp16 window" % (
+                "|".join(f"k{k}v{v}" for k, v in bits[4]))
         if kind == "prefill":
             r["chunk"] = p["chunk"]
         if budget.left() < est:

@@ -40,9 +40,11 @@ import fmkv
 from fmkv import format as _format
 
 from .attention import use_fmkv_attention
-from .compat import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, layer_bit_widths, layer_types, text_config
+from .compat import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, layer_types, text_config
+from .head_groups import HeadGroups, cache_widths, width_groups
 
-__all__ = ["FmkvCache", "FmkvLayer", "DEFAULT_WINDOW_TOKENS", "layer_seed", "pages_per_sequence"]
+__all__ = ["FmkvCache", "FmkvLayer", "FmkvHeadGroupLayer", "DEFAULT_WINDOW_TOKENS", "layer_seed",
+           "pages_per_sequence"]
 
 # Recent tokens kept in fp16 by default. docs/EVAL.md: the error on the last few dozen tokens
 # dominates; a 32-token window takes k4v4 from +4.8% to +0.9% perplexity and 64 tokens take k3v3
@@ -288,6 +290,113 @@ class FmkvLayer(CacheLayerMixin):
         raise NotImplementedError("FmkvCache does not support batch selection")
 
 
+class FmkvHeadGroupLayer(HeadGroups, CacheLayerMixin):
+    """One decoder layer whose kv heads have different widths (``head_bits``): an :class:`FmkvLayer` per distinct
+    (k_bits, v_bits) pair over its kv heads (fmkv.hf.head_groups). ``update`` hands each group its heads' K/V;
+    the attention gathers each group's query heads and scatters the outputs back."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, layer_idx: int, parts: List[tuple], num_kv_heads: int, q_per_kv: int):
+        super().__init__()
+        self.layer_idx = int(layer_idx)
+        self._init_groups(parts, num_kv_heads, q_per_kv)
+
+    def __repr__(self) -> str:
+        groups = ", ".join(f"k{p.k_bits}v{p.v_bits}: heads {h}" for p, h in self.parts)
+        return f"FmkvHeadGroupLayer(layer={self.layer_idx}, {groups}, len={self.length})"
+
+    @property
+    def layers(self) -> List[FmkvLayer]:
+        return [p for p, _ in self.parts]
+
+    @property
+    def prefill(self) -> str:
+        return self.parts[0][0].prefill
+
+    @property
+    def length(self) -> int:
+        return self.parts[0][0].length
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._check_heads(key_states, "K")
+        for layer, k, v in zip(self.layers, self._split(key_states), self._split(value_states)):
+            layer.lazy_initialization(k, v)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        self._check_heads(key_states, "K")
+        self._check_heads(value_states, "V")
+        self._check_values(key_states, "K", True)
+        self._check_values(value_states, "V", True)
+        past = self.length
+        done = []
+        try:
+            for layer, k, v in zip(self.layers, self._split(key_states), self._split(value_states)):
+                layer.update(k, v)
+                done.append(layer)
+        except BaseException:
+            for layer in done:  # groups that took the chunk give it back only if it is still kept for the fused step
+                if layer._pending is not None:
+                    layer._pending = None
+                    layer.length = past
+            raise
+        self.is_initialized = True
+        key_states = key_states.view_as(key_states)
+        key_states._fmkv_layer = (self, past)
+        return key_states, value_states
+
+    def attention(self, query: torch.Tensor, scaling: Optional[float], softcap: Optional[float]) -> torch.Tensor:
+        """Each group's attention over its query heads, merged into [b, n, hq, d]."""
+        try:
+            self._check_heads(query, "query", self.num_kv_heads * self.q_per_kv)
+            self._check_values(query, "query", False)
+        except BaseException:  # as a failed fused step of one FmkvLayer: the kept K/V are dropped, lengths restored
+            for layer in self.layers:
+                if layer._pending is not None:
+                    layer.length -= layer._pending[2]
+                    layer._pending = None
+            raise
+        return self._merge([layer.attention(q, scaling, softcap) for layer, q in zip(self.layers, self._split(query, True))])
+
+    def flush(self) -> None:
+        for layer in self.layers:
+            layer.flush()
+
+    def get_mask_sizes(self, query_length: int) -> tuple:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.parts[0][0].max_cache_len
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("FmkvCache cannot be cropped (compressed tokens are not removable)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("FmkvCache does not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("FmkvCache does not support batch expansion")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("FmkvCache does not support batch selection")
+
+
 def pages_per_sequence(max_cache_len: int, sink_tokens: int, page_size: int) -> int:
     """Pages each sequence slot of a layer gets for ``max_cache_len`` tokens (at least one)."""
     return max(1, math.ceil(max(0, int(max_cache_len) - int(sink_tokens)) / int(page_size)))
@@ -301,13 +410,16 @@ class FmkvCache(Cache):
                  boundary_layers: int = 0, boundary_k_bits: int = 16, boundary_v_bits: int = 4,
                  scale_rule: str = "lsq", seed: int = 0, backend: Optional[str] = None,
                  prefill: str = "full", set_attention: bool = True, device=None, fused: bool = True,
-                 format_version: int = 0, layer_bits=None):
+                 format_version: int = 0, layer_bits=None, head_bits=None):
         if prefill not in ("full", "compressed"):
             raise ValueError("prefill must be 'full' or 'compressed'")
         text = text_config(config)
         types = layer_types(text)
         n = len(types)
-        widths = layer_bit_widths(n, k_bits, v_bits, boundary_layers, boundary_k_bits, boundary_v_bits, layer_bits)
+        q_heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or q_heads)
+        heads, widths = cache_widths(n, kv_heads, k_bits, v_bits, boundary_layers, boundary_k_bits, boundary_v_bits,
+                                     layer_bits, head_bits)
         layers = []
         for i, t in enumerate(types):
             if t == "sliding_attention" and getattr(text, "sliding_window", None):
@@ -315,16 +427,19 @@ class FmkvCache(Cache):
                 continue
             if t not in ("full_attention", "sliding_attention"):
                 raise ValueError(f"layer {i}: type {t!r} is not supported by FmkvCache")
-            layers.append(FmkvLayer(i, widths[i][0], widths[i][1], max_cache_len, page_size,
-                                    sink_tokens, window_tokens, scale_rule, seed, backend, prefill, device,
-                                    fused, format_version))
+            groups = width_groups(heads[i]) if heads is not None else [(widths[i], None)]
+            parts = [(FmkvLayer(i, kb, vb, max_cache_len, page_size, sink_tokens, window_tokens, scale_rule, seed,
+                                backend, prefill, device, fused, format_version), h) for (kb, vb), h in groups]
+            layers.append(parts[0][0] if len(parts) == 1 else FmkvHeadGroupLayer(i, parts, kv_heads,
+                                                                                   q_heads // kv_heads))
         super().__init__(layers=layers)
         self._max_cache_len = int(max_cache_len)
         self.options = dict(k_bits=k_bits, v_bits=v_bits, page_size=page_size, sink_tokens=sink_tokens,
                             window_tokens=window_tokens, boundary_layers=boundary_layers,
                             scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend,
                             device=None if device is None else str(device), fused=fused,
-                            format_version=format_version, layer_bits=None if layer_bits is None else widths)
+                            format_version=format_version, layer_bits=None if layer_bits is None else widths,
+                            head_bits=heads)
         if set_attention:
             use_fmkv_attention(config)
 
@@ -336,7 +451,11 @@ class FmkvCache(Cache):
 
     @property
     def fmkv_layers(self) -> List[FmkvLayer]:
-        return [layer for layer in self.layers if isinstance(layer, FmkvLayer)]
+        """Every FmkvLayer, the width groups of FmkvHeadGroupLayers included."""
+        out = []
+        for layer in self.layers:
+            out += layer.layers if isinstance(layer, FmkvHeadGroupLayer) else [layer] if isinstance(layer, FmkvLayer) else []
+        return out
 
     def check(self) -> None:
         """Raise the first error fmkv's CUDA kernels detected on this cache's device(s) since the
@@ -360,7 +479,7 @@ class FmkvCache(Cache):
         device), plus fp16 sliding-window layers."""
         total = sum(layer.resident_bytes for layer in self.fmkv_layers)
         for layer in self.layers:
-            if not isinstance(layer, FmkvLayer) and getattr(layer, "keys", None) is not None:
+            if not isinstance(layer, (FmkvLayer, FmkvHeadGroupLayer)) and getattr(layer, "keys", None) is not None:
                 total += layer.keys.numel() * layer.keys.element_size() * 2
         return total
 
@@ -369,17 +488,18 @@ class FmkvCache(Cache):
         """Bytes of pages held by the sequences + fp16 regions (+ sliding layers)."""
         total = sum(layer.used_bytes for layer in self.fmkv_layers)
         for layer in self.layers:
-            if not isinstance(layer, FmkvLayer) and getattr(layer, "keys", None) is not None:
+            if not isinstance(layer, (FmkvLayer, FmkvHeadGroupLayer)) and getattr(layer, "keys", None) is not None:
                 total += layer.keys.numel() * layer.keys.element_size() * 2
         return total
 
     def fp16_equivalent_bytes(self) -> int:
         """Bytes the same tokens would take in an fp16 DynamicCache (K and V, all layers)."""
         total = 0
-        for layer in self.layers:
-            if isinstance(layer, FmkvLayer) and layer.pages is not None:
+        for layer in self.fmkv_layers:
+            if layer.pages is not None:
                 c = layer.config
                 total += 2 * 2 * c.num_kv_heads * c.head_dim * layer.length * layer.batch
-            elif getattr(layer, "keys", None) is not None:
+        for layer in self.layers:
+            if not isinstance(layer, (FmkvLayer, FmkvHeadGroupLayer)) and getattr(layer, "keys", None) is not None:
                 total += layer.keys.numel() * 2 * 2
         return total

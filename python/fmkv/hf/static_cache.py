@@ -43,14 +43,15 @@ import fmkv
 
 from .attention import use_fmkv_attention
 from .cache import DEFAULT_WINDOW_TOKENS, layer_seed, pages_per_sequence
-from .compat import Cache, CacheLayerMixin, layer_bit_widths, layer_types, text_config
+from .compat import Cache, CacheLayerMixin, layer_types, text_config
+from .head_groups import HeadGroups, cache_widths, width_groups
 
 try:
     from transformers.cache_utils import StaticSlidingWindowLayer
 except ImportError as e:  # pragma: no cover
     raise ImportError(f"fmkv.hf.FmkvStaticCache needs transformers' StaticSlidingWindowLayer ({e})") from None
 
-__all__ = ["FmkvStaticCache", "FmkvStaticLayer"]
+__all__ = ["FmkvStaticCache", "FmkvStaticLayer", "FmkvStaticHeadGroupLayer"]
 
 
 def _compiling() -> bool:
@@ -352,6 +353,128 @@ class FmkvStaticLayer(CacheLayerMixin):
         raise NotImplementedError("FmkvStaticCache does not support batch selection")
 
 
+class FmkvStaticHeadGroupLayer(HeadGroups, CacheLayerMixin):
+    """One decoder layer of an :class:`FmkvStaticCache` whose kv heads have different widths (``head_bits``): an
+    :class:`FmkvStaticLayer` per distinct (k_bits, v_bits) pair over its kv heads (fmkv.hf.head_groups). The
+    step puts the heads in group order with device index tensors made at allocation, so it stays capturable;
+    the groups share one timeline tensor."""
+
+    is_compileable = True
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, layer_idx: int, parts: List[tuple], num_kv_heads: int, q_per_kv: int):
+        super().__init__()
+        self.layer_idx = int(layer_idx)
+        self._init_groups(parts, num_kv_heads, q_per_kv)
+
+    def __repr__(self) -> str:
+        groups = ", ".join(f"k{p.k_bits}v{p.v_bits}: heads {h}" for p, h in self.parts)
+        return f"FmkvStaticHeadGroupLayer(layer={self.layer_idx}, {groups})"
+
+    @property
+    def layers(self) -> List[FmkvStaticLayer]:
+        return [p for p, _ in self.parts]
+
+    @property
+    def cumulative_length(self) -> torch.Tensor:
+        return self.parts[0][0].cumulative_length
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.parts[0][0].max_cache_len
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._check_heads(key_states, "K")
+        for layer, k, v in zip(self.layers, self._split(key_states), self._split(value_states)):
+            layer.lazy_initialization(k, v)
+        self._tables(self.layers[0].device)  # the permutation tables, before any captured step
+        for layer in self.layers[1:]:  # the groups share the first group's timeline tensor (advanced once a step)
+            layer.cumulative_length = self.layers[0].cumulative_length
+        self.device = self.layers[0].device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if not _compiling():
+            self._check_heads(key_states, "K")
+            self._check_heads(value_states, "V")
+            self._check_values(key_states, "K", True)
+            self._check_values(value_states, "V", True)
+            for layer in self.layers:  # batch, head_dim, device, a previous chunk without its attention
+                layer._check_chunk(key_states.narrow(1, 0, layer.num_heads))
+            for layer in self.layers:
+                layer._awaiting = True
+        self.cumulative_length.add_(key_states.shape[-2])
+        key_states = key_states.view_as(key_states)
+        key_states._fmkv_static = self
+        return key_states, value_states
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                  scaling: Optional[float], softcap: Optional[float]) -> Optional[torch.Tensor]:
+        """Each group's FmkvStaticLayer.attention over its heads, merged into [b, n, hq, d] (None: the first
+        chunk, attended at full precision by the caller, every group alike)."""
+        if not _compiling():
+            try:
+                self._check_heads(query, "query", self.num_kv_heads * self.q_per_kv)
+                self._check_values(query, "query", False)
+            except BaseException:  # the chunk's attention ran (and failed), as a failed op of one layer
+                for layer in self.layers:
+                    layer._awaiting = False
+                raise
+        outs = [layer.attention(q, k, v, attention_mask, scaling, softcap) for layer, q, k, v in
+                zip(self.layers, self._split(query, True), self._split(key), self._split(value))]
+        if outs[0] is None:
+            return None
+        return self._merge(outs)
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, first_seq: int = 0) -> None:
+        """FmkvStaticLayer.write of each group's heads."""
+        self._check_heads(keys, "K")
+        self._check_heads(values, "V")
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        self._check_values(keys, "K", True)
+        self._check_values(values, "V", True)
+        for layer, k, v in zip(self.layers, self._split(keys), self._split(values)):
+            layer.write(k, v, first_seq)
+
+    def get_mask_sizes(self, query_length: int) -> tuple:
+        return self.parts[0][0].get_mask_sizes(query_length)
+
+    def get_seq_length(self):
+        return self.parts[0][0].get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def lengths(self) -> List[int]:
+        return self.parts[0][0].lengths()
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("FmkvStaticCache cannot be cropped (compressed tokens are not removable)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("FmkvStaticCache does not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("FmkvStaticCache does not support batch expansion")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("FmkvStaticCache does not support batch selection")
+
+
 class FmkvStaticCache(Cache):
     """transformers Cache of static shape whose full-attention layers hold compressed fmkv storage and
     whose decode step is capturable in one CUDA graph (module docstring). Options as FmkvCache's;
@@ -363,11 +486,12 @@ class FmkvStaticCache(Cache):
                  boundary_k_bits: int = 16, boundary_v_bits: int = 4, scale_rule: str = "lsq", seed: int = 0,
                  backend: Optional[str] = None, prefill: str = "full", set_attention: bool = True,
                  batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None,
-                 format_version: int = 0, layer_bits=None):
+                 format_version: int = 0, layer_bits=None, head_bits=None):
         text = text_config(config)
         types = layer_types(text)
         n = len(types)
-        widths = layer_bit_widths(n, k_bits, v_bits, boundary_layers, boundary_k_bits, boundary_v_bits, layer_bits)
+        heads, widths = cache_widths(n, _kv_shape(text)[0], k_bits, v_bits, boundary_layers, boundary_k_bits,
+                                     boundary_v_bits, layer_bits, head_bits)
         layers = []
         for i, t in enumerate(types):
             if t == "sliding_attention" and getattr(text, "sliding_window", None):
@@ -376,15 +500,19 @@ class FmkvStaticCache(Cache):
                 continue
             if t not in ("full_attention", "sliding_attention"):
                 raise ValueError(f"layer {i}: type {t!r} is not supported by FmkvStaticCache")
-            layers.append(FmkvStaticLayer(i, max_cache_len, widths[i][0], widths[i][1], page_size, sink_tokens,
-                                          window_tokens, scale_rule, seed, backend, prefill, format_version))
+            groups = width_groups(heads[i]) if heads is not None else [(widths[i], None)]
+            parts = [(FmkvStaticLayer(i, max_cache_len, kb, vb, page_size, sink_tokens, window_tokens, scale_rule,
+                                      seed, backend, prefill, format_version), h) for (kb, vb), h in groups]
+            layers.append(parts[0][0] if len(parts) == 1 else FmkvStaticHeadGroupLayer(
+                i, parts, len(heads[i]), int(text.num_attention_heads) // len(heads[i])))
         super().__init__(layers=layers)
         self._max_cache_len = int(max_cache_len)
         self.options = dict(k_bits=k_bits, v_bits=v_bits, page_size=page_size, sink_tokens=sink_tokens,
                             window_tokens=window_tokens, boundary_layers=boundary_layers,
                             boundary_k_bits=boundary_k_bits, boundary_v_bits=boundary_v_bits,
                             scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend,
-                            format_version=format_version, layer_bits=None if layer_bits is None else widths)
+                            format_version=format_version, layer_bits=None if layer_bits is None else widths,
+                            head_bits=heads)
         if set_attention:
             use_fmkv_attention(config)
         if batch_size is not None:
@@ -403,13 +531,20 @@ class FmkvStaticCache(Cache):
 
     @property
     def fmkv_layers(self) -> List[FmkvStaticLayer]:
-        return [layer for layer in self.layers if isinstance(layer, FmkvStaticLayer)]
+        """Every FmkvStaticLayer, the width groups of FmkvStaticHeadGroupLayers included."""
+        out = []
+        for layer in self.layers:
+            if isinstance(layer, FmkvStaticHeadGroupLayer):
+                out += layer.layers
+            elif isinstance(layer, FmkvStaticLayer):
+                out.append(layer)
+        return out
 
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, first_seq: int = 0) -> None:
         """Append K/V [b, h, n, d] to layer ``layer_idx`` of sequences first_seq .. first_seq + b - 1 without
         running the model (FmkvStaticLayer.write)."""
         layer = self.layers[layer_idx]
-        if not isinstance(layer, FmkvStaticLayer):
+        if not isinstance(layer, (FmkvStaticLayer, FmkvStaticHeadGroupLayer)):
             raise fmkv.FmkvError(f"FmkvStaticCache.write: layer {layer_idx} is not an fmkv layer")
         layer.write(keys, values, first_seq)
 
@@ -432,7 +567,7 @@ class FmkvStaticCache(Cache):
         """Allocated bytes: compressed page pools + fp16 regions, plus fp16 sliding-window layers."""
         total = sum(layer.resident_bytes for layer in self.fmkv_layers)
         for layer in self.layers:
-            if not isinstance(layer, FmkvStaticLayer) and getattr(layer, "keys", None) is not None:
+            if not isinstance(layer, (FmkvStaticLayer, FmkvStaticHeadGroupLayer)) and getattr(layer, "keys", None) is not None:
                 total += layer.keys.numel() * layer.keys.element_size() * 2
         return total
 
@@ -462,7 +597,7 @@ class FmkvStaticCache(Cache):
     def bytes_per_sequence(config, max_cache_len: int, k_bits: int = 3, v_bits: int = 3, page_size: int = 64,
                            sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                            boundary_layers: int = 0, boundary_k_bits: int = 16, boundary_v_bits: int = 4,
-                           layer_bits=None) -> int:
+                           layer_bits=None, head_bits=None) -> int:
         """Device bytes one sequence slot of an FmkvStaticCache with these options allocates over all
         full-attention layers (page pool + fp16 regions + its block-table row, length and offsets), from
         the format's page and region sizes: what a batch of B slots takes is B times this (plus a few
@@ -475,14 +610,17 @@ class FmkvStaticCache(Cache):
 
         pps = pages_per_sequence(max_cache_len, sink_tokens, page_size)
         index = pps * 4 + 4 + 8 + 8 * (FUSED_MAX_ROWS + 1)  # block-table row, slot, length, one entry per offsets row
-        widths = layer_bit_widths(n, k_bits, v_bits, boundary_layers, boundary_k_bits, boundary_v_bits, layer_bits)
+        heads, widths = cache_widths(n, kv_heads, k_bits, v_bits, boundary_layers, boundary_k_bits,
+                                     boundary_v_bits, layer_bits, head_bits)
         total = 0
         for i, t in enumerate(types):
             if t == "sliding_attention" and getattr(text, "sliding_window", None):
                 continue
-            c = fmkv.Config(head_dim=head_dim, num_kv_heads=kv_heads, k_bits=widths[i][0], v_bits=widths[i][1],
-                            page_size=page_size, sink_tokens=sink_tokens, window_tokens=window_tokens)
-            total += pps * c.page_bytes + c.fp16_slot_bytes + index
+            groups = width_groups(heads[i]) if heads is not None else [(widths[i], range(kv_heads))]
+            for (kb, vb), h in groups:  # each width group is a layer of its own (pages, regions, index)
+                c = fmkv.Config(head_dim=head_dim, num_kv_heads=len(h), k_bits=kb, v_bits=vb, page_size=page_size,
+                                sink_tokens=sink_tokens, window_tokens=window_tokens)
+                total += pps * c.page_bytes + c.fp16_slot_bytes + index
         return total
 
 
