@@ -733,6 +733,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON lines file (also $OUT/e2e_decode.jsonl when $OUT is set)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--plot", default=None, metavar="JSONL", help="only redraw the PNG and table of a results file")
+    ap.add_argument("--head-groups-serial", action="store_true",
+                    help="A/B: run the width groups of per-head caches one after another on one stream (the library "
+                         "forks them onto side streams on CUDA); rows get head_groups='serial'")
     a = ap.parse_args(argv)
     if a.plot:
         rows = [json.loads(line) for line in open(a.plot) if line.strip()]
@@ -751,6 +754,9 @@ def main(argv=None) -> int:
     if a.compile is None:
         a.compile = cuda and not a.quick
     a.steps = a.steps or (10 if a.quick else 30)
+    if a.head_groups_serial:
+        from fmkv.hf.head_groups import HeadGroups
+        HeadGroups._concurrently = staticmethod(lambda device, calls: [c() for c in calls])
     dtype = torch.bfloat16 if cuda else torch.float32
     ctx_ = dict(cuda=cuda, dtype=dtype, elem=torch.tensor([], dtype=dtype).element_size())
     register_baseline()
@@ -787,6 +793,7 @@ def main(argv=None) -> int:
             r["cache_dtype"] = "fmkv per-layer widths %s (cycled) pages + fp16 window" % "/".join(
                 f"k{k}v{v}" for k, v in bits[3])
         if bits is not None and bits[4]:
+            r["head_groups"] = "serial" if a.head_groups_serial else "concurrent (side streams)"
             r["head_bits"] = [list(p) for p in head_bits_of(bits, geo["layers"], geo["kv_heads"])[0]]  # every layer
             r["cache_dtype"] = "fmkv per-kv-head widths %s (cycled over the heads of every layer) pages + fp16 window" % (
                 "|".join(f"k{k}v{v}" for k, v in bits[4]))

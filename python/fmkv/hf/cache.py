@@ -359,7 +359,9 @@ class FmkvHeadGroupLayer(HeadGroups, CacheLayerMixin):
                     layer.length -= layer._pending[2]
                     layer._pending = None
             raise
-        return self._merge([layer.attention(q, scaling, softcap) for layer, q in zip(self.layers, self._split(query, True))])
+        calls = [lambda layer=layer, q=q: layer.attention(q, scaling, softcap)
+                 for layer, q in zip(self.layers, self._split(query, True))]
+        return self._merge(self._concurrently(self.layers[0].storage_device or query.device, calls))
 
     def flush(self) -> None:
         for layer in self.layers:

@@ -9,7 +9,7 @@ its own launches per step: the decode-speed price is measured in docs/EVAL.md se
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -18,6 +18,7 @@ import fmkv
 from .compat import layer_bit_widths
 
 Pair = Tuple[int, int]
+_SIDE_STREAMS: Dict[str, List["torch.cuda.Stream"]] = {}  # per CUDA device, shared by every group layer
 
 
 def layer_head_widths(n: int, kv_heads: int, head_bits, layer_bits=None, boundary_layers: int = 0) -> List[List[Pair]]:
@@ -107,6 +108,32 @@ class HeadGroups:
         """The groups' outputs [b, n, query heads of the group, d] -> [b, n, hq, d] in head order."""
         out = torch.cat(outs, dim=2)
         return out if self._in_order else out.index_select(2, self._tables(out.device)[2])
+
+    @staticmethod
+    def _concurrently(device: torch.device, calls: List[Callable[[], object]]) -> List[object]:
+        """Run each group's call; on CUDA (not while torch.compile traces) the groups after the first on side
+        streams forked from the current one and joined back before returning, so their kernels overlap (in a
+        captured graph: parallel branches) instead of paying each group's launch latency in turn."""
+        if device.type != "cuda" or len(calls) == 1 or torch.compiler.is_compiling():
+            return [c() for c in calls]
+        cur = torch.cuda.current_stream(device)
+        side = _SIDE_STREAMS.setdefault(str(device), [])
+        while len(side) < len(calls) - 1:
+            side.append(torch.cuda.Stream(device=device))
+        outs: List[object] = [None] * len(calls)
+        try:
+            for i, s in enumerate(side[:len(calls) - 1], 1):
+                s.wait_stream(cur)
+                with torch.cuda.stream(s):
+                    outs[i] = calls[i]()
+            outs[0] = calls[0]()
+        finally:
+            for s in side[:len(calls) - 1]:
+                cur.wait_stream(s)
+        for o in outs[1:]:
+            if isinstance(o, torch.Tensor):
+                o.record_stream(cur)  # made on a side stream, read on this one
+        return outs
 
     def _check_heads(self, x: torch.Tensor, what: str, heads: int = 0) -> None:
         heads = heads or self.num_kv_heads

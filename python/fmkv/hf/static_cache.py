@@ -423,8 +423,9 @@ class FmkvStaticHeadGroupLayer(HeadGroups, CacheLayerMixin):
                 for layer in self.layers:
                     layer._awaiting = False
                 raise
-        outs = [layer.attention(q, k, v, attention_mask, scaling, softcap) for layer, q, k, v in
-                zip(self.layers, self._split(query, True), self._split(key), self._split(value))]
+        calls = [lambda layer=layer, q=q, k=k, v=v: layer.attention(q, k, v, attention_mask, scaling, softcap)
+                 for layer, q, k, v in zip(self.layers, self._split(query, True), self._split(key), self._split(value))]
+        outs = self._concurrently(query.device, calls)
         if outs[0] is None:
             return None
         return self._merge(outs)
