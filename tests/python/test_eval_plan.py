@@ -247,3 +247,72 @@ def test_load_plans_rejects_ragged_head_bits(tmp_path):
     bad.write_text(json.dumps({"suite": "plan", "config": "p", "head_bits": [[[4, 4], [3, 3]], [[4, 4]]]}) + "\n")
     with pytest.raises(ValueError, match="pair per kv head"):
         PL.load_plans(str(bad))
+
+
+@pytest.mark.parametrize("max_groups", [1, 2])
+def test_allocation_with_at_most_g_width_groups_per_layer_is_exact(max_groups):
+    rng = np.random.default_rng()  # fresh inputs every run
+    km, vm, layers, heads, d, ctx = [2, 3, 16], [2, 4], 2, 3, 64, 2048
+    n = layers * heads
+    sk = np.sort(rng.uniform(0, 1, (n, 3)), axis=1)[:, ::-1].copy()
+    sk[:, 2] = 0.0
+    sv = np.sort(rng.uniform(0, 1, (n, 2)), axis=1)[:, ::-1].copy()
+    budget = float(rng.uniform(50, 130))
+    got = PL.allocate(sk, sv, km, vm, d, budget, 0, ctx, heads=heads, max_groups=max_groups)
+    opts = [(kb, vb) for kb in km for vb in vm]
+    best = None
+    for combo in itertools.product(range(len(opts)), repeat=n):
+        bits = [opts[c] for c in combo]
+        if any(len(set(bits[L * heads:(L + 1) * heads])) > max_groups for L in range(layers)):
+            continue
+        if sum(PL.side_bytes(d, k) + PL.side_bytes(d, v) for k, v in bits) / n > budget + 1e-9:
+            continue
+        val = sum(sk[u, km.index(k)] + sv[u, vm.index(v)] for u, (k, v) in enumerate(bits))
+        if best is None or val < best - 1e-12:
+            best = val
+    if best is None:
+        assert got is None
+        return
+    bits, pred, nbytes = got
+    assert pred == pytest.approx(best, abs=1e-9) and nbytes <= budget + 1e-9
+    assert all(len(set(bits[L * heads:(L + 1) * heads])) <= max_groups for L in range(layers))
+    # no limit (max_groups >= heads) is the per-unit optimum, never worse
+    free = PL.allocate(sk, sv, km, vm, d, budget, 0, ctx, heads=heads, max_groups=0)
+    assert free[1] <= pred + 1e-12
+
+
+def test_replan_from_stored_sensitivity(tmp_path, monkeypatch):
+    from fmkv.eval import cli
+
+    argv = _tiny_plan_setup(tmp_path, monkeypatch)
+    first = tmp_path / "first.jsonl"
+    assert cli.main(argv + ["--per-head", "--budgets", "70", "--windows", "0,8", "--out", str(first)]) == 0
+    again = tmp_path / "again.jsonl"
+    assert cli.main(argv + ["--per-head", "--max-groups", "1", "--budgets", "60,70", "--windows", "0,8",
+                            "--from-sensitivity", str(first), "--out", str(again)]) == 0
+    r1 = [json.loads(line) for line in first.read_text().splitlines()]
+    r2 = [json.loads(line) for line in again.read_text().splitlines()]
+    s1 = {(r["window_tokens"], r["side"], r["bits"]): r["kld_per_head"] for r in r1 if r["suite"] == "plan-sensitivity"}
+    s2 = {(r["window_tokens"], r["side"], r["bits"]): r["kld_per_head"] for r in r2 if r["suite"] == "plan-sensitivity"}
+    assert s1 == s2  # read, not measured again
+    p1 = next(r for r in r1 if r["suite"] == "plan")
+    plans = [r for r in r2 if r["suite"] == "plan"]
+    assert [p["config"] for p in plans] == ["plan-60B-per-head-g1", "plan-70B-per-head-g1"]
+    assert all(p["groups_per_layer"] == [1, 1, 1] and p["max_groups"] == 1 for p in plans)
+    # one width per layer: never better (the stored sensitivities are rounded to 7 decimals)
+    assert plans[1]["predicted_kld"] >= p1["predicted_kld"] - 1e-5
+    assert plans[1]["check"]["tokens"] == p1["check"]["tokens"]  # the same held-out windows
+    # what the stored rows cannot answer is refused, naming it
+    for extra, msg in ((["--per-head", "--windows", "0,16"], "no sensitivity of K at 2 bits with window 16"),
+                       (["--per-head", "--windows", "0", "--calib-tokens", "64"], "calibrated on"),
+                       (["--windows", "0"], "the rows are per kv head; pass --per-head")):
+        out = tmp_path / "x.jsonl"
+        assert cli.main(argv + ["--budgets", "70", "--from-sensitivity", str(first), "--out", str(out)] + extra) == 2
+
+
+def test_max_groups_needs_per_head(capsys):
+    from fmkv.eval import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--max-groups", "2"])
+    assert "pass --per-head" in capsys.readouterr().err

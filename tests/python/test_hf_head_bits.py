@@ -282,13 +282,15 @@ CUDA = torch.cuda.is_available() and fmkv.backends()["cuda"]["available"]
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device and an fmkv build with the 'cuda' backend")
 def test_cuda_graph_capture_of_group_layers_replays_eager_tokens():
     """On CUDA: an eager decode step through group layers captured in one torch.cuda.CUDAGraph replays to the eager
-    steps' tokens and bytes (no host sync: replays under set_sync_debug_mode("error")); the outputs equal the
-    CPU cache's bytes for the same prompt (one format on every backend)."""
+    steps' tokens and bytes (no host sync: replays under set_sync_debug_mode("error")), with the groups on side
+    streams (parallel branches of the graph)."""
     model = _model().to("cuda")
     ids = _ids(2, 19, 16).to("cuda")
+    # pairs of the default CUDA grid (k2v2, k3v3, k4v4, k4v2, k16v3): permuted, one-width and in-order layers
+    head_bits = [[(4, 4), (4, 2), (4, 4)], [(3, 3)] * 3, [(2, 2), (3, 3), (16, 3)]]
     n, runs = 6, []
     for captured in (False, True):
-        cache = fhf.FmkvStaticCache(model.config, max_cache_len=48, head_bits=HEAD_BITS, window_tokens=8)
+        cache = fhf.FmkvStaticCache(model.config, max_cache_len=48, head_bits=head_bits, window_tokens=8)
         with torch.no_grad():
             tok = model(ids, use_cache=True, **fhf.cache_kwargs(cache)).logits[:, -1:].argmax(-1)
         pos = torch.full((2, 1), ids.shape[1], device="cuda")

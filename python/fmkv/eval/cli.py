@@ -300,6 +300,8 @@ def _size_list(text: str) -> List[float]:
 def _check_plan_memory(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.memory and a.budgets:
         parser.error("--memory and --budgets both set the budgets; pass one of them")
+    if a.max_groups and not a.per_head:
+        parser.error("--max-groups limits the width groups of --per-head plans; pass --per-head")
     if a.memory and not a.context:
         parser.error("--memory needs --context (the tokens per sequence the memory must hold)")
     if (a.context or a.batch != 1) and not a.memory:
@@ -354,27 +356,37 @@ def cmd_plan(a: argparse.Namespace) -> int:
             return 2
     units = n_kv if a.per_head else 0  # sensitivity per (layer, kv head) instead of per layer
     sens_cfg = PL.sensitivity_configs(n_layers, a.k_bits, a.v_bits, a.windows, units)
-    quants = [PL.sensitivity_quantizer(name, n_layers, n_kv, w, side, i, h, b, a.format_version, a.seed)
-              for name, (w, side, i, h, b) in sens_cfg.items()]
-    print(f"model {a.model} loaded in {time.time() - t0:.1f}s; {n_layers} layers, {n_kv} kv heads, head_dim {d}; "
-          f"calibration: {n_cal} windows of {a.ctx} ({len(quants)} sensitivity configs); check: {n_chk} later windows",
-          file=sys.stderr)
-    sums = {q.name: 0.0 for q in quants}
-    count = 0
-    bar = tqdm(total=n_cal * len(quants), desc="sensitivity", unit="fwd", file=sys.stderr, disable=a.no_progress)
-    for w in range(n_cal):
-        win = ids[w * a.ctx:(w + 1) * a.ctx].unsqueeze(0).to(a.device)
-        res = P.eval_window(model, win, quants, on_config=lambda _n: bar.update(1))
-        for k in sums:
-            sums[k] += res[k]["kld"]
-        count += res[quants[0].name]["n"]
-    bar.close()
     n_units = n_layers * (units or 1)
     sens = {}  # (W, side) -> [units (layer-major, then kv head), menu]
-    for (w, side, i, h, b), name in ((v, k) for k, v in sens_cfg.items()):
-        menu = a.k_bits if side == "k" else a.v_bits
-        m = sens.setdefault((w, side), np.zeros((n_units, len(menu))))
-        m[i * (units or 1) + max(h, 0), menu.index(b)] = max(0.0, sums[name] / count)
+    if a.from_sensitivity:
+        try:
+            sens, count = PL.load_sensitivity(a.from_sensitivity, sens_cfg, a.k_bits, a.v_bits, n_units,
+                                              n_cal * (a.ctx - 1))
+        except (OSError, ValueError) as e:
+            print(f"--from-sensitivity: {e}", file=sys.stderr)
+            return 2
+        print(f"model {a.model} loaded in {time.time() - t0:.1f}s; sensitivity of {len(sens_cfg)} configs over "
+              f"{count} calibration tokens read from {a.from_sensitivity}; check: {n_chk} later windows", file=sys.stderr)
+    else:
+        quants = [PL.sensitivity_quantizer(name, n_layers, n_kv, w, side, i, h, b, a.format_version, a.seed)
+                  for name, (w, side, i, h, b) in sens_cfg.items()]
+        print(f"model {a.model} loaded in {time.time() - t0:.1f}s; {n_layers} layers, {n_kv} kv heads, head_dim {d}; "
+              f"calibration: {n_cal} windows of {a.ctx} ({len(quants)} sensitivity configs); check: {n_chk} later "
+              f"windows", file=sys.stderr)
+        sums = {q.name: 0.0 for q in quants}
+        count = 0
+        bar = tqdm(total=n_cal * len(quants), desc="sensitivity", unit="fwd", file=sys.stderr, disable=a.no_progress)
+        for w in range(n_cal):
+            win = ids[w * a.ctx:(w + 1) * a.ctx].unsqueeze(0).to(a.device)
+            res = P.eval_window(model, win, quants, on_config=lambda _n: bar.update(1))
+            for k in sums:
+                sums[k] += res[k]["kld"]
+            count += res[quants[0].name]["n"]
+        bar.close()
+        for (w, side, i, h, b), name in ((v, k) for k, v in sens_cfg.items()):
+            menu = a.k_bits if side == "k" else a.v_bits
+            m = sens.setdefault((w, side), np.zeros((n_units, len(menu))))
+            m[i * (units or 1) + max(h, 0), menu.index(b)] = max(0.0, sums[name] / count)
     for w in a.windows:  # a menu of fp16 only leaves zeros
         for side in ("k", "v"):
             sens.setdefault((w, side), np.zeros((n_units, len(a.k_bits if side == "k" else a.v_bits))))
@@ -403,14 +415,15 @@ def cmd_plan(a: argparse.Namespace) -> int:
     for budget in budgets:
         best = None
         for w in a.windows:
-            r = PL.allocate(sens[(w, "k")], sens[(w, "v")], a.k_bits, a.v_bits, d, budget, w, amort)
+            r = PL.allocate(sens[(w, "k")], sens[(w, "v")], a.k_bits, a.v_bits, d, budget, w, amort,
+                            heads=units or 1, max_groups=a.max_groups)
             if r is not None and (best is None or r[1] < best[1]):
                 best = (r[0], r[1], r[2], w)
         if best is None:
             print(f"budget {budget:.2f} B: no configuration of the menus fits", file=sys.stderr)
             continue
         bits, pred, nbytes, w = best
-        name = f"plan-{budget:.4g}B" + ("-per-head" if units else "")
+        name = f"plan-{budget:.4g}B" + ("-per-head" if units else "") + (f"-g{a.max_groups}" if a.max_groups else "")
         if name in checks:
             print(f"plan {name} is also a stored plan's name (--plans)", file=sys.stderr)
             return 2
@@ -428,6 +441,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
                     calib_windows=[0, n_cal], check_windows=[n_cal, n_cal + n_chk])
         if units:
             plan["head_bits"] = [[list(p) for p in layer] for layer in heads]
+            plan["max_groups"] = a.max_groups or n_kv
+            plan["groups_per_layer"] = [len({tuple(p) for p in layer}) for layer in heads]
         if a.memory:
             plan.update(memory_bytes=a.memory[budgets.index(budget)], context=a.context, batch=a.batch)
         plans.append(plan)
@@ -706,6 +721,12 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--batch", type=_int_at_least(1), default=1, help="sequences the --memory must hold")
     pn.add_argument("--per-head", action="store_true",
                     help="widths per (layer, kv head) instead of per layer (sensitivity per kv head)")
+    pn.add_argument("--max-groups", type=_int_at_least(0), default=0,
+                    help="with --per-head: at most this many distinct (k_bits, v_bits) pairs per layer (each is one "
+                         "call per decode step; 0: no limit)")
+    pn.add_argument("--from-sensitivity", default="",
+                    help="the sensitivity rows of an earlier fmkv-eval plan JSONL (same model, text, --ctx, "
+                         "--calib-tokens) instead of measuring them: re-plans at new budgets or constraints")
     pn.add_argument("--plans", default="",
                     help="also check the plans of these fmkv-eval plan JSONL files (comma-separated) on the held-out "
                          "windows")

@@ -116,6 +116,43 @@ def sensitivity_quantizer(name: str, num_layers: int, kv_heads: int, window: int
     return planned_quantizer(name, [], window, format_version, seed, head_bits=heads)
 
 
+def load_sensitivity(path: str, configs: Dict[str, Tuple[int, str, int, int, int]], k_menu: Sequence[int],
+                     v_menu: Sequence[int], units: int, calib_tokens: int) -> Tuple[Dict[tuple, np.ndarray], int]:
+    """The sensitivity matrices ({(W, side): [units, menu]}) of every config of ``configs`` (sensitivity_configs)
+    from the "plan-sensitivity" rows of an earlier plan JSONL, and their calibration token count (which must be
+    ``calib_tokens``); ValueError naming what is missing or different."""
+    rows = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                if r.get("suite") == "plan-sensitivity":
+                    rows[(int(r["window_tokens"]), r["side"], int(r["bits"]))] = r
+    if not rows:
+        raise ValueError(f"{path}: no sensitivity rows (suite 'plan-sensitivity')")
+    per_head = any(h >= 0 for (_, _, _, h, _) in configs.values())
+    out: Dict[tuple, np.ndarray] = {}
+    counts = set()
+    for w, side, i, h, b in configs.values():
+        r = rows.get((w, side, b))
+        if r is None:
+            raise ValueError(f"{path}: no sensitivity of {side.upper()} at {b} bits with window {w}")
+        vals = r.get("kld_per_head" if per_head else "kld_per_layer")
+        if vals is None:
+            raise ValueError(f"{path}: the rows are per " + ("layer; --per-head needs rows per kv head" if per_head
+                                                              else "kv head; pass --per-head"))
+        flat = np.asarray(vals, dtype=float).reshape(-1)
+        if flat.size != units:
+            raise ValueError(f"{path}: {flat.size} sensitivity entries per row, the model has {units}")
+        menu = k_menu if side == "k" else v_menu
+        m = out.setdefault((w, side), np.zeros((units, len(menu))))
+        m[:, menu.index(b)] = np.maximum(flat, 0.0)
+        counts.add(int(r["calib_tokens"]))
+    if counts != {int(calib_tokens)}:
+        raise ValueError(f"{path}: calibrated on {sorted(counts)} tokens, --calib-tokens gives {calib_tokens}")
+    return out, int(calib_tokens)
+
+
 def budget_from_memory(memory_bytes: float, context: int, num_layers: int, kv_heads: int, batch: int = 1) -> float:
     """Bytes per token per kv head (K + V, the planner's budget) that fit ``memory_bytes`` of KV cache for
     ``batch`` sequences of ``context`` tokens in a model of ``num_layers`` layers and ``kv_heads`` kv heads."""
@@ -136,51 +173,99 @@ def side_bytes(d: int, bits: int) -> int:
 
 
 def allocate(sens_k: np.ndarray, sens_v: np.ndarray, k_menu: Sequence[int], v_menu: Sequence[int], d: int,
-             budget: float, window: int = 0, ctx: int = 2048) -> Optional[Tuple[List[Tuple[int, int]], float, float]]:
+             budget: float, window: int = 0, ctx: int = 2048, heads: int = 1,
+             max_groups: int = 0) -> Optional[Tuple[List[Tuple[int, int]], float, float]]:
     """Exact minimum of sum_i sens_k[i, k_i] + sens_v[i, v_i] with mean bytes <= budget.
 
-    sens_k [layers, len(k_menu)], sens_v [layers, len(v_menu)]: predicted KLD per choice (0 for fp16).
-    Returns (layer_bits, predicted KLD, bytes per token per head at ctx), or None when nothing fits."""
+    sens_k [units, len(k_menu)], sens_v [units, len(v_menu)]: predicted KLD per choice (0 for fp16); a unit is a
+    layer, or with ``heads`` > 1 a (layer, kv head), layer-major. ``max_groups`` (with heads > 1; 0: no limit): at
+    most that many distinct (k_bits, v_bits) pairs among a layer's heads (each is a call per step: the decode-speed
+    price of widths per head). Returns (bits per unit, predicted KLD, bytes per token per head at ctx), or None
+    when nothing fits."""
     n = sens_k.shape[0]
-    if window >= ctx:
+    if window >= ctx or n % max(1, heads):
         return None
-    # mean quantized bytes q per layer allowed: (q (ctx - W) + 4 d W) / ctx <= budget
+    # mean quantized bytes q per unit allowed: (q (ctx - W) + 4 d W) / ctx <= budget
     q_max = (budget * ctx - 4.0 * d * window) / (ctx - window)
     cap = int(math.floor(q_max * n + 1e-9))
     if cap < 0:
         return None
     choices = [(kb, vb, side_bytes(d, kb) + side_bytes(d, vb)) for kb in k_menu for vb in v_menu]
+    value = np.array([[sens_k[u, list(k_menu).index(kb)] + sens_v[u, list(v_menu).index(vb)] for kb, vb, _ in choices]
+                      for u in range(n)])
+    if heads > 1 and 0 < max_groups < heads:
+        slots = [_layer_options(value[L * heads:(L + 1) * heads], choices, max_groups) for L in range(n // heads)]
+    else:
+        slots = [[(cost, value[u, c], (c,)) for c, (_, _, cost) in enumerate(choices)] for u in range(n)]
+    picks = _knapsack(slots, cap)
+    if picks is None:
+        return None
+    flat = [c for p in picks for c in p[2]]
+    bits = [(choices[c][0], choices[c][1]) for c in flat]
+    best = float(sum(p[1] for p in picks))
+    q = sum(choices[c][2] for c in flat) / n
+    return bits, best, (q * (ctx - window) + 4.0 * d * window) / ctx
+
+
+def _knapsack(slots: List[List[Tuple[int, float, tuple]]], cap: int) -> Optional[List[Tuple[int, float, tuple]]]:
+    """Multiple-choice knapsack: one option (cost, value, payload) per slot, total cost <= cap, least total value
+    (dynamic programming over integer costs, exact)."""
     inf = float("inf")
     dp = np.full(cap + 1, inf)
     dp[0] = 0.0
-    picks = []  # per layer: argmin choice index per total cost
-    for i in range(n):
+    args = []
+    for options in slots:
         new = np.full(cap + 1, inf)
         arg = np.full(cap + 1, -1, dtype=np.int64)
-        for c, (kb, vb, cost) in enumerate(choices):
+        for o, (cost, val, _) in enumerate(options):
             if cost > cap:
                 continue
-            val = sens_k[i, list(k_menu).index(kb)] + sens_v[i, list(v_menu).index(vb)]
             cand = np.full(cap + 1, inf)
             cand[cost:] = dp[:cap + 1 - cost] + val
             better = cand < new
             new[better] = cand[better]
-            arg[better] = c
+            arg[better] = o
         dp = new
-        picks.append(arg)
+        args.append(arg)
     if not np.isfinite(dp).any():
         return None
     total = int(np.argmin(dp))
-    best = float(dp[total])
-    bits: List[Tuple[int, int]] = []
-    for i in reversed(range(n)):
-        c = int(picks[i][total])
-        kb, vb, cost = choices[c]
-        bits.append((kb, vb))
-        total -= cost
-    bits.reverse()
-    q = sum(side_bytes(d, kb) + side_bytes(d, vb) for kb, vb in bits) / n
-    return bits, best, (q * (ctx - window) + 4.0 * d * window) / ctx
+    out = []
+    for options, arg in zip(reversed(slots), reversed(args)):
+        o = options[int(arg[total])]
+        out.append(o)
+        total -= o[0]
+    return out[::-1]
+
+
+def _layer_options(value: np.ndarray, choices: Sequence[Tuple[int, int, int]], max_groups: int
+                   ) -> List[Tuple[int, float, tuple]]:
+    """One layer's assignments of a choice to each of its heads using at most ``max_groups`` distinct choices: for
+    every total cost the least summed value (the cheapest-first Pareto front), exact (every set of <= max_groups
+    choices, a small knapsack over the heads within each set)."""
+    heads = value.shape[0]
+    best: Dict[int, Tuple[float, tuple]] = {}
+    for r in range(1, max_groups + 1):
+        for subset in itertools.combinations(range(len(choices)), r):
+            states: Dict[int, Tuple[float, tuple]] = {0: (0.0, ())}
+            for h in range(heads):
+                nxt: Dict[int, Tuple[float, tuple]] = {}
+                for cost, (val, picks) in states.items():
+                    for c in subset:
+                        k, v = cost + choices[c][2], val + value[h, c]
+                        if k not in nxt or v < nxt[k][0]:
+                            nxt[k] = (v, picks + (c,))
+                states = nxt
+            for cost, (val, picks) in states.items():
+                if cost not in best or val < best[cost][0]:
+                    best[cost] = (val, picks)
+    front, low = [], float("inf")
+    for cost in sorted(best):
+        val, picks = best[cost]
+        if val < low:
+            front.append((cost, val, picks))
+            low = val
+    return front
 
 
 def uniform_candidates(k_menu: Sequence[int], v_menu: Sequence[int], windows: Sequence[int], d: int, budget: float,
