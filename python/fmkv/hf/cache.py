@@ -20,7 +20,8 @@
   tokens kept in fp16, default 64: measured to matter most, see docs/EVAL.md; pass 0 to compress
   every token), ``sink_tokens``, ``boundary_layers`` (first/last N layers at ``boundary_k_bits`` /
   ``boundary_v_bits``) or ``layer_bits`` (a (k_bits, v_bits) pair per layer, e.g. a budget plan of
-  ``fmkv-eval plan``), ``scale_rule`` ('lsq' default, or 'rms'), rotation ``seed``, ``format_version``
+  ``fmkv-eval plan``) or ``head_bits`` (a pair per kv head of every layer: ``fmkv-eval plan --per-head``;
+  a layer with several pairs is one layer per pair over its heads, fmkv.hf.head_groups), ``scale_rule`` ('lsq' default, or 'rms'), rotation ``seed``, ``format_version``
   (0: the library's default; 3: format 3's 3-bit codes), ``backend`` (default: the device's), ``device``.
 * The host keeps each layer's length (a Python int: it plans each CUDA call for the actual length),
   so a step is not capturable in a CUDA graph; fmkv.hf.FmkvStaticCache is the graph-capturable form.
