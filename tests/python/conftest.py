@@ -44,3 +44,38 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("fmkv reliability counts")
         for line in REPORT:
             terminalreporter.write_line(line)
+
+
+def cuda_graph_tokens(step, tok, pos, n):
+    """Greedy tokens [b, n] of ``step(tok, pos) -> next tok`` run as one captured torch.cuda.CUDAGraph: two eager
+    steps on a side stream first (lazy initialisation, fmkv's device error word), recorded as tokens 0 and 1, then
+    the capture of one step (the token and position fed back in place) and n - 2 replays, under
+    torch.cuda.set_sync_debug_mode("error") (a replay that synchronises with the host fails)."""
+    import torch
+
+    tok_buf, pos_buf = tok.clone(), pos.clone()
+    hist = torch.zeros(tok.shape[0], n, dtype=torch.long, device=tok.device)
+
+    def one():
+        tok_buf.copy_(step(tok_buf, pos_buf))
+        pos_buf.add_(1)
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for i in range(2):
+                one()
+                hist[:, i:i + 1].copy_(tok_buf)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            one()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i in range(2, n):
+                g.replay()
+                hist[:, i:i + 1].copy_(tok_buf)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return hist
+

@@ -70,22 +70,11 @@ def test_planned_quantizer_bytes_and_widths():
 
 
 def test_plan_command_end_to_end(tmp_path, monkeypatch):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     from fmkv.eval import cli
-    from fmkv.eval import ppl as P
 
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                   max_position_embeddings=512, initializer_range=0.1)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    monkeypatch.setattr(P, "load_model", lambda name, device="cpu": (model, None))
-    ids = torch.randint(0, 300, (64 * 5,), generator=torch.Generator().manual_seed(1))
-    torch.save(ids, tmp_path / "ids.pt")
+    argv = _tiny_plan_setup(tmp_path, monkeypatch)
     out = tmp_path / "plan.jsonl"
-    rc = cli.main(["plan", "--model", "tiny", "--ids", str(tmp_path / "ids.pt"), "--ctx", "64",
-                   "--calib-tokens", "128", "--check-tokens", "192", "--budgets", "60,80", "--windows", "0,8",
-                   "--out", str(out), "--plot", str(tmp_path / "plan.png"), "--no-progress", "--commit", "test"])
+    rc = cli.main(argv + ["--budgets", "60,80", "--windows", "0,8", "--out", str(out), "--plot", str(tmp_path / "plan.png")])
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     plans = [r for r in rows if r["suite"] == "plan"]

@@ -20,6 +20,7 @@ try:
 except ImportError as e:  # pragma: no cover
     pytest.skip(f"fmkv.hf unavailable with this transformers: {e}", allow_module_level=True)
 
+from conftest import cuda_graph_tokens  # noqa: E402
 from fmkv.hf.cache import FmkvHeadGroupLayer  # noqa: E402
 from fmkv.hf.static_cache import FmkvStaticHeadGroupLayer  # noqa: E402
 
@@ -297,38 +298,16 @@ def test_cuda_graph_capture_of_group_layers_replays_eager_tokens():
 
         def step(t, p, cache=cache):
             return model(input_ids=t, position_ids=p, use_cache=True, **fhf.cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-        with torch.no_grad():
-            if not captured:
-                toks = []
+        if captured:
+            toks = cuda_graph_tokens(step, tok, pos, n)
+        else:
+            toks = []
+            with torch.no_grad():
                 for _ in range(n):
                     tok = step(tok, pos)
                     pos = pos + 1
                     toks.append(tok)
-                toks = torch.cat(toks, 1)
-            else:
-                tok_buf, pos_buf, hist = tok.clone(), pos.clone(), torch.zeros(2, n, dtype=torch.long, device="cuda")
-
-                def one():
-                    tok_buf.copy_(step(tok_buf, pos_buf))
-                    pos_buf.add_(1)
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for i in range(2):
-                        one()
-                        hist[:, i:i + 1].copy_(tok_buf)
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    one()
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    for i in range(2, n):
-                        g.replay()
-                        hist[:, i:i + 1].copy_(tok_buf)
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-                toks = hist
+            toks = torch.cat(toks, 1)
         cache.check()
         runs.append((toks, [_bytes(layer) for layer in cache.fmkv_layers]))
     (te, be), (tc, bc) = runs

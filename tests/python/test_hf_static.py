@@ -31,6 +31,7 @@ try:
 except ImportError as e:  # pragma: no cover
     pytest.skip(f"fmkv.hf unavailable with this transformers: {e}", allow_module_level=True)
 
+from conftest import cuda_graph_tokens  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode
 
 COMMON = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -380,37 +381,7 @@ def test_cuda_graph_capture_replays_eager_tokens():
         cache = fhf.FmkvStaticCache(model.config, max_cache_len=48, k_bits=4, v_bits=4, window_tokens=8)
         tok, pos = _prefill(model, cache, ids, mask)
         step = _step_fn(model, cache)
-        if not captured:
-            toks = _decode(step, tok, pos, n)
-        else:
-            tok_buf, pos_buf = tok.clone(), pos.clone()
-            hist = torch.zeros(2, n, dtype=torch.long, device="cuda")
-
-            def one():
-                nxt = step(tok_buf, pos_buf)
-                tok_buf.copy_(nxt)
-                pos_buf.add_(1)
-            with torch.no_grad():
-                # two eager steps on a side stream first (lazy initialisation, fmkv's device error word),
-                # recorded as tokens 0 and 1, then the capture of one step and n - 2 replays
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for i in range(2):
-                        one()
-                        hist[:, i:i + 1].copy_(tok_buf)
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    one()
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    for i in range(2, n):
-                        g.replay()
-                        hist[:, i:i + 1].copy_(tok_buf)
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-            toks = hist[:, :n]
+        toks = cuda_graph_tokens(step, tok, pos, n) if captured else _decode(step, tok, pos, n)
         cache.check()
         runs.append((toks, [_layer_bytes(layer) for layer in cache.fmkv_layers]))
     (te, be), (tc, bc) = runs

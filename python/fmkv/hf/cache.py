@@ -41,7 +41,7 @@ import fmkv
 from fmkv import format as _format
 
 from .attention import use_fmkv_attention
-from .compat import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, layer_types, text_config
+from .compat import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, FixedLayerOps, layer_types, text_config
 from .head_groups import HeadGroups, cache_widths, width_groups
 
 __all__ = ["FmkvCache", "FmkvLayer", "FmkvHeadGroupLayer", "DEFAULT_WINDOW_TOKENS", "layer_seed",
@@ -64,7 +64,7 @@ def layer_seed(seed: int, layer: int) -> int:
     return _format.layer_seed(seed, layer)
 
 
-class FmkvLayer(CacheLayerMixin):
+class FmkvLayer(FixedLayerOps, CacheLayerMixin):
     """One decoder layer's compressed K/V in torch tensors on the model's device, one sequence per
     batch row, driven by ``torch.ops.fmkv.append`` / ``attention`` (fmkv.torch_ops).
 
@@ -272,46 +272,16 @@ class FmkvLayer(CacheLayerMixin):
             self.lens.zero_()
         self.length = 0
 
-    def offload(self):  # storage stays where it was allocated
-        pass
-
-    def prefetch(self):
-        pass
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("FmkvCache cannot be cropped (compressed tokens are not removable)")
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("FmkvCache does not support beam search")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("FmkvCache does not support batch expansion")
-
-    def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("FmkvCache does not support batch selection")
 
 
-class FmkvHeadGroupLayer(HeadGroups, CacheLayerMixin):
+class FmkvHeadGroupLayer(HeadGroups, FixedLayerOps, CacheLayerMixin):
     """One decoder layer whose kv heads have different widths (``head_bits``): an :class:`FmkvLayer` per distinct
     (k_bits, v_bits) pair over its kv heads (fmkv.hf.head_groups). ``update`` hands each group its heads' K/V;
-    the attention gathers each group's query heads and scatters the outputs back."""
+    the attention runs each group over its query heads and merges the outputs in head order."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
-
-    def __init__(self, layer_idx: int, parts: List[tuple], num_kv_heads: int, q_per_kv: int):
-        super().__init__()
-        self.layer_idx = int(layer_idx)
-        self._init_groups(parts, num_kv_heads, q_per_kv)
-
-    def __repr__(self) -> str:
-        groups = ", ".join(f"k{p.k_bits}v{p.v_bits}: heads {h}" for p, h in self.parts)
-        return f"FmkvHeadGroupLayer(layer={self.layer_idx}, {groups}, len={self.length})"
-
-    @property
-    def layers(self) -> List[FmkvLayer]:
-        return [p for p, _ in self.parts]
 
     @property
     def prefill(self) -> str:
@@ -377,27 +347,6 @@ class FmkvHeadGroupLayer(HeadGroups, CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.parts[0][0].max_cache_len
 
-    def reset(self) -> None:
-        for layer in self.layers:
-            layer.reset()
-
-    def offload(self):
-        pass
-
-    def prefetch(self):
-        pass
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("FmkvCache cannot be cropped (compressed tokens are not removable)")
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("FmkvCache does not support beam search")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("FmkvCache does not support batch expansion")
-
-    def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("FmkvCache does not support batch selection")
 
 
 def pages_per_sequence(max_cache_len: int, sink_tokens: int, page_size: int) -> int:

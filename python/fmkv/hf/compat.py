@@ -46,6 +46,39 @@ def layer_types(config) -> List[str]:
 
 
 
+def check_width_pair(p: tuple, where: str) -> None:
+    """ValueError naming ``where`` unless p is a (k_bits, v_bits) pair of integers (the widths themselves are
+    checked by fmkv.Config)."""
+    if len(p) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in p):
+        raise ValueError(f"{where} = {p!r} is not a (k_bits, v_bits) pair of integers")
+
+
+class FixedLayerOps:
+    """The transformers layer operations an fmkv layer does not have: its storage stays where it was allocated
+    (offload / prefetch do nothing) and compressed tokens are neither removable nor reorderable. ``_cache_name``
+    names the cache in the errors."""
+
+    _cache_name = "FmkvCache"
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(f"{self._cache_name} cannot be cropped (compressed tokens are not removable)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError(f"{self._cache_name} does not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(f"{self._cache_name} does not support batch expansion")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError(f"{self._cache_name} does not support batch selection")
+
+
 def layer_bit_widths(n: int, k_bits: int, v_bits: int, boundary_layers: int = 0, boundary_k_bits: int = 16,
                      boundary_v_bits: int = 4, layer_bits=None) -> List[tuple]:
     """(k_bits, v_bits) of each of the ``n`` layers: ``layer_bits`` (one (k, v) pair per layer, e.g. a budget
@@ -58,8 +91,7 @@ def layer_bit_widths(n: int, k_bits: int, v_bits: int, boundary_layers: int = 0,
     if len(pairs) != n:
         raise ValueError(f"layer_bits has {len(pairs)} entries for a model of {n} layers")
     for i, p in enumerate(pairs):
-        if len(p) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in p):
-            raise ValueError(f"layer_bits[{i}] = {p!r} is not a (k_bits, v_bits) pair of integers")
+        check_width_pair(p, f"layer_bits[{i}]")
     if boundary_layers:
         raise ValueError("layer_bits and boundary_layers both choose the layers' widths; pass one of them")
     return pairs

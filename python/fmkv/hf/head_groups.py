@@ -15,7 +15,7 @@ import torch
 
 import fmkv
 
-from .compat import layer_bit_widths
+from .compat import check_width_pair, layer_bit_widths
 
 Pair = Tuple[int, int]
 _SIDE_STREAMS: Dict[str, List["torch.cuda.Stream"]] = {}  # per CUDA device, shared by every group layer
@@ -37,8 +37,7 @@ def layer_head_widths(n: int, kv_heads: int, head_bits, layer_bits=None, boundar
         if len(pairs) != kv_heads:
             raise ValueError(f"head_bits[{i}] has {len(pairs)} pairs for {kv_heads} kv heads")
         for h, p in enumerate(pairs):
-            if len(p) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in p):
-                raise ValueError(f"head_bits[{i}][{h}] = {p!r} is not a (k_bits, v_bits) pair of integers")
+            check_width_pair(p, f"head_bits[{i}][{h}]")
         out.append(pairs)
     return out
 
@@ -65,6 +64,24 @@ class HeadGroups:
     """The split and merge of a layer stored as width groups: ``parts`` is [(layer, kv heads)]. The kv heads are
     put in group order by one gather per tensor (none when the groups are already contiguous ranges of heads), each
     group takes a slice (a view), and the groups' outputs are concatenated and put back in head order."""
+
+    def __init__(self, layer_idx: int, parts: List[Tuple[object, List[int]]], num_kv_heads: int, q_per_kv: int):
+        super().__init__()
+        self.layer_idx = int(layer_idx)
+        self._init_groups(parts, num_kv_heads, q_per_kv)
+
+    def __repr__(self) -> str:
+        groups = ", ".join(f"k{p.k_bits}v{p.v_bits}: heads {h}" for p, h in self.parts)
+        return f"{type(self).__name__}(layer={self.layer_idx}, {groups})"
+
+    @property
+    def layers(self) -> list:
+        """The width groups' layers, in group order."""
+        return [p for p, _ in self.parts]
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
 
     def _init_groups(self, parts: List[Tuple[object, List[int]]], num_kv_heads: int, q_per_kv: int) -> None:
         self.parts = parts

@@ -43,7 +43,7 @@ import fmkv
 
 from .attention import use_fmkv_attention
 from .cache import DEFAULT_WINDOW_TOKENS, layer_seed, pages_per_sequence
-from .compat import Cache, CacheLayerMixin, layer_types, text_config
+from .compat import Cache, CacheLayerMixin, FixedLayerOps, layer_types, text_config
 from .head_groups import HeadGroups, cache_widths, width_groups
 
 try:
@@ -65,13 +65,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b * n, h, d)
 
 
-class FmkvStaticLayer(CacheLayerMixin):
+class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
     """One decoder layer of an :class:`FmkvStaticCache`: compressed K/V of ``batch_size`` sequence slots,
     ``max_cache_len`` tokens each, in tensors allocated once (see the module docstring)."""
 
     is_compileable = True
     is_sliding = False
     is_croppable = False
+    _cache_name = "FmkvStaticCache"
 
     def __init__(self, layer_idx: int, max_cache_len: int, k_bits: int = 3, v_bits: int = 3, page_size: int = 64,
                  sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS, scale_rule: str = "lsq",
@@ -334,26 +335,9 @@ class FmkvStaticLayer(CacheLayerMixin):
         self.filled = False
         self._awaiting = False
 
-    def offload(self):  # storage stays where it was allocated
-        pass
-
-    def prefetch(self):
-        pass
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("FmkvStaticCache cannot be cropped (compressed tokens are not removable)")
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("FmkvStaticCache does not support beam search")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("FmkvStaticCache does not support batch expansion")
-
-    def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("FmkvStaticCache does not support batch selection")
 
 
-class FmkvStaticHeadGroupLayer(HeadGroups, CacheLayerMixin):
+class FmkvStaticHeadGroupLayer(HeadGroups, FixedLayerOps, CacheLayerMixin):
     """One decoder layer of an :class:`FmkvStaticCache` whose kv heads have different widths (``head_bits``): an
     :class:`FmkvStaticLayer` per distinct (k_bits, v_bits) pair over its kv heads (fmkv.hf.head_groups). The
     step puts the heads in group order with device index tensors made at allocation, so it stays capturable;
@@ -362,19 +346,7 @@ class FmkvStaticHeadGroupLayer(HeadGroups, CacheLayerMixin):
     is_compileable = True
     is_sliding = False
     is_croppable = False
-
-    def __init__(self, layer_idx: int, parts: List[tuple], num_kv_heads: int, q_per_kv: int):
-        super().__init__()
-        self.layer_idx = int(layer_idx)
-        self._init_groups(parts, num_kv_heads, q_per_kv)
-
-    def __repr__(self) -> str:
-        groups = ", ".join(f"k{p.k_bits}v{p.v_bits}: heads {h}" for p, h in self.parts)
-        return f"FmkvStaticHeadGroupLayer(layer={self.layer_idx}, {groups})"
-
-    @property
-    def layers(self) -> List[FmkvStaticLayer]:
-        return [p for p, _ in self.parts]
+    _cache_name = "FmkvStaticCache"
 
     @property
     def cumulative_length(self) -> torch.Tensor:
@@ -453,27 +425,6 @@ class FmkvStaticHeadGroupLayer(HeadGroups, CacheLayerMixin):
     def lengths(self) -> List[int]:
         return self.parts[0][0].lengths()
 
-    def reset(self) -> None:
-        for layer in self.layers:
-            layer.reset()
-
-    def offload(self):
-        pass
-
-    def prefetch(self):
-        pass
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("FmkvStaticCache cannot be cropped (compressed tokens are not removable)")
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("FmkvStaticCache does not support beam search")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("FmkvStaticCache does not support batch expansion")
-
-    def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("FmkvStaticCache does not support batch selection")
 
 
 class FmkvStaticCache(Cache):
