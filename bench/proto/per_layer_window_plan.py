@@ -17,6 +17,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from fmkv import format as fmt
 from fmkv.eval import plan as PL
 
 UNIT = 64  # cost units per byte
@@ -35,10 +36,12 @@ def read_sensitivity(path: str) -> Tuple[Dict[Tuple[int, str, int], np.ndarray],
     return sens, len(next(iter(sens.values())))
 
 
-def plan(sens, layers: int, budget: float, windows: Sequence[int], k_menu=(2, 3, 4, 16), v_menu=(2, 3, 4),
-         d: int = 64, ctx: int = 2048):
+def plan(sens, layers: int, budget: float, windows: Sequence[int], k_menu=None, v_menu=None, d: int = 64,
+         ctx: int = 2048):
     """(predicted KLD, bytes per token per head, [(k_bits, v_bits, W)] per layer) minimising the summed KLD, or
-    None when nothing fits."""
+    None when nothing fits. Menus default to the format's widths (K also fp16)."""
+    k_menu = tuple(k_menu or (*fmt.CODE_BITS, fmt.FP16_BITS))
+    v_menu = tuple(v_menu or fmt.CODE_BITS)
     def kld(w, side, i, b):
         return 0.0 if b == 16 else float(sens[(w, side, b)][i])
 
