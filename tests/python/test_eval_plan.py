@@ -305,3 +305,23 @@ def test_max_groups_needs_per_head(capsys):
     with pytest.raises(SystemExit):
         cli.main(["plan", "--max-groups", "2"])
     assert "pass --per-head" in capsys.readouterr().err
+
+
+def test_model_label_by_key_name_or_content(tmp_path, monkeypatch):
+    """Result rows name a known model whether it was loaded by key, by its file, or from a copy under another name
+    (by MD5); anything else keeps the name it was given."""
+    import hashlib
+
+    from fmkv.eval import ppl as P
+
+    blob = tmp_path / "copy.gguf"
+    blob.write_bytes(b"not really a model" * 1000)
+    md5 = hashlib.md5(blob.read_bytes()).hexdigest()
+    monkeypatch.setitem(P.MODELS, "tiny-model", ("no_package", "tiny.gguf", md5))
+    assert P.model_label("tiny-model") == "tiny-model"
+    assert P.model_label("/somewhere/tiny.gguf") == "tiny-model"
+    assert P.model_label(str(blob)) == "tiny-model"
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"something else")
+    assert P.model_label(str(other)) == str(other)
+    assert P.model_label("/no/such/file.gguf") == "/no/such/file.gguf"

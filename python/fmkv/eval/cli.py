@@ -220,9 +220,7 @@ def cmd_ppl(a: argparse.Namespace) -> int:
     bar.close()
     summ = P.summarize(sums)
     commit = a.commit or _commit()
-    model_name = a.model
-    if os.path.basename(a.model) == P.MODELS["smollm2-135m"][1]:
-        model_name = "smollm2-135m"
+    model_name = P.model_label(a.model)
     rows = []
     for c in configs:
         s = summ[c.name]
@@ -391,9 +389,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         for side in ("k", "v"):
             sens.setdefault((w, side), np.zeros((n_units, len(a.k_bits if side == "k" else a.v_bits))))
     commit = a.commit or _commit()
-    model_name = a.model
-    if a.model == "smollm2-135m" or os.path.basename(a.model) == P.MODELS["smollm2-135m"][1]:
-        model_name = "smollm2-135m"
+    model_name = P.model_label(a.model)
     base = {"model": model_name, "text": os.path.basename(a.text),
             "ctx": a.ctx, "commit": commit, "device": a.device, "format_version": a.format_version or None}
     amort = a.context if a.memory else a.ctx  # fp16 window tokens amortised over this many tokens

