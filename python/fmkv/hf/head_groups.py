@@ -2,10 +2,12 @@
 distinct pair, each over its own kv heads (``head_bits``, e.g. a ``fmkv-eval plan --per-head`` plan).
 
 A group is an ordinary fmkv cache layer with fewer kv heads (the same layer seed, so a head's pages are the bytes
-a one-width layer would write for it); its query heads are the GQA group of its kv heads. A step gathers each
-group's K/V/query heads (``index_select``), runs the group's call, and scatters its output heads back
-(``index_copy_``). A layer whose heads all have one pair is the plain layer (no gather). Each extra group costs
-its own launches per step: the decode-speed price is measured in docs/EVAL.md section 14.
+a one-width layer would write for it); its query heads are the GQA group of its kv heads. A step puts the K/V and
+query heads in group order (one ``index_select`` per tensor, none when the groups are contiguous head ranges), hands
+each group its slice, runs the groups' calls -- on CUDA the groups after the first on side streams, joined before
+the merge -- and concatenates their outputs back into head order. A layer whose heads all have one pair is the
+plain layer. Each extra group is its own launches per step: the decode-speed price is measured in docs/EVAL.md
+section 14.
 """
 from __future__ import annotations
 
