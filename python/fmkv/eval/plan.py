@@ -16,6 +16,14 @@
 The additive model (a layer's and a side's KLD add up) is an approximation; the check reports the plan's
 measured KLD next to its prediction. The plan's ``layer_bits`` are what fmkv.hf.FmkvCache(layer_bits=...,
 window_tokens=W) takes.
+
+Options of the command (fmkv.eval.cli): ``--per-head`` measures the sensitivity per (layer, kv head) and allocates
+a pair per kv head (the plan's ``head_bits``, for FmkvCache(head_bits=...)); ``--max-groups G`` allows at most G
+distinct pairs among a layer's heads (each is one more call per decode step); ``--from-sensitivity FILE`` reads the
+sensitivity rows of an earlier run instead of measuring them; ``--memory SIZE --context N [--batch B]`` turns a
+KV-cache size into the budget per token per kv head (fp16 windows then amortised over N tokens, and the plan's
+bytes stated at N; the check rows keep the evaluation's ``--ctx``); ``--plans FILE`` checks stored plans on the
+same held-out windows.
 """
 from __future__ import annotations
 
