@@ -69,3 +69,16 @@ def string(name: str, value: Any) -> str:
     if not isinstance(value, str):
         raise type_error(name, "a string", value)
     return value
+
+
+def width_pair(where: str, p: Any) -> tuple:
+    """``p`` as a (k_bits, v_bits) tuple of two integers (an FmkvError naming ``where`` otherwise; the widths
+    themselves are checked by fmkv.Config)."""
+    try:
+        t = tuple(p)
+    except TypeError:
+        t = None
+    if t is None or len(t) != 2 or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in t):
+        raise error(f"{where} = {p!r} is not a (k_bits, v_bits) pair of integers")
+    return (int(t[0]), int(t[1]))
+

@@ -232,3 +232,25 @@ def test_generate_side_by_side_smollm2(smollm2):
     assert agree["mlx_lm_int8"] >= 0.9
     assert generated["fmkv_k4v4_w32"][0] == ref[0]  # the first token comes from the full-precision prefill
     assert agree["fmkv_k4v4"] >= 0.5 and agree["mlx_lm_int4"] >= 0.5  # 4-bit K/V on every token
+
+
+def test_layer_bits_give_each_layer_its_widths(tiny):
+    """make_prompt_cache(layer_bits=...): each layer's cache at its own pair (a budget plan's layer_bits), decoding
+    as a one-width cache does in the layers with that pair; head_bits and conflicting options are refused."""
+    rng = np.random.default_rng(3)
+    prompt, steps = rng.integers(0, 97, 24).tolist(), rng.integers(0, 97, 4).tolist()
+    mixed = lm.make_prompt_cache(tiny, layer_bits=[(4, 4), (3, 2)], window_tokens=0, max_tokens=128)
+    assert [(c.k_bits, c.v_bits) for c in mixed] == [(4, 4), (3, 2)]
+    same = lm.make_prompt_cache(tiny, layer_bits=[(4, 4), (4, 4)], window_tokens=0, max_tokens=128)
+    uniform = lm.make_prompt_cache(tiny, k_bits=4, v_bits=4, window_tokens=0, max_tokens=128)
+    assert np.array_equal(_run(tiny, same, prompt, steps), _run(tiny, uniform, prompt, steps))
+    got = _run(tiny, mixed, prompt, steps)
+    assert np.isfinite(got).all() and not np.array_equal(got, _run(tiny, lm.make_prompt_cache(
+        tiny, k_bits=4, v_bits=4, window_tokens=0, max_tokens=128), prompt, steps))
+    assert mixed[1].nbytes < mixed[0].nbytes  # layer 1 stores 3-bit K and 2-bit V
+    for kw, msg in ((dict(layer_bits=[(4, 4)]), "layer_bits has 1 entries for a model of 2 layers"),
+                    (dict(layer_bits=[(4, 4), (3,)]), r"layer_bits\[1\] = \(3,\) is not a \(k_bits, v_bits\) pair"),
+                    (dict(layer_bits=[(4, 4), (3, 3)], k_bits=3), "layer_bits and k_bits / v_bits both"),
+                    (dict(head_bits=[[(4, 4)] * 2] * 2), "head_bits .* is an fmkv.hf option")):
+        with pytest.raises(fmkv.FmkvError, match=msg):
+            lm.make_prompt_cache(tiny, **kw)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+from .._args import width_pair
+
 try:  # transformers >= 4.56 (layered caches)
     from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer  # noqa: F401
 except ImportError as e:  # pragma: no cover
@@ -46,13 +48,6 @@ def layer_types(config) -> List[str]:
 
 
 
-def check_width_pair(p: tuple, where: str) -> None:
-    """ValueError naming ``where`` unless p is a (k_bits, v_bits) pair of integers (the widths themselves are
-    checked by fmkv.Config)."""
-    if len(p) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in p):
-        raise ValueError(f"{where} = {p!r} is not a (k_bits, v_bits) pair of integers")
-
-
 class FixedLayerOps:
     """The transformers layer operations an fmkv layer does not have: its storage stays where it was allocated
     (offload / prefetch do nothing) and compressed tokens are neither removable nor reorderable. ``_cache_name``
@@ -87,11 +82,10 @@ def layer_bit_widths(n: int, k_bits: int, v_bits: int, boundary_layers: int = 0,
     if layer_bits is None:
         return [(boundary_k_bits, boundary_v_bits) if boundary_layers > 0 and (i < boundary_layers or i >= n - boundary_layers)
                 else (k_bits, v_bits) for i in range(n)]
-    pairs = [tuple(p) for p in layer_bits]
+    pairs = list(layer_bits)
     if len(pairs) != n:
         raise ValueError(f"layer_bits has {len(pairs)} entries for a model of {n} layers")
-    for i, p in enumerate(pairs):
-        check_width_pair(p, f"layer_bits[{i}]")
+    pairs = [width_pair(f"layer_bits[{i}]", p) for i, p in enumerate(pairs)]
     if boundary_layers:
         raise ValueError("layer_bits and boundary_layers both choose the layers' widths; pass one of them")
     return pairs

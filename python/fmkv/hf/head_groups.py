@@ -17,7 +17,8 @@ import torch
 
 import fmkv
 
-from .compat import check_width_pair, layer_bit_widths
+from .._args import width_pair
+from .compat import layer_bit_widths
 
 Pair = Tuple[int, int]
 _SIDE_STREAMS: Dict[str, List["torch.cuda.Stream"]] = {}  # per CUDA device, shared by every group layer
@@ -35,12 +36,10 @@ def layer_head_widths(n: int, kv_heads: int, head_bits, layer_bits=None, boundar
         raise ValueError(f"head_bits has {len(layers)} entries for a model of {n} layers")
     out = []
     for i, heads in enumerate(layers):
-        pairs = [tuple(p) for p in heads]
+        pairs = list(heads)
         if len(pairs) != kv_heads:
             raise ValueError(f"head_bits[{i}] has {len(pairs)} pairs for {kv_heads} kv heads")
-        for h, p in enumerate(pairs):
-            check_width_pair(p, f"head_bits[{i}][{h}]")
-        out.append(pairs)
+        out.append([width_pair(f"head_bits[{i}][{h}]", p) for h, p in enumerate(pairs)])
     return out
 
 

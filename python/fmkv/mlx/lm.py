@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 from typing import Any, List, Optional
 
-from .. import Config, FmkvError, format_version as fmkv_format_version
+from .. import Config, FmkvError, _args, format_version as fmkv_format_version
 from .layer import MlxLayer
 
 __all__ = ["FmkvKVCache", "make_prompt_cache", "install", "DEFAULT_WINDOW_TOKENS"]
@@ -238,9 +238,17 @@ def install(model=None) -> None:
     _cache.FmkvKVCache = FmkvKVCache
 
 
-def make_prompt_cache(model, **options) -> List[FmkvKVCache]:
+def make_prompt_cache(model, layer_bits=None, **options) -> List[FmkvKVCache]:
     """One FmkvKVCache per layer of an mlx-lm model (options: FmkvKVCache's; ``layer`` is set per
-    layer), after :func:`install`."""
+    layer), after :func:`install`. ``layer_bits``: a (k_bits, v_bits) pair per layer (e.g. the ``layer_bits`` of
+    an ``fmkv-eval plan`` budget plan) instead of ``k_bits`` / ``v_bits``. Widths per kv head (``head_bits``,
+    fmkv.hf's width groups) are not an option here."""
+    if "head_bits" in options:
+        raise FmkvError("fmkv.mlx.lm.make_prompt_cache: head_bits (widths per kv head) is an fmkv.hf option; "
+                        "fmkv.mlx takes one width pair per layer (layer_bits)")
+    if layer_bits is not None and ({"k_bits", "v_bits"} & set(options)):
+        raise FmkvError("fmkv.mlx.lm.make_prompt_cache: layer_bits and k_bits / v_bits both choose the widths; "
+                        "pass one of them")
     if hasattr(model, "make_cache"):  # e.g. llama: KVCache for full attention, RotatingKVCache for sliding layers
         kinds = sorted({type(c).__name__ for c in model.make_cache()} - {"KVCache"})
         if kinds:
@@ -249,6 +257,13 @@ def make_prompt_cache(model, **options) -> List[FmkvKVCache]:
     layers = getattr(model, "layers", None)
     if layers is None:
         raise FmkvError(f"{type(model).__name__} has no .layers")
+    if layer_bits is not None:
+        pairs = list(layer_bits)
+        if len(pairs) != len(layers):
+            raise FmkvError(f"layer_bits has {len(pairs)} entries for a model of {len(layers)} layers")
+        pairs = [_args.width_pair(f"layer_bits[{i}]", p) for i, p in enumerate(pairs)]
     install(model)
     options.pop("layer", None)
-    return [FmkvKVCache(layer=i, **options) for i in range(len(layers))]
+    if layer_bits is None:
+        return [FmkvKVCache(layer=i, **options) for i in range(len(layers))]
+    return [FmkvKVCache(layer=i, k_bits=kb, v_bits=vb, **options) for i, (kb, vb) in enumerate(pairs)]
