@@ -291,12 +291,6 @@ class FmkvHeadGroupLayer(HeadGroups, FixedLayerOps, CacheLayerMixin):
     def length(self) -> int:
         return self.parts[0][0].length
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._check_heads(key_states, "K")
-        for layer, k, v in zip(self.layers, self._split(key_states), self._split(value_states)):
-            layer.lazy_initialization(k, v)
-        self.is_initialized = True
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         self._check_heads(key_states, "K")
         self._check_heads(value_states, "V")

@@ -84,6 +84,13 @@ class HeadGroups:
         for layer in self.layers:
             layer.reset()
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate each group's layer for its heads of key_states / value_states."""
+        self._check_heads(key_states, "K")
+        for layer, k, v in zip(self.layers, self._split(key_states), self._split(value_states)):
+            layer.lazy_initialization(k, v)
+        self.is_initialized = True
+
     def _init_groups(self, parts: List[Tuple[object, List[int]]], num_kv_heads: int, q_per_kv: int) -> None:
         self.parts = parts
         self.num_kv_heads, self.q_per_kv = int(num_kv_heads), int(q_per_kv)

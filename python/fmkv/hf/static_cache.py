@@ -357,14 +357,11 @@ class FmkvStaticHeadGroupLayer(HeadGroups, FixedLayerOps, CacheLayerMixin):
         return self.parts[0][0].max_cache_len
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._check_heads(key_states, "K")
-        for layer, k, v in zip(self.layers, self._split(key_states), self._split(value_states)):
-            layer.lazy_initialization(k, v)
+        super().lazy_initialization(key_states, value_states)
         self._tables(self.layers[0].device)  # the permutation tables, before any captured step
         for layer in self.layers[1:]:  # the groups share the first group's timeline tensor (advanced once a step)
             layer.cumulative_length = self.layers[0].cumulative_length
         self.device = self.layers[0].device
-        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
