@@ -325,3 +325,40 @@ def test_model_label_by_key_name_or_content(tmp_path, monkeypatch):
     other.write_bytes(b"something else")
     assert P.model_label(str(other)) == str(other)
     assert P.model_label("/no/such/file.gguf") == "/no/such/file.gguf"
+
+
+def test_plan_with_key_offset(tmp_path, monkeypatch):
+    """--key-offset: the sensitivity is measured with the offset (it changes the rows), the plan and its uniform
+    configs carry it, and stored rows are used only with the same setting."""
+    from fmkv.eval import cli
+
+    argv = _tiny_plan_setup(tmp_path, monkeypatch)
+    plain, ko = tmp_path / "plain.jsonl", tmp_path / "ko.jsonl"
+    common = ["--per-head", "--budgets", "60", "--windows", "0", "--uniform-per-budget", "2"]
+    assert cli.main(argv + common + ["--out", str(plain), "--plot", ""]) == 0
+    assert cli.main(argv + common + ["--key-offset", "--out", str(ko), "--plot", ""]) == 0
+    r0 = [json.loads(line) for line in plain.read_text().splitlines()]
+    r1 = [json.loads(line) for line in ko.read_text().splitlines()]
+    s0 = [r for r in r0 if r["suite"] == "plan-sensitivity"]
+    s1 = [r for r in r1 if r["suite"] == "plan-sensitivity"]
+    assert all(r.get("key_offset") for r in s1) and not any("key_offset" in r for r in s0)
+    assert [r["kld_per_head"] for r in s0] != [r["kld_per_head"] for r in s1]  # measured with the offset
+    plan = next(r for r in r1 if r["suite"] == "plan")
+    assert plan["config"] == "plan-60B-per-head-ko" and plan["key_offset"] is True
+    assert plan["uniform_compared"] and all(u.endswith("-km") for u in plan["uniform_compared"])
+    checks = {r["config"]: r for r in r1 if r["suite"] == "plan-check"}
+    assert checks[plan["config"]]["options"]["key_offset"] is True
+    q = PL.load_plans(str(ko))[0]
+    assert q.key_mean and q.options["key_offset"] and q.head_bits
+    assert not PL.load_plans(str(plain))[0].key_mean
+    # re-planning reads only rows of the same setting
+    again = tmp_path / "again.jsonl"
+    assert cli.main(argv + common + ["--key-offset", "--from-sensitivity", str(ko), "--out", str(again),
+                                     "--plot", ""]) == 0
+    r2 = [json.loads(line) for line in again.read_text().splitlines()]
+    assert [r["kld_per_head"] for r in r2 if r["suite"] == "plan-sensitivity"] == [r["kld_per_head"] for r in s1]
+    cfg = PL.sensitivity_configs(3, [2, 3, 4, 16], [2, 3, 4], [0], 2)
+    with pytest.raises(ValueError, match="measured without the key offset"):
+        PL.load_sensitivity(str(plain), cfg, [2, 3, 4, 16], [2, 3, 4], 6, 126, key_offset=True)
+    with pytest.raises(ValueError, match="measured with the key offset"):
+        PL.load_sensitivity(str(ko), cfg, [2, 3, 4, 16], [2, 3, 4], 6, 126)

@@ -359,14 +359,15 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if a.from_sensitivity:
         try:
             sens, count = PL.load_sensitivity(a.from_sensitivity, sens_cfg, a.k_bits, a.v_bits, n_units,
-                                              n_cal * (a.ctx - 1))
+                                              n_cal * (a.ctx - 1), key_offset=a.key_offset)
         except (OSError, ValueError) as e:
             print(f"--from-sensitivity: {e}", file=sys.stderr)
             return 2
         print(f"model {a.model} loaded in {time.time() - t0:.1f}s; sensitivity of {len(sens_cfg)} configs over "
               f"{count} calibration tokens read from {a.from_sensitivity}; check: {n_chk} later windows", file=sys.stderr)
     else:
-        quants = [PL.sensitivity_quantizer(name, n_layers, n_kv, w, side, i, h, b, a.format_version, a.seed)
+        quants = [PL.sensitivity_quantizer(name, n_layers, n_kv, w, side, i, h, b, a.format_version, a.seed,
+                                           key_offset=a.key_offset)
                   for name, (w, side, i, h, b) in sens_cfg.items()]
         print(f"model {a.model} loaded in {time.time() - t0:.1f}s; {n_layers} layers, {n_kv} kv heads, head_dim {d}; "
               f"calibration: {n_cal} windows of {a.ctx} ({len(quants)} sensitivity configs); check: {n_chk} later "
@@ -399,6 +400,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
         for j, b in enumerate(menu):
             if b != 16:
                 row = dict(base, suite="plan-sensitivity", window_tokens=w, side=side, bits=b, calib_tokens=count)
+                if a.key_offset:
+                    row["key_offset"] = True
                 if units:
                     row["kld_per_head"] = [[round(float(x), 7) for x in m[i * units:(i + 1) * units, j]]
                                            for i in range(n_layers)]
@@ -419,22 +422,26 @@ def cmd_plan(a: argparse.Namespace) -> int:
             print(f"budget {budget:.2f} B: no configuration of the menus fits", file=sys.stderr)
             continue
         bits, pred, nbytes, w = best
-        name = f"plan-{budget:.4g}B" + ("-per-head" if units else "") + (f"-g{a.max_groups}" if a.max_groups else "")
+        name = (f"plan-{budget:.4g}B" + ("-per-head" if units else "") + (f"-g{a.max_groups}" if a.max_groups else "")
+                + ("-ko" if a.key_offset else ""))
         if name in checks:
             print(f"plan {name} is also a stored plan's name (--plans)", file=sys.stderr)
             return 2
         heads = [bits[i * units:(i + 1) * units] for i in range(n_layers)] if units else None
-        checks[name] = PL.planned_quantizer(name, [] if units else bits, w, a.format_version, a.seed, head_bits=heads)
+        checks[name] = PL.planned_quantizer(name, [] if units else bits, w, a.format_version, a.seed, head_bits=heads,
+                                            key_offset=a.key_offset)
         uni = sorted(PL.uniform_candidates(a.k_bits, a.v_bits, a.windows, d, budget, amort), key=lambda t: -t[1])
         uni = [u for u in uni if u[1] >= 0.8 * budget][:a.uniform_per_budget]
-        for u, _ in uni:
-            nm = u + ("-fmt3" if a.format_version == 3 else "")
+        uni = [u + ("-fmt3" if a.format_version == 3 else "") + ("-km" if a.key_offset else "") for u, _ in uni]
+        for nm in uni:
             checks.setdefault(nm, parse_config(nm, seed=a.seed))
         plan = dict(base, suite="plan", budget=round(budget, 4), config=name, window_tokens=w,
                     layer_bits=[list(p) for p in checks[name].layer_bits],
                     bytes_per_token_per_head=round(nbytes, 3), predicted_kld=round(pred, 6),
-                    uniform_compared=[u + ("-fmt3" if a.format_version == 3 else "") for u, _ in uni],
+                    uniform_compared=uni,
                     calib_windows=[0, n_cal], check_windows=[n_cal, n_cal + n_chk])
+        if a.key_offset:
+            plan["key_offset"] = True
         if units:
             plan["head_bits"] = [[list(p) for p in layer] for layer in heads]
             plan["max_groups"] = a.max_groups or n_kv
@@ -726,6 +733,9 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--plans", default="",
                     help="also check the plans of these fmkv-eval plan JSONL files (comma-separated) on the held-out "
                          "windows")
+    pn.add_argument("--key-offset", action="store_true",
+                    help="keys minus their mean over each sequence's first 128 tokens before quantizing (softmax "
+                         "ignores it; the caches' key_offset=True): sensitivity, plans and uniform configs")
     pn.add_argument("--no-progress", action="store_true")
     pn.set_defaults(func=cmd_plan, check=_check_plan_memory)
     pa = sub.add_parser("pareto", help="bytes vs quality front of measured rows; best fmkv vs best other per budget")

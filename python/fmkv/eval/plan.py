@@ -38,23 +38,27 @@ from .quantizers import KVQuantizer
 
 
 def planned_quantizer(name: str, layer_bits: Sequence[Tuple[int, int]], window: int, format_version: int = 0,
-                      seed: int = 0, head_bits: Optional[Sequence[Sequence[Tuple[int, int]]]] = None) -> KVQuantizer:
+                      seed: int = 0, head_bits: Optional[Sequence[Sequence[Tuple[int, int]]]] = None,
+                      key_offset: bool = False) -> KVQuantizer:
     """An fmkv quantizer with one (k_bits, v_bits) per layer (16: that side of that layer in fp16); with
     ``head_bits`` (a list of (k_bits, v_bits) per kv head for each layer) one pair per (layer, kv head), and
-    ``layer_bits`` the per-layer maxima (what a cache that takes one width per layer would need)."""
+    ``layer_bits`` the per-layer maxima (what a cache that takes one width per layer would need). ``key_offset``:
+    keys minus their mean over the first 128 tokens before quantizing (the caches' ``key_offset=True``)."""
     heads = tuple(tuple((int(k), int(v)) for k, v in layer) for layer in head_bits) if head_bits else ()
     if heads:
         layer_bits = [(max(k for k, _ in layer), max(v for _, v in layer)) for layer in heads]
     pairs = tuple((int(k), int(v)) for k, v in layer_bits)
     q = KVQuantizer(name, "fmkv", max(k for k, _ in pairs), max(v for _, v in pairs), residual=int(window),
                     format_version=int(format_version), layer_bits=pairs, head_bits=heads, seed=seed,
-                    num_layers=len(pairs))
+                    num_layers=len(pairs), key_mean=bool(key_offset))
     q.options = {"scale_rule": q.scale_rule, "rotation": True, "sink_tokens": 0, "window_tokens": int(window),
                  "group": 32, "layer_bits": [list(p) for p in pairs]}
     if heads:
         q.options["head_bits"] = [[list(p) for p in layer] for layer in heads]
     if format_version:
         q.options["format_version"] = int(format_version)
+    if key_offset:
+        q.options["key_offset"] = True
     return q
 
 
@@ -87,7 +91,8 @@ def load_plans(path: str, num_layers: int = 0, seed: int = 0) -> List[KVQuantize
             if num_layers and len(bits) != num_layers:
                 raise ValueError(f"{path}:{i}: plan {r.get('config')!r} has {len(bits)} layers, the model {num_layers}")
             out.append(planned_quantizer(str(r["config"]), bits, int(r.get("window_tokens", 0)),
-                                         int(r.get("format_version") or 0), seed=seed, head_bits=heads))
+                                         int(r.get("format_version") or 0), seed=seed, head_bits=heads,
+                                         key_offset=bool(r.get("key_offset", False))))
     if not out:
         raise ValueError(f"{path}: no plan rows (suite 'plan'; write them with fmkv-eval plan)")
     return out
@@ -111,33 +116,40 @@ def sensitivity_configs(num_layers: int, k_menu: Sequence[int], v_menu: Sequence
 
 
 def sensitivity_quantizer(name: str, num_layers: int, kv_heads: int, window: int, side: str, layer: int, head: int,
-                          bits: int, format_version: int = 0, seed: int = 0) -> KVQuantizer:
+                          bits: int, format_version: int = 0, seed: int = 0, key_offset: bool = False) -> KVQuantizer:
     """The quantizer of one sensitivity config: ``side`` of ``layer`` (only kv head ``head`` when >= 0) at
-    ``bits``, every other K/V in fp16."""
+    ``bits``, every other K/V in fp16 (``key_offset``: the quantized keys minus their offset, as the plan's)."""
     pair = (bits, 16) if side == "k" else (16, bits)
     if head < 0:
         layer_bits = [(16, 16)] * num_layers
         layer_bits[layer] = pair
-        return planned_quantizer(name, layer_bits, window, format_version, seed)
+        return planned_quantizer(name, layer_bits, window, format_version, seed, key_offset=key_offset)
     heads = [[(16, 16)] * kv_heads for _ in range(num_layers)]
     heads[layer][head] = pair
-    return planned_quantizer(name, [], window, format_version, seed, head_bits=heads)
+    return planned_quantizer(name, [], window, format_version, seed, head_bits=heads, key_offset=key_offset)
 
 
 def load_sensitivity(path: str, configs: Dict[str, Tuple[int, str, int, int, int]], k_menu: Sequence[int],
-                     v_menu: Sequence[int], units: int, calib_tokens: int) -> Tuple[Dict[tuple, np.ndarray], int]:
+                     v_menu: Sequence[int], units: int, calib_tokens: int,
+                     key_offset: bool = False) -> Tuple[Dict[tuple, np.ndarray], int]:
     """The sensitivity matrices ({(W, side): [units, menu]}) of every config of ``configs`` (sensitivity_configs)
     from the "plan-sensitivity" rows of an earlier plan JSONL, and their calibration token count (which must be
-    ``calib_tokens``); ValueError naming what is missing or different."""
-    rows = {}
+    ``calib_tokens``); rows measured with the key offset are used only with ``key_offset`` and the others only
+    without it; ValueError naming what is missing or different."""
+    rows, other = {}, 0
     with open(path) as f:
         for line in f:
             if line.strip():
                 r = json.loads(line)
                 if r.get("suite") == "plan-sensitivity":
+                    if bool(r.get("key_offset", False)) != bool(key_offset):
+                        other += 1
+                        continue
                     rows[(int(r["window_tokens"]), r["side"], int(r["bits"]))] = r
     if not rows:
-        raise ValueError(f"{path}: no sensitivity rows (suite 'plan-sensitivity')")
+        raise ValueError(f"{path}: no sensitivity rows (suite 'plan-sensitivity')" + (
+            f"; its {other} rows were measured " + ("without" if key_offset else "with") + " the key offset"
+            + (" (drop --key-offset)" if key_offset else " (pass --key-offset)") if other else ""))
     per_head = any(h >= 0 for (_, _, _, h, _) in configs.values())
     out: Dict[tuple, np.ndarray] = {}
     counts = set()
