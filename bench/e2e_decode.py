@@ -72,10 +72,12 @@ def parse_cache(name):
     """'fp16' -> None; 'k4v4-w64' -> (4, 4, 64, ((4, 4),), ()); per-layer widths cycled over the layers:
     'k4v4/k3v3-w64' -> (4, 4, 64, ((4, 4), (3, 3)), ()) (layer i takes pair i mod 2; k_bits / v_bits of the row
     are the first pair's, `layer_bits` the cycle); per-kv-head widths cycled over the heads of every layer:
-    'k4v4|k3v3-w64' -> (4, 4, 64, ((4, 4),), ((4, 4), (3, 3))) (kv head h takes pair h mod 2: `head_bits`)."""
+    'k4v4|k3v3-w64' -> (4, 4, 64, ((4, 4),), ((4, 4), (3, 3))) (kv head h takes pair h mod 2: `head_bits`);
+    a '-ko' suffix adds a sixth element True: the key offset (`key_offset=True`), e.g. 'k3v3-ko', 'k4v4-w64-ko'."""
     if name == "fp16":
         return None
-    kv, _, w = name.partition("-w")
+    key_offset = name.endswith("-ko")
+    kv, _, w = name[:-3].partition("-w") if key_offset else name.partition("-w")
     if "/" in kv and "|" in kv:
         raise ValueError(f"cache {name!r}: widths per layer (/) or per kv head (|), not both")
     cycle = []
@@ -86,8 +88,8 @@ def parse_cache(name):
         k, v = pair[1:].split("v")
         cycle.append((int(k), int(v)))
     if "|" in kv:
-        return cycle[0][0], cycle[0][1], int(w or 0), (cycle[0],), tuple(cycle)
-    return cycle[0][0], cycle[0][1], int(w or 0), tuple(cycle), ()
+        return cycle[0][0], cycle[0][1], int(w or 0), (cycle[0],), tuple(cycle), key_offset
+    return cycle[0][0], cycle[0][1], int(w or 0), tuple(cycle), (), key_offset
 
 
 def layer_bits_of(bits, layers):
@@ -189,7 +191,7 @@ def make_cache(name, model, geo, batch, ctx, dtype, device, fill=True, seed=0):
         cache = fhf.FmkvStaticCache(model.config, max_cache_len=L, k_bits=k, v_bits=v, window_tokens=w,
                                     batch_size=batch, device=device, dtype=dtype,  # sets the "fmkv" attention
                                     layer_bits=layer_bits_of(bits, geo["layers"]),
-                                    head_bits=head_bits_of(bits, geo["layers"], geo["kv_heads"]))
+                                    head_bits=head_bits_of(bits, geo["layers"], geo["kv_heads"]), key_offset=bits[5])
         nbytes = cache.device_bytes
     if fill and ctx > 0:
         step = max(1, min(batch, (1 << 27) // max(1, geo["kv_heads"] * ctx * geo["head_dim"])))  # 2^27-value blocks
@@ -797,6 +799,9 @@ def main(argv=None) -> int:
             r["head_bits"] = [list(p) for p in head_bits_of(bits, geo["layers"], geo["kv_heads"])[0]]  # every layer
             r["cache_dtype"] = "fmkv per-kv-head widths %s (cycled over the heads of every layer) pages + fp16 window" % (
                 "|".join(f"k{k}v{v}" for k, v in bits[4]))
+        if bits is not None and bits[5]:
+            r["key_offset"] = True
+            r["cache_dtype"] += ", key offset"
         if kind == "prefill":
             r["chunk"] = p["chunk"]
         if budget.left() < est:

@@ -64,19 +64,22 @@ def test_tiny_run_writes_the_fields(tmp_path, capsys, monkeypatch):
 
 def test_cache_names_with_widths_per_layer_and_per_head(tmp_path, monkeypatch):
     b = _bench()
-    assert b.parse_cache("k4v4|k3v3-w64") == (4, 4, 64, ((4, 4),), ((4, 4), (3, 3)))
-    assert b.parse_cache("k4v4/k3v3") == (4, 4, 0, ((4, 4), (3, 3)), ())
+    assert b.parse_cache("k4v4|k3v3-w64") == (4, 4, 64, ((4, 4),), ((4, 4), (3, 3)), False)
+    assert b.parse_cache("k4v4/k3v3") == (4, 4, 0, ((4, 4), (3, 3)), (), False)
+    assert b.parse_cache("k3v3-ko") == (3, 3, 0, ((3, 3),), (), True)
+    assert b.parse_cache("k4v4|k3v3-w64-ko")[4:] == (((4, 4), (3, 3)), True)
     assert b.head_bits_of(b.parse_cache("k4v4|k3v3|k4v2-w8"), 2, 4) == [[(4, 4), (3, 3), (4, 2), (4, 4)]] * 2
     assert b.head_bits_of(b.parse_cache("k4v4-w8"), 2, 4) is None
     with pytest.raises(ValueError, match="not both"):
         b.parse_cache("k4v4/k3v3|k2v2")
     monkeypatch.delenv("OUT", raising=False)
     out = tmp_path / "e2e.jsonl"
-    assert b.main(["--device", "cpu", "--tiny", "--caches", "k3v3-w64,k4v4|k3v3-w64", "--only", "fixed",
+    assert b.main(["--device", "cpu", "--tiny", "--caches", "k3v3-w64,k4v4|k3v3-w64,k3v3-ko", "--only", "fixed",
                    "--fixed", "1:256", "--steps", "2", "--no-profile", "--no-compile", "--out", str(out),
                    "--commit", "test"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["cache"] for r in rows] == ["k3v3-w64", "k4v4|k3v3-w64"]
+    assert [r["cache"] for r in rows] == ["k3v3-w64", "k4v4|k3v3-w64", "k3v3-ko"]
     assert all("error" not in r for r in rows), rows
+    assert rows[2]["key_offset"] is True and "key_offset" not in rows[0] and rows[2]["window_tokens"] == 0
     assert rows[1]["head_bits"] == [[4, 4], [3, 3]] and "per-kv-head" in rows[1]["cache_dtype"]
     assert rows[1]["cache_bytes"] > rows[0]["cache_bytes"]  # one head of each layer at 4 bits

@@ -573,13 +573,14 @@ def cmd_needle(a: argparse.Namespace) -> int:
 def generate_cache_options(spec: str) -> dict:
     """FmkvCache / FmkvStaticCache keyword arguments of an fmkv config name (fmkv.eval.quantizers syntax): the
     widths, ``-w<N>`` (window; 0 when absent: every token compressed), ``-s<N>`` (sinks), ``-rms``/``-lsq``,
-    ``-fmt3``. Modifiers the caches do not have (evaluation-only simulations) are refused by name."""
+    ``-fmt3``, ``-km`` (key_offset). Modifiers the caches do not have (evaluation-only simulations) are refused by name."""
     from .quantizers import parse_config
 
     q = parse_config(spec)
     if q.kind != "fmkv":
-        raise ValueError(f"config {spec!r}: generate runs fmkv caches only (k<b>v<b>[-w<N>][-s<N>][-rms][-fmt3])")
-    unsupported = [name for name, on in (("-norot", not q.rotate), ("-km/-kms", q.key_mean), ("-vm", q.value_mean),
+        raise ValueError(f"config {spec!r}: generate runs fmkv caches only (k<b>v<b>[-w<N>][-s<N>][-rms][-fmt3][-km])")
+    unsupported = [name for name, on in (("-norot", not q.rotate), ("-kms<N>", q.key_mean_skip > 0),
+                                         ("-vm", q.value_mean),
                                          ("-e5m2/-ve5m2", q.e5m2), ("-b<N>", q.boundary > 0),
                                          ("-f<layers>", bool(q.fp16_layers)), ("-only<i>", q.only_layer >= 0))
                    if on]
@@ -587,7 +588,7 @@ def generate_cache_options(spec: str) -> dict:
         raise ValueError(f"config {spec!r}: {', '.join(unsupported)} exist only in the evaluation's quantizers, "
                          "not in the caches")
     return dict(k_bits=q.k_bits, v_bits=q.v_bits, window_tokens=q.residual, sink_tokens=q.sinks,
-                scale_rule=q.scale_rule, format_version=q.format_version)
+                scale_rule=q.scale_rule, format_version=q.format_version, key_offset=q.key_mean)
 
 
 def _check_generate_configs(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:

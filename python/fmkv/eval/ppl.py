@@ -118,7 +118,8 @@ def quantized_attention(module, query, key, value, attention_mask, scaling=None,
         return out.transpose(1, 2).contiguous(), None
     # Explicit attention: per (query p, key j) choose fp16 or quantized K/V.
     # fp16 tokens (window / sinks) are stored as fp16 (the canonical input), like fmkv.Cache does.
-    kf, vf = _repeat_kv(key.half().float(), groups), _repeat_kv(value.half().float(), groups)
+    kf = _repeat_kv(q_cfg.fp16_keys(key) if q_cfg is not None else key.half().float(), groups)
+    vf = _repeat_kv(value.half().float(), groups)
     kqf, vqf = _repeat_kv(kq.float(), groups), _repeat_kv(vq.float(), groups)
     qf = query.float()
     pos_q = torch.arange(n_k - n_q, n_k, device=query.device).unsqueeze(1)

@@ -44,6 +44,7 @@ import torch
 
 from .. import format as fmt
 from .. import torch_quant as tq
+from ..key_offset import first_tokens_mean
 from .e5m2_levels import e5m2_codebook
 
 DEFAULT_CONFIGS = [
@@ -151,16 +152,26 @@ class KVQuantizer:
             out[:, idx] = self._quant(x[:, idx], layer, b, side)
         return out
 
+    def _offset(self, x: torch.Tensor, side: str) -> Optional[torch.Tensor]:
+        """The mean -km (K) / -vm (V) subtracts before quantizing (fmkv.key_offset), or None."""
+        if self.kind == "fmkv" and ((side == "k" and self.key_mean) or (side == "v" and self.value_mean)):
+            return first_tokens_mean(x, self.key_mean_skip if side == "k" else 0)
+        return None
+
+    def fp16_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """float32 keys as a cache keeps them in fp16 (window, sinks): rounded to fp16, after the key offset when
+        there is one (the caches store fp16(k - offset); softmax ignores the offset added back here)."""
+        mu = self._offset(k.float(), "k")
+        return k.half().float() if mu is None else (k.float() - mu).half().float() + mu
+
     def _quant(self, x: torch.Tensor, layer: int, bits: int, side: str) -> torch.Tensor:
         dt = x.dtype
         x = x.float()
+        mu = self._offset(x, side)
         if self.kind == "fp16" or bits == 16 or self.layer_is_fp16(layer):
-            return x.to(torch.float16).float().to(dt)
+            return (x.to(torch.float16).float() if mu is None else (x - mu).to(torch.float16).float() + mu).to(dt)
         if self.kind == "fmkv":
-            mu = None
-            if (side == "k" and self.key_mean) or (side == "v" and self.value_mean):
-                k0 = self.key_mean_skip if side == "k" else 0
-                mu = x[:, :, k0:k0 + 128].to(torch.float16).float().mean(dim=2, keepdim=True)
+            if mu is not None:
                 x = x - mu
             levels = e5m2_codebook(bits) if self.e5m2 and (side == "v" or self.e5m2_k) else None
             out = tq.fake_quantize(x, bits, self.seed, layer, self.scale_rule, self.rotate, levels=levels,

@@ -22,7 +22,9 @@
   ``boundary_v_bits``) or ``layer_bits`` (a (k_bits, v_bits) pair per layer, e.g. a budget plan of
   ``fmkv-eval plan``) or ``head_bits`` (a pair per kv head of every layer: ``fmkv-eval plan --per-head``;
   a layer with several pairs is one layer per pair over its heads, fmkv.hf.head_groups), ``scale_rule`` ('lsq' default, or 'rms'), rotation ``seed``, ``format_version``
-  (0: the library's default; 3: format 3's 3-bit codes), ``backend`` (default: the device's), ``device``.
+  (0: the library's default; 3: format 3's 3-bit codes), ``key_offset`` (keys minus their mean over each
+  sequence's first 128 tokens, fixed by the first chunk: softmax ignores it, the codes see centred keys;
+  fmkv.key_offset), ``backend`` (default: the device's), ``device``.
 * The host keeps each layer's length (a Python int: it plans each CUDA call for the actual length),
   so a step is not capturable in a CUDA graph; fmkv.hf.FmkvStaticCache is the graph-capturable form.
 
@@ -39,6 +41,7 @@ import torch
 
 import fmkv
 from fmkv import format as _format
+from fmkv.key_offset import first_tokens_mean
 
 from .attention import use_fmkv_attention
 from .compat import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, FixedLayerOps, layer_types, text_config
@@ -90,9 +93,12 @@ class FmkvLayer(FixedLayerOps, CacheLayerMixin):
     def __init__(self, layer_idx: int, k_bits: int = 3, v_bits: int = 3, max_cache_len: int = 4096,
                  page_size: int = 64, sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                  scale_rule: str = "lsq", seed: int = 0, backend: Optional[str] = None,
-                 prefill: str = "full", device=None, fused: bool = True, format_version: int = 0):
+                 prefill: str = "full", device=None, fused: bool = True, format_version: int = 0,
+                 key_offset: bool = False):
         super().__init__()
         self.fused = bool(fused)
+        self.key_offset = bool(key_offset)
+        self.key_mu: Optional[torch.Tensor] = None  # [batch, kv_heads, 1, head_dim] (key_offset): set by the first chunk
         self.format_version = int(format_version)
         self._pending = None  # (k rows, v rows, n) of a decode chunk update() kept for the fused step
         self.layer_idx = int(layer_idx)
@@ -112,7 +118,8 @@ class FmkvLayer(FixedLayerOps, CacheLayerMixin):
 
     def __repr__(self) -> str:
         return (f"FmkvLayer(layer={self.layer_idx}, k{self.k_bits}v{self.v_bits}, len={self.length}, "
-                f"sink={self.sink_tokens}, window={self.window_tokens}, device={self.storage_device})")
+                f"sink={self.sink_tokens}, window={self.window_tokens}, device={self.storage_device}"
+                + (", key_offset" if self.key_offset else "") + ")")
 
     @property
     def seqs(self) -> List[int]:
@@ -193,11 +200,19 @@ class FmkvLayer(FixedLayerOps, CacheLayerMixin):
             raise fmkv.FmkvError(f"cache full: {self.length} + {n} tokens > max_cache_len {self.max_cache_len}")
         from .. import torch_ops
 
-        k_rows, v_rows = self._rows(key_states), self._rows(value_states)
+        new_mu = None
+        keys = key_states
+        if self.key_offset:  # the first chunk fixes the offset; it is kept only once that chunk is stored
+            if self.key_mu is None:
+                new_mu = first_tokens_mean(key_states).to(key_states.dtype)
+            keys = key_states - (new_mu if new_mu is not None else self.key_mu.to(key_states.dtype))
+        k_rows, v_rows = self._rows(keys), self._rows(value_states)
         if self.fused and self.length > 0 and n <= torch_ops.FUSED_MAX_ROWS:
             self._pending = (k_rows, v_rows, n)  # appended by attention() in the same call (fused step)
         else:
             self._append(k_rows, v_rows, n)
+        if new_mu is not None:
+            self.key_mu = new_mu
         past = self.length
         self.length += n
         # The chunk's own K/V go to the attention function, tagged with this layer: it attends them
@@ -255,7 +270,8 @@ class FmkvLayer(FixedLayerOps, CacheLayerMixin):
         if self.pages is None:
             return 0
         return sum(t.untyped_storage().nbytes() for t in (self.block_table, self.slots, self.lens,
-                                                           *self._offsets.values()))
+                                                           *self._offsets.values(),
+                                                           *([] if self.key_mu is None else [self.key_mu])))
 
     @property
     def used_bytes(self) -> int:
@@ -271,6 +287,7 @@ class FmkvLayer(FixedLayerOps, CacheLayerMixin):
         if self.pages is not None:
             self.lens.zero_()
         self.length = 0
+        self.key_mu = None
 
 
 
@@ -356,7 +373,7 @@ class FmkvCache(Cache):
                  boundary_layers: int = 0, boundary_k_bits: int = 16, boundary_v_bits: int = 4,
                  scale_rule: str = "lsq", seed: int = 0, backend: Optional[str] = None,
                  prefill: str = "full", set_attention: bool = True, device=None, fused: bool = True,
-                 format_version: int = 0, layer_bits=None, head_bits=None):
+                 format_version: int = 0, layer_bits=None, head_bits=None, key_offset: bool = False):
         if prefill not in ("full", "compressed"):
             raise ValueError("prefill must be 'full' or 'compressed'")
         text = text_config(config)
@@ -375,7 +392,8 @@ class FmkvCache(Cache):
                 raise ValueError(f"layer {i}: type {t!r} is not supported by FmkvCache")
             groups = width_groups(heads[i]) if heads is not None else [(widths[i], None)]
             parts = [(FmkvLayer(i, kb, vb, max_cache_len, page_size, sink_tokens, window_tokens, scale_rule, seed,
-                                backend, prefill, device, fused, format_version), h) for (kb, vb), h in groups]
+                                backend, prefill, device, fused, format_version, key_offset), h)
+                     for (kb, vb), h in groups]
             layers.append(parts[0][0] if len(parts) == 1 else FmkvHeadGroupLayer(i, parts, kv_heads,
                                                                                    q_heads // kv_heads))
         super().__init__(layers=layers)
@@ -385,7 +403,7 @@ class FmkvCache(Cache):
                             scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend,
                             device=None if device is None else str(device), fused=fused,
                             format_version=format_version, layer_bits=None if layer_bits is None else widths,
-                            head_bits=heads)
+                            head_bits=heads, key_offset=bool(key_offset))
         if set_attention:
             use_fmkv_attention(config)
 

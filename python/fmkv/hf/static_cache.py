@@ -40,6 +40,7 @@ from typing import List, Optional
 import torch
 
 import fmkv
+from fmkv.key_offset import first_tokens_mean
 
 from .attention import use_fmkv_attention
 from .cache import DEFAULT_WINDOW_TOKENS, layer_seed, pages_per_sequence
@@ -76,9 +77,13 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
 
     def __init__(self, layer_idx: int, max_cache_len: int, k_bits: int = 3, v_bits: int = 3, page_size: int = 64,
                  sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS, scale_rule: str = "lsq",
-                 seed: int = 0, backend: Optional[str] = None, prefill: str = "full", format_version: int = 0):
+                 seed: int = 0, backend: Optional[str] = None, prefill: str = "full", format_version: int = 0,
+                 key_offset: bool = False):
         super().__init__()
         self.format_version = int(format_version)
+        self.key_offset = bool(key_offset)
+        self.key_mu: Optional[torch.Tensor] = None  # [batch, kv_heads, 1, head_dim] (key_offset), zeros until set
+        self._mu_set: List[bool] = []  # host: which sequences' offsets their first chunk has set
         if prefill not in ("full", "compressed"):
             raise ValueError("prefill must be 'full' or 'compressed'")
         self.layer_idx = int(layer_idx)
@@ -102,7 +107,7 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
     def __repr__(self) -> str:
         return (f"FmkvStaticLayer(layer={self.layer_idx}, k{self.k_bits}v{self.v_bits}, "
                 f"max_cache_len={self.max_cache_len}, sink={self.sink_tokens}, window={self.window_tokens}, "
-                f"batch={getattr(self, 'batch_size', None)})")
+                f"batch={getattr(self, 'batch_size', None)}" + (", key_offset" if self.key_offset else "") + ")")
 
     def make_config(self, num_kv_heads: int, head_dim: int) -> fmkv.Config:
         return fmkv.Config(head_dim=int(head_dim), num_kv_heads=int(num_kv_heads), k_bits=self.k_bits,
@@ -138,9 +143,12 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
         # row offsets [0, n, 2n, ...] of every step shape (n = 1 .. FUSED_MAX_ROWS rows per sequence)
         self._offsets = [torch.arange(b + 1, dtype=torch.int64, device=dev) * n
                          for n in range(torch_ops.FUSED_MAX_ROWS + 1)]
+        if self.key_offset:
+            self.key_mu = torch.zeros(b, h, 1, d, dtype=key_states.dtype, device=dev)
+            self._mu_set = [False] * b
         if not _compiling():  # fixed data pointers: no recompilation, no cudagraph skip on their in-place updates
             for t in (self.pages, self.fp16_k, self.fp16_v, self.block_table, self.slots, self.lens,
-                      self.cumulative_length, *self._offsets):
+                      self.cumulative_length, *self._offsets, *([self.key_mu] if self.key_offset else [])):
                 torch._dynamo.mark_static_address(t)
         self.is_initialized = True
 
@@ -193,6 +201,8 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
 
     def _step(self, query, key, value, scaling, softcap) -> torch.Tensor:
         b, hq, n, d = query.shape
+        if self.key_offset:
+            key = (key - self.key_mu).to(key.dtype)
         out = torch.ops.fmkv.append_attention(self.pages, self.fp16_k, self.fp16_v, _rows(key), _rows(value),
                                               _rows(query), self.slots, self.lens, self._offsets[n], self.block_table,
                                               self._cfg, 0, 0.0 if scaling is None else float(scaling),
@@ -236,6 +246,10 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
                                      f"token (left padding of a later chunk)")
             sel = real.reshape(-1).nonzero().squeeze(1)
         total = sum(counts)
+        new_mu = None
+        if self.key_offset:  # sequences whose first real tokens are in this chunk fix their offsets with it
+            new_mu = self._first_offsets(key, [n - c for c in counts], counts)
+            key = key - (self.key_mu if new_mu is None else new_mu)
         take = (lambda x: _rows(x)) if sel is None else (lambda x: _rows(x).index_select(0, sel))
         offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64, device=self.device)
         grown = torch.tensor(counts, dtype=torch.int64, device=self.device)
@@ -253,6 +267,7 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
                 torch.ops.fmkv.append(self.pages, self.fp16_k, self.fp16_v, take(key), take(value), self.slots,
                                       self.lens, offsets, self.block_table, self._cfg, 0, self.backend_name)
                 self.lens.add_(grown)
+                self._keep_offsets(new_mu, counts)
                 return None
             elif max(counts) <= FUSED_MAX_ROWS:
                 rows_out = torch.ops.fmkv.append_attention(
@@ -266,11 +281,32 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
                 rows_out = torch.ops.fmkv.attention(self.pages, self.fp16_k, self.fp16_v, take(query), self.slots,
                                                     self.lens, offsets, self.block_table, self._cfg, 0, scale, cap,
                                                     self.backend_name, self.max_cache_len)
+            self._keep_offsets(new_mu, counts)
         if sel is None:
             return rows_out.view(b, n, hq, d)
         out = query.new_zeros(b * n, hq, d)
         out.index_copy_(0, sel, rows_out)
         return out.view(b, n, hq, d)
+
+    def _first_offsets(self, keys: torch.Tensor, starts, counts, first_seq: int = 0) -> Optional[torch.Tensor]:
+        """key_offset: the offsets of the sequences of ``keys``' rows (first_seq, first_seq + 1, ...), those not set
+        yet that have real tokens here (``counts`` of them from ``starts``) taken from this chunk (fmkv.key_offset);
+        None when no sequence gets its offset here. _keep_offsets keeps them once the chunk is stored."""
+        b = keys.shape[0]
+        todo = [j for j in range(b) if not self._mu_set[first_seq + j] and counts[j] > 0]
+        if not todo:
+            return None
+        mu = self.key_mu[first_seq:first_seq + b].clone()
+        for j in todo:
+            mu[j] = first_tokens_mean(keys[j:j + 1], starts[j], counts[j])[0].to(mu.dtype)
+        return mu
+
+    def _keep_offsets(self, mu: Optional[torch.Tensor], counts, first_seq: int = 0) -> None:
+        if mu is None:
+            return
+        self.key_mu[first_seq:first_seq + mu.shape[0]] = mu
+        for j in range(mu.shape[0]):
+            self._mu_set[first_seq + j] = self._mu_set[first_seq + j] or counts[j] > 0
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, first_seq: int = 0) -> None:
         """Append K/V [b, h, n, d] to sequences first_seq .. first_seq + b - 1 without running the model (a
@@ -289,11 +325,17 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
                                  f"lives on '{self.device}'")
         seqs = slice(first_seq, first_seq + b)
         offsets = torch.arange(b + 1, dtype=torch.int64, device=self.device) * n
+        new_mu = None
+        if self.key_offset:
+            new_mu = self._first_offsets(keys, [0] * b, [n] * b, first_seq)
+            keys = keys - (self.key_mu[seqs] if new_mu is None else new_mu)
         with torch.no_grad():
             torch.ops.fmkv.append(self.pages, self.fp16_k, self.fp16_v, _rows(keys), _rows(values), self.slots[seqs],
                                   self.lens[seqs], offsets, self.block_table[seqs], self._cfg, 0, self.backend_name)
             self.lens[seqs].add_(n)
             torch.maximum(self.cumulative_length, self.lens.max(), out=self.cumulative_length)
+        if self.key_offset:
+            self._keep_offsets(new_mu, [n] * b, first_seq)
         self.filled = True
 
     def get_mask_sizes(self, query_length: int) -> tuple:
@@ -326,7 +368,8 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
         if self.pages is None:
             return 0
         return sum(t.untyped_storage().nbytes() for t in (self.block_table, self.slots, self.lens,
-                                                           self.cumulative_length, *self._offsets))
+                                                           self.cumulative_length, *self._offsets,
+                                                           *([self.key_mu] if self.key_offset else [])))
 
     def reset(self) -> None:
         if self.pages is not None:
@@ -334,6 +377,9 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
         self.cumulative_length.zero_()
         self.filled = False
         self._awaiting = False
+        if self.key_mu is not None:
+            self.key_mu.zero_()
+            self._mu_set = [False] * len(self._mu_set)
 
 
 
@@ -435,7 +481,7 @@ class FmkvStaticCache(Cache):
                  boundary_k_bits: int = 16, boundary_v_bits: int = 4, scale_rule: str = "lsq", seed: int = 0,
                  backend: Optional[str] = None, prefill: str = "full", set_attention: bool = True,
                  batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None,
-                 format_version: int = 0, layer_bits=None, head_bits=None):
+                 format_version: int = 0, layer_bits=None, head_bits=None, key_offset: bool = False):
         text = text_config(config)
         types = layer_types(text)
         n = len(types)
@@ -451,7 +497,7 @@ class FmkvStaticCache(Cache):
                 raise ValueError(f"layer {i}: type {t!r} is not supported by FmkvStaticCache")
             groups = width_groups(heads[i]) if heads is not None else [(widths[i], None)]
             parts = [(FmkvStaticLayer(i, max_cache_len, kb, vb, page_size, sink_tokens, window_tokens, scale_rule,
-                                      seed, backend, prefill, format_version), h) for (kb, vb), h in groups]
+                                      seed, backend, prefill, format_version, key_offset), h) for (kb, vb), h in groups]
             layers.append(parts[0][0] if len(parts) == 1 else FmkvStaticHeadGroupLayer(
                 i, parts, len(heads[i]), int(text.num_attention_heads) // len(heads[i])))
         super().__init__(layers=layers)
@@ -461,7 +507,7 @@ class FmkvStaticCache(Cache):
                             boundary_k_bits=boundary_k_bits, boundary_v_bits=boundary_v_bits,
                             scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend,
                             format_version=format_version, layer_bits=None if layer_bits is None else widths,
-                            head_bits=heads)
+                            head_bits=heads, key_offset=bool(key_offset))
         if set_attention:
             use_fmkv_attention(config)
         if batch_size is not None:

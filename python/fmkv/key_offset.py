@@ -1,0 +1,26 @@
+"""The key offset: each (sequence, kv head)'s keys minus their mean over its first ``KEY_OFFSET_TOKENS`` tokens.
+
+Softmax ignores a vector subtracted from every key of a (sequence, kv head): q . (k - mu) = q . k - q . mu, the
+same for every key, so attention is unchanged while the vectors the format quantizes are centred (RoPE'd keys
+carry a large per-channel mean that costs code levels). The offset is estimated once, from the first chunk a cache
+stores for the sequence, and fixed from then on (every later key must share it). The caches take it as
+``key_offset=True`` (fmkv.hf.FmkvCache / FmkvStaticCache, fmkv.mlx FmkvKVCache); the evaluation's ``-km``
+modifier and ``fmkv-eval plan --key-offset`` compute the same mean (docs/EVAL.md section 15).
+
+The mean is taken over the keys rounded to fp16 (what the cache's fp16 regions would hold), in float32.
+"""
+from __future__ import annotations
+
+KEY_OFFSET_TOKENS = 128  # tokens of each sequence's first chunk that the offset averages
+
+
+def first_tokens_mean(keys, start: int = 0, count: int = KEY_OFFSET_TOKENS):
+    """torch: [b, h, n, d] keys -> [b, h, 1, d] float32, the mean of tokens start .. start + min(count,
+    KEY_OFFSET_TOKENS) - 1 (fewer when the chunk is shorter) of the fp16-rounded keys; zeros when that span is
+    empty."""
+    import torch
+
+    stop = min(int(keys.shape[2]), int(start) + min(int(count), KEY_OFFSET_TOKENS))
+    if stop <= start:
+        return torch.zeros(*keys.shape[:2], 1, keys.shape[3], dtype=torch.float32, device=keys.device)
+    return keys[:, :, start:stop].to(torch.float16).float().mean(dim=2, keepdim=True)
