@@ -15,12 +15,19 @@ KEY_OFFSET_TOKENS = 128  # tokens of each sequence's first chunk that the offset
 
 
 def first_tokens_mean(keys, start: int = 0, count: int = KEY_OFFSET_TOKENS):
-    """torch: [b, h, n, d] keys -> [b, h, 1, d] float32, the mean of tokens start .. start + min(count,
-    KEY_OFFSET_TOKENS) - 1 (fewer when the chunk is shorter) of the fp16-rounded keys; zeros when that span is
-    empty."""
+    """[b, h, n, d] keys (a torch tensor or an MLX array) -> [b, h, 1, d] float32 of the same library: the mean of
+    tokens start .. start + min(count, KEY_OFFSET_TOKENS) - 1 (fewer when the chunk is shorter) of the keys rounded
+    to fp16; zeros when that span is empty."""
+    b, h, n, d = (int(x) for x in keys.shape)
+    stop = min(n, int(start) + min(int(count), KEY_OFFSET_TOKENS))
+    if type(keys).__module__.startswith("mlx"):
+        import mlx.core as mx
+
+        if stop <= start:
+            return mx.zeros((b, h, 1, d), dtype=mx.float32)
+        return mx.mean(keys[:, :, start:stop].astype(mx.float16).astype(mx.float32), axis=2, keepdims=True)
     import torch
 
-    stop = min(int(keys.shape[2]), int(start) + min(int(count), KEY_OFFSET_TOKENS))
     if stop <= start:
-        return torch.zeros(*keys.shape[:2], 1, keys.shape[3], dtype=torch.float32, device=keys.device)
+        return torch.zeros(b, h, 1, d, dtype=torch.float32, device=keys.device)
     return keys[:, :, start:stop].to(torch.float16).float().mean(dim=2, keepdim=True)

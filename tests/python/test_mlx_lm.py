@@ -138,8 +138,10 @@ def test_format_version(tiny, tmp_path):
     assert not np.array_equal(outs[2], outs[3])  # format 3's levels and layout: other pages, other outputs
     assert lm.FmkvKVCache().format_version == fmkv.format_version()  # 0: the library's default, resolved
     old = lm.FmkvKVCache(window_tokens=0)
-    old.state = (None, None, None, *old._scalars()[:-1])  # the scalars as saved before format_version existed
-    assert old.format_version == 2
+    old.state = (None, None, None, *old._scalars()[:-2])  # the scalars as saved before format_version existed
+    assert old.format_version == 2 and not old.key_offset
+    old.state = (None, None, None, *lm.FmkvKVCache(format_version=3)._scalars()[:-1])  # before the key offset
+    assert old.format_version == 3 and not old.key_offset
     with pytest.raises(fmkv.FmkvError, match="format"):
         lm.FmkvKVCache(format_version=7)
 
@@ -254,3 +256,48 @@ def test_layer_bits_give_each_layer_its_widths(tiny):
                     (dict(head_bits=[[(4, 4)] * 2] * 2), "head_bits .* is an fmkv.hf option")):
         with pytest.raises(fmkv.FmkvError, match=msg):
             lm.make_prompt_cache(tiny, **kw)
+
+
+def test_key_offset(tiny, tmp_path):
+    """key_offset=True: the pages are, bit for bit, those of a cache without it fed the keys minus the mean of the
+    first chunk's first 128 fp16-rounded keys (fmkv.key_offset); the offset is fixed by the first chunk, survives
+    save / load (decoding on gives the same logits), is cleared by trimming to empty, and changes the outputs of a
+    compressed cache while every-token-in-the-window outputs stay within fp16 rounding of mlx-lm's KVCache."""
+    from fmkv.key_offset import first_tokens_mean
+
+    k = mx.random.normal((1, 2, 140, 64), key=mx.random.key(5)) + 3.0 * mx.random.normal((1, 2, 1, 64), key=mx.random.key(6))
+    v = mx.random.normal((1, 2, 140, 64), key=mx.random.key(7))
+    a = lm.FmkvKVCache(k_bits=3, v_bits=3, window_tokens=4, max_tokens=256, key_offset=True)
+    b = lm.FmkvKVCache(k_bits=3, v_bits=3, window_tokens=4, max_tokens=256)
+    mu = first_tokens_mean(k)
+    assert np.array_equal(np.array(mu), np.array(k[:, :, :128]).astype(np.float16).astype(np.float32).mean(2, keepdims=True))
+    a.update_and_fetch(k, v)
+    b.update_and_fetch(k - mu, v)
+    for t in range(3):  # decode steps: the same offset
+        kt, vt = k[:, :, t:t + 1] * 0.5, v[:, :, t:t + 1]
+        a.update_and_fetch(kt, vt)
+        b.update_and_fetch(kt - mu, vt)
+    for x, y in zip(a.state[:3], b.state[:3]):
+        assert np.array_equal(np.array(x), np.array(y))
+    assert np.array_equal(np.array(a.key_mu), np.array(mu)) and "key_offset" in repr(a)
+    # through the model: save / load, decoding on
+    rng = np.random.default_rng(8)
+    prompt, steps, more = (rng.integers(0, 97, n).tolist() for n in (40, 4, 3))
+    cache = lm.make_prompt_cache(tiny, k_bits=3, v_bits=3, window_tokens=0, max_tokens=128, key_offset=True)
+    got = _run(tiny, cache, prompt, steps)
+    plain = _run(tiny, lm.make_prompt_cache(tiny, k_bits=3, v_bits=3, window_tokens=0, max_tokens=128), prompt, steps)
+    assert not np.array_equal(got, plain)
+    path = str(tmp_path / "ko.safetensors")
+    lm_cache.save_prompt_cache(path, cache)
+    loaded = lm_cache.load_prompt_cache(path)
+    assert loaded[0].key_offset and np.array_equal(np.array(loaded[0].key_mu), np.array(cache[0].key_mu))
+    want = [_step(tiny, [t], cache) for t in more]
+    assert all(np.array_equal(w, _step(tiny, [t], loaded)) for w, t in zip(want, more))
+    bad = list(cache[0].state)
+    bad[-1] = None
+    with pytest.raises(fmkv.FmkvError, match="offset array"):
+        lm.FmkvKVCache.from_state(bad)
+    assert lm_cache.trim_prompt_cache(cache, cache[0].offset) == 47 and cache[0].key_mu is None
+    ref = _run(tiny, lm_cache.make_prompt_cache(tiny), prompt, steps)
+    win = _run(tiny, lm.make_prompt_cache(tiny, window_tokens=64, max_tokens=128, key_offset=True), prompt, steps)
+    assert np.abs(win - ref).max() <= 2e-2 * max(1.0, np.abs(ref).max())

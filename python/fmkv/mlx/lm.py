@@ -31,6 +31,7 @@ import sys
 from typing import Any, List, Optional
 
 from .. import Config, FmkvError, _args, format_version as fmkv_format_version
+from ..key_offset import first_tokens_mean
 from .layer import MlxLayer
 
 __all__ = ["FmkvKVCache", "make_prompt_cache", "install", "DEFAULT_WINDOW_TOKENS"]
@@ -57,9 +58,11 @@ class _Compressed:
 
 
 _STATE_SCALARS = ("offset", "k_bits", "v_bits", "page_size", "sink_tokens", "window_tokens", "scale_rule", "seed",
-                  "layer", "batch", "max_tokens", "prefill", "num_kv_heads", "head_dim", "format_version")
-# Saved before the cache recorded its format version: those scalars less the last, always format version 2.
-_STATE_SCALARS_V2 = _STATE_SCALARS[:-1]
+                  "layer", "batch", "max_tokens", "prefill", "num_kv_heads", "head_dim", "format_version", "key_offset")
+# Older states: saved before the key offset (those scalars less the last, no offset, no offset array) and before
+# the cache recorded its format version (less the last two, always format version 2).
+_STATE_SCALARS_NO_OFFSET = _STATE_SCALARS[:-1]
+_STATE_SCALARS_V2 = _STATE_SCALARS[:-2]
 
 
 class FmkvKVCache(_BaseCache):
@@ -68,14 +71,15 @@ class FmkvKVCache(_BaseCache):
     k_bits 2/3/4/16, v_bits 2/3/4; ``window_tokens`` recent tokens (and ``sink_tokens`` first ones)
     kept in fp16; ``max_tokens`` per sequence (pages are allocated up front at the first update);
     ``layer`` selects the layer's rotation signs; ``format_version`` 0 (the library's default), 2 or 3
-    (fmkv.Config's); ``runtime`` 'metal' / 'cuda' / 'host' (default: MLX's default device);
-    ``gpu_options`` go to fmkv.mlx.gpu.GpuOps.
+    (fmkv.Config's); ``key_offset``: keys minus their mean over each sequence's first 128 tokens, fixed by the
+    first chunk (fmkv.key_offset; softmax ignores it); ``runtime`` 'metal' / 'cuda' / 'host' (default: MLX's
+    default device); ``gpu_options`` go to fmkv.mlx.gpu.GpuOps.
     """
 
     def __init__(self, k_bits: int = 4, v_bits: int = 4, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                  sink_tokens: int = 0, page_size: int = 64, max_tokens: int = 4096, scale_rule: str = "lsq",
                  seed: int = 0, layer: int = 0, runtime: Optional[str] = None, prefill: str = "full",
-                 format_version: int = 0, **gpu_options):
+                 format_version: int = 0, key_offset: bool = False, **gpu_options):
         if prefill not in ("full", "compressed"):
             raise FmkvError("prefill must be 'full' or 'compressed'")
         # checked now (not at the first update): the version the cache will write and save
@@ -86,6 +90,8 @@ class FmkvKVCache(_BaseCache):
         self.scale_rule, self.seed, self.layer = scale_rule, int(seed), int(layer)
         self.runtime, self.prefill = runtime, prefill
         self.gpu_options = gpu_options
+        self.key_offset = bool(key_offset)
+        self.key_mu = None  # [batch, kv_heads, 1, head_dim] float32 (key_offset): set by the first chunk
         self.offset = 0
         self.batch = 0
         self.num_kv_heads = self.head_dim = 0
@@ -93,7 +99,8 @@ class FmkvKVCache(_BaseCache):
 
     def __repr__(self) -> str:
         return (f"FmkvKVCache(layer={self.layer}, k{self.k_bits}v{self.v_bits}, format {self.format_version}, offset={self.offset}, "
-                f"window={self.window_tokens}, runtime={self.fmkv.runtime if self.fmkv else self.runtime})")
+                f"window={self.window_tokens}, runtime={self.fmkv.runtime if self.fmkv else self.runtime}"
+                + (", key_offset" if self.key_offset else "") + ")")
 
     def _allocate(self, batch: int, heads: int, head_dim: int) -> None:
         cfg = Config(head_dim=head_dim, num_kv_heads=heads, k_bits=self.k_bits, v_bits=self.v_bits,
@@ -114,7 +121,14 @@ class FmkvKVCache(_BaseCache):
             raise FmkvError(f"FmkvKVCache: keys {tuple(keys.shape)} do not match the cache's "
                             f"[batch={self.batch}, kv_heads={self.num_kv_heads}, *, head_dim={self.head_dim}]")
         past = self.offset
-        self.fmkv.append(keys, values)
+        new_mu, stored = None, keys
+        if self.key_offset:  # the first chunk fixes the offset; it is kept only once that chunk is stored
+            if self.key_mu is None:
+                new_mu = first_tokens_mean(keys)
+            stored = (keys - (new_mu if new_mu is not None else self.key_mu)).astype(keys.dtype)
+        self.fmkv.append(stored, values)
+        if new_mu is not None:
+            self.key_mu = new_mu
         self.offset += n
         if past == 0 and self.prefill == "full":
             return keys, values
@@ -159,6 +173,8 @@ class FmkvKVCache(_BaseCache):
             return 0
         n = self.fmkv.trim(n)
         self.offset -= n
+        if self.offset == 0:
+            self.key_mu = None  # an emptied cache takes its offset from its next first chunk
         return n
 
     def check(self) -> None:
@@ -170,20 +186,26 @@ class FmkvKVCache(_BaseCache):
     def _scalars(self) -> List[Any]:
         return [self.offset, self.k_bits, self.v_bits, self.page_size, self.sink_tokens, self.window_tokens,
                 self.scale_rule, str(self.seed), self.layer, self.batch, self.max_tokens, self.prefill,
-                self.num_kv_heads, self.head_dim, self.format_version]
+                self.num_kv_heads, self.head_dim, self.format_version, int(self.key_offset)]
 
     @property
     def state(self):
-        """(pages, fp16_k, fp16_v, *scalars) -- the arrays after every pending kernel ran (raising the
-        errors they recorded); an empty cache has no arrays (None in their places)."""
+        """(pages, fp16_k, fp16_v, *scalars, key offset) -- the arrays after every pending kernel ran (raising
+        the errors they recorded); an empty cache has no arrays (None in their places), a cache without the key
+        offset None in its place."""
         arrays = (None, None, None) if self.fmkv is None else self.fmkv.storage()
-        return (*arrays, *self._scalars())
+        return (*arrays, *self._scalars(), self.key_mu)
 
     @state.setter
     def state(self, v) -> None:
         pages, fk, fv, *scalars = v
-        if len(scalars) == len(_STATE_SCALARS_V2):
-            scalars = [*scalars, 2]
+        key_mu = None
+        if len(scalars) == len(_STATE_SCALARS) + 1:
+            scalars, key_mu = scalars[:-1], scalars[-1]
+        elif len(scalars) == len(_STATE_SCALARS_NO_OFFSET):
+            scalars = [*scalars, 0]
+        elif len(scalars) == len(_STATE_SCALARS_V2):
+            scalars = [*scalars, 2, 0]
         if len(scalars) != len(_STATE_SCALARS):
             raise FmkvError(f"FmkvKVCache state: {len(scalars)} scalars, expected {len(_STATE_SCALARS)}")
         vals = dict(zip(_STATE_SCALARS, scalars))
@@ -192,13 +214,19 @@ class FmkvKVCache(_BaseCache):
                              page_size=int(vals["page_size"]), max_tokens=int(vals["max_tokens"]),
                              scale_rule=str(vals["scale_rule"]), seed=int(vals["seed"]), layer=int(vals["layer"]),
                              prefill=str(vals["prefill"]), format_version=int(vals["format_version"]),
-                             runtime=getattr(self, "runtime", None),
+                             key_offset=bool(int(vals["key_offset"])), runtime=getattr(self, "runtime", None),
                              **getattr(self, "gpu_options", {}))
         if pages is None:
             return
         self._allocate(int(vals["batch"]), int(vals["num_kv_heads"]), int(vals["head_dim"]))
         self.fmkv.load_storage(pages, fk, fv, int(vals["offset"]))
         self.offset = int(vals["offset"])
+        if self.key_offset and self.offset > 0:
+            if key_mu is None or tuple(key_mu.shape) != (self.batch, self.num_kv_heads, 1, self.head_dim):
+                raise FmkvError(f"FmkvKVCache state: a cache with the key offset needs its offset array "
+                                f"[{self.batch}, {self.num_kv_heads}, 1, {self.head_dim}], got "
+                                f"{None if key_mu is None else tuple(key_mu.shape)}")
+            self.key_mu = key_mu
 
     @property
     def meta_state(self):
