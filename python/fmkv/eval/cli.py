@@ -695,7 +695,8 @@ def build_parser() -> argparse.ArgumentParser:
     pn = sub.add_parser("plan", help="per-layer bit widths + fp16 window minimising measured KLD at byte budgets")
     pn.add_argument("--model", default="smollm2-135m")
     pn.add_argument("--text", default=DEFAULT_TEXT)
-    pn.add_argument("--ids", default="", help="pre-tokenized text (torch.save of a 1-D id tensor)")
+    pn.add_argument("--ids", default="", help="pre-tokenized text (torch.save of a 1-D id tensor); "
+                    "--text then only names it in the results")
     pn.add_argument("--budget", "--budgets", dest="budgets", type=_float_list, default=None,
                     help="bytes per token per kv head (K+V), comma-separated for several plans (default 60)")
     pn.add_argument("--ctx", type=_int_at_least(2), default=2048)
