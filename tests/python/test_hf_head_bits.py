@@ -20,30 +20,10 @@ try:
 except ImportError as e:  # pragma: no cover
     pytest.skip(f"fmkv.hf unavailable with this transformers: {e}", allow_module_level=True)
 
-from conftest import cuda_graph_tokens  # noqa: E402
+from hf_cases import CUDA_HEAD_BITS, HEAD_BITS  # noqa: E402
+from hf_cases import decode_runs_agree, storage as _bytes, token_ids as _ids, tiny_model as _model  # noqa: E402
 from fmkv.hf.cache import FmkvHeadGroupLayer  # noqa: E402
 from fmkv.hf.static_cache import FmkvStaticHeadGroupLayer  # noqa: E402
-
-COMMON = dict(vocab_size=320, hidden_size=384, intermediate_size=512, num_hidden_layers=3,
-              num_attention_heads=6, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
-              initializer_range=0.08)
-# layer 0: two groups, layer 1: one width (a plain layer), layer 2: three groups (one with K in fp16)
-HEAD_BITS = [[(4, 4), (3, 2), (4, 4)], [(3, 3)] * 3, [(2, 3), (3, 3), (16, 4)]]
-
-
-def _model():
-    cfg = transformers.LlamaConfig(**COMMON)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def _ids(b, n, seed):
-    return torch.randint(0, COMMON["vocab_size"], (b, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _bytes(layer):
-    return [t.clone() for t in (layer.pages, layer.fp16_k, layer.fp16_v, layer.lens)]
 
 
 def test_cache_structure_and_options():
@@ -248,33 +228,9 @@ def test_compiled_static_decode_step_equals_eager():
     """torch.compile(fullgraph=True) traces the group layers' decode step (gathers with the tables made at
     allocation, one call per group, the merge) and gives the eager step's tokens and bytes."""
     model = _model()
-    ids = _ids(2, 15, 6)
-    runs = []
-    for compiled in (False, True):
-        cache = fhf.FmkvStaticCache(model.config, max_cache_len=40, head_bits=HEAD_BITS, window_tokens=8,
-                                    page_size=16)
-        with torch.no_grad():
-            out = model(ids, use_cache=True, **fhf.cache_kwargs(cache))
-        tok = out.logits[:, -1:].argmax(-1)
-        pos = torch.full((2, 1), ids.shape[1])
-
-        def step(tok, pos, cache=cache):
-            o = model(input_ids=tok, position_ids=pos, use_cache=True, **fhf.cache_kwargs(cache))
-            return o.logits[:, -1:].argmax(-1)
-        if compiled:
-            torch._dynamo.reset()
-            step = torch.compile(step, backend="aot_eager", fullgraph=True)
-        toks = []
-        with torch.no_grad():
-            for _ in range(5):
-                tok = step(tok, pos).clone()
-                pos = pos + 1
-                toks.append(tok)
-        runs.append((torch.cat(toks, 1), [_bytes(layer) for layer in cache.fmkv_layers]))
-    (te, be), (tc, bc) = runs
-    assert torch.equal(te, tc), (te, tc)
-    for x, y in zip(be, bc):
-        assert all(torch.equal(a, b) for a, b in zip(x, y))
+    decode_runs_agree(model, lambda: fhf.FmkvStaticCache(model.config, max_cache_len=40, head_bits=HEAD_BITS,
+                                                         window_tokens=8, page_size=16),
+                      _ids(2, 15, 6), 5, ("eager", "compiled"))
 
 
 CUDA = torch.cuda.is_available() and fmkv.backends()["cuda"]["available"]
@@ -286,31 +242,6 @@ def test_cuda_graph_capture_of_group_layers_replays_eager_tokens():
     steps' tokens and bytes (no host sync: replays under set_sync_debug_mode("error")), with the groups on side
     streams (parallel branches of the graph)."""
     model = _model().to("cuda")
-    ids = _ids(2, 19, 16).to("cuda")
-    # pairs of the default CUDA grid (k2v2, k3v3, k4v4, k4v2, k16v3): permuted, one-width and in-order layers
-    head_bits = [[(4, 4), (4, 2), (4, 4)], [(3, 3)] * 3, [(2, 2), (3, 3), (16, 3)]]
-    n, runs = 6, []
-    for captured in (False, True):
-        cache = fhf.FmkvStaticCache(model.config, max_cache_len=48, head_bits=head_bits, window_tokens=8)
-        with torch.no_grad():
-            tok = model(ids, use_cache=True, **fhf.cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-        pos = torch.full((2, 1), ids.shape[1], device="cuda")
-
-        def step(t, p, cache=cache):
-            return model(input_ids=t, position_ids=p, use_cache=True, **fhf.cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-        if captured:
-            toks = cuda_graph_tokens(step, tok, pos, n)
-        else:
-            toks = []
-            with torch.no_grad():
-                for _ in range(n):
-                    tok = step(tok, pos)
-                    pos = pos + 1
-                    toks.append(tok)
-            toks = torch.cat(toks, 1)
-        cache.check()
-        runs.append((toks, [_bytes(layer) for layer in cache.fmkv_layers]))
-    (te, be), (tc, bc) = runs
-    assert torch.equal(te, tc), (te, tc)
-    for x, y in zip(be, bc):
-        assert all(torch.equal(a, b) for a, b in zip(x, y))
+    decode_runs_agree(model, lambda: fhf.FmkvStaticCache(model.config, max_cache_len=48, head_bits=CUDA_HEAD_BITS,
+                                                         window_tokens=8),
+                      _ids(2, 19, 16).to("cuda"), 6, ("eager", "cuda_graph"))

@@ -22,29 +22,10 @@ try:
 except ImportError as e:  # pragma: no cover
     pytest.skip(f"fmkv.hf unavailable with this transformers: {e}", allow_module_level=True)
 
-from conftest import cuda_graph_tokens  # noqa: E402
+from hf_cases import COMMON, CUDA_HEAD_BITS, HEAD_BITS  # noqa: E402
+from hf_cases import decode_runs_agree, storage as _bytes, token_ids as _ids, tiny_model as _model  # noqa: E402
 from fmkv.hf.cache import FmkvHeadGroupLayer, FmkvLayer  # noqa: E402
 from fmkv.key_offset import KEY_OFFSET_TOKENS, first_tokens_mean  # noqa: E402
-
-COMMON = dict(vocab_size=320, hidden_size=384, intermediate_size=512, num_hidden_layers=3,
-              num_attention_heads=6, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
-              initializer_range=0.08)
-HEAD_BITS = [[(4, 4), (3, 2), (4, 4)], [(3, 3)] * 3, [(2, 3), (3, 3), (16, 4)]]
-
-
-def _model():
-    cfg = transformers.LlamaConfig(**COMMON)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def _ids(b, n, seed):
-    return torch.randint(0, COMMON["vocab_size"], (b, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _bytes(layer):
-    return [t.clone() for t in (layer.pages, layer.fp16_k, layer.fp16_v, layer.lens)]
 
 
 def _record(monkeypatch, cache):
@@ -209,30 +190,9 @@ def test_static_generate_equals_dynamic_and_compiled_step_equals_eager():
         for x, y in zip(_bytes(ld), _bytes(ls)):
             assert torch.equal(x, y)
     assert st.options["key_offset"] is True and dyn.options["key_offset"] is True
-    runs = []
-    for compiled in (False, True):
-        cache = fhf.FmkvStaticCache(model.config, max_cache_len=40, window_tokens=0, k_bits=3, v_bits=3,
-                                    key_offset=True)
-        with torch.no_grad():
-            tok = model(ids[:, :15], use_cache=True, **fhf.cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-        pos = torch.full((2, 1), 15)
-
-        def step(tok, pos, cache=cache):
-            return model(input_ids=tok, position_ids=pos, use_cache=True, **fhf.cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-        if compiled:
-            torch._dynamo.reset()
-            step = torch.compile(step, backend="aot_eager", fullgraph=True)
-        toks = []
-        with torch.no_grad():
-            for _ in range(4):
-                tok = step(tok, pos).clone()
-                pos = pos + 1
-                toks.append(tok)
-        runs.append((torch.cat(toks, 1), [_bytes(layer) for layer in cache.fmkv_layers]))
-    (te, be), (tc, bc) = runs
-    assert torch.equal(te, tc)
-    for x, y in zip(be, bc):
-        assert all(torch.equal(p, q) for p, q in zip(x, y))
+    decode_runs_agree(model, lambda: fhf.FmkvStaticCache(model.config, max_cache_len=40, window_tokens=0, k_bits=3,
+                                                         v_bits=3, key_offset=True),
+                      ids[:, :15], 4, ("eager", "compiled"), lambda layer: [layer.key_mu.clone()])
 
 
 def test_refused_first_chunk_leaves_no_offset():
@@ -262,33 +222,7 @@ def test_cuda_graph_capture_with_key_offset_replays_eager_tokens():
     """On CUDA: a decode step with the offset captured in one torch.cuda.CUDAGraph (the subtraction is part of the
     graph) replays to the eager steps' tokens and bytes, with and without width groups."""
     model = _model().to("cuda")
-    ids = _ids(2, 19, 16).to("cuda")
-    n = 6
-    for kw in (dict(k_bits=3, v_bits=3), dict(head_bits=[[(4, 4), (4, 2), (4, 4)], [(3, 3)] * 3,
-                                                         [(2, 2), (3, 3), (16, 3)]])):
-        runs = []
-        for captured in (False, True):
-            cache = fhf.FmkvStaticCache(model.config, max_cache_len=48, window_tokens=0, key_offset=True, **kw)
-            with torch.no_grad():
-                tok = model(ids, use_cache=True, **fhf.cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-            pos = torch.full((2, 1), ids.shape[1], device="cuda")
-
-            def step(t, p, cache=cache):
-                return model(input_ids=t, position_ids=p, use_cache=True,
-                             **fhf.cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-            if captured:
-                toks = cuda_graph_tokens(step, tok, pos, n)
-            else:
-                toks = []
-                with torch.no_grad():
-                    for _ in range(n):
-                        tok = step(tok, pos)
-                        pos = pos + 1
-                        toks.append(tok)
-                toks = torch.cat(toks, 1)
-            cache.check()
-            runs.append((toks, [_bytes(layer) + [layer.key_mu.clone()] for layer in cache.fmkv_layers]))
-        (te, be), (tc, bc) = runs
-        assert torch.equal(te, tc), (te, tc)
-        for x, y in zip(be, bc):
-            assert all(torch.equal(a, b) for a, b in zip(x, y))
+    for kw in (dict(k_bits=3, v_bits=3), dict(head_bits=CUDA_HEAD_BITS)):
+        decode_runs_agree(model, lambda: fhf.FmkvStaticCache(model.config, max_cache_len=48, window_tokens=0,
+                                                             key_offset=True, **kw),
+                          _ids(2, 19, 16).to("cuda"), 6, ("eager", "cuda_graph"), lambda layer: [layer.key_mu.clone()])
