@@ -159,14 +159,35 @@ def test_per_head_quantizer_matches_uniform_per_head():
 
 
 def test_sensitivity_configs_per_head():
-    cfg = PL.sensitivity_configs(2, [3, 16], [2], [0, 64], kv_heads=3)
+    cfg = PL.sensitivity_configs(2, [3, 16], [2], PL.fp16_regions([0, 64]), kv_heads=3)
     assert len(cfg) == 2 * 2 * 2 * 3  # windows x sides (one width < 16 each) x layers x heads
-    assert cfg["sens-w64-k3-L1-H2"] == (64, "k", 1, 2, 3)
-    q = PL.sensitivity_quantizer("s", 2, 3, 64, "v", 1, 2, 2)
+    assert cfg["sens-w64-k3-L1-H2"] == ((64, 0), "k", 1, 2, 3)
+    q = PL.sensitivity_quantizer("s", 2, 3, (64, 0), "v", 1, 2, 2)
     assert q.head_bits[1][2] == (16, 2) and all(p == (16, 16) for i, l in enumerate(q.head_bits)
                                                   for h, p in enumerate(l) if (i, h) != (1, 2))
-    assert q.residual == 64
-    assert PL.sensitivity_configs(1, [2], [2], [0])["sens-w0-k2-L0"] == (0, "k", 0, -1, 2)
+    assert q.residual == 64 and q.sinks == 0
+    assert PL.sensitivity_configs(1, [2], [2], [(0, 0)])["sens-w0-k2-L0"] == ((0, 0), "k", 0, -1, 2)
+    # sinks: a region per (window, sinks) pair, named by both
+    assert PL.fp16_regions([0, 64], [0, 4]) == [(0, 0), (0, 4), (64, 0), (64, 4)]
+    cfg = PL.sensitivity_configs(1, [2], [2], PL.fp16_regions([0], [0, 4]))
+    assert cfg["sens-w0-s4-v2-L0"] == ((0, 4), "v", 0, -1, 2) and len(cfg) == 4
+    q = PL.sensitivity_quantizer("s", 1, 1, (0, 4), "k", 0, -1, 3)
+    assert q.sinks == 4 and q.residual == 0 and q.options["sink_tokens"] == 4
+
+
+def test_allocation_counts_sinks_as_fp16_tokens():
+    """Sinks cost 4 d bytes each, amortised over ctx, as the window does: a plan with W window and S sink tokens
+    has the bytes of one with a window of W + S."""
+    rng = np.random.default_rng(5)
+    sk, sv = rng.random((4, 4)), rng.random((4, 3))
+    km, vm = [2, 3, 4, 16], [2, 3, 4]
+    a = PL.allocate(sk, sv, km, vm, 64, 60.0, 16, 2048, sinks=4)
+    b = PL.allocate(sk, sv, km, vm, 64, 60.0, 20, 2048)
+    assert a == b and a[2] <= 60.0
+    assert PL.allocate(sk, sv, km, vm, 64, 500.0, 2040, 2048, sinks=8) is None  # no compressed token left
+    names = dict(PL.uniform_candidates([3], [3], PL.fp16_regions([0, 32], [0, 4]), 64, 60.0, 2048))
+    assert set(names) == {"k3v3", "k3v3-s4", "k3v3-w32", "k3v3-w32-s4"}
+    assert names["k3v3-s4"] == pytest.approx((56 * 2044 + 256 * 4) / 2048)
 
 
 def _tiny_plan_setup(tmp_path, monkeypatch):
@@ -225,7 +246,9 @@ def test_plan_memory_argument_errors(capsys):
                       (["plan", "--context", "4096"], "without --memory pass --budgets"),
                       (["plan", "--memory", "2XB", "--context", "64"], "is not a size"),
                       (["plan", "--memory", "0GiB", "--context", "64"], "must be positive"),
-                      (["plan", "--memory", "1GiB", "--context", "64", "--windows", "64"], "does not fit --context")):
+                      (["plan", "--memory", "1GiB", "--context", "64", "--windows", "64"], "do not fit --context"),
+                      (["plan", "--memory", "1GiB", "--context", "64", "--windows", "60", "--sinks", "0,4"],
+                       "--sinks 4 do not fit --context")):
         with pytest.raises(SystemExit):
             cli.main(argv)
         assert msg in capsys.readouterr().err
@@ -357,8 +380,36 @@ def test_plan_with_key_offset(tmp_path, monkeypatch):
                                      "--plot", ""]) == 0
     r2 = [json.loads(line) for line in again.read_text().splitlines()]
     assert [r["kld_per_head"] for r in r2 if r["suite"] == "plan-sensitivity"] == [r["kld_per_head"] for r in s1]
-    cfg = PL.sensitivity_configs(3, [2, 3, 4, 16], [2, 3, 4], [0], 2)
+    cfg = PL.sensitivity_configs(3, [2, 3, 4, 16], [2, 3, 4], [(0, 0)], 2)
     with pytest.raises(ValueError, match="measured without the key offset"):
         PL.load_sensitivity(str(plain), cfg, [2, 3, 4, 16], [2, 3, 4], 6, 126, key_offset=True)
     with pytest.raises(ValueError, match="measured with the key offset"):
         PL.load_sensitivity(str(ko), cfg, [2, 3, 4, 16], [2, 3, 4], 6, 126)
+
+
+def test_plan_chooses_sinks_from_the_menu(tmp_path, monkeypatch):
+    """--sinks 0,4: sensitivities per (window, sinks) region, the plan's sinks in its row and its quantizer, the
+    uniform configs of both regions compared; rows without sink_tokens (older files) read as no sinks."""
+    from fmkv.eval import cli
+
+    argv = _tiny_plan_setup(tmp_path, monkeypatch)
+    out = tmp_path / "sinks.jsonl"
+    assert cli.main(argv + ["--budgets", "60", "--windows", "0", "--sinks", "0,4", "--uniform-per-budget", "4",
+                            "--key-offset", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    sens = [r for r in rows if r["suite"] == "plan-sensitivity"]
+    assert sorted({r["sink_tokens"] for r in sens}) == [0, 4] and len(sens) == 2 * (3 + 3)
+    assert sens[0]["kld_per_layer"] != next(r for r in sens if r["sink_tokens"] == 4 and r["side"] == sens[0]["side"]
+                                            and r["bits"] == sens[0]["bits"])["kld_per_layer"]
+    plan = next(r for r in rows if r["suite"] == "plan")
+    assert plan["sink_tokens"] in (0, 4) and plan["bytes_per_token_per_head"] <= 60.0
+    assert any(u.endswith("-s4-km") for u in plan["uniform_compared"])
+    q = PL.load_plans(str(out))[0]
+    assert q.sinks == plan["sink_tokens"] and q.options["sink_tokens"] == plan["sink_tokens"]
+    # an older sensitivity file (no sink_tokens) serves a menu without sinks
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "sink_tokens"}) + "\n"
+                           for r in rows if r.get("sink_tokens", 0) == 0))
+    cfg = PL.sensitivity_configs(3, [2, 3, 4, 16], [2, 3, 4], [(0, 0)])
+    got, n = PL.load_sensitivity(str(old), cfg, [2, 3, 4, 16], [2, 3, 4], 3, 126, key_offset=True)
+    assert n == 126 and set(got) == {((0, 0), "k"), ((0, 0), "v")}

@@ -304,8 +304,8 @@ def _check_plan_memory(parser: argparse.ArgumentParser, a: argparse.Namespace) -
         parser.error("--memory needs --context (the tokens per sequence the memory must hold)")
     if (a.context or a.batch != 1) and not a.memory:
         parser.error("--context and --batch size a --memory; without --memory pass --budgets")
-    if a.memory and any(w >= a.context for w in a.windows):
-        parser.error(f"--windows {max(a.windows)} does not fit --context {a.context}")
+    if a.memory and max(a.windows) + max(a.sinks) >= a.context:
+        parser.error(f"--windows {max(a.windows)} and --sinks {max(a.sinks)} do not fit --context {a.context}")
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
@@ -353,7 +353,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
             print(f"--plans: {e}", file=sys.stderr)
             return 2
     units = n_kv if a.per_head else 0  # sensitivity per (layer, kv head) instead of per layer
-    sens_cfg = PL.sensitivity_configs(n_layers, a.k_bits, a.v_bits, a.windows, units)
+    regions = PL.fp16_regions(a.windows, a.sinks)  # (window, sinks) pairs of fp16 tokens to choose from
+    sens_cfg = PL.sensitivity_configs(n_layers, a.k_bits, a.v_bits, regions, units)
     n_units = n_layers * (units or 1)
     sens = {}  # (W, side) -> [units (layer-major, then kv head), menu]
     if a.from_sensitivity:
@@ -386,7 +387,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
             menu = a.k_bits if side == "k" else a.v_bits
             m = sens.setdefault((w, side), np.zeros((n_units, len(menu))))
             m[i * (units or 1) + max(h, 0), menu.index(b)] = max(0.0, sums[name] / count)
-    for w in a.windows:  # a menu of fp16 only leaves zeros
+    for w in regions:  # a menu of fp16 only leaves zeros
         for side in ("k", "v"):
             sens.setdefault((w, side), np.zeros((n_units, len(a.k_bits if side == "k" else a.v_bits))))
     commit = a.commit or _commit()
@@ -399,7 +400,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
         menu = a.k_bits if side == "k" else a.v_bits
         for j, b in enumerate(menu):
             if b != 16:
-                row = dict(base, suite="plan-sensitivity", window_tokens=w, side=side, bits=b, calib_tokens=count)
+                row = dict(base, suite="plan-sensitivity", window_tokens=w[0], sink_tokens=w[1], side=side, bits=b,
+                           calib_tokens=count)
                 if a.key_offset:
                     row["key_offset"] = True
                 if units:
@@ -413,15 +415,15 @@ def cmd_plan(a: argparse.Namespace) -> int:
         checks[q.name] = q
     for budget in budgets:
         best = None
-        for w in a.windows:
-            r = PL.allocate(sens[(w, "k")], sens[(w, "v")], a.k_bits, a.v_bits, d, budget, w, amort,
-                            heads=units or 1, max_groups=a.max_groups)
+        for w in regions:
+            r = PL.allocate(sens[(w, "k")], sens[(w, "v")], a.k_bits, a.v_bits, d, budget, w[0], amort,
+                            heads=units or 1, max_groups=a.max_groups, sinks=w[1])
             if r is not None and (best is None or r[1] < best[1]):
                 best = (r[0], r[1], r[2], w)
         if best is None:
             print(f"budget {budget:.2f} B: no configuration of the menus fits", file=sys.stderr)
             continue
-        bits, pred, nbytes, w = best
+        bits, pred, nbytes, (w, sk) = best
         name = (f"plan-{budget:.4g}B" + ("-per-head" if units else "") + (f"-g{a.max_groups}" if a.max_groups else "")
                 + ("-ko" if a.key_offset else ""))
         if name in checks:
@@ -429,13 +431,13 @@ def cmd_plan(a: argparse.Namespace) -> int:
             return 2
         heads = [bits[i * units:(i + 1) * units] for i in range(n_layers)] if units else None
         checks[name] = PL.planned_quantizer(name, [] if units else bits, w, a.format_version, a.seed, head_bits=heads,
-                                            key_offset=a.key_offset)
-        uni = sorted(PL.uniform_candidates(a.k_bits, a.v_bits, a.windows, d, budget, amort), key=lambda t: -t[1])
+                                            key_offset=a.key_offset, sinks=sk)
+        uni = sorted(PL.uniform_candidates(a.k_bits, a.v_bits, regions, d, budget, amort), key=lambda t: -t[1])
         uni = [u for u in uni if u[1] >= 0.8 * budget][:a.uniform_per_budget]
         uni = [u + ("-fmt3" if a.format_version == 3 else "") + ("-km" if a.key_offset else "") for u, _ in uni]
         for nm in uni:
             checks.setdefault(nm, parse_config(nm, seed=a.seed))
-        plan = dict(base, suite="plan", budget=round(budget, 4), config=name, window_tokens=w,
+        plan = dict(base, suite="plan", budget=round(budget, 4), config=name, window_tokens=w, sink_tokens=sk,
                     layer_bits=[list(p) for p in checks[name].layer_bits],
                     bytes_per_token_per_head=round(nbytes, 3), predicted_kld=round(pred, 6),
                     uniform_compared=uni,
@@ -451,7 +453,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         plans.append(plan)
         desc = (" ".join("/".join(f"{k}{v}" if k < 16 else f"F{v}" for k, v in layer) for layer in heads) if units
                 else " ".join(f"{k}{v}" if k < 16 else f"F{v}" for k, v in bits))
-        print(f"budget {budget:.2f} B: window {w}, {nbytes:.2f} B, predicted KLD {pred:.5f}, "
+        print(f"budget {budget:.2f} B: window {w}, sinks {sk}, {nbytes:.2f} B, predicted KLD {pred:.5f}, "
               f"{'layers (k,v per kv head)' if units else 'layers (k,v)'}: {desc}", file=sys.stderr)
     cq = [parse_config("fp16")] + list(checks.values())
     for q in cq:
@@ -709,6 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--v-bits", type=lambda t: _int_list(t, set(v_widths), "v width"), default=v_widths)
     pn.add_argument("--windows", type=lambda t: _int_list(t, None, "window"), default=[0, 64],
                     help="fp16 recent-token windows to choose from (default 0,64)")
+    pn.add_argument("--sinks", type=lambda t: _int_list(t, None, "sink count"), default=[0],
+                    help="fp16 first tokens (attention sinks) to choose from, with every window (default 0)")
     pn.add_argument("--format-version", type=int, choices=[0, 2, 3], default=0)
     pn.add_argument("--uniform-per-budget", type=_int_at_least(0), default=4,
                     help="uniform configs (largest that fit, >= 0.8 x budget) checked beside each plan")

@@ -2,8 +2,8 @@
 
     python -m fmkv.eval plan --budgets 56,60,64,72 --calib-tokens 8192 --check-tokens 131072 --device cuda
 
-1. **Sensitivity** (calibration windows, the first ``calib_tokens`` of the text): for every fp16 window W of the
-   menu, every layer i and every width b of the menus, the mean KL(fp16 || config) per token when only layer
+1. **Sensitivity** (calibration windows, the first ``calib_tokens`` of the text): for every fp16 window W (and
+   sink count, ``--sinks``) of the menu, every layer i and every width b of the menus, the mean KL(fp16 || config) per token when only layer
    i's K (or only its V) is quantized at b bits and every other K/V stays fp16 -- ``sens[W][side][i][b]``.
 2. **Allocation**: per budget, for each W, the (k_bits, v_bits) per layer minimising the sum of the layers'
    K and V sensitivities subject to the mean bytes per token per kv head (K + V over all layers, fp16 window
@@ -39,19 +39,20 @@ from .quantizers import KVQuantizer
 
 def planned_quantizer(name: str, layer_bits: Sequence[Tuple[int, int]], window: int, format_version: int = 0,
                       seed: int = 0, head_bits: Optional[Sequence[Sequence[Tuple[int, int]]]] = None,
-                      key_offset: bool = False) -> KVQuantizer:
+                      key_offset: bool = False, sinks: int = 0) -> KVQuantizer:
     """An fmkv quantizer with one (k_bits, v_bits) per layer (16: that side of that layer in fp16); with
     ``head_bits`` (a list of (k_bits, v_bits) per kv head for each layer) one pair per (layer, kv head), and
     ``layer_bits`` the per-layer maxima (what a cache that takes one width per layer would need). ``key_offset``:
-    keys minus their mean over the first 128 tokens before quantizing (the caches' ``key_offset=True``)."""
+    keys minus their mean over the first 128 tokens before quantizing (the caches' ``key_offset=True``); ``sinks``:
+    the first tokens kept in fp16 (the caches' ``sink_tokens``)."""
     heads = tuple(tuple((int(k), int(v)) for k, v in layer) for layer in head_bits) if head_bits else ()
     if heads:
         layer_bits = [(max(k for k, _ in layer), max(v for _, v in layer)) for layer in heads]
     pairs = tuple((int(k), int(v)) for k, v in layer_bits)
     q = KVQuantizer(name, "fmkv", max(k for k, _ in pairs), max(v for _, v in pairs), residual=int(window),
                     format_version=int(format_version), layer_bits=pairs, head_bits=heads, seed=seed,
-                    num_layers=len(pairs), key_mean=bool(key_offset))
-    q.options = {"scale_rule": q.scale_rule, "rotation": True, "sink_tokens": 0, "window_tokens": int(window),
+                    num_layers=len(pairs), key_mean=bool(key_offset), sinks=int(sinks))
+    q.options = {"scale_rule": q.scale_rule, "rotation": True, "sink_tokens": int(sinks), "window_tokens": int(window),
                  "group": 32, "layer_bits": [list(p) for p in pairs]}
     if heads:
         q.options["head_bits"] = [[list(p) for p in layer] for layer in heads]
@@ -92,47 +93,59 @@ def load_plans(path: str, num_layers: int = 0, seed: int = 0) -> List[KVQuantize
                 raise ValueError(f"{path}:{i}: plan {r.get('config')!r} has {len(bits)} layers, the model {num_layers}")
             out.append(planned_quantizer(str(r["config"]), bits, int(r.get("window_tokens", 0)),
                                          int(r.get("format_version") or 0), seed=seed, head_bits=heads,
-                                         key_offset=bool(r.get("key_offset", False))))
+                                         key_offset=bool(r.get("key_offset", False)),
+                                         sinks=int(r.get("sink_tokens", 0))))
     if not out:
         raise ValueError(f"{path}: no plan rows (suite 'plan'; write them with fmkv-eval plan)")
     return out
 
 
+def fp16_regions(windows: Sequence[int], sinks: Sequence[int] = (0,)) -> List[Tuple[int, int]]:
+    """The (window, sinks) menu: every pair of an fp16 window size and a sink count."""
+    return [(int(w), int(s)) for w in windows for s in sinks]
+
+
 def sensitivity_configs(num_layers: int, k_menu: Sequence[int], v_menu: Sequence[int],
-                        windows: Sequence[int], kv_heads: int = 0) -> Dict[str, Tuple[int, str, int, int, int]]:
-    """{config name: (window, side, layer, head, bits)}: one quantizer per (W, side, layer, width < 16), every
-    other K/V of the model in fp16; with ``kv_heads`` > 0 one per (W, side, layer, kv head, width) -- only that
-    head's side quantized -- and head -1 otherwise."""
+                        regions: Sequence[Tuple[int, int]], kv_heads: int = 0) -> Dict[str, tuple]:
+    """{config name: ((window, sinks), side, layer, head, bits)}: one quantizer per (region, side, layer, width <
+    16), every other K/V of the model in fp16; with ``kv_heads`` > 0 one per (region, side, layer, kv head, width)
+    -- only that head's side quantized -- and head -1 otherwise. A region is a (window, sinks) pair
+    (fp16_regions)."""
     out = {}
-    for w in windows:
+    for w, sk in regions:
         for side, menu in (("k", k_menu), ("v", v_menu)):
             for i in range(num_layers):
                 for h in (range(kv_heads) if kv_heads else (-1,)):
                     for b in menu:
                         if b == 16:
                             continue
-                        out[f"sens-w{w}-{side}{b}-L{i}" + (f"-H{h}" if h >= 0 else "")] = (w, side, i, h, b)
+                        name = f"sens-w{w}" + (f"-s{sk}" if sk else "") + f"-{side}{b}-L{i}" + (f"-H{h}" if h >= 0 else "")
+                        out[name] = ((w, sk), side, i, h, b)
     return out
 
 
-def sensitivity_quantizer(name: str, num_layers: int, kv_heads: int, window: int, side: str, layer: int, head: int,
-                          bits: int, format_version: int = 0, seed: int = 0, key_offset: bool = False) -> KVQuantizer:
+def sensitivity_quantizer(name: str, num_layers: int, kv_heads: int, region: Tuple[int, int], side: str, layer: int,
+                          head: int, bits: int, format_version: int = 0, seed: int = 0,
+                          key_offset: bool = False) -> KVQuantizer:
     """The quantizer of one sensitivity config: ``side`` of ``layer`` (only kv head ``head`` when >= 0) at
-    ``bits``, every other K/V in fp16 (``key_offset``: the quantized keys minus their offset, as the plan's)."""
+    ``bits`` with the (window, sinks) ``region`` in fp16, every other K/V in fp16 (``key_offset``: the quantized keys
+    minus their offset, as the plan's)."""
     pair = (bits, 16) if side == "k" else (16, bits)
+    window, sinks = region
     if head < 0:
         layer_bits = [(16, 16)] * num_layers
         layer_bits[layer] = pair
-        return planned_quantizer(name, layer_bits, window, format_version, seed, key_offset=key_offset)
+        return planned_quantizer(name, layer_bits, window, format_version, seed, key_offset=key_offset, sinks=sinks)
     heads = [[(16, 16)] * kv_heads for _ in range(num_layers)]
     heads[layer][head] = pair
-    return planned_quantizer(name, [], window, format_version, seed, head_bits=heads, key_offset=key_offset)
+    return planned_quantizer(name, [], window, format_version, seed, head_bits=heads, key_offset=key_offset,
+                             sinks=sinks)
 
 
-def load_sensitivity(path: str, configs: Dict[str, Tuple[int, str, int, int, int]], k_menu: Sequence[int],
+def load_sensitivity(path: str, configs: Dict[str, tuple], k_menu: Sequence[int],
                      v_menu: Sequence[int], units: int, calib_tokens: int,
                      key_offset: bool = False) -> Tuple[Dict[tuple, np.ndarray], int]:
-    """The sensitivity matrices ({(W, side): [units, menu]}) of every config of ``configs`` (sensitivity_configs)
+    """The sensitivity matrices ({((W, sinks), side): [units, menu]}) of every config of ``configs`` (sensitivity_configs)
     from the "plan-sensitivity" rows of an earlier plan JSONL, and their calibration token count (which must be
     ``calib_tokens``); rows measured with the key offset are used only with ``key_offset`` and the others only
     without it; ValueError naming what is missing or different."""
@@ -145,7 +158,7 @@ def load_sensitivity(path: str, configs: Dict[str, Tuple[int, str, int, int, int
                     if bool(r.get("key_offset", False)) != bool(key_offset):
                         other += 1
                         continue
-                    rows[(int(r["window_tokens"]), r["side"], int(r["bits"]))] = r
+                    rows[((int(r["window_tokens"]), int(r.get("sink_tokens", 0))), r["side"], int(r["bits"]))] = r
     if not rows:
         raise ValueError(f"{path}: no sensitivity rows (suite 'plan-sensitivity')" + (
             f"; its {other} rows were measured " + ("without" if key_offset else "with") + " the key offset"
@@ -156,7 +169,8 @@ def load_sensitivity(path: str, configs: Dict[str, Tuple[int, str, int, int, int
     for w, side, i, h, b in configs.values():
         r = rows.get((w, side, b))
         if r is None:
-            raise ValueError(f"{path}: no sensitivity of {side.upper()} at {b} bits with window {w}")
+            raise ValueError(f"{path}: no sensitivity of {side.upper()} at {b} bits with window {w[0]}"
+                             + (f" and {w[1]} sinks" if w[1] else ""))
         vals = r.get("kld_per_head" if per_head else "kld_per_layer")
         if vals is None:
             raise ValueError(f"{path}: the rows are per " + ("layer; --per-head needs rows per kv head" if per_head
@@ -194,18 +208,19 @@ def side_bytes(d: int, bits: int) -> int:
 
 def allocate(sens_k: np.ndarray, sens_v: np.ndarray, k_menu: Sequence[int], v_menu: Sequence[int], d: int,
              budget: float, window: int = 0, ctx: int = 2048, heads: int = 1,
-             max_groups: int = 0) -> Optional[Tuple[List[Tuple[int, int]], float, float]]:
+             max_groups: int = 0, sinks: int = 0) -> Optional[Tuple[List[Tuple[int, int]], float, float]]:
     """Exact minimum of sum_i sens_k[i, k_i] + sens_v[i, v_i] with mean bytes <= budget.
 
     sens_k [units, len(k_menu)], sens_v [units, len(v_menu)]: predicted KLD per choice (0 for fp16); a unit is a
     layer, or with ``heads`` > 1 a (layer, kv head), layer-major. ``max_groups`` (with heads > 1; 0: no limit): at
     most that many distinct (k_bits, v_bits) pairs among a layer's heads (each is a call per step: the decode-speed
-    price of widths per head). Returns (bits per unit, predicted KLD, bytes per token per head at ctx), or None
-    when nothing fits."""
+    price of widths per head). ``window`` + ``sinks`` tokens are fp16 (4 d bytes each, amortised over ctx). Returns
+    (bits per unit, predicted KLD, bytes per token per head at ctx), or None when nothing fits."""
     n = sens_k.shape[0]
+    window = int(window) + int(sinks)  # fp16 tokens
     if window >= ctx or n % max(1, heads):
         return None
-    # mean quantized bytes q per unit allowed: (q (ctx - W) + 4 d W) / ctx <= budget
+    # mean quantized bytes q per unit allowed: (q (ctx - F) + 4 d F) / ctx <= budget, F fp16 tokens
     q_max = (budget * ctx - 4.0 * d * window) / (ctx - window)
     cap = int(math.floor(q_max * n + 1e-9))
     if cap < 0:
@@ -288,15 +303,17 @@ def _layer_options(value: np.ndarray, choices: Sequence[Tuple[int, int, int]], m
     return front
 
 
-def uniform_candidates(k_menu: Sequence[int], v_menu: Sequence[int], windows: Sequence[int], d: int, budget: float,
-                       ctx: int) -> List[Tuple[str, float]]:
-    """Uniform fmkv configs (every layer the same widths) of the menus that fit the budget, with their bytes."""
+def uniform_candidates(k_menu: Sequence[int], v_menu: Sequence[int], regions: Sequence[Tuple[int, int]], d: int,
+                       budget: float, ctx: int) -> List[Tuple[str, float]]:
+    """Uniform fmkv configs (every layer the same widths) of the menus and (window, sinks) regions that fit the
+    budget, with their bytes."""
     out = []
-    for kb, vb, w in itertools.product(k_menu, v_menu, windows):
+    for kb, vb, (w, sk) in itertools.product(k_menu, v_menu, regions):
         if kb == 16 and vb == 16:
             continue
         q = side_bytes(d, kb) + side_bytes(d, vb)
-        b = (q * (ctx - w) + 4.0 * d * w) / ctx
+        f = w + sk
+        b = (q * (ctx - f) + 4.0 * d * f) / ctx
         if b <= budget + 1e-9:
-            out.append((f"k{kb}v{vb}" + (f"-w{w}" if w else ""), b))
+            out.append((f"k{kb}v{vb}" + (f"-w{w}" if w else "") + (f"-s{sk}" if sk else ""), b))
     return out
