@@ -403,6 +403,7 @@ def test_plan_chooses_sinks_from_the_menu(tmp_path, monkeypatch):
                                             and r["bits"] == sens[0]["bits"])["kld_per_layer"]
     plan = next(r for r in rows if r["suite"] == "plan")
     assert plan["sink_tokens"] in (0, 4) and plan["bytes_per_token_per_head"] <= 60.0
+    assert plan["config"] == "plan-60B" + ("-s4" if plan["sink_tokens"] else "") + "-ko"
     assert any(u.endswith("-s4-km") for u in plan["uniform_compared"])
     q = PL.load_plans(str(out))[0]
     assert q.sinks == plan["sink_tokens"] and q.options["sink_tokens"] == plan["sink_tokens"]

@@ -425,7 +425,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
             continue
         bits, pred, nbytes, (w, sk) = best
         name = (f"plan-{budget:.4g}B" + ("-per-head" if units else "") + (f"-g{a.max_groups}" if a.max_groups else "")
-                + ("-ko" if a.key_offset else ""))
+                + (f"-s{sk}" if sk else "") + ("-ko" if a.key_offset else ""))
         if name in checks:
             print(f"plan {name} is also a stored plan's name (--plans)", file=sys.stderr)
             return 2
