@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import Config, FmkvError, _args, _fmkv
+from .key_offset import first_tokens_mean
 from .torch_ops import _FLOAT_DTYPES, backend_for_device, config_to_list, cuda_check
 
 __all__ = ["TorchCache"]
@@ -60,10 +61,15 @@ class TorchCache:
       the other sequences stay valid -- no need to rebuild the cache. Use :meth:`check` rather than
       ``fmkv.cuda_check`` for a TorchCache's calls (both clear the device's error word). On the CPU
       errors are raised by the op itself and :meth:`check` has nothing to find.
+
+    ``key_offset=True``: each (layer, sequence)'s keys are stored minus their mean over its first 128 tokens
+    (fmkv.key_offset), fixed by its first append (kept only once that append succeeded; cleared by
+    :meth:`reset_sequence` / :meth:`remove_sequence`). Softmax ignores the offset: attention is unchanged up to
+    quantization, which sees centred keys.
     """
 
     def __init__(self, config: Config, num_layers: int, num_pages: int, max_seqs: int, backend: Optional[str] = None,
-                 device=None):
+                 device=None, key_offset: bool = False):
         if not isinstance(config, Config):
             raise _args.type_error("config", "an fmkv.Config", config)
         num_layers = _args.integer("num_layers", num_layers, 1, _args.INT32_MAX)
@@ -105,6 +111,8 @@ class TorchCache:
         self._reading: Dict[int, int] = {}  # sequence -> attentions running on it
         self._failed: Dict[int, str] = {}   # sequence -> the device error that invalidated it
         self._changed: Set[int] = set()     # sequences appended to since the last check()
+        self.key_offset = bool(key_offset)
+        self._key_mu: Dict[tuple, Tensor] = {}  # (layer, sequence) -> [num_kv_heads, head_dim] (key_offset)
 
     def _check_memory(self, num_layers: int, num_pages: int, max_seqs: int) -> None:
         """Refuse, before allocating, a cache larger than its device's memory."""
@@ -229,7 +237,16 @@ class TorchCache:
                     return s
         raise _args.error(f"TorchCache: all {len(self._tables)} sequence slots are in use", "OUT_OF_RANGE")
 
+    def key_mu(self, layer: int, s: int) -> Optional[Tensor]:
+        """The key offset [num_kv_heads, head_dim] of sequence ``s`` in ``layer`` (None before its first append, or
+        without ``key_offset``)."""
+        layer, s = self._layer(layer), self._seq_index(s)
+        with self._lock:
+            return self._key_mu.get((layer, s))
+
     def _release(self, s: int) -> None:
+        for key in [key for key in self._key_mu if key[1] == s]:
+            del self._key_mu[key]
         self._free.extend(reversed(self._tables[s]))
         self._tables[s] = []
         self._failed.pop(s, None)
@@ -313,7 +330,13 @@ class TorchCache:
             first = len(self._tables[s])
             new = [self._free.pop() for _ in range(max(0, need))]
             self._tables[s].extend(new)
+            mu = self._key_mu.get((layer, s))
+        new_mu = None
         try:
+            if self.key_offset:  # the first append fixes the offset; kept only once it has succeeded
+                if mu is None:
+                    mu = new_mu = first_tokens_mean(k.transpose(0, 1).unsqueeze(0))[0, :, 0].to(k.dtype)
+                k = k - mu
             self._store_table(s, first, new)
             torch.ops.fmkv.append(self.pages[layer], self.fp16_k[layer], self.fp16_v[layer], k, v,
                                   self._slots[s:s + 1], self._lens_dev[layer, s:s + 1], self._row_offsets(n),
@@ -327,6 +350,8 @@ class TorchCache:
             raise
         with self._lock:
             self._lens[layer][s] = length + n
+            if new_mu is not None:
+                self._key_mu[(layer, s)] = new_mu
             self._changed.add(s)
             self._writing.discard(s)
 

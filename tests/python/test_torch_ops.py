@@ -297,3 +297,44 @@ def test_max_seq_len_bound(backend, tgen):
     p2, fk2, fv2 = app[0].clone(), app[1].clone(), app[2].clone()
     assert torch.equal(torch_ops.append_attention(p2, fk2, fv2, *step), out)
     assert torch.equal(p2, pages) and torch.equal(fk2, fk) and torch.equal(fv2, fv)
+
+
+def test_torch_cache_key_offset(tgen):
+    """TorchCache(key_offset=True): each (layer, sequence)'s pages are those of a cache without the offset fed K minus
+    the mean of its first append's first 128 fp16-rounded keys; the offset is fixed by that append, per layer and
+    sequence, kept only when the append succeeds, and cleared by reset_sequence / remove_sequence."""
+    from fmkv.key_offset import first_tokens_mean
+
+    config = fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=3, v_bits=3, page_size=16, window_tokens=4)
+    a = torch_ops.TorchCache(config, 2, 32, 2, key_offset=True)
+    b = torch_ops.TorchCache(config, 2, 32, 2)
+    for c in (a, b):
+        assert c.add_sequence() == 0 and c.add_sequence() == 1
+    g = torch.Generator().manual_seed(4)
+    mus = {}
+    for layer in (0, 1):
+        for s in (0, 1):
+            k = torch.randn(150, 2, 64, generator=g) + 3 * torch.randn(1, 2, 64, generator=g)
+            v = torch.randn(150, 2, 64, generator=g)
+            mu = first_tokens_mean(k.transpose(0, 1).unsqueeze(0))[0, :, 0]
+            mus[layer, s] = mu
+            a.append(layer, s, k, v)
+            b.append(layer, s, k - mu, v)
+            k1, v1 = torch.randn(2, 2, 64, generator=g), torch.randn(2, 2, 64, generator=g)
+            a.append(layer, s, k1, v1)
+            b.append(layer, s, k1 - mu, v1)
+            q = torch.randn(3, 8, 64, generator=g)
+            assert torch.equal(a.attention(layer, s, q), b.attention(layer, s, q))
+            assert torch.equal(a.key_mu(layer, s), mu)
+    for layer in (0, 1):
+        assert torch.equal(a.pages[layer], b.pages[layer]) and torch.equal(a.fp16_k[layer], b.fp16_k[layer])
+    assert not torch.equal(mus[0, 0], mus[0, 1]) and not torch.equal(mus[0, 0], mus[1, 0])
+    a.reset_sequence(1)
+    assert a.key_mu(0, 1) is None and a.key_mu(1, 1) is None and torch.equal(a.key_mu(0, 0), mus[0, 0])
+    bad = torch.randn(5, 2, 64, generator=g)
+    bad[2, 1, 3] = float("nan")
+    with pytest.raises(fmkv.FmkvError):
+        a.append(0, 1, bad, torch.randn(5, 2, 64, generator=g))
+    assert a.key_mu(0, 1) is None and a.length(0, 1) == 0  # the refused first append left no offset
+    a.remove_sequence(0)
+    assert a.key_mu(0, 0) is None and b.key_mu(0, 0) is None
