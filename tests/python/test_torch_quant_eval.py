@@ -168,3 +168,32 @@ def test_generate_refuses_cache_less_configs_before_loading(capsys):
         main(["generate", "--configs", "k4v4,k3v3-vm", "--model", "/nonexistent.gguf"])
     assert e.value.code == 2
     assert "-vm exist only in the evaluation" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", ["k3v3-s4", "k3v3-km-s4", "k4v2-s2"])
+def test_sinks_without_window_equal_a_float64_mixed_attention(config):
+    """Sinks without a window take the SDPA path with per-key mixed K/V: the first S keys / values as the caches keep
+    them in fp16 (after the key offset with -km), the rest quantized -- equal to a float64 causal attention over
+    that mix (prefill rows and a decode row)."""
+    from fmkv.eval import ppl as P
+
+    class _Mod:
+        layer_idx = 1
+
+    q_cfg = parse_config(config)
+    q_cfg.num_layers = 3
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(1, 3, 40, 64, generator=g) + 2.0
+    v = torch.randn(1, 3, 40, 64, generator=g)
+    s = q_cfg.sinks
+    km = q_cfg.quant_k(k, 1).double()
+    vm = q_cfg.quant_v(v, 1).double()
+    km[:, :, :s] = q_cfg.fp16_keys(k)[:, :, :s].double()
+    vm[:, :, :s] = v[:, :, :s].half().double()
+    for n in (40, 1):
+        q = torch.randn(1, 6, n, 64, generator=g)
+        out, _ = P.quantized_attention(_Mod(), q, k, v, None, scaling=0.125, quantizer=q_cfg)
+        sc = q.double() @ km.repeat_interleave(2, 1).transpose(-1, -2) * 0.125
+        causal = torch.arange(40 - n, 40)[:, None] < torch.arange(40)[None, :]
+        ref = torch.softmax(sc.masked_fill(causal, float("-inf")), -1) @ vm.repeat_interleave(2, 1)
+        assert (out.transpose(1, 2).double() - ref).abs().max().item() < 1e-5

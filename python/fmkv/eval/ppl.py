@@ -107,6 +107,12 @@ def quantized_attention(module, query, key, value, attention_mask, scaling=None,
         rec(layer, kq, vq)
     n_q, n_k = query.shape[2], key.shape[2]
     mixed = q_cfg is not None and (q_cfg.residual > 0 or q_cfg.sinks > 0)
+    if mixed and q_cfg.residual == 0:  # sinks only: fp16 or not depends on the key alone -> mixed K/V, SDPA
+        sk = min(q_cfg.sinks, n_k)
+        kq, vq = kq.clone(), vq.clone()
+        kq[:, :, :sk] = q_cfg.fp16_keys(key)[:, :, :sk].to(kq.dtype)  # (the offset is over the first 128)
+        vq[:, :, :sk] = value[:, :, :sk].half().to(vq.dtype)
+        mixed = False
     if not mixed and not softcap:
         mask = attention_mask
         if mask is not None and mask.dtype != torch.bool and mask.ndim == 4:
