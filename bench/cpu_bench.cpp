@@ -115,7 +115,7 @@ void fill_cache(const fmkv_config& c, std::vector<uint8_t>& pages, int64_t num_p
       for (int is_v = 0; is_v < 2; ++is_v) {
         int32_t bits = is_v ? c.v_bits : c.k_bits;
         uint8_t* sec = pages.data() + pg * fmkv_config_page_bytes(&c) +
-                       fmkv_section_offset(d, c.k_bits, c.v_bits, P, h, is_v);
+                       fmkv_section_offset(d, c.k_bits, c.v_bits, P, h, is_v, c.scale_group);
         if (bits == FMKV_FP16_BITS) {
           uint16_t* v = (uint16_t*)sec;
           for (int64_t i = 0; i < (int64_t)P * d; ++i) v[i] = tab[r.next() & 1023];
@@ -282,7 +282,7 @@ int main(int argc, char** argv) {
         double us = median_us(reps, [&] {
           check(fmkv_attention(FMKV_BACKEND_CPU, &c, &lc, &bt, &qt, nullptr, &ot, nullptr, 0, nullptr), "attention");
         });
-        double bytes = (double)ctx * gm.hkv * (fmkv_bytes_per_token_head(gm.d, f.kb) + fmkv_bytes_per_token_head(gm.d, f.vb)) +
+        double bytes = (double)ctx * gm.hkv * (fmkv_bytes_per_token_head(gm.d, f.kb, 0) + fmkv_bytes_per_token_head(gm.d, f.vb, 0)) +
                        2.0 * gm.hq * gm.d * 4;
         double gbps = bytes / (us * 1e3);
         std::printf("{\"op\":\"decode_attention\",\"batch\":1,\"q_len\":1,\"context\":%lld,\"head_dim\":%d,\"q_heads\":%d,"

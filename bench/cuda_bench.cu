@@ -516,7 +516,7 @@ int main(int argc, char** argv) {
       for (auto x : oh) nonfinite += !std::isfinite(__half2float(x));
       const double us = attn_ms * 1e3;
       const double kv = (double)total_len * H *
-                        (fmkv_bytes_per_token_head(d, f.kb) + fmkv_bytes_per_token_head(d, f.vb));
+                        (fmkv_bytes_per_token_head(d, f.kb, 0) + fmkv_bytes_per_token_head(d, f.vb, 0));
       const double bytes = kv + 2.0 * qrows * HQ * d * 2;
       // a ragged batch: context = the mean length (the uniform batch of the same bytes, BENCHMARKS.md), lengths
       std::string rag;

@@ -70,7 +70,7 @@ Partial attend_range(const fmkv_config& c, const uint8_t* pages, int64_t page_by
     const int32_t slot = (int32_t)(t % c.page_size);
     for (int which = 0; which < 2; ++which) {
       const int32_t bits = which ? c.v_bits : c.k_bits;
-      const uint8_t* sec = page + fmkv_section_offset(d, c.k_bits, c.v_bits, c.page_size, h, which);
+      const uint8_t* sec = page + fmkv_section_offset(d, c.k_bits, c.v_bits, c.page_size, h, which, c.scale_group);
       const uint16_t* scales = (const uint16_t*)(sec + fmkv_scales_offset(d, bits, c.page_size));
       for (int32_t g = 0; g < G; ++g) {
         fmkv::ref::unpack_group((const uint32_t*)sec + fmkv_code_word_index(bits, c.page_size, g, 0, slot),
@@ -128,7 +128,7 @@ int main(int argc, char** argv) {
   o.chunk = std::min(o.chunk, o.context);
   const int64_t page_bytes = fmkv_config_page_bytes(&c), pages = (o.context + o.page - 1) / o.page;
   const int64_t layer_bytes = pages * page_bytes, H = o.kv_heads, d = o.d;
-  const double bytes_per_token = (double)o.layers * H * (fmkv_bytes_per_token_head(d, o.k_bits) + fmkv_bytes_per_token_head(d, o.v_bits));
+  const double bytes_per_token = (double)o.layers * H * (fmkv_bytes_per_token_head(d, o.k_bits, 0) + fmkv_bytes_per_token_head(d, o.v_bits, 0));
   std::printf("%s (%s): %d layers x %lld tokens, %d kv / %d q heads, d=%lld, k%dv%d, page %d\n",
               fmkv_backend_name(o.backend), fmkv_backend_device(o.backend), o.layers, (long long)o.context,
               o.kv_heads, o.q_heads, (long long)d, o.k_bits, o.v_bits, o.page);

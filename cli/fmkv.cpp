@@ -222,18 +222,22 @@ int cmd_spec(const Args& a) {
       dims.push_back((int32_t)d);
     }
   }
-  std::printf("fmkv format v%d: group %d, fp16 scale per group, Lloyd-Max codes, randomized Hadamard rotation\n",
-              fmkv_format_version(), FMKV_GROUP_SIZE);
-  std::printf("%-8s %-5s %12s %12s %14s %10s\n", "head_dim", "bits", "codes B", "scales B", "B/token/head", "vs fp16");
+  std::printf("fmkv format v%d: code groups of %d, an fp16 scale per scale group (default %d coordinates), Lloyd-Max codes, "
+              "randomized Hadamard rotation\n", fmkv_format_version(), FMKV_GROUP_SIZE, FMKV_SCALE_GROUP);
+  std::printf("%-8s %-5s %-11s %12s %12s %14s %10s\n", "head_dim", "bits", "scale group", "codes B", "scales B",
+              "B/token/head", "vs fp16");
   for (int d : dims) {
     std::vector<int32_t> widths = fmkv::supported_code_bits();
     widths.push_back(FMKV_FP16_BITS);
-    for (int b : widths) {
-      int64_t total = fmkv_bytes_per_token_head(d, b);
-      int64_t scales = b == 16 ? 0 : 2 * fmkv_groups(d);
-      std::printf("%-8d %-5s %12lld %12lld %14lld %9.2fx\n", d, b == 16 ? "fp16" : std::to_string(b).c_str(),
-                  (long long)(total - scales), (long long)scales, (long long)total, 2.0 * d / total);
-    }
+    for (int b : widths)
+      for (int32_t sg = FMKV_GROUP_SIZE; sg <= d; sg *= 2) {
+        if (!fmkv_scale_group_supported(sg) || (b == FMKV_FP16_BITS && sg != FMKV_SCALE_GROUP)) continue;
+        int64_t total = fmkv_bytes_per_token_head(d, b, sg);
+        int64_t scales = b == FMKV_FP16_BITS ? 0 : 2 * fmkv_scales_per_vector(d, sg);
+        std::printf("%-8d %-5s %-11s %12lld %12lld %14lld %9.2fx\n", d, b == 16 ? "fp16" : std::to_string(b).c_str(),
+                    b == FMKV_FP16_BITS ? "-" : std::to_string(sg).c_str(), (long long)(total - scales), (long long)scales,
+                    (long long)total, 2.0 * d / total);
+      }
   }
   std::puts("(per K or per V; a kXvY cache stores both: e.g. k3v3 at d=128 = 112 B per token per kv head)");
   return kExitOk;
@@ -282,7 +286,7 @@ int cmd_capacity(const Args& a) {
   char line[256];
   for (const char* f : {"fp16", "k4v4", "k4v3", "k3v3", "k4v2", "k3v2", "k2v2", "k16v4", "k16v3"}) {
     auto [kb, vb] = parse_format("format", f, true);
-    const int64_t per_tok = mul(mul(layers, kv), fmkv_bytes_per_token_head((int32_t)d, kb) + fmkv_bytes_per_token_head((int32_t)d, vb));
+    const int64_t per_tok = mul(mul(layers, kv), fmkv_bytes_per_token_head((int32_t)d, kb, 0) + fmkv_bytes_per_token_head((int32_t)d, vb, 0));
     if (kb == 16 && vb == 16) {  // plain fp16 cache, contiguous (no pages)
       const int64_t max_ctx = per_seq / per_tok, used = mul(mul(max_ctx, per_tok), batch);
       std::snprintf(line, sizeof line, "%-6s %10lld %14s %16s %12lld %16lld", f, (long long)per_tok, "-",

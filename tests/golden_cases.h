@@ -14,6 +14,7 @@ namespace fmkv::test {
 struct GoldenCase {
   int d, kb, vb, page, sink, window, rule;
   int64_t tokens;
+  int scale_group = 0;  // fmkv_config.scale_group (0: the default)
 };
 inline const std::vector<GoldenCase> kCasesV2 = {
     {64, 2, 3, 16, 0, 0, FMKV_SCALE_LSQ, 21},
@@ -29,6 +30,15 @@ inline const std::vector<GoldenCase> kCasesV3 = {
     {256, 4, 3, 16, 1, 0, FMKV_SCALE_LSQ, 18},
 };
 
+// scale group 64 (tests/golden/v3_scale_group64.txt, format 3): one scale per 64 coordinates, every head_dim,
+// d = 64 with one scale per vector
+inline const std::vector<GoldenCase> kCasesScaleGroup64 = {
+    {64, 2, 2, 16, 0, 0, FMKV_SCALE_LSQ, 21, 64},
+    {64, 3, 2, 32, 2, 4, FMKV_SCALE_RMS, 39, 64},
+    {128, 4, 3, 16, 1, 0, FMKV_SCALE_LSQ, 18, 64},
+    {256, 16, 2, 16, 0, 0, FMKV_SCALE_LSQ, 17, 64},
+};
+
 // The storage of a golden case: one kv head, one sequence in region slot 0, block table {2, 0, 3, 1} over a
 // pool of 4 pages of 0xA5 bytes, fp16 regions of 0x7E00; layer = case index.
 constexpr int32_t kGoldenPages = 4;
@@ -40,6 +50,7 @@ inline fmkv_config golden_config(const GoldenCase& g, int idx, int32_t version) 
   c.format_version = version;
   c.head_dim = g.d; c.num_kv_heads = 1; c.k_bits = g.kb; c.v_bits = g.vb; c.page_size = g.page;
   c.sink_tokens = g.sink; c.window_tokens = g.window; c.scale_rule = g.rule; c.seed = 0x0123456789ABCDEFull + idx;
+  c.scale_group = g.scale_group;
   return c;
 }
 

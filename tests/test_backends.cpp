@@ -319,14 +319,16 @@ bool same_visible_state(const Scenario& s, const LayerState& a, const LayerState
   const int64_t pb = fmkv_config_page_bytes(&c);
   const int32_t d = c.head_dim;
   std::vector<uint8_t> ca(d), cb(d);
-  std::vector<uint16_t> sa(d / 32), sb(d / 32);
+  std::vector<uint16_t> sa(fmkv_scales_per_vector(d, c.scale_group)), sb(sa.size());
   for (int64_t ci = 0; ci < compressed; ++ci)
     for (int32_t h = 0; h < c.num_kv_heads; ++h)
       for (int is_v = 0; is_v < 2; ++is_v) {
-        const int64_t off = (int64_t)s.table[ci / c.page_size] * pb + fmkv_section_offset(d, c.k_bits, c.v_bits, c.page_size, h, is_v);
+        const int64_t off = (int64_t)s.table[ci / c.page_size] * pb + fmkv_section_offset(d, c.k_bits, c.v_bits, c.page_size, h, is_v, c.scale_group);
         const int32_t bits = is_v ? c.v_bits : c.k_bits, t = (int32_t)(ci % c.page_size);
-        ref::read_token_codes(a.pages.data() + off, c.format_version, is_v, d, bits, c.page_size, t, ca.data(), sa.data());
-        ref::read_token_codes(b.pages.data() + off, c.format_version, is_v, d, bits, c.page_size, t, cb.data(), sb.data());
+        ref::read_token_codes(a.pages.data() + off, c.format_version, is_v, d, bits, c.page_size, t, ca.data(), sa.data(),
+                              c.scale_group);
+        ref::read_token_codes(b.pages.data() + off, c.format_version, is_v, d, bits, c.page_size, t, cb.data(), sb.data(),
+                              c.scale_group);
         if (ca != cb || sa != sb) return false;
       }
   return true;
@@ -403,6 +405,74 @@ TEST_P(Backends, FormatVersion3StepErrorsWriteNothing) {
       EXPECT_TRUE(same_visible_state(s, after, LayerState{s.pages, s.fp16_k, s.fp16_v}, compressed))
           << fmkv_backend_name(b) << " window " << window << " kind " << kind << ": the failed step changed the visible cache";
     }
+  }
+}
+
+// Scale group 64 (one fp16 scale per two code groups; FORMAT.md section 4): a backend that writes it appends the
+// reference's bytes and attends within its bound, by the separate ops and the fused step, in formats 2 and 3, every
+// head_dim, every width pair, both scale rules, sinks and windows; one that does not refuses every op with
+// FMKV_ERR_UNSUPPORTED naming the option, and writes nothing.
+TEST_P(Backends, ScaleGroup64MatchesOrIsRefused) {
+  const fmkv_backend b = GetParam();
+  const bool supported = find_backend(b)->max_scale_group >= 64;
+  struct SG {
+    int d, kb, vb, kv_heads, group, page, sink, window, rule, version;
+    std::vector<int64_t> lens, rows;
+  };
+  std::vector<SG> cases;
+  for (int d : {64, 128, 256})
+    for (int kb : {2, 3, 4, 16})
+      for (int vb : {2, 3, 4})
+        cases.push_back({d, kb, vb, 2, 3, kb == 3 ? 16 : 32, 0, 0, (kb + vb + d / 64) % 2, 2 + (kb + vb) % 2, {37, 0, 90}, {1, 2, 1}});
+  cases.push_back({64, 2, 2, 3, 3, 64, 4, 32, FMKV_SCALE_LSQ, 3, {700, 5}, {1, 3}});
+  cases.push_back({64, 3, 2, 1, 9, 16, 0, 16, FMKV_SCALE_RMS, 3, {2000}, {2}});
+  cases.push_back({128, 3, 3, 8, 4, 64, 2, 0, FMKV_SCALE_LSQ, 3, {300, 9, 64}, {1, 16, 3}});
+  for (const SG& sh : cases) {
+    fmkv_config c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
+    c.format_version = sh.version;
+    c.scale_group = 64;
+    const std::string what = std::string(fmkv_backend_name(b)) + " d=" + std::to_string(sh.d) + " k" +
+                             std::to_string(sh.kb) + "v" + std::to_string(sh.vb) + " format " + std::to_string(sh.version);
+    int64_t n1 = 0;
+    Scenario s = filled_scenario(c, sh.lens, sh.rows, FMKV_F16, &n1);
+    const int32_t HQ = sh.kv_heads * sh.group;
+    auto k1 = random_tensor(FMKV_F16, n1, c.num_kv_heads, c.head_dim, 3.0), v1 = random_tensor(FMKV_F16, n1, c.num_kv_heads, c.head_dim);
+    auto q1 = random_tensor(FMKV_F16, n1, HQ, c.head_dim);
+    const fmkv_tensor kt = make_tensor(k1.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
+    const fmkv_tensor vt = make_tensor(v1.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
+    const fmkv_tensor qt = make_tensor(q1.data(), FMKV_F16, n1, HQ, c.head_dim);
+    if (supported) {
+      const LayerState want = run_append(FMKV_BACKEND_REF, s, kt, vt), got = run_append(b, s, kt, vt);
+      EXPECT_TRUE(got.pages == want.pages) << "pages differ: " << what;
+      EXPECT_TRUE(got.fp16_k == want.fp16_k && got.fp16_v == want.fp16_v) << "fp16 regions differ: " << what;
+      const std::vector<float> ref_out = run_attention(FMKV_BACKEND_REF, s, want, qt, FMKV_F32);
+      EXPECT_LT(rel_error(run_attention(b, s, want, qt, FMKV_F32), ref_out), attention_tolerance(b, FMKV_F32)) << what;
+      bool fused_rows_ok = true;
+      for (int64_t r : sh.rows) fused_rows_ok = fused_rows_ok && r <= FMKV_FUSED_MAX_ROWS;
+      if (fused_rows_ok) {
+        auto [st, fout] = run_append_attention(b, s, kt, vt, qt, FMKV_F32);
+        EXPECT_TRUE(st.pages == want.pages && st.fp16_k == want.fp16_k && st.fp16_v == want.fp16_v)
+            << "fused step state differs: " << what;
+        EXPECT_LT(rel_error(fout, ref_out), attention_tolerance(b, FMKV_F32)) << "fused step: " << what;
+      }
+      continue;
+    }
+    DeviceLayer L(b, s, s.pages, s.fp16_k, s.fp16_v, s.lens);
+    DeviceTensor k(b, kt), v(b, vt), q(b, qt);
+    DeviceOutput o(b, qt, FMKV_F32);
+    auto refused = [&](fmkv_status st, const char* op) {
+      EXPECT_EQ(st, FMKV_ERR_UNSUPPORTED) << op << ": " << what;
+      EXPECT_NE(std::string(fmkv_last_error()).find("scale_group 64 is not supported"), std::string::npos)
+          << op << ": " << fmkv_last_error();
+    };
+    refused(fmkv_append(b, &c, &L.lc, &L.bt, &k.t, &v.t, nullptr), "append");
+    refused(fmkv_attention(b, &c, &L.lc, &L.bt, &q.t, nullptr, &o.t, nullptr, 0, nullptr), "attention");
+    refused(fmkv_append_attention(b, &c, &L.lc, &L.bt, &k.t, &v.t, &q.t, nullptr, &o.t, nullptr, 0, nullptr), "fused step");
+    EXPECT_EQ(fmkv_attention_workspace_bytes(b, &c, HQ, n1, s.seqs(), 0), 0) << what;
+    check(fmkv_device_synchronize(b));
+    const LayerState after = L.state(s);
+    EXPECT_TRUE(after.pages == s.pages && after.fp16_k == s.fp16_k && after.fp16_v == s.fp16_v)
+        << what << ": a refused op wrote the cache";
   }
 }
 

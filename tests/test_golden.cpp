@@ -1,8 +1,9 @@
-// Golden vectors of format v2 (tests/golden/v2.txt) and v3 (tests/golden/v3.txt): inputs -> page bytes ->
+// Golden vectors of format v2 (tests/golden/v2.txt), v3 (tests/golden/v3.txt) and v3 with scale group 64
+// (tests/golden/v3_scale_group64.txt): inputs -> page bytes ->
 // dequantized values -> attention output. Every backend must reproduce the bytes bit-exactly and the output within its stated bound
 // (at least 1e-5: the file stores the output in float32).
 // Cases and inputs: tests/golden_cases.h (splitmix64, not <random>: the files are platform independent).
-// A backend that does not read and write a version refuses its cases (FMKV_ERR_UNSUPPORTED).
+// A backend that does not read and write a version or scale group refuses its cases (FMKV_ERR_UNSUPPORTED).
 // Regenerate (only with a format version change): FMKV_WRITE_GOLDEN=1 fmkv_tests --gtest_filter=Golden.*
 #include <cstdio>
 #include <fstream>
@@ -58,35 +59,37 @@ Produced produce(fmkv_backend b, const GoldenCase& g, int idx, int32_t version) 
   return p;
 }
 
-std::string golden_path(int32_t version) {
-  return std::string(FMKV_SOURCE_DIR) + "/tests/golden/v" + std::to_string(version) + ".txt";
+std::string golden_path(int32_t version, const char* tag) {
+  return std::string(FMKV_SOURCE_DIR) + "/tests/golden/v" + std::to_string(version) + tag + ".txt";
 }
 
-std::vector<std::string> read_golden(int32_t version) {
-  std::ifstream f(golden_path(version));
+std::vector<std::string> read_golden(const std::string& path) {
+  std::ifstream f(path);
   std::vector<std::string> lines;
   for (std::string l; std::getline(f, l);)
     if (!l.empty() && l[0] != '#') lines.push_back(l);
   return lines;
 }
 
-void golden_cases(int32_t version, const std::vector<GoldenCase>& cases) {
+void golden_cases(int32_t version, const std::vector<GoldenCase>& cases, const char* tag = "") {
+  const std::string path = golden_path(version, tag);
   if (std::getenv("FMKV_WRITE_GOLDEN")) {
-    std::ofstream f(golden_path(version));
-    f << "# fmkv format v" << version << " golden vectors: per case the config, page bytes (hex), fp16 sink/window\n"
+    std::ofstream f(path);
+    f << "# fmkv format v" << version << tag << " golden vectors: per case the config, page bytes (hex), fp16 sink/window\n"
          "# bytes (hex), attention output (float32 bits, hex). Inputs: tests/test_golden.cpp.\n";
     for (int i = 0; i < (int)cases.size(); ++i) {
       const GoldenCase& g = cases[i];
       Produced p = produce(FMKV_BACKEND_REF, g, i, version);
       f << "case d=" << g.d << " k" << g.kb << "v" << g.vb << " page=" << g.page << " sink=" << g.sink
-        << " window=" << g.window << " rule=" << g.rule << " tokens=" << g.tokens << "\n";
+        << " window=" << g.window << " rule=" << g.rule << " tokens=" << g.tokens
+        << (g.scale_group ? " scale_group=" + std::to_string(g.scale_group) : std::string()) << "\n";
       f << p.pages << "\n" << (p.fp16.empty() ? "-" : p.fp16) << "\n" << hex(p.out.data(), p.out.size() * 4) << "\n";
     }
-    GTEST_SKIP() << "wrote " << golden_path(version);
+    GTEST_SKIP() << "wrote " << path;
   }
-  std::vector<std::string> lines = read_golden(version);
+  std::vector<std::string> lines = read_golden(path);
   const int n = (int)cases.size();
-  ASSERT_EQ((int)lines.size(), 4 * n) << "golden file missing or malformed: " << golden_path(version);
+  ASSERT_EQ((int)lines.size(), 4 * n) << "golden file missing or malformed: " << path;
   for (int bi = 0; bi < FMKV_BACKEND_COUNT; ++bi) {
     const fmkv_backend b = (fmkv_backend)bi;
     if (!fmkv_backend_available(b)) continue;
@@ -100,11 +103,18 @@ void golden_cases(int32_t version, const std::vector<GoldenCase>& cases) {
           EXPECT_NE(std::string(e.what()).find("format version " + std::to_string(version)), std::string::npos) << e.what();
           continue;
         }
+        if (fmkv_resolved_scale_group(cases[i].scale_group) > find_backend(b)->max_scale_group) {  // refused, naming it
+          EXPECT_EQ(e.code(), FMKV_ERR_UNSUPPORTED) << e.what();
+          EXPECT_NE(std::string(e.what()).find("scale_group " + std::to_string(cases[i].scale_group)), std::string::npos) << e.what();
+          continue;
+        }
         if (!cuda_combination_not_compiled(b, e, cases[i].d, cases[i].kb, cases[i].vb, version >= 3)) throw;
         std::printf("[ note ] %s: not compiled in this build (FMKV_CUDA_FULL_GRID=OFF)\n", lines[4 * i].c_str());
         continue;
       }
       EXPECT_LE(version, find_backend(b)->max_format_version) << fmkv_backend_name(b) << " ran a version it does not support";
+      EXPECT_LE(fmkv_resolved_scale_group(cases[i].scale_group), find_backend(b)->max_scale_group)
+          << fmkv_backend_name(b) << " ran a scale group it does not support";
       EXPECT_EQ(p.pages, lines[4 * i + 1]) << fmkv_backend_name(b) << ": " << lines[4 * i];
       EXPECT_EQ(p.fp16.empty() ? "-" : p.fp16, lines[4 * i + 2]) << fmkv_backend_name(b) << ": " << lines[4 * i];
       std::vector<float> want(p.out.size());
@@ -122,6 +132,7 @@ void golden_cases(int32_t version, const std::vector<GoldenCase>& cases) {
 
 TEST(Golden, ReproducedByEveryBackend) { golden_cases(2, kCasesV2); }
 TEST(Golden, Version3ReproducedOrRefused) { golden_cases(3, kCasesV3); }
+TEST(Golden, ScaleGroup64ReproducedOrRefused) { golden_cases(3, kCasesScaleGroup64, "_scale_group64"); }
 
 }  // namespace
 }  // namespace fmkv::test

@@ -251,7 +251,7 @@ void expect_reject(const std::vector<uint8_t>& img, std::initializer_list<const 
 
 struct Case {
   const char* name;
-  int32_t d, kb, vb, heads, page, sink, window, rule, format_version = 0;
+  int32_t d, kb, vb, heads, page, sink, window, rule, format_version = 0, scale_group = 0;
 };
 const Case kCases[] = {
     {"d64_k2v3", 64, 2, 3, 2, 16, 0, 0, FMKV_SCALE_LSQ},
@@ -261,6 +261,9 @@ const Case kCases[] = {
     // format 3: 3-bit codes in tile blocks (a prefix's last page cleared code by code)
     {"v3_d128_k3v3_sink_window", 128, 3, 3, 2, 16, 4, 32, FMKV_SCALE_LSQ, 3},
     {"v3_d64_k3v2_page32", 64, 3, 2, 1, 32, 0, 0, FMKV_SCALE_RMS, 3},
+    // scale group 64 (one scale per 64 coordinates): the header's scale_group field
+    {"sg64_d64_k2v2_window", 64, 2, 2, 2, 16, 0, 24, FMKV_SCALE_LSQ, 0, 64},
+    {"v3_sg64_d128_k3v2_sink", 128, 3, 2, 1, 32, 3, 0, FMKV_SCALE_RMS, 3, 64},
 };
 
 class IoCase : public ::testing::TestWithParam<Case> {
@@ -269,6 +272,7 @@ class IoCase : public ::testing::TestWithParam<Case> {
     const Case& k = GetParam();
     fmkv_config c = config(k.d, k.kb, k.vb, k.heads, k.page, k.sink, k.window, k.rule);
     c.format_version = k.format_version;
+    c.scale_group = k.scale_group;
     return c;
   }
 };
@@ -313,6 +317,7 @@ TEST_P(IoCase, RoundTripBytesAndAttention) {
   const std::vector<uint8_t> file = read_file(path);
   EXPECT_EQ(file, save_mem(*src, {0, 1, 2}, -1));  // file and memory writers agree
   EXPECT_EQ(rd64(&file[io::kOffFileSize]), (uint64_t)file.size());  // the header records the length
+  EXPECT_EQ(rd32(&file[io::kOffScaleGroup]), c.scale_group == 64 ? 64u : 0u);
   for (int mode : {FMKV_LOAD_COPY, FMKV_LOAD_MMAP}) {
     fmkv_load_options o;
     fmkv_load_options_default(&o);
@@ -324,6 +329,7 @@ TEST_P(IoCase, RoundTripBytesAndAttention) {
     EXPECT_EQ(info.mapped, mode == FMKV_LOAD_MMAP ? 1 : 0);
     EXPECT_EQ(info.num_seqs, 3);
     EXPECT_EQ(info.flags, 0u);
+    EXPECT_EQ(fmkv_resolved_scale_group(info.config.scale_group), fmkv_resolved_scale_group(c.scale_group));
     const int64_t pb = fmkv_config_page_bytes(&c);
     const size_t slot_elems = (size_t)(fmkv_config_fp16_slot_bytes(&c) / 4);
     for (int32_t l = 0; l < 3; ++l) {
@@ -704,6 +710,13 @@ TEST(IoReject, GeometryMismatch) {
   e.window_tokens = 8;
   expect_reject(f.img, {"window_tokens 16 (expected 8), seed"}, &o);
   e = f.cfg;
+  e.scale_group = 64;
+  expect_reject(f.img, {"scale_group 32 (expected 64)"}, &o);
+  e = f.cfg;
+  e.scale_group = 32;  // 32 is the default the file's 0 stands for
+  EXPECT_TRUE(Snapshot::load_memory(f.img.data(), f.img.size(), &o));
+  EXPECT_EQ(rd32(&f.img[io::kOffScaleGroup]), 0u) << "a default cache stores scale_group 0";
+  e = f.cfg;
   o.expect_num_layers = 32;
   expect_reject(f.img, {"2 layers (expected 32)"}, &o);
   o.expect_num_layers = 2;
@@ -714,6 +727,14 @@ TEST(IoReject, GeometryMismatch) {
   wr32(&t[io::kOffHeadDim], 96);
   io::refresh_checksums(t.data(), t.size());
   expect_reject(t, {"head_dim 96 is not supported"});
+  t = f.img;
+  wr32(&t[io::kOffScaleGroup], 48);
+  io::refresh_checksums(t.data(), t.size());
+  expect_reject(t, {"scale_group 48 is not supported"});
+  t = f.img;
+  wr32(&t[io::kOffScaleGroup], 64);  // a valid scale group the pages were not written with: page_bytes disagrees
+  io::refresh_checksums(t.data(), t.size());
+  expect_reject(t, {"page_bytes"});
   t = f.img;
   wr64(&t[io::kOffPageBytes], rd64(&t[io::kOffPageBytes]) + 16);
   io::refresh_checksums(t.data(), t.size());

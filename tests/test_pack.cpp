@@ -134,15 +134,24 @@ TEST(Pack, TileBlockWritesKeepTheOtherTokens) {
 }
 
 TEST(Format, BytesPerTokenPerHead) {
-  EXPECT_EQ(fmkv_bytes_per_token_head(128, 3), 56);
-  EXPECT_EQ(fmkv_bytes_per_token_head(128, 4), 72);
-  EXPECT_EQ(fmkv_bytes_per_token_head(128, 2), 40);
-  EXPECT_EQ(fmkv_bytes_per_token_head(128, 16), 256);
-  EXPECT_EQ(fmkv_bytes_per_token_head(64, 3), 28);
+  EXPECT_EQ(fmkv_bytes_per_token_head(128, 3, 0), 56);
+  EXPECT_EQ(fmkv_bytes_per_token_head(128, 4, 0), 72);
+  EXPECT_EQ(fmkv_bytes_per_token_head(128, 2, 0), 40);
+  EXPECT_EQ(fmkv_bytes_per_token_head(128, 16, 0), 256);
+  EXPECT_EQ(fmkv_bytes_per_token_head(64, 3, 0), 28);
+  // scale group 64: one scale per 64 coordinates (d = 64: per vector; 36 B for k2v2)
+  EXPECT_EQ(fmkv_bytes_per_token_head(64, 2, 64), 18);
+  EXPECT_EQ(fmkv_bytes_per_token_head(64, 3, 64), 26);
+  EXPECT_EQ(fmkv_bytes_per_token_head(128, 4, 64), 68);
+  EXPECT_EQ(fmkv_bytes_per_token_head(256, 16, 64), 512);
+  EXPECT_EQ(fmkv_bytes_per_token_head(128, 3, 32), fmkv_bytes_per_token_head(128, 3, 0));
+  EXPECT_FALSE(fmkv_scale_group_supported(16));
+  EXPECT_FALSE(fmkv_scale_group_supported(128));
   for (int P = 16; P <= 256; P *= 2)
     for (int d : {64, 128, 256})
       for (int b : {2, 3, 4, 16}) {
-        EXPECT_EQ(fmkv_section_bytes(d, b, P) % 16, 0);
+        EXPECT_EQ(fmkv_section_bytes(d, b, P, 0) % 16, 0);
+        EXPECT_EQ(fmkv_section_bytes(d, b, P, 64) % 16, 0);
         if (b != 16) {
           EXPECT_EQ(fmkv_scales_offset(d, b, P) % 16, 0);
         }

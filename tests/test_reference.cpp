@@ -4,6 +4,7 @@
 #include "harness.h"
 #include "core/tensor_io.h"
 #include "format/codebook.h"
+#include "format/rotation.h"
 #include "ref/quantize.h"
 
 namespace fmkv::test {
@@ -36,7 +37,7 @@ std::vector<float> naive_attention(const Scenario& s, const LayerState& st, cons
           }
           int64_t ci = p - c.sink_tokens;
           const uint8_t* sec = st.pages.data() + (int64_t)s.table[i * s.table_stride + ci / c.page_size] * pb +
-                               fmkv_section_offset(d, c.k_bits, c.v_bits, c.page_size, h, which);
+                               fmkv_section_offset(d, c.k_bits, c.v_bits, c.page_size, h, which, c.scale_group);
           int32_t t = (int32_t)(ci % c.page_size);
           if (bits == 16) {
             for (int k = 0; k < d; ++k) dst[k] = f16_to_f32(((const uint16_t*)sec)[(int64_t)t * d + k]);
@@ -204,6 +205,62 @@ TEST(Reference, QuantizationMseNearLloydMax) {
       EXPECT_LT(err / ref, max_d[bits] * 1.25) << bits << " bits table " << table << " rule " << rule;
       EXPECT_GT(err / ref, max_d[bits] * 0.75);
     }
+}
+
+// Scale group 64 (FORMAT.md section 4) against an independent float64 statement of the rule: one scale per 64
+// rotated coordinates, the RMS of all 64 rounded to fp16 (within one fp16 step of the float64 value: the format
+// sums in float32), codes by the thresholds at that scale, and for LSQ the least-squares scale of those codes over
+// all 64 coordinates; the dequantized vector is within the codebook's error and shares the scale across the two
+// code groups. Scale group 32 gives d / 32 scales, each of its own 32 coordinates.
+TEST(Reference, ScaleGroup64IsOneScalePer64Coordinates) {
+  std::normal_distribution<float> nd;
+  for (int d : {64, 128, 256})
+    for (int bits : {2, 3, 4})
+      for (int rule : {FMKV_SCALE_RMS, FMKV_SCALE_LSQ})
+        for (int trial = 0; trial < 20; ++trial) {
+          std::vector<uint16_t> x(d);
+          const float amp = trial % 5 == 0 ? 40.0f : 1.0f;
+          for (int i = 0; i < d; ++i) x[i] = f32_to_f16(nd(rng()) * amp * (i < d / 2 ? 1.0f : 3.0f));
+          auto sw = ref::sign_words(11 + trial, trial, d);
+          std::vector<float> xf(d), y(d);
+          for (int i = 0; i < d; ++i) xf[i] = f16_to_f32(x[i]);
+          rotate(xf.data(), d, sw.data(), y.data());
+          std::vector<uint8_t> codes(d);
+          std::vector<uint16_t> sc(d / 64);
+          ref::quantize_vector(x.data(), d, bits, rule, sw.data(), codes.data(), sc.data(), 0, 64);
+          for (int s = 0; s < d / 64; ++s) {
+            double ss = 0, num = 0, den = 0;
+            for (int j = 0; j < 64; ++j) ss += (double)y[64 * s + j] * y[64 * s + j];
+            const double rms = std::sqrt(ss / 64);
+            const float s0 = f16_to_f32(f32_to_f16((float)rms));
+            ASSERT_GT(s0, 0.0f);
+            for (int j = 0; j < 64; ++j) {
+              const double u = y[64 * s + j] / (double)s0;
+              // the code's level is the nearest level to u, away from near-ties (float32 sums may put s0 one fp16
+              // step from this float64 one)
+              const double lv = decode_level_table(codes[64 * s + j], bits, 0);
+              for (int m = 0; m < magnitude_count(bits); ++m) {
+                const double other = table_mag(0, bits, m) * (u < 0 ? -1 : 1);
+                if (std::fabs(std::fabs(u - other) - std::fabs(u - lv)) > 2e-3 * std::fabs(u) + 1e-4)
+                  EXPECT_LE(std::fabs(u - lv), std::fabs(u - other)) << "d=" << d << " bits " << bits << " coord " << 64 * s + j;
+              }
+              num += y[64 * s + j] * lv;
+              den += lv * lv;
+            }
+            const double want = rule == FMKV_SCALE_RMS ? rms : num / den;
+            const double got = f16_to_f32(sc[s]);
+            EXPECT_NEAR(got, want, std::ldexp(std::fabs(want), -10)) << "d=" << d << " bits " << bits << " rule " << rule;
+          }
+          std::vector<double> yd(d);
+          ref::dequantize_vector(codes.data(), sc.data(), d, bits, yd.data(), 0, 64);
+          for (int i = 0; i < d; ++i)
+            EXPECT_EQ(yd[i], (double)decode_level_table(codes[i], bits, 0) * f16_to_f32(sc[i / 64]));
+          std::vector<uint16_t> sc32(d / 32);
+          ref::quantize_vector(x.data(), d, bits, rule, sw.data(), codes.data(), sc32.data(), 0, 32);
+          std::vector<uint16_t> sc0(d / 32);
+          ref::quantize_vector(x.data(), d, bits, rule, sw.data(), codes.data(), sc0.data(), 0, 0);
+          EXPECT_EQ(sc32, sc0) << "scale group 0 is 32";
+        }
 }
 
 }  // namespace

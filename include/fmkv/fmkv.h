@@ -111,13 +111,14 @@ fmkv_status fmkv_quantize_vector(int32_t head_dim, int32_t bits, int32_t scale_r
 fmkv_status fmkv_dequantize_vector(int32_t head_dim, int32_t bits, uint64_t seed, int32_t layer,
                                    const uint8_t* codes, const uint16_t* scales, float* x_out);
 /* The same for a K (is_v = 0) or V (is_v = 1) vector of a cache in format version format_version (0 = the
- * default): format 3's 3-bit codes use its integer-level codebooks (fmkv_codebook_levels). */
-fmkv_status fmkv_quantize_vector_as(int32_t format_version, int32_t is_v, int32_t head_dim, int32_t bits,
-                                    int32_t scale_rule, uint64_t seed, int32_t layer, const uint16_t* x_f16,
-                                    uint8_t* codes, uint16_t* scales);
-fmkv_status fmkv_dequantize_vector_as(int32_t format_version, int32_t is_v, int32_t head_dim, int32_t bits,
-                                      uint64_t seed, int32_t layer, const uint8_t* codes, const uint16_t* scales,
-                                      float* x_out);
+ * default) with scale group scale_group (0 = the default; scales: head_dim / scale_group values): format 3's
+ * 3-bit codes use its integer-level codebooks (fmkv_codebook_levels). */
+fmkv_status fmkv_quantize_vector_as(int32_t format_version, int32_t is_v, int32_t scale_group, int32_t head_dim,
+                                    int32_t bits, int32_t scale_rule, uint64_t seed, int32_t layer,
+                                    const uint16_t* x_f16, uint8_t* codes, uint16_t* scales);
+fmkv_status fmkv_dequantize_vector_as(int32_t format_version, int32_t is_v, int32_t scale_group, int32_t head_dim,
+                                      int32_t bits, uint64_t seed, int32_t layer, const uint8_t* codes,
+                                      const uint16_t* scales, float* x_out);
 /* The format's number conversions (FORMAT.md "Input") of n values: float32 -> fp16 bits rounded to
  * nearest even (overflow gives +-inf, NaN stays NaN), fp16 / bf16 bits -> float32 (exact). */
 void fmkv_f32_to_f16(const float* x, uint16_t* out, int64_t n);

@@ -31,7 +31,8 @@ extern "C" {
 
 #define FMKV_FORMAT_VERSION 2        /* the version of a cache whose fmkv_config.format_version is 0 */
 #define FMKV_FORMAT_VERSION_NEWEST 3 /* the newest version a cache can be created in (format_version 2 or 3) */
-#define FMKV_GROUP_SIZE 32 /* rotated coordinates per scale group */
+#define FMKV_GROUP_SIZE 32 /* rotated coordinates per code group (the unit of code words and tile lanes) */
+#define FMKV_SCALE_GROUP 32 /* rotated coordinates per fp16 scale of a cache whose fmkv_config.scale_group is 0 */
 #define FMKV_FP16_BITS 16  /* k_bits value meaning "K kept in fp16, unrotated" */
 #define FMKV_CODE_BITS_MIN 2 /* code widths of a K or V side: FMKV_CODE_BITS_MIN .. FMKV_CODE_BITS_MAX */
 #define FMKV_CODE_BITS_MAX 4 /* (tools/gen_codebooks.cpp generates the codebooks of widths 1 .. this) */
@@ -63,41 +64,51 @@ FMKV_HD int fmkv_page_size_supported(int32_t p) {
 
 FMKV_HD int32_t fmkv_groups(int32_t d) { return d / FMKV_GROUP_SIZE; }
 
-/* Bytes of one token of one kv head for one of K or V (codes + scales, or fp16 when bits == 16). */
-FMKV_HD int64_t fmkv_bytes_per_token_head(int32_t d, int32_t bits) {
+/* ---- scale groups (FORMAT.md section 4, "Scale groups") ------------------------------------------
+ * A cache's scale group sg (fmkv_config.scale_group: 0 means FMKV_SCALE_GROUP) is 32 or 64 rotated
+ * coordinates: one fp16 scale per code group, or one per two consecutive code groups (d = 64: one scale per
+ * vector). Code group g uses scale g >> fmkv_scale_shift(sg); a section stores d / sg scales per token. */
+FMKV_HD int fmkv_scale_group_supported(int32_t sg) { return sg == 0 || sg == 32 || sg == 64; }
+FMKV_HD int32_t fmkv_resolved_scale_group(int32_t sg) { return sg == 0 ? FMKV_SCALE_GROUP : sg; }
+FMKV_HD int32_t fmkv_scale_shift(int32_t sg) { return fmkv_resolved_scale_group(sg) == 64 ? 1 : 0; }
+FMKV_HD int32_t fmkv_scales_per_vector(int32_t d, int32_t sg) { return fmkv_groups(d) >> fmkv_scale_shift(sg); }
+
+/* Bytes of one token of one kv head for one of K or V (codes + scales, or fp16 when bits == 16), scale group sg. */
+FMKV_HD int64_t fmkv_bytes_per_token_head(int32_t d, int32_t bits, int32_t sg) {
   if (bits == FMKV_FP16_BITS) return 2 * (int64_t)d;
-  return (int64_t)fmkv_groups(d) * (4 * (int64_t)bits + 2);
+  return (int64_t)fmkv_groups(d) * 4 * (int64_t)bits + 2 * (int64_t)fmkv_scales_per_vector(d, sg);
 }
 
 /* ---- page layout -------------------------------------------------------------------------
  * A page holds page_size (P) consecutive compressed tokens of one layer, all kv heads, K and V:
  *   page = for head h in [0, H): { K section, V section }
- *   quantized section (bits b) = codes[G][b][P] uint32  then  scales[G][P] fp16
+ *   quantized section (bits b) = codes[G][b][P] uint32  then  scales[G_s][P] fp16 (G_s = fmkv_scales_per_vector)
  *   fp16 section (k_bits == 16) = values[P][d] fp16 (unrotated)
  * Every section size is a multiple of 16 bytes because P is a power of two >= 16.
  */
-FMKV_HD int64_t fmkv_section_bytes(int32_t d, int32_t bits, int32_t page_size) {
-  return fmkv_bytes_per_token_head(d, bits) * page_size;
+FMKV_HD int64_t fmkv_section_bytes(int32_t d, int32_t bits, int32_t page_size, int32_t sg) {
+  return fmkv_bytes_per_token_head(d, bits, sg) * page_size;
 }
-FMKV_HD int64_t fmkv_head_stride_bytes(int32_t d, int32_t k_bits, int32_t v_bits, int32_t page_size) {
-  return fmkv_section_bytes(d, k_bits, page_size) + fmkv_section_bytes(d, v_bits, page_size);
+FMKV_HD int64_t fmkv_head_stride_bytes(int32_t d, int32_t k_bits, int32_t v_bits, int32_t page_size, int32_t sg) {
+  return fmkv_section_bytes(d, k_bits, page_size, sg) + fmkv_section_bytes(d, v_bits, page_size, sg);
 }
 FMKV_HD int64_t fmkv_page_bytes(int32_t d, int32_t kv_heads, int32_t k_bits, int32_t v_bits,
-                                int32_t page_size) {
-  return (int64_t)kv_heads * fmkv_head_stride_bytes(d, k_bits, v_bits, page_size);
+                                int32_t page_size, int32_t sg) {
+  return (int64_t)kv_heads * fmkv_head_stride_bytes(d, k_bits, v_bits, page_size, sg);
 }
 /* Byte offset, inside a page, of the K (is_v = 0) or V (is_v = 1) section of kv head h. */
 FMKV_HD int64_t fmkv_section_offset(int32_t d, int32_t k_bits, int32_t v_bits, int32_t page_size,
-                                    int32_t h, int is_v) {
-  return (int64_t)h * fmkv_head_stride_bytes(d, k_bits, v_bits, page_size) +
-         (is_v ? fmkv_section_bytes(d, k_bits, page_size) : 0);
+                                    int32_t h, int is_v, int32_t sg) {
+  return (int64_t)h * fmkv_head_stride_bytes(d, k_bits, v_bits, page_size, sg) +
+         (is_v ? fmkv_section_bytes(d, k_bits, page_size, sg) : 0);
 }
 /* Inside a quantized section: index (in uint32 words) of code word w of group g for token slot t. */
 FMKV_HD int64_t fmkv_code_word_index(int32_t bits, int32_t page_size, int32_t g, int32_t w,
                                      int32_t t) {
   return ((int64_t)g * bits + w) * page_size + t;
 }
-/* Inside a quantized section: byte offset of the scale array (fp16 [G][P]). */
+/* Inside a quantized section: byte offset of the scale array (fp16 [G_s][P]; code group g's scale of token
+ * slot t is element (g >> fmkv_scale_shift(sg)) * P + t). */
 FMKV_HD int64_t fmkv_scales_offset(int32_t d, int32_t bits, int32_t page_size) {
   return (int64_t)fmkv_groups(d) * bits * page_size * 4;
 }

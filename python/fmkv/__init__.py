@@ -79,9 +79,12 @@ def cuda_check() -> None:
     _fmkv.synchronize("cuda")
 
 
-def bytes_per_token_head(head_dim: int, bits: int) -> int:
-    """Bytes of one token of one kv head for K or V at ``bits`` (a width of ``fmkv.format.CODE_BITS``; 16 = fp16 K)."""
-    return _fmkv.bytes_per_token_head(_args.integer("head_dim", head_dim), _args.integer("bits", bits))
+def bytes_per_token_head(head_dim: int, bits: int, scale_group: int = 0) -> int:
+    """Bytes of one token of one kv head for K or V at ``bits`` (a width of ``fmkv.format.CODE_BITS``; 16 = fp16 K),
+    codes plus head_dim / scale_group fp16 scales (``scale_group``: 0 = ``fmkv.format.SCALE_GROUP``, or one of
+    ``fmkv.format.SCALE_GROUPS``)."""
+    return _fmkv.bytes_per_token_head(_args.integer("head_dim", head_dim), _args.integer("bits", bits),
+                                      _args.integer("scale_group", scale_group))
 
 
 def _seq(seq: Any) -> int:
@@ -129,6 +132,9 @@ class Config:
     last tokens kept in fp16. scale_rule: 'lsq' (default) or 'rms'. seed: rotation seed.
     format_version: 0 (the library's default, :func:`format_version`), 2, or 3 (3-bit codes in tile blocks:
     integer levels; docs/FORMAT.md; a backend that does not have it refuses it by name).
+    scale_group: rotated coordinates per fp16 scale -- 0 (the default, ``fmkv.format.SCALE_GROUP``) or one of
+    ``fmkv.format.SCALE_GROUPS`` (64: one scale per two code groups, e.g. 36 instead of 40 bytes per token per
+    head for k2v2 at head_dim 64); backends without it ('cuda', 'metal', the MLX GPU kernels) refuse it by name.
     """
 
     head_dim: int = 128
@@ -141,12 +147,13 @@ class Config:
     scale_rule: str = "lsq"
     seed: int = 0
     format_version: int = 0
+    scale_group: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.scale_rule, str) or self.scale_rule not in _SCALE_RULES:
             raise FmkvError(f"scale_rule {self.scale_rule!r} is not supported (expected 'lsq' or 'rms')")
         for f in ("head_dim", "num_kv_heads", "k_bits", "v_bits", "page_size", "sink_tokens", "window_tokens", "seed",
-                  "format_version"):
+                  "format_version", "scale_group"):
             v = getattr(self, f)
             lo, hi, what = (0, 2**64 - 1, "an integer in [0, 2^64)") if f == "seed" else (-(2**31), 2**31 - 1, "a 32-bit integer")
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -168,17 +175,18 @@ class Config:
         c.scale_rule = _SCALE_RULES[self.scale_rule]
         c.seed = self.seed
         c.format_version = self.format_version
+        c.scale_group = self.scale_group
         return c
 
     @property
     def k_bytes_per_token_per_head(self) -> int:
         """Compressed bytes of one token of one kv head for K (codes + scales, or fp16)."""
-        return bytes_per_token_head(self.head_dim, self.k_bits)
+        return bytes_per_token_head(self.head_dim, self.k_bits, self.scale_group)
 
     @property
     def v_bytes_per_token_per_head(self) -> int:
         """Compressed bytes of one token of one kv head for V."""
-        return bytes_per_token_head(self.head_dim, self.v_bits)
+        return bytes_per_token_head(self.head_dim, self.v_bits, self.scale_group)
 
     @property
     def bytes_per_token_per_head(self) -> int:
@@ -214,25 +222,27 @@ def _side(side: str) -> bool:
 
 
 def quantize_vector(x: Any, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq",
-                    format_version: int = 0, side: str = "k") -> Tuple[np.ndarray, np.ndarray]:
+                    format_version: int = 0, side: str = "k", scale_group: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """Quantize one head vector (length head_dim; rounded to fp16 first, like the cache does).
 
     Returns ``(codes, scales)``: codes uint8 [head_dim] (sign-magnitude, in rotated order),
-    scales float16 [head_dim / 32]. ``format_version`` (0: the default) and ``side`` ('k' or 'v') pick the
-    codebook (:func:`codebook_levels`).
+    scales float16 [head_dim / scale_group] (``scale_group`` as :class:`Config`'s: 0 = ``fmkv.format.SCALE_GROUP``).
+    ``format_version`` (0: the default) and ``side`` ('k' or 'v') pick the codebook (:func:`codebook_levels`).
     """
     if not isinstance(scale_rule, str) or scale_rule not in _SCALE_RULES:
         raise FmkvError(f"scale_rule {scale_rule!r} is not supported (expected 'lsq' or 'rms')")
     codes, scale_bits = _fmkv.quantize_vector(_as_array(x, np.float32), _args.integer("bits", bits),
                                               _args.integer("seed", seed, 0, UINT64_MAX),
                                               _args.integer("layer", layer), _SCALE_RULES[scale_rule],
-                                              _args.integer("format_version", format_version), _side(side))
+                                              _args.integer("format_version", format_version), _side(side),
+                                              _args.integer("scale_group", scale_group))
     return codes, scale_bits.view(np.float16)
 
 
 def dequantize_vector(codes: Any, scales: Any, bits: int, seed: int = 0, layer: int = 0, format_version: int = 0,
-                      side: str = "k") -> np.ndarray:
-    """Inverse of :func:`quantize_vector`: float32 [head_dim] in the original (unrotated) basis."""
+                      side: str = "k", scale_group: int = 0) -> np.ndarray:
+    """Inverse of :func:`quantize_vector`: float32 [head_dim] in the original (unrotated) basis. ``scales``:
+    head_dim / scale_group entries (the ``scale_group`` they were quantized with; 0 = ``fmkv.format.SCALE_GROUP``)."""
     codes = _as_array(codes, np.uint8)
     scales = _as_array(scales, np.float16)
     if isinstance(scales, np.ndarray) and scales.dtype == np.float16:
@@ -244,9 +254,10 @@ def dequantize_vector(codes: Any, scales: Any, bits: int, seed: int = 0, layer: 
             scales = np.from_dlpack(scales)
         except Exception as e:  # noqa: BLE001
             raise FmkvError(f"scales: cannot read tensor ({e}); pass a numpy float16 array") from None
-        return dequantize_vector(codes, scales, bits, seed, layer, format_version, side)
+        return dequantize_vector(codes, scales, bits, seed, layer, format_version, side, scale_group)
     return _fmkv.dequantize_vector(codes, scales, _args.integer("bits", bits), _args.integer("seed", seed, 0, UINT64_MAX),
-                                   _args.integer("layer", layer), _args.integer("format_version", format_version), _side(side))
+                                   _args.integer("layer", layer), _args.integer("format_version", format_version), _side(side),
+                                   _args.integer("scale_group", scale_group))
 
 
 class Cache:

@@ -7,7 +7,8 @@ the binding (:func:`fmkv.quantize_vector` / :func:`fmkv.dequantize_vector`), the
 * every K/V value is first rounded to fp16 (the format's input);
 * tokens in the fp16 regions (the first ``sink_tokens`` and the last ``window_tokens``) are used
   as those fp16 values; K with ``k_bits == 16`` is kept as fp16 too;
-* every other token is quantized and dequantized with the cache's seed and the layer index.
+* every other token is quantized and dequantized with the cache's seed, the layer index, format version
+  and scale group.
 """
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ def stored_values(config: Config, layer: int, x: Any, is_v: bool, seq_len: Optio
             continue
         for h in range(H):
             side = "v" if is_v else "k"
-            codes, scales = quantize_vector(x16[p, h], bits, config.seed, layer, config.scale_rule, config.format_version, side)
+            codes, scales = quantize_vector(x16[p, h], bits, config.seed, layer, config.scale_rule, config.format_version, side,
+                                            config.scale_group)
             out[p, h] = dequantize_vector(codes, scales, bits, config.seed, layer, config.format_version,
-                                          side).astype(np.float64)
+                                          side, config.scale_group).astype(np.float64)
     return out
 
 

@@ -11,7 +11,8 @@ implementations that only compute output metadata):
   empty when sink_tokens + window_tokens == 0);
 * a batch of sequences: ``slots`` int32 [n], ``seq_lens`` int64 [n], ``row_offsets`` int64 [n+1],
   ``block_table`` int32 [n, stride] (see include/fmkv/params.h, fmkv_batch);
-* ``config``: :func:`config_to_list` of an :class:`fmkv.Config`.
+* ``config``: :func:`config_to_list` of an :class:`fmkv.Config` (its ``CONFIG_INTS`` = 11 ints, the scale group
+  last: a scale group the backend does not have -- 64 on 'cuda' -- is refused by name, nothing written).
 
 **Devices.** All tensors of one call live on one device, and the backend follows it: CPU tensors
 run on the host backend (``'cpu'`` when compiled, else ``'ref'``), CUDA tensors on the ``'cuda'``
@@ -61,7 +62,7 @@ except ImportError as _e:  # pragma: no cover
 
 from . import Config, FmkvError, _args, _fmkv, default_backend
 
-__all__ = ["append", "attention", "append_attention", "FUSED_MAX_ROWS", "config_to_list", "TorchCache", "backend_for_device", "cuda_check",
+__all__ = ["append", "attention", "append_attention", "FUSED_MAX_ROWS", "config_to_list", "CONFIG_INTS", "TorchCache", "backend_for_device", "cuda_check",
            "attention_workspace_bytes"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -71,17 +72,22 @@ _AVAILABLE: Dict[str, bool] = {}
 _RAW_CONFIGS: Dict[tuple, "_fmkv.RawConfig"] = {}
 _to_dlpack = torch.utils.dlpack.to_dlpack
 _increment_version = torch.autograd.graph.increment_version
+# Length of config_to_list's list: head_dim, num_kv_heads, k_bits, v_bits, page_size, sink_tokens, window_tokens,
+# scale_rule, seed, format_version, scale_group.
+CONFIG_INTS = 11
 
 
 def config_to_list(config: Config) -> List[int]:
-    """The 10 ints the ops take for a Config (the uint64 seed as a signed int64, then the format version)."""
+    """The 11 ints the ops take for a Config (the uint64 seed as a signed int64, then the format version and the
+    scale group)."""
     seed = config.seed - 2**64 if config.seed >= 2**63 else config.seed
     return [config.head_dim, config.num_kv_heads, config.k_bits, config.v_bits, config.page_size,
-            config.sink_tokens, config.window_tokens, _SCALE[config.scale_rule], seed, config.format_version]
+            config.sink_tokens, config.window_tokens, _SCALE[config.scale_rule], seed, config.format_version,
+            config.scale_group]
 
 
 def _raw_config(cfg: List[int]) -> "_fmkv.RawConfig":
-    """The validated RawConfig of the 10 ints (cached: a decode step passes the same list every call)."""
+    """The validated RawConfig of the 11 ints (cached: a decode step passes the same list every call)."""
     key = tuple(cfg)
     c = _RAW_CONFIGS.get(key)
     if c is None:
@@ -92,13 +98,14 @@ def _raw_config(cfg: List[int]) -> "_fmkv.RawConfig":
 
 
 def _make_raw_config(cfg: List[int]) -> "_fmkv.RawConfig":
-    if len(cfg) != 10:
-        raise FmkvError(f"config: expected the 10 ints of fmkv.torch_ops.config_to_list, got {len(cfg)}")
+    if len(cfg) != CONFIG_INTS:
+        raise FmkvError(f"config: expected the {CONFIG_INTS} ints of fmkv.torch_ops.config_to_list, got {len(cfg)}")
     c = _fmkv.RawConfig()
     (c.head_dim, c.num_kv_heads, c.k_bits, c.v_bits, c.page_size, c.sink_tokens, c.window_tokens,
      c.scale_rule) = (int(x) for x in cfg[:8])
     c.seed = int(cfg[8]) % 2**64
     c.format_version = int(cfg[9])
+    c.scale_group = int(cfg[10])
     _fmkv.config_validate(c)
     return c
 
@@ -345,8 +352,8 @@ def _check_call(op: str, tensors: Dict[str, Any], config: Any, layer: Any, backe
     """The non-tensor arguments of an op wrapper (torch's schema would reject them with its own error
     types, or convert them silently)."""
     _check_device(op, True, **tensors)
-    if not isinstance(config, (list, tuple)) or len(config) != 10:
-        raise _args.type_error(f"fmkv::{op}: config", "the 10 ints of fmkv.torch_ops.config_to_list", config)
+    if not isinstance(config, (list, tuple)) or len(config) != CONFIG_INTS:
+        raise _args.type_error(f"fmkv::{op}: config", f"the {CONFIG_INTS} ints of fmkv.torch_ops.config_to_list", config)
     for i, x in enumerate(config):
         _args.integer(f"fmkv::{op}: config[{i}]", x)
     _args.integer(f"fmkv::{op}: layer", layer, 0, _args.INT32_MAX)

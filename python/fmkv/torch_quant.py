@@ -5,8 +5,9 @@ float32 roundings of the reference (``src/format/quantize_group.h``, ``src/forma
 
 * canonical fp16 input, rotation signs from splitmix64(seed, layer), FWHT stages h = 1, 2, ..., d/2,
   multiplication by the float32 constant nearest 1/sqrt(d);
-* per group of 32: RMS through the fixed tree sum (steps 16, 8, 4, 2, 1), fp16 with saturation,
-  codes from midpoint thresholds of the codebook's levels (sign-magnitude), LSQ rescale. The codebook is
+* per scale group (``scale_group``: 32 coordinates, or 64 = two code groups of 32): RMS through the fixed tree
+  sum of each code group (steps 16, 8, 4, 2, 1), the code groups' sums added in order, fp16 with saturation,
+  codes from midpoint thresholds of the codebook's levels (sign-magnitude), LSQ rescale over the scale group. The codebook is
   the format version's for the side: format 2's fp16 Lloyd-Max levels, or format 3's 3-bit integer levels x
   an fp16 step, different for K and V (``format_version``, ``side``).
 
@@ -159,7 +160,7 @@ def canonical(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class QuantizedTensor:
-    """codes uint8 [..., d] (sign-magnitude, rotated order), scales float16 [..., d/32]."""
+    """codes uint8 [..., d] (sign-magnitude, rotated order), scales float16 [..., d / scale_group]."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -170,37 +171,56 @@ class QuantizedTensor:
     levels: Optional[torch.Tensor] = None  # research codebook (codebook_tensor), None: the format's
     format_version: int = 0  # 0: the library's default (fmkv.format_version())
     side: str = "k"  # which codebook ('k' or 'v'): format 3's 3-bit K and V levels differ
+    scale_group: int = 0  # coordinates per scale (0: the format's default, fmkv.format.SCALE_GROUP)
+
+
+def _scale_group(scale_group: int) -> int:
+    sg = _format.SCALE_GROUP if scale_group == 0 else int(scale_group)
+    if sg not in _format.SCALE_GROUPS:
+        raise ValueError(f"scale_group {scale_group} is not supported (0 = default, "
+                         f"{' or '.join(map(str, _format.SCALE_GROUPS))})")
+    return sg
+
+
+def _scale_group_sum(t: torch.Tensor) -> torch.Tensor:
+    """[..., Gs, n, 32] -> [..., Gs]: each code group's tree sum, the n sums added in order."""
+    c = _tree_sum32(t)
+    out = c[..., 0]
+    for h in range(1, c.shape[-1]):
+        out = out + c[..., h]
+    return out
 
 
 def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq", levels: Optional[torch.Tensor] = None,
-                     format_version: int = 0, side: str = "k") -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize rotated float32 values y [..., d] group-wise. Returns (codes uint8, scales fp16)."""
+                     format_version: int = 0, side: str = "k", scale_group: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize rotated float32 values y [..., d] per scale group. Returns (codes uint8, scales fp16 [..., d / sg])."""
     if not 1 <= bits <= _format.CODEBOOK_MAX_BITS:
         raise ValueError(f"bits {bits} is not supported (1 .. {_format.CODEBOOK_MAX_BITS})")
     if scale_rule not in ("lsq", "rms"):
         raise ValueError(f"scale_rule {scale_rule!r} is not supported (expected 'lsq' or 'rms')")
+    sg = _scale_group(scale_group)
     d = y.shape[-1]
     lead = y.shape[:-1]
-    g = y.reshape(*lead, d // _GROUP, _GROUP)
+    g = y.reshape(*lead, d // sg, sg // _GROUP, _GROUP)  # [..., scale group, code group, coordinate]
     mags, thr = codebook_tensor(bits, y.device, levels, format_version, side)
-    rms = _sqrt_rn(_tree_sum32(g * g) / torch.tensor(32.0))
+    rms = _sqrt_rn(_scale_group_sum(g * g) / torch.tensor(float(sg)))
     s0 = _to_f16_saturating(rms)
     s0f = s0.to(torch.float32)
     zero = s0f == 0.0
     safe = torch.where(zero, torch.ones_like(s0f), s0f)
-    u = g / safe.unsqueeze(-1)
+    u = g / safe[..., None, None]
     neg = u < 0.0
     a = torch.abs(u)
     m = (a.unsqueeze(-1) > thr).sum(dim=-1)  # number of thresholds strictly below |u|
     codes = (neg.to(torch.int64) << (bits - 1)) | m
-    codes = torch.where(zero.unsqueeze(-1), torch.zeros_like(codes), codes)
+    codes = torch.where(zero[..., None, None], torch.zeros_like(codes), codes)
     if scale_rule == "rms":
         scales = s0
     else:
         lv = mags[m]
         lv = torch.where(neg, -lv, lv)
-        num = _tree_sum32(g * lv)
-        den = _tree_sum32(lv * lv)
+        num = _scale_group_sum(g * lv)
+        den = _scale_group_sum(lv * lv)
         scales = _to_f16_saturating(num / den)
     scales = torch.where(zero, torch.zeros_like(scales), scales)
     return codes.to(torch.uint8).reshape(*lead, d), scales
@@ -208,7 +228,7 @@ def quantize_rotated(y: torch.Tensor, bits: int, scale_rule: str = "lsq", levels
 
 def quantize(x: torch.Tensor, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq",
              rotate_input: bool = True, levels: Optional[torch.Tensor] = None, format_version: int = 0,
-             side: str = "k") -> QuantizedTensor:
+             side: str = "k", scale_group: int = 0) -> QuantizedTensor:
     """Quantize head vectors x [..., d] (any float dtype; rounded to fp16 first) with the codebook of ``side`` in
     ``format_version`` (the codes are the format's; how a version lays them out in pages does not matter here)."""
     d = x.shape[-1]
@@ -216,8 +236,8 @@ def quantize(x: torch.Tensor, bits: int, seed: int = 0, layer: int = 0, scale_ru
         raise ValueError(f"head_dim {d} is not a multiple of {_GROUP}")
     xf = canonical(x)
     y = rotate(xf, seed, layer) if rotate_input else xf
-    codes, scales = quantize_rotated(y, bits, scale_rule, levels, format_version, side)
-    return QuantizedTensor(codes, scales, bits, seed, layer, rotate_input, levels, format_version, side)
+    codes, scales = quantize_rotated(y, bits, scale_rule, levels, format_version, side, scale_group)
+    return QuantizedTensor(codes, scales, bits, seed, layer, rotate_input, levels, format_version, side, scale_group)
 
 
 def decode_levels(codes: torch.Tensor, bits: int, levels: Optional[torch.Tensor] = None, format_version: int = 0,
@@ -229,23 +249,26 @@ def decode_levels(codes: torch.Tensor, bits: int, levels: Optional[torch.Tensor]
 
 
 def dequantize_rotated(codes: torch.Tensor, scales: torch.Tensor, bits: int,
-                       levels: Optional[torch.Tensor] = None, format_version: int = 0, side: str = "k") -> torch.Tensor:
+                       levels: Optional[torch.Tensor] = None, format_version: int = 0, side: str = "k",
+                       scale_group: int = 0) -> torch.Tensor:
     """Rotated-domain values level x scale (exact in float32), shape [..., d]."""
+    sg = _scale_group(scale_group)
     d = codes.shape[-1]
     lead = codes.shape[:-1]
-    lv = decode_levels(codes, bits, levels, format_version, side).reshape(*lead, d // _GROUP, _GROUP)
+    lv = decode_levels(codes, bits, levels, format_version, side).reshape(*lead, d // sg, sg)
     return (lv * scales.to(torch.float32).unsqueeze(-1)).reshape(*lead, d)
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
     """float32 [..., d] in the original basis."""
-    y = dequantize_rotated(q.codes, q.scales, q.bits, q.levels, q.format_version, q.side)
+    y = dequantize_rotated(q.codes, q.scales, q.bits, q.levels, q.format_version, q.side, q.scale_group)
     return unrotate(y, q.seed, q.layer) if q.rotated else y
 
 
 def fake_quantize(x: torch.Tensor, bits: int, seed: int = 0, layer: int = 0, scale_rule: str = "lsq",
                   rotate_input: bool = True, chunk: Optional[int] = 65536,
-                  levels: Optional[torch.Tensor] = None, format_version: int = 0, side: str = "k") -> torch.Tensor:
+                  levels: Optional[torch.Tensor] = None, format_version: int = 0, side: str = "k",
+                  scale_group: int = 0) -> torch.Tensor:
     """dequantize(quantize(x)) in x's dtype and shape; bits 16 returns the fp16 rounding of x.
 
     Processes at most ``chunk`` vectors at a time to bound temporary memory.
@@ -259,6 +282,6 @@ def fake_quantize(x: torch.Tensor, bits: int, seed: int = 0, layer: int = 0, sca
     step = n if not chunk else chunk
     for i in range(0, n, max(step, 1)):
         outs.append(dequantize(quantize(flat[i:i + step], bits, seed, layer, scale_rule, rotate_input, levels,
-                                                format_version, side)))
+                                        format_version, side, scale_group)))
     out = torch.cat(outs, 0) if outs else flat.to(torch.float32)
     return out.reshape(x.shape).to(x.dtype)

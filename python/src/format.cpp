@@ -24,10 +24,18 @@ void bind_format(nb::module_& m) {
       .def_rw("window_tokens", &fmkv_config::window_tokens)
       .def_rw("scale_rule", &fmkv_config::scale_rule)
       .def_rw("seed", &fmkv_config::seed)
-      .def_rw("format_version", &fmkv_config::format_version);
+      .def_rw("format_version", &fmkv_config::format_version)
+      .def_rw("scale_group", &fmkv_config::scale_group);
   m.attr("SCALE_RMS") = (int)FMKV_SCALE_RMS;
   m.attr("SCALE_LSQ") = (int)FMKV_SCALE_LSQ;
-  m.attr("GROUP_SIZE") = (int)FMKV_GROUP_SIZE;
+  m.attr("GROUP_SIZE") = (int)FMKV_GROUP_SIZE;  // coordinates per code group
+  m.attr("SCALE_GROUP") = (int)FMKV_SCALE_GROUP;  // coordinates per scale of a default cache (scale_group 0)
+  {
+    nb::list sgs;  // the scale groups a cache can use (fmkv_scale_group_supported, 0 excluded), ascending
+    for (int32_t sg = FMKV_GROUP_SIZE; sg <= FMKV_MAX_HEAD_DIM; sg *= 2)
+      if (fmkv_scale_group_supported(sg)) sgs.append(sg);
+    m.attr("SCALE_GROUPS") = nb::tuple(sgs);
+  }
   {
     nb::list widths;  // the code widths of a K or V side (fmkv_code_bits_supported), ascending
     for (int32_t b : fmkv::supported_code_bits()) widths.append(b);
@@ -46,13 +54,15 @@ void bind_format(nb::module_& m) {
     fmkv::check(fmkv_config_validate(&c));
     return fmkv_config_fp16_slot_bytes(&c);
   });
-  m.def("bytes_per_token_head", [](int64_t d, int64_t bits) {
+  m.def("bytes_per_token_head", [](int64_t d, int64_t bits, int64_t scale_group) {
     if (!fits_i32(d) || !fmkv_head_dim_supported((int32_t)d))
       fail("head_dim " + std::to_string(d) + " is not supported (" + fmkv::supported_head_dims_text() + ")");
     if (!fits_i32(bits) || (!fmkv_code_bits_supported((int32_t)bits) && bits != FMKV_FP16_BITS))
       fail("bits " + std::to_string(bits) + " is not supported (" + fmkv::supported_code_bits_text(true) + ")");
-    return fmkv_bytes_per_token_head((int32_t)d, (int32_t)bits);
-  }, "head_dim"_a, "bits"_a);
+    if (!fits_i32(scale_group) || !fmkv_scale_group_supported((int32_t)scale_group))
+      fail("scale_group " + std::to_string(scale_group) + " is not supported (0 = default, 32 or 64)");
+    return fmkv_bytes_per_token_head((int32_t)d, (int32_t)bits, (int32_t)scale_group);
+  }, "head_dim"_a, "bits"_a, "scale_group"_a = 0);
 
   // The rotation (FORMAT.md "Rotation") and the token regions, for the Python layers that need them
   // (fmkv.torch_quant, fmkv.hf, fmkv.reference): the numbers come from include/fmkv/format.h.
@@ -90,34 +100,39 @@ void bind_format(nb::module_& m) {
     return numpy_array(std::move(mags), {n});
   }, "format_version"_a, "bits"_a, "is_v"_a);
 
-  // Returns (codes uint8 [d], scale bits uint16 [d/32]); the Python layer views scales as float16.
+  // Returns (codes uint8 [d], scale bits uint16 [d / scale_group]); the Python layer views scales as float16.
   m.def("quantize_vector", [](const AnyArray& x, int64_t bits, uint64_t seed, int64_t layer, int32_t scale_rule,
-                              int64_t format_version, bool is_v) {
+                              int64_t format_version, bool is_v, int64_t scale_group) {
     std::vector<uint16_t> xh = vector_f16("x", x);
     const int32_t d = (int32_t)xh.size();
     if (!fmkv_head_dim_supported(d)) fail("x: length " + std::to_string(d) + " is not a supported head_dim (" + fmkv::supported_head_dims_text() + ")");
     std::vector<uint8_t> codes(d);
-    std::vector<uint16_t> scales(d / FMKV_GROUP_SIZE);
-    fmkv::check(fmkv_quantize_vector_as(narrow_i32("format_version", format_version), is_v ? 1 : 0, d, narrow_i32("bits", bits),
+    const int32_t sg = narrow_i32("scale_group", scale_group);
+    if (!fmkv_scale_group_supported(sg)) fail("scale_group " + std::to_string(scale_group) + " is not supported (0 = default, 32 or 64)");
+    std::vector<uint16_t> scales(fmkv_scales_per_vector(d, sg));
+    fmkv::check(fmkv_quantize_vector_as(narrow_i32("format_version", format_version), is_v ? 1 : 0, sg, d, narrow_i32("bits", bits),
                                         scale_rule, seed, narrow_i32("layer", layer), xh.data(), codes.data(), scales.data()));
     size_t nc = codes.size(), ns = scales.size();
     return nb::make_tuple(numpy_array(std::move(codes), {nc}), numpy_array(std::move(scales), {ns}));
   }, "x"_a, "bits"_a, "seed"_a = 0, "layer"_a = 0, "scale_rule"_a = (int)FMKV_SCALE_LSQ, "format_version"_a = 0,
-     "is_v"_a = false);
+     "is_v"_a = false, "scale_group"_a = 0);
 
   m.def("dequantize_vector", [](const AnyArray& codes, const AnyArray& scale_bits, int64_t bits, uint64_t seed, int64_t layer,
-                                int64_t format_version, bool is_v) {
+                                int64_t format_version, bool is_v, int64_t scale_group) {
     std::vector<uint8_t> c = vector_exact<uint8_t>("codes", codes, nb::dlpack::dtype_code::UInt, "uint8");
     std::vector<uint16_t> s = vector_exact<uint16_t>("scales", scale_bits, nb::dlpack::dtype_code::UInt, "float16 / uint16 bits");
     const int32_t d = (int32_t)c.size();
     if (!fmkv_head_dim_supported(d)) fail("codes: length " + std::to_string(d) + " is not a supported head_dim (" + fmkv::supported_head_dims_text() + ")");
-    if ((int32_t)s.size() != d / FMKV_GROUP_SIZE)
-      fail("scales: length " + std::to_string(s.size()) + ", expected head_dim / 32 = " + std::to_string(d / FMKV_GROUP_SIZE));
+    const int32_t sg = narrow_i32("scale_group", scale_group);
+    if (!fmkv_scale_group_supported(sg)) fail("scale_group " + std::to_string(scale_group) + " is not supported (0 = default, 32 or 64)");
+    if ((int32_t)s.size() != fmkv_scales_per_vector(d, sg))
+      fail("scales: length " + std::to_string(s.size()) + ", expected head_dim / scale_group = " + std::to_string(fmkv_scales_per_vector(d, sg)));
     std::vector<float> out(d);
-    fmkv::check(fmkv_dequantize_vector_as(narrow_i32("format_version", format_version), is_v ? 1 : 0, d, narrow_i32("bits", bits),
+    fmkv::check(fmkv_dequantize_vector_as(narrow_i32("format_version", format_version), is_v ? 1 : 0, sg, d, narrow_i32("bits", bits),
                                           seed, narrow_i32("layer", layer), c.data(), s.data(), out.data()));
     return numpy_array(std::move(out), {(size_t)d});
-  }, "codes"_a, "scales"_a, "bits"_a, "seed"_a = 0, "layer"_a = 0, "format_version"_a = 0, "is_v"_a = false);
+  }, "codes"_a, "scales"_a, "bits"_a, "seed"_a = 0, "layer"_a = 0, "format_version"_a = 0, "is_v"_a = false,
+     "scale_group"_a = 0);
 }
 
 }  // namespace fmkv_py

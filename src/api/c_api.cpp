@@ -49,6 +49,17 @@ const BackendOps& backend_for(fmkv_backend b, const fmkv_config& cfg) {
                                        std::to_string(ops.max_format_version) + "; format version " + std::to_string(v) +
                                        " in this build: " + which + ")");
   }
+  const int32_t sg = fmkv_resolved_scale_group(cfg.scale_group);
+  if (sg > ops.max_scale_group) {
+    std::string which;  // the compiled backends that do
+    for (int i = 0; i < FMKV_BACKEND_COUNT; ++i)
+      if (const BackendOps* o = fmkv::find_backend((fmkv_backend)i); o && o->max_scale_group >= sg)
+        which += (which.empty() ? "" : ", ") + std::string(fmkv_backend_name((fmkv_backend)i));
+    fmkv::fail(fmkv::kUnsupported, "scale_group " + std::to_string(sg) + " is not supported by the '" +
+                                       fmkv_backend_name(b) + "' backend (it writes and reads scale groups up to " +
+                                       std::to_string(ops.max_scale_group) + "; scale_group " + std::to_string(sg) +
+                                       " in this build: " + which + ")");
+  }
   return ops;
 }
 }  // namespace
@@ -232,7 +243,8 @@ int64_t fmkv_attention_workspace_bytes(fmkv_backend b, const fmkv_config* cfg, i
                                        int64_t max_rows, int32_t num_seqs, int64_t max_seq_len) {
   const BackendOps* ops = fmkv::find_backend(b);
   if (!ops || !ops->attention_workspace_bytes || !cfg || fmkv_config_validate(cfg) != FMKV_OK ||
-      fmkv_resolved_format_version(cfg->format_version) > ops->max_format_version)
+      fmkv_resolved_format_version(cfg->format_version) > ops->max_format_version ||
+      fmkv_resolved_scale_group(cfg->scale_group) > ops->max_scale_group)
     return 0;
   return ops->attention_workspace_bytes(*cfg, q_heads, max_rows, num_seqs, max_seq_len);
 }
@@ -293,38 +305,46 @@ int vector_table(int32_t format_version, int32_t is_v, int32_t bits) {
 }
 }  // namespace
 
-fmkv_status fmkv_quantize_vector_as(int32_t format_version, int32_t is_v, int32_t d, int32_t bits, int32_t rule,
+// A scale_group argument, checked.
+void require_scale_group(int32_t sg) {
+  require(fmkv_scale_group_supported(sg), FMKV_ERR_INVALID_ARGUMENT,
+          [&] { return "scale_group " + std::to_string(sg) + " is not supported (0 = default, 32 or 64)"; });
+}
+
+fmkv_status fmkv_quantize_vector_as(int32_t format_version, int32_t is_v, int32_t sg, int32_t d, int32_t bits, int32_t rule,
                                     uint64_t seed, int32_t layer, const uint16_t* x, uint8_t* codes, uint16_t* scales) {
   return guarded([&] {
     require(x && codes && scales, FMKV_ERR_INVALID_ARGUMENT, "fmkv_quantize_vector: NULL argument");
     require_head_dim(d);
     require_code_bits(bits);
+    require_scale_group(sg);
     require(rule == FMKV_SCALE_RMS || rule == FMKV_SCALE_LSQ, FMKV_ERR_INVALID_ARGUMENT, "unknown scale_rule");
     const int table = vector_table(format_version, is_v, bits);
     for (int32_t i = 0; i < d; ++i)
       require(fmkv::f16_is_finite(x[i]), FMKV_ERR_NON_FINITE, [&] { return "x[" + std::to_string(i) + "] is NaN or Inf"; });
     auto sw = fmkv::ref::sign_words(seed, layer, d);
-    fmkv::ref::quantize_vector(x, d, bits, rule, sw.data(), codes, scales, table);
+    fmkv::ref::quantize_vector(x, d, bits, rule, sw.data(), codes, scales, table, sg);
   });
 }
 
 fmkv_status fmkv_quantize_vector(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int32_t layer,
                                  const uint16_t* x, uint8_t* codes, uint16_t* scales) {
-  return fmkv_quantize_vector_as(2, 0, d, bits, rule, seed, layer, x, codes, scales);
+  return fmkv_quantize_vector_as(2, 0, 0, d, bits, rule, seed, layer, x, codes, scales);
 }
 
-fmkv_status fmkv_dequantize_vector_as(int32_t format_version, int32_t is_v, int32_t d, int32_t bits, uint64_t seed,
+fmkv_status fmkv_dequantize_vector_as(int32_t format_version, int32_t is_v, int32_t sg, int32_t d, int32_t bits, uint64_t seed,
                                       int32_t layer, const uint8_t* codes, const uint16_t* scales, float* out) {
   return guarded([&] {
     require(codes && scales && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_dequantize_vector: NULL argument");
     require_head_dim(d);
     require_code_bits(bits);
+    require_scale_group(sg);
     const int table = vector_table(format_version, is_v, bits);
     for (int32_t i = 0; i < d; ++i)
       require(codes[i] < (1u << bits), FMKV_ERR_INVALID_ARGUMENT, [&] { return "code " + std::to_string(codes[i]) + " does not fit in " + std::to_string(bits) + " bits"; });
     auto sw = fmkv::ref::sign_words(seed, layer, d);
     std::vector<double> y(d), x(d);
-    fmkv::ref::dequantize_vector(codes, scales, d, bits, y.data(), table);
+    fmkv::ref::dequantize_vector(codes, scales, d, bits, y.data(), table, sg);
     fmkv::ref::unrotate_f64(y.data(), d, sw.data(), x.data());
     for (int32_t i = 0; i < d; ++i) out[i] = (float)x[i];
   });
@@ -332,7 +352,7 @@ fmkv_status fmkv_dequantize_vector_as(int32_t format_version, int32_t is_v, int3
 
 fmkv_status fmkv_dequantize_vector(int32_t d, int32_t bits, uint64_t seed, int32_t layer,
                                    const uint8_t* codes, const uint16_t* scales, float* out) {
-  return fmkv_dequantize_vector_as(2, 0, d, bits, seed, layer, codes, scales, out);
+  return fmkv_dequantize_vector_as(2, 0, 0, d, bits, seed, layer, codes, scales, out);
 }
 
 void fmkv_f32_to_f16(const float* x, uint16_t* out, int64_t n) {

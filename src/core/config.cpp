@@ -26,6 +26,9 @@ void validate_config(const fmkv_config& c) {
   if (c.format_version != 0 && !fmkv_format_version_supported(c.format_version))
     fail(kInvalidArgument, "format_version " + S(c.format_version) + " is not supported (0 = default, " +
                                supported_format_versions_text() + ")");
+  if (!fmkv_scale_group_supported(c.scale_group))
+    fail(kInvalidArgument, "scale_group " + S(c.scale_group) + " is not supported (0 = default " + S(FMKV_SCALE_GROUP) +
+                               ", 32 or 64 coordinates per scale)");
   if (c.scale_rule != FMKV_SCALE_RMS && c.scale_rule != FMKV_SCALE_LSQ)
     fail(kInvalidArgument, "scale_rule " + S(c.scale_rule) + " is not FMKV_SCALE_RMS (0) or FMKV_SCALE_LSQ (1)");
 }

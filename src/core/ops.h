@@ -40,7 +40,11 @@ inline int32_t fp16_slot_of(const fmkv_config& c, int64_t p) {
   return (int32_t)fmkv_fp16_row(c.sink_tokens, c.window_tokens, p);
 }
 inline int64_t page_bytes(const fmkv_config& c) {
-  return fmkv_page_bytes(c.head_dim, c.num_kv_heads, c.k_bits, c.v_bits, c.page_size);
+  return fmkv_page_bytes(c.head_dim, c.num_kv_heads, c.k_bits, c.v_bits, c.page_size, c.scale_group);
+}
+// Byte offset, inside a page, of the K (is_v = 0) or V section of kv head h.
+inline int64_t section_offset(const fmkv_config& c, int32_t h, int is_v) {
+  return fmkv_section_offset(c.head_dim, c.k_bits, c.v_bits, c.page_size, h, is_v, c.scale_group);
 }
 inline size_t dtype_size(int32_t dt) { return dt == FMKV_F32 ? 4 : 2; }
 

@@ -39,8 +39,8 @@ void append(const AppendArgs& a) {
                 P = c.page_size;
   const int64_t pb = page_bytes(c);
   QuantParams qk, qv;
-  if (c.k_bits != FMKV_FP16_BITS) make_quant_params(d, c.k_bits, c.scale_rule, c.seed, a.layer.layer, c.format_version, 0, &qk);
-  make_quant_params(d, c.v_bits, c.scale_rule, c.seed, a.layer.layer, c.format_version, 1, &qv);
+  if (c.k_bits != FMKV_FP16_BITS) make_quant_params(d, c.k_bits, c.scale_rule, c.seed, a.layer.layer, c.format_version, 0, c.scale_group, &qk);
+  make_quant_params(d, c.v_bits, c.scale_rule, c.seed, a.layer.layer, c.format_version, 1, c.scale_group, &qv);
   const int32_t version = fmkv_resolved_format_version(c.format_version);
   const bool tiled = fmkv_tiled_codes(version, c.k_bits) || fmkv_tiled_codes(version, c.v_bits);
 
@@ -94,7 +94,7 @@ void append(const AppendArgs& a) {
         const int32_t bits = is_v ? c.v_bits : c.k_bits;
         for (int32_t h = 0; h < H; ++h) {
           const uint16_t* x = source(tk.seq, tk.q, is_v, h, buf);
-          uint8_t* sec = pg + fmkv_section_offset(d, c.k_bits, c.v_bits, P, h, is_v);
+          uint8_t* sec = pg + section_offset(c, h, is_v);
           if (bits == FMKV_FP16_BITS) std::memcpy((uint16_t*)sec + (int64_t)t * d, x, (size_t)d * 2);
           else K.quantize(is_v ? qv : qk, x, sec, P, t);
         }

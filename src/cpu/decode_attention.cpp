@@ -127,8 +127,8 @@ void decode_attention(const AttentionArgs& a) {
     if (piece > 0) {
       job.pages = a.layer.pages;
       job.page_bytes = page_bytes(c);
-      job.k_off = fmkv_section_offset(d, c.k_bits, c.v_bits, c.page_size, x.h, 0);
-      job.v_off = fmkv_section_offset(d, c.k_bits, c.v_bits, c.page_size, x.h, 1);
+      job.k_off = section_offset(c, x.h, 0);
+      job.v_off = section_offset(c, x.h, 1);
       job.block_table = a.batch.block_table + (int64_t)x.seq * a.batch.block_table_stride;
       job.P = c.page_size;
       job.d = d;
@@ -136,6 +136,7 @@ void decode_attention(const AttentionArgs& a) {
       job.v_bits = c.v_bits;
       job.k_tiled = k_tiled;
       job.v_tiled = v_tiled;
+      job.ssh = fmkv_scale_shift(c.scale_group);
       job.softcap = a.opts.softcap;
       job.prefetch_tokens = prefetch_distance();
       if (k_tiled) {

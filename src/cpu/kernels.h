@@ -12,6 +12,7 @@ namespace fmkv::cpu {
 struct QuantParams {
   int32_t d, bits, rule;
   int32_t tiled, is_v;                 // codes written into tile blocks (format 3, 3 bits: tile.h); K or V section
+  int32_t ssh;                         // fmkv_scale_shift of the cache's scale group: code group g uses scale g >> ssh
   alignas(64) uint32_t sign_xor[256];  // 0x80000000 where the rotation sign is -1, else 0
   float thr[8];                        // decision thresholds of the section's codebook, ascending (magnitude_count - 1)
   alignas(64) float mag16[16];         // mag16[i] = its level i & (magnitude_count - 1) (table_mag)
@@ -32,6 +33,7 @@ struct AttnJob {
   const int32_t* block_table;
   int32_t P, d, k_bits, v_bits;
   int32_t k_tiled, v_tiled;  // 3-bit codes in tile blocks (format 3; tile.h)
+  int32_t ssh;               // fmkv_scale_shift of the cache's scale group: code group g uses scale g >> ssh
   int64_t c0, c1;
   float softcap;
   int64_t prefetch_tokens;  // software prefetch distance (multiple of 16; 0 = off)

@@ -91,72 +91,82 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
 
   uint32_t* words = (uint32_t*)section;
   uint16_t* scales = (uint16_t*)(section + fmkv_scales_offset(D, B, P));
-  for (int g = 0; g < D / 32; ++g) {
-    const F* yg = y + g * K;
-    F tt[K];
-    for (int k = 0; k < K; ++k) tt[k] = T::mul(yg[k], yg[k]);
-    for (int s = K / 2; s >= 1; s >>= 1)
-      for (int k = 0; k < s; ++k) tt[k] = T::add(tt[k], tt[k + s]);
-    const uint16_t s0 = rms_scale(T::tree_reduce(tt[0]));
+  const int n = 1 << qp.ssh;  // code groups per scale (FORMAT.md "Scale groups")
+  for (int sgi = 0; sgi < D / 32 / n; ++sgi) {
+    float ss = 0.0f;  // the scale group's sum of squares: its code groups' tree sums, added in order
+    for (int h = 0; h < n; ++h) {
+      const F* yg = y + (sgi * n + h) * K;
+      F tt[K];
+      for (int k = 0; k < K; ++k) tt[k] = T::mul(yg[k], yg[k]);
+      for (int s = K / 2; s >= 1; s >>= 1)
+        for (int k = 0; k < s; ++k) tt[k] = T::add(tt[k], tt[k + s]);
+      const float a = T::tree_reduce(tt[0]);
+      ss = h == 0 ? a : ss + a;
+    }
+    const uint16_t s0 = rms_scale(ss, 32 * n);
     const float s0f = T::f_from_h(s0);
-    uint32_t w[4] = {0, 0, 0, 0};
-    uint16_t sc = 0;
-    uint32_t sign = 0, b0 = 0, b1 = 0;  // 2, 3 bits: bit j = coordinate j's sign, magnitude bits 0, 1
-    if (s0f != 0.0f) {
-      const F sv = T::set1(s0f);
-      I mm[K], cc[K];
-      F u[K];
-      for (int k = 0; k < K; ++k) {
-        u[k] = T::div(yg[k], sv);
-        const F a = T::abs(u[k]);
-        I m = T::set1i(0);
-        for (int i = 0; i + 1 < NM; ++i) m = T::count_gt(m, a, qp.thr[i]);
-        mm[k] = m;
-        if constexpr (B == 4) {
-          cc[k] = T::code4(m, u[k]);  // whole code m | sign << 3
-        } else {
-          sign |= T::ltzero_mask(u[k]) << (k * N);
-          b0 |= T::bitmask(m, 0) << (k * N);
-          if (B == 3) b1 |= T::bitmask(m, 1) << (k * N);
-        }
-      }
-      if (B == 2) {
-        w[0] = b0;
-        w[1] = sign;
-      } else if (B == 3 && !TILED) {  // 2-bit field plane (words 0, 1), sign plane (word 2)
-        for (int fw = 0; fw < 2; ++fw)
-          for (int byte = 0; byte < 4; ++byte) {
-            const int base = 8 * fw + (byte >> 1) + 16 * (byte & 1);
-            const uint32_t v = ((b0 >> base) & 0x55u) | (((b1 >> base) & 0x55u) << 1);
-            w[fw] |= v << (8 * byte);
-          }
-        w[2] = sign;
-      } else if (B == 4) {  // nibble words: code j at bits 4 (j & 7) .. of word j >> 3
-        T::pack_nibbles(cc, w);
-      }  // (B = 3 tiled: the planes sign, b0, b1 are written below)
-      sc = s0;
-      if (qp.rule == FMKV_SCALE_LSQ) {
-        F nn[K], dd[K];
+    float num = 0.0f, den = 0.0f;  // LSQ sums over the scale group, added the same way
+    for (int h = 0; h < n; ++h) {
+      const int g = sgi * n + h;
+      const F* yg = y + g * K;
+      uint32_t w[4] = {0, 0, 0, 0};
+      uint32_t sign = 0, b0 = 0, b1 = 0;  // 2, 3 bits: bit j = coordinate j's sign, magnitude bits 0, 1
+      if (s0f != 0.0f) {
+        const F sv = T::set1(s0f);
+        I mm[K], cc[K];
+        F u[K];
         for (int k = 0; k < K; ++k) {
-          const F lv = T::negate_if_lt0(T::lut(tmag, mm[k]), u[k]);
-          nn[k] = T::mul(yg[k], lv);
-          dd[k] = T::mul(lv, lv);
-        }
-        for (int s = K / 2; s >= 1; s >>= 1)
-          for (int k = 0; k < s; ++k) {
-            nn[k] = T::add(nn[k], nn[k + s]);
-            dd[k] = T::add(dd[k], dd[k + s]);
+          u[k] = T::div(yg[k], sv);
+          const F a = T::abs(u[k]);
+          I m = T::set1i(0);
+          for (int i = 0; i + 1 < NM; ++i) m = T::count_gt(m, a, qp.thr[i]);
+          mm[k] = m;
+          if constexpr (B == 4) {
+            cc[k] = T::code4(m, u[k]);  // whole code m | sign << 3
+          } else {
+            sign |= T::ltzero_mask(u[k]) << (k * N);
+            b0 |= T::bitmask(m, 0) << (k * N);
+            if (B == 3) b1 |= T::bitmask(m, 1) << (k * N);
           }
-        const float num = T::tree_reduce(nn[0]), den = T::tree_reduce(dd[0]);
-        sc = lsq_scale(num, den);
+        }
+        if (B == 2) {
+          w[0] = b0;
+          w[1] = sign;
+        } else if (B == 3 && !TILED) {  // 2-bit field plane (words 0, 1), sign plane (word 2)
+          for (int fw = 0; fw < 2; ++fw)
+            for (int byte = 0; byte < 4; ++byte) {
+              const int base = 8 * fw + (byte >> 1) + 16 * (byte & 1);
+              const uint32_t v = ((b0 >> base) & 0x55u) | (((b1 >> base) & 0x55u) << 1);
+              w[fw] |= v << (8 * byte);
+            }
+          w[2] = sign;
+        } else if (B == 4) {  // nibble words: code j at bits 4 (j & 7) .. of word j >> 3
+          T::pack_nibbles(cc, w);
+        }  // (B = 3 tiled: the planes sign, b0, b1 are written below)
+        if (qp.rule == FMKV_SCALE_LSQ) {
+          F nn[K], dd[K];
+          for (int k = 0; k < K; ++k) {
+            const F lv = T::negate_if_lt0(T::lut(tmag, mm[k]), u[k]);
+            nn[k] = T::mul(yg[k], lv);
+            dd[k] = T::mul(lv, lv);
+          }
+          for (int s = K / 2; s >= 1; s >>= 1)
+            for (int k = 0; k < s; ++k) {
+              nn[k] = T::add(nn[k], nn[k + s]);
+              dd[k] = T::add(dd[k], dd[k + s]);
+            }
+          const float a = T::tree_reduce(nn[0]), b = T::tree_reduce(dd[0]);
+          num = h == 0 ? a : num + a;
+          den = h == 0 ? b : den + b;
+        }
+      }
+      if constexpr (TILED) {
+        tile_write_planes(section + fmkv_tile_block_offset(D, t), D / 32, qp.is_v, t & 15, g, b0, b1, sign);
+      } else {
+        for (int wi = 0; wi < B; ++wi) words[((int64_t)g * B + wi) * P + t] = w[wi];
       }
     }
-    if constexpr (TILED) {
-      tile_write_planes(section + fmkv_tile_block_offset(D, t), D / 32, qp.is_v, t & 15, g, b0, b1, sign);
-    } else {
-      for (int wi = 0; wi < B; ++wi) words[((int64_t)g * B + wi) * P + t] = w[wi];
-    }
-    scales[(int64_t)g * P + t] = sc;
+    scales[(int64_t)sgi * P + t] = s0f != 0.0f && qp.rule == FMKV_SCALE_LSQ ? lsq_scale(num, den) : s0;
   }
 }
 
@@ -248,7 +258,7 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
   using F = typename T::F;
   using I = typename T::I;
   constexpr int N = T::N, HV = 32 / N;
-  const int d = job.d, G = d / 32, P = job.P;
+  const int d = job.d, G = d / 32, P = job.P, ssh = job.ssh;
   const LaneTables& lt = lane_tables();
   const typename T::Table tk = T::load_table(job.tk), tv = T::load_table(job.tv);
   const float NEG_INF = -__builtin_inff();
@@ -282,7 +292,7 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
           for (int64_t o = 0; o < fmkv_tile_block_bytes(d); o += 64) __builtin_prefetch(ks + fmkv_tile_block_offset(d, (int32_t)t) + o);
         for (int g = 0; g < G; ++g) {
           for (int w = 0; w < KB && !KT; ++w) __builtin_prefetch(ks + (((int64_t)g * KB + w) * P + t) * 4);
-          __builtin_prefetch(ks + fmkv_scales_offset(d, KB, P) + ((int64_t)g * P + t) * 2);
+          __builtin_prefetch(ks + fmkv_scales_offset(d, KB, P) + ((int64_t)(g >> ssh) * P + t) * 2);
         }
       }
       const uint8_t* vs = pg + job.v_off;
@@ -290,7 +300,7 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
         for (int64_t o = 0; o < fmkv_tile_block_bytes(d); o += 64) __builtin_prefetch(vs + fmkv_tile_block_offset(d, (int32_t)t) + o);
       for (int g = 0; g < G; ++g) {
         for (int w = 0; w < VB && !VT; ++w) __builtin_prefetch(vs + (((int64_t)g * VB + w) * P + t) * 4);
-        __builtin_prefetch(vs + fmkv_scales_offset(d, VB, P) + ((int64_t)g * P + t) * 2);
+        __builtin_prefetch(vs + fmkv_scales_offset(d, VB, P) + ((int64_t)(g >> ssh) * P + t) * 2);
       }
     }
     const int32_t page = job.block_table[b0 / P];
@@ -340,7 +350,7 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
             for (int r = 0; r < R; ++r)
               for (int k = 0; k < kQParts; ++k) acc[r][k] = T::dot_u8s8(acc[r][k], lev[h], T::set1i(iq.dw[r][g][w][h][k]));
         }
-        const F sc = T::load_h(ksc + (int64_t)g * P + t0);
+        const F sc = T::load_h(ksc + (int64_t)(g >> ssh) * P + t0);
         for (int r = 0; r < R; ++r) {
           const F v = T::fmadd(T::cvt_f(acc[r][0]), T::set1(65536.0f), T::cvt_f(T::add_i(T::sll(acc[r][1], 8), acc[r][2])));
           s[r] = T::fmadd(v, T::mul(sc, T::set1(iq.scale[r][g])), s[r]);
@@ -363,7 +373,7 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
           const F lev = T::lut(tk, T::srl(W[j >> 3], 4 * (j & 7)));  // T::lut reads idx mod 8 or 16: 8-periodic table
           for (int r = 0; r < R; ++r) part[r] = T::fmadd(T::set1(qg[r][j]), lev, part[r]);
         }
-        const F sc = T::load_h(ksc + (int64_t)g * P + t0);
+        const F sc = T::load_h(ksc + (int64_t)(g >> ssh) * P + t0);
         for (int r = 0; r < R; ++r) s[r] = T::fmadd(part[r], sc, s[r]);
       }
     } else {
@@ -392,7 +402,7 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
           }
           for (int r = 0; r < R; ++r) part[r] = T::fmadd(T::set1(qg[r][j]), lev, part[r]);
         }
-        const F sc = T::load_h(ksc + (int64_t)g * P + t0);
+        const F sc = T::load_h(ksc + (int64_t)(g >> ssh) * P + t0);
         for (int r = 0; r < R; ++r) s[r] = T::fmadd(part[r], sc, s[r]);
       }
     }
@@ -422,7 +432,7 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
     const uint32_t* vw = (const uint32_t*)vsec;
     const uint16_t* vsc = (const uint16_t*)(vsec + fmkv_scales_offset(d, VB, P));
     for (int g = 0; g < G; ++g) {
-      const F sv = T::load_h(vsc + (int64_t)g * P + t0);
+      const F sv = T::load_h(vsc + (int64_t)(g >> ssh) * P + t0);
       for (int r = 0; r < R; ++r) T::store(wbuf[r], T::select_valid(T::mul(p[r], sv), T::zero(), nany));
       const uint32_t* wg = vw + (int64_t)g * VB * P + t0;  // word w of token t: wg[w * P + t]
       for (int hv = 0; hv < HV; ++hv) {

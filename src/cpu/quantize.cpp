@@ -22,7 +22,7 @@ void signed_int_table16(int table, int8_t* lev16, float* step) {
 }
 
 void make_quant_params(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int32_t layer, int32_t format_version,
-                       int is_v, QuantParams* qp) {
+                       int is_v, int32_t scale_group, QuantParams* qp) {
   const int32_t version = fmkv_resolved_format_version(format_version);
   const int table = codebook_table(version, bits, is_v);
   qp->d = d;
@@ -30,6 +30,7 @@ void make_quant_params(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int
   qp->rule = rule;
   qp->tiled = fmkv_tiled_codes(version, bits);
   qp->is_v = is_v;
+  qp->ssh = fmkv_scale_shift(scale_group);
   uint64_t sw[FMKV_MAX_SIGN_WORDS] = {0, 0, 0, 0};
   rotation_sign_words(seed, layer, d, sw);
   for (int32_t i = 0; i < 256; ++i) qp->sign_xor[i] = i < d && sign_negative(sw, i) ? 0x80000000u : 0u;

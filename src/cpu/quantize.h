@@ -10,9 +10,9 @@ namespace fmkv::cpu {
 
 // Constants for quantizing head vectors of width d with `bits`-bit codes (2..4) into a K (is_v = 0) or
 // V section of a cache in format version `format_version` (its codebook: codebook_table; tile blocks:
-// fmkv_tiled_codes).
+// fmkv_tiled_codes) with scale group `scale_group` (fmkv_config.scale_group).
 void make_quant_params(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int32_t layer, int32_t format_version,
-                       int is_v, QuantParams* qp);
+                       int is_v, int32_t scale_group, QuantParams* qp);
 
 // mag16[i] = table_mag(table, bits, i & (magnitude_count - 1)) (lookup table for 4-bit indices).
 void codebook_table16(int32_t bits, int table, float* mag16);

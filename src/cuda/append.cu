@@ -133,7 +133,7 @@ __device__ __forceinline__ VecTask locate(const AppendParams& p, int64_t r, int3
   const int32_t pg = p.bt[(int64_t)s * p.bt_stride + (ci >> p.lgP)];
   if (pg < 0 || pg >= p.num_pages) return v;
   v.tok = (int32_t)(ci & (p.P - 1));
-  v.sec = p.pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, p.P, h, isv);
+  v.sec = p.pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, p.P, h, isv, FMKV_SCALE_GROUP);
   if (q >= c.len0) {
     const int64_t off = input_offset(p, c.row0 + (q - c.len0), h, isv);
     const int32_t dt = isv ? p.v_dtype : p.k_dtype;

@@ -27,7 +27,7 @@ void upgrade_format1_pages(const fmkv_config& c, uint8_t* pages, int64_t num_pag
     for (int32_t h = 0; h < c.num_kv_heads; ++h)
       for (int isv = 0; isv < 2; ++isv) {
         if ((isv ? c.v_bits : c.k_bits) != 4) continue;
-        uint8_t* sec = pages + pg * pb + fmkv_section_offset(d, c.k_bits, c.v_bits, P, h, isv);
+        uint8_t* sec = pages + pg * pb + fmkv_section_offset(d, c.k_bits, c.v_bits, P, h, isv, c.scale_group);
         for (int32_t g = 0; g < G; ++g)
           for (int32_t t = 0; t < P; ++t) {
             uint32_t w[4], nib[4];

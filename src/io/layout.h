@@ -26,7 +26,7 @@ enum HeaderOffset : uint32_t {
   kOffSink = 44, kOffWindow = 48, kOffScaleRule = 52, kOffSeed = 56, kOffNumLayers = 64,
   kOffNumSeqs = 68, kOffPagesPerLayer = 72, kOffPageBytes = 80, kOffFp16SeqBytes = 88,
   kOffFileSize = 96, kOffNumSections = 104, kOffTableCrc = 108, kOffAlignment = 112,
-  kOffReserved = 116, kOffHeaderCrc = 124
+  kOffScaleGroup = 116, kOffReserved = 120, kOffHeaderCrc = 124
 };
 
 enum SectionKind : uint32_t {

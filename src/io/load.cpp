@@ -135,6 +135,7 @@ std::string cfg_diff(const fmkv_config& f, const fmkv_config& e) {
   one("sink_tokens", f.sink_tokens, e.sink_tokens);
   one("window_tokens", f.window_tokens, e.window_tokens);
   one("scale_rule", f.scale_rule, e.scale_rule);
+  one("scale_group", fmkv_resolved_scale_group(f.scale_group), fmkv_resolved_scale_group(e.scale_group));
   one("format_version", fmkv_resolved_format_version(f.format_version), fmkv_resolved_format_version(e.format_version));
   if (f.seed != e.seed)
     d += (d.empty() ? "" : ", ") + std::string("seed ") + std::to_string((unsigned long long)f.seed) + " (expected " +
@@ -169,7 +170,7 @@ Header parse_header(const Source& src, const fmkv_load_options& o) {
                            S(FMKV_FORMAT_VERSION_NEWEST) + " (and converts version 1 on load)");
   H.flags = rd32(h + kOffFlags);
   if (H.flags & ~kKnownFlags) fail(kUnsupported, nm + ": unknown header flags " + hex32(H.flags));
-  if (rd32(h + kOffReserved) || rd32(h + kOffReserved + 4))
+  if (rd32(h + kOffReserved))
     fail(kInvalidArgument, nm + ": reserved header bytes are not zero");
   fmkv_config& c = H.cfg;
   c.head_dim = (int32_t)rd32(h + kOffHeadDim);
@@ -180,6 +181,7 @@ Header parse_header(const Source& src, const fmkv_load_options& o) {
   c.sink_tokens = (int32_t)rd32(h + kOffSink);
   c.window_tokens = (int32_t)rd32(h + kOffWindow);
   c.scale_rule = (int32_t)rd32(h + kOffScaleRule);
+  c.scale_group = (int32_t)rd32(h + kOffScaleGroup);  // 0 (files before the field): the default
   c.seed = rd64(h + kOffSeed);
   c.format_version = H.format_version == kFormatVersion1 ? 2 : (int32_t)H.format_version;  // version 1 loads as 2
   try {

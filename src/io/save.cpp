@@ -196,7 +196,7 @@ void zero_tail(const fmkv_config& c, uint8_t* page, int32_t from) {
   for (int32_t h = 0; h < c.num_kv_heads; ++h)
     for (int is_v = 0; is_v < 2; ++is_v) {
       const int32_t bits = is_v ? c.v_bits : c.k_bits;
-      uint8_t* sec = page + fmkv_section_offset(d, c.k_bits, c.v_bits, P, h, is_v);
+      uint8_t* sec = page + section_offset(c, h, is_v);
       if (bits == FMKV_FP16_BITS) {
         std::memset(sec + (size_t)from * d * 2, 0, (size_t)(P - from) * d * 2);
         continue;
@@ -210,8 +210,9 @@ void zero_tail(const fmkv_config& c, uint8_t* page, int32_t from) {
           for (int32_t w = 0; w < bits; ++w)
             std::memset(sec + 4 * fmkv_code_word_index(bits, P, g, w, from), 0, 4 * (size_t)(P - from));
         }
-        std::memset(sec + fmkv_scales_offset(d, bits, P) + 2 * ((int64_t)g * P + from), 0, 2 * (size_t)(P - from));
       }
+      for (int32_t s = 0; s < fmkv_scales_per_vector(d, c.scale_group); ++s)
+        std::memset(sec + fmkv_scales_offset(d, bits, P) + 2 * ((int64_t)s * P + from), 0, 2 * (size_t)(P - from));
     }
 }
 
@@ -220,7 +221,7 @@ void dequantize_token(const fmkv_config& c, const uint8_t* page, int32_t h, int 
                       const std::vector<uint64_t>& signs, uint16_t* out) {
   const int32_t P = c.page_size, d = c.head_dim, G = fmkv_groups(d);
   const int32_t bits = is_v ? c.v_bits : c.k_bits;
-  const uint8_t* sec = page + fmkv_section_offset(d, c.k_bits, c.v_bits, P, h, is_v);
+  const uint8_t* sec = page + section_offset(c, h, is_v);
   if (bits == FMKV_FP16_BITS) {
     std::memcpy(out, sec + (size_t)t * d * 2, (size_t)d * 2);
     return;
@@ -232,7 +233,8 @@ void dequantize_token(const fmkv_config& c, const uint8_t* page, int32_t h, int 
     uint32_t words[4];
     if (!fmkv_tiled_codes(version, bits))
       for (int32_t w = 0; w < bits; ++w) words[w] = rd32(sec + 4 * fmkv_code_word_index(bits, P, g, w, t));
-    const double scale = (double)f16_to_f32(rd16(sec + fmkv_scales_offset(d, bits, P) + 2 * ((int64_t)g * P + t)));
+    const int64_t s = g >> fmkv_scale_shift(c.scale_group);  // the code group's scale
+    const double scale = (double)f16_to_f32(rd16(sec + fmkv_scales_offset(d, bits, P) + 2 * (s * P + t)));
     for (int32_t j = 0; j < FMKV_GROUP_SIZE; ++j) {
       const uint32_t code = fmkv_tiled_codes(version, bits)
                                 ? tile_get_code(sec + fmkv_tile_block_offset(d, t), G, is_v, t & 15, g, j)
@@ -364,6 +366,8 @@ void write_snapshot(const Plan& p, Sink& sink) {
   wr32(h + kOffSink, (uint32_t)c.sink_tokens);
   wr32(h + kOffWindow, (uint32_t)c.window_tokens);
   wr32(h + kOffScaleRule, (uint32_t)c.scale_rule);
+  const int32_t sg = fmkv_resolved_scale_group(c.scale_group);
+  wr32(h + kOffScaleGroup, sg == FMKV_SCALE_GROUP ? 0u : (uint32_t)sg);  // 0: the default (FILE-FORMAT.md)
   wr64(h + kOffSeed, c.seed);
   wr32(h + kOffNumLayers, (uint32_t)L);
   wr32(h + kOffNumSeqs, (uint32_t)p.seqs.size());

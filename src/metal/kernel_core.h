@@ -290,7 +290,7 @@ FMKV_INLINE void fmkv_append_compress_spec(
     for (int g = 0; g < G; ++g) xh[g] = region[off + g * 32 + lane];
   }
   FMKV_DEVICE fmkv_u8* section =
-      pages + (fmkv_i64)page * p.page_bytes + fmkv_section_offset(d, KB, VB, P, h, is_v);
+      pages + (fmkv_i64)page * p.page_bytes + fmkv_section_offset(d, KB, VB, P, h, is_v, FMKV_SCALE_GROUP);
   if (bits == 16) {  // K kept in fp16, unrotated
     FMKV_DEVICE fmkv_u16* dst = (FMKV_DEVICE fmkv_u16*)section + (fmkv_i64)t * d;
     for (int g = 0; g < G; ++g) dst[g * 32 + lane] = xh[g];
@@ -448,7 +448,7 @@ FMKV_INLINE void fmkv_attention_partial_spec(
       }
       t = (fmkv_i32)(ci % P);
       base = pages + (fmkv_i64)page * p.page_bytes;
-      fmkv_load_section_lanes_fmt(base + fmkv_section_offset(d, KB, VB, P, h, 0), KB, version, 0, d, P, t, lane, kv);
+      fmkv_load_section_lanes_fmt(base + fmkv_section_offset(d, KB, VB, P, h, 0, FMKV_SCALE_GROUP), KB, version, 0, d, P, t, lane, kv);
       k_rot = KB != 16;
     } else {
       off = fmkv_fp16_offset(H, S + W, d, slot, h, fmkv_fp16_row(S, W, kp));
@@ -466,7 +466,7 @@ FMKV_INLINE void fmkv_attention_partial_spec(
       sc[qt] = x;
     }
     if (comp) {
-      fmkv_load_section_lanes_fmt(base + fmkv_section_offset(d, KB, VB, P, h, 1), VB, version, 1, d, P, t, lane, vv);
+      fmkv_load_section_lanes_fmt(base + fmkv_section_offset(d, KB, VB, P, h, 1, FMKV_SCALE_GROUP), VB, version, 1, d, P, t, lane, vv);
     } else {
       for (int g = 0; g < G; ++g) vv[g] = fmkv::f16_to_f32(fp16_v[off + g * 32 + lane]);
       fmkv_rotate_lanes(vv, G, sw, norm, lane);

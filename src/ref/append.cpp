@@ -18,7 +18,7 @@ struct SectionRef {
 SectionRef section(const AppendArgs& a, int32_t page, int32_t h, int is_v) {
   const fmkv_config& c = a.cfg;
   uint8_t* p = a.layer.pages + (int64_t)page * page_bytes(c) +
-               fmkv_section_offset(c.head_dim, c.k_bits, c.v_bits, c.page_size, h, is_v);
+               section_offset(c, h, is_v);
   return {p, is_v ? c.v_bits : c.k_bits, c.head_dim, c.page_size, is_v};
 }
 
@@ -31,11 +31,12 @@ void write_compressed(const AppendArgs& a, const SectionRef& s, int32_t t, const
   }
   std::vector<uint64_t> sw = sign_words(a.cfg.seed, a.layer.layer, s.d);
   std::vector<uint8_t> codes(s.d);
-  std::vector<uint16_t> scales(s.d / 32);
+  const int32_t sg = a.cfg.scale_group;
+  std::vector<uint16_t> scales(fmkv_scales_per_vector(s.d, sg));
   const int32_t version = fmkv_resolved_format_version(a.cfg.format_version);
   quantize_vector(x, s.d, s.bits, a.cfg.scale_rule, sw.data(), codes.data(), scales.data(),
-                  codebook_table(version, s.bits, s.is_v));
-  write_token_codes(s.base, version, s.is_v, s.d, s.bits, s.P, t, codes.data(), scales.data());
+                  codebook_table(version, s.bits, s.is_v), sg);
+  write_token_codes(s.base, version, s.is_v, s.d, s.bits, s.P, t, codes.data(), scales.data(), sg);
 }
 
 }  // namespace

@@ -17,16 +17,16 @@ void load_compressed(const AttentionArgs& a, int32_t page, int32_t t, int32_t h,
   const fmkv_config& c = a.cfg;
   const int32_t d = c.head_dim, bits = is_v ? c.v_bits : c.k_bits, P = c.page_size;
   const uint8_t* base = a.layer.pages + (int64_t)page * page_bytes(c) +
-                        fmkv_section_offset(d, c.k_bits, c.v_bits, P, h, is_v);
+                        section_offset(c, h, is_v);
   if (bits == FMKV_FP16_BITS) {
     for (int32_t i = 0; i < d; ++i) out[i] = f16_to_f32(((const uint16_t*)base)[(int64_t)t * d + i]);
     return;
   }
   std::vector<uint8_t> codes(d);
-  std::vector<uint16_t> scales(d / 32);
+  std::vector<uint16_t> scales(fmkv_scales_per_vector(d, c.scale_group));
   const int32_t version = fmkv_resolved_format_version(c.format_version);
-  read_token_codes(base, version, is_v, d, bits, P, t, codes.data(), scales.data());
-  dequantize_vector(codes.data(), scales.data(), d, bits, out, codebook_table(version, bits, is_v));
+  read_token_codes(base, version, is_v, d, bits, P, t, codes.data(), scales.data(), c.scale_group);
+  dequantize_vector(codes.data(), scales.data(), d, bits, out, codebook_table(version, bits, is_v), c.scale_group);
 }
 
 }  // namespace

@@ -25,12 +25,13 @@ void unrotate_f64(const double* y, int32_t d, const uint64_t* sw, double* x) {
 }
 
 void quantize_vector(const uint16_t* x_f16, int32_t d, int32_t bits, int32_t scale_rule,
-                     const uint64_t* sw, uint8_t* codes, uint16_t* scales, int table) {
+                     const uint64_t* sw, uint8_t* codes, uint16_t* scales, int table, int32_t sg) {
   std::vector<float> x(d), y(d);
   for (int32_t i = 0; i < d; ++i) x[i] = f16_to_f32(x_f16[i]);
   rotate(x.data(), d, sw, y.data());
-  for (int32_t g = 0; g < d / 32; ++g)
-    scales[g] = quantize_group_table(&y[g * 32], bits, table, scale_rule, &codes[g * 32]);
+  const int32_t n = 1 << fmkv_scale_shift(sg);  // code groups per scale
+  for (int32_t s = 0; s < fmkv_scales_per_vector(d, sg); ++s)
+    scales[s] = quantize_scale_group_table(&y[s * 32 * n], n, bits, table, scale_rule, &codes[s * 32 * n]);
 }
 
 void pack_group(const uint8_t* codes, int32_t bits, uint32_t* words, int64_t stride) {
@@ -44,16 +45,16 @@ void unpack_group(const uint32_t* words, int64_t stride, int32_t bits, uint8_t* 
 }
 
 void dequantize_vector(const uint8_t* codes, const uint16_t* scales, int32_t d, int32_t bits,
-                       double* y, int table) {
+                       double* y, int table, int32_t sg) {
   for (int32_t i = 0; i < d; ++i)
-    y[i] = (double)decode_level_table(codes[i], bits, table) * (double)f16_to_f32(scales[i / 32]);
+    y[i] = (double)decode_level_table(codes[i], bits, table) * (double)f16_to_f32(scales[i / fmkv_resolved_scale_group(sg)]);
 }
 
 void read_token_codes(const uint8_t* section, int32_t format_version, int is_v, int32_t d, int32_t bits, int32_t P,
-                      int32_t t, uint8_t* codes, uint16_t* scales) {
-  const int32_t G = d / 32;
+                      int32_t t, uint8_t* codes, uint16_t* scales, int32_t sg) {
+  const int32_t G = fmkv_groups(d);
   const uint16_t* sc = (const uint16_t*)(section + fmkv_scales_offset(d, bits, P));
-  for (int32_t g = 0; g < G; ++g) scales[g] = sc[(int64_t)g * P + t];
+  for (int32_t s = 0; s < fmkv_scales_per_vector(d, sg); ++s) scales[s] = sc[(int64_t)s * P + t];
   if (fmkv_tiled_codes(format_version, bits)) {
     const uint8_t* block = section + fmkv_tile_block_offset(d, t);
     for (int32_t g = 0; g < G; ++g)
@@ -65,10 +66,10 @@ void read_token_codes(const uint8_t* section, int32_t format_version, int is_v, 
 }
 
 void write_token_codes(uint8_t* section, int32_t format_version, int is_v, int32_t d, int32_t bits, int32_t P,
-                       int32_t t, const uint8_t* codes, const uint16_t* scales) {
-  const int32_t G = d / 32;
+                       int32_t t, const uint8_t* codes, const uint16_t* scales, int32_t sg) {
+  const int32_t G = fmkv_groups(d);
   uint16_t* sc = (uint16_t*)(section + fmkv_scales_offset(d, bits, P));
-  for (int32_t g = 0; g < G; ++g) sc[(int64_t)g * P + t] = scales[g];
+  for (int32_t s = 0; s < fmkv_scales_per_vector(d, sg); ++s) sc[(int64_t)s * P + t] = scales[s];
   if (fmkv_tiled_codes(format_version, bits)) {
     uint8_t* block = section + fmkv_tile_block_offset(d, t);
     for (int32_t g = 0; g < G; ++g)

@@ -29,7 +29,7 @@ inline ::testing::AssertionResult visible_pages_equal(const Scenario& s, const s
       for (int32_t h = 0; h < c.num_kv_heads; ++h)
         for (int isv = 0; isv < 2; ++isv) {
           const int32_t bits = isv ? c.v_bits : c.k_bits;
-          const int64_t sec = page * pb + fmkv_section_offset(d, c.k_bits, c.v_bits, P, h, isv);
+          const int64_t sec = page * pb + fmkv_section_offset(d, c.k_bits, c.v_bits, P, h, isv, c.scale_group);
           std::vector<std::pair<int64_t, int>> spans;  // (byte offset, bytes)
           if (bits == FMKV_FP16_BITS) {
             spans.push_back({sec + (int64_t)t * d * 2, d * 2});

@@ -508,7 +508,7 @@ void run_attn_block_case(int d, int kb, int vb, int rule) {
   }
   const int64_t pb = fmkv_config_page_bytes(&c);
   const uint8_t* page = &L.pages[(size_t)(L.table[0] * pb)];
-  const int64_t koff = fmkv_section_offset(d, kb, vb, P, 0, 0), voff = fmkv_section_offset(d, kb, vb, P, 0, 1);
+  const int64_t koff = fmkv_section_offset(d, kb, vb, P, 0, 0, FMKV_SCALE_GROUP), voff = fmkv_section_offset(d, kb, vb, P, 0, 1, FMKV_SCALE_GROUP);
   std::vector<uint8_t> ksec(page + koff, page + voff), vsec(page + voff, page + pb);
   std::vector<float> q((size_t)nq * d);
   std::normal_distribution<float> nd;

@@ -140,7 +140,7 @@ def test_wrong_shape(cache, rng):
         cache.attention(0, s, np.ones((4, H, D), np.float32))
     with expect("INVALID_ARGUMENT", r"x: expected a 1-D array"):
         fmkv.quantize_vector(np.ones((2, D), np.float32), 3)
-    with expect("INVALID_ARGUMENT", r"scales: length 3, expected head_dim / 32 = 2"):
+    with expect("INVALID_ARGUMENT", r"scales: length 3, expected head_dim / scale_group = 2"):
         fmkv.dequantize_vector(np.zeros(D, np.uint8), np.ones(3, np.float16), 3)
     with expect("INVALID_ARGUMENT", r"codes: dtype int64 is not supported \(expected uint8\)"):
         fmkv.dequantize_vector(np.zeros(D, np.int64), np.ones(2, np.float16), 3)

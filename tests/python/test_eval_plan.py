@@ -414,3 +414,42 @@ def test_plan_chooses_sinks_from_the_menu(tmp_path, monkeypatch):
     cfg = PL.sensitivity_configs(3, [2, 3, 4, 16], [2, 3, 4], [(0, 0)])
     got, n = PL.load_sensitivity(str(old), cfg, [2, 3, 4, 16], [2, 3, 4], 3, 126, key_offset=True)
     assert n == 126 and set(got) == {((0, 0), "k"), ((0, 0), "v")}
+
+
+def test_plan_with_scale_group_64(tmp_path, monkeypatch):
+    """--scale-group 64: bytes of one scale per 64 coordinates (36 B for k2v2 at d = 64, a budget scale group 32
+    cannot meet), sensitivities measured with it (they change), plans and uniform configs carry it, stored rows are
+    used only with the same scale group, and the cache options of a -g64 name pass it on."""
+    from fmkv.eval import cli
+
+    assert PL.side_bytes(64, 2, 64) == 18 and PL.side_bytes(64, 2) == 20 and PL.side_bytes(64, 16, 64) == 128
+    argv = _tiny_plan_setup(tmp_path, monkeypatch)
+    plain, sg = tmp_path / "plain.jsonl", tmp_path / "sg.jsonl"
+    common = ["--per-head", "--windows", "0", "--uniform-per-budget", "2", "--k-bits", "2,3", "--v-bits", "2,3"]
+    assert cli.main(argv + common + ["--budgets", "44", "--out", str(plain)]) == 0
+    assert cli.main(argv + common + ["--budgets", "36,44", "--scale-group", "64", "--out", str(sg)]) == 0
+    r0 = [json.loads(line) for line in plain.read_text().splitlines()]
+    r1 = [json.loads(line) for line in sg.read_text().splitlines()]
+    s0 = [r for r in r0 if r["suite"] == "plan-sensitivity"]
+    s1 = [r for r in r1 if r["suite"] == "plan-sensitivity"]
+    assert all(r.get("scale_group") == 64 for r in s1) and not any("scale_group" in r for r in s0)
+    assert [r["kld_per_head"] for r in s0] != [r["kld_per_head"] for r in s1]
+    plans = {r["config"]: r for r in r1 if r["suite"] == "plan"}
+    assert set(plans) == {"plan-36B-per-head-sg64", "plan-44B-per-head-sg64"}
+    p36 = plans["plan-36B-per-head-sg64"]
+    assert p36["scale_group"] == 64 and p36["bytes_per_token_per_head"] == 36.0
+    assert all(tuple(p) == (2, 2) for layer in p36["head_bits"] for p in layer)
+    assert "k2v2-g64" in p36["uniform_compared"]
+    assert not [r for r in r0 if r["suite"] == "plan" and r["budget"] < 40]  # 40 B is k2v2's least with 32
+    q = PL.load_plans(str(sg))[0]
+    assert q.scale_group == 64 and q.options["scale_group"] == 64
+    assert q.bytes_per_token_per_head(64) == 36.0
+    cfg = PL.sensitivity_configs(3, [2, 3], [2, 3], [(0, 0)], 2)
+    with pytest.raises(ValueError, match="another scale group"):
+        PL.load_sensitivity(str(plain), cfg, [2, 3], [2, 3], 6, 126, scale_group=64)
+    got, _ = PL.load_sensitivity(str(sg), cfg, [2, 3], [2, 3], 6, 126, scale_group=64)
+    assert got
+    assert cli.generate_cache_options("k2v2-g64-km")["scale_group"] == 64
+    assert parse_config("k3v2-g64").bytes_per_token_per_head(64) == 44.0
+    with pytest.raises(ValueError, match="scale group 48 is not supported"):
+        parse_config("k3v3-g48")

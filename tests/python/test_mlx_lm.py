@@ -138,9 +138,9 @@ def test_format_version(tiny, tmp_path):
     assert not np.array_equal(outs[2], outs[3])  # format 3's levels and layout: other pages, other outputs
     assert lm.FmkvKVCache().format_version == fmkv.format_version()  # 0: the library's default, resolved
     old = lm.FmkvKVCache(window_tokens=0)
-    old.state = (None, None, None, *old._scalars()[:-2])  # the scalars as saved before format_version existed
+    old.state = (None, None, None, *old._scalars()[:-3])  # the scalars as saved before format_version existed
     assert old.format_version == 2 and not old.key_offset
-    old.state = (None, None, None, *lm.FmkvKVCache(format_version=3)._scalars()[:-1])  # before the key offset
+    old.state = (None, None, None, *lm.FmkvKVCache(format_version=3)._scalars()[:-2])  # before the key offset
     assert old.format_version == 3 and not old.key_offset
     with pytest.raises(fmkv.FmkvError, match="format"):
         lm.FmkvKVCache(format_version=7)

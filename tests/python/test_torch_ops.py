@@ -147,7 +147,7 @@ def test_op_errors(tgen):
         torch.ops.fmkv.attention(*bad)
     bad = list(att)
     bad[8] = [1, 2, 3]
-    with pytest.raises(fmkv.FmkvError, match=r"expected the 10 ints"):
+    with pytest.raises(fmkv.FmkvError, match=r"expected the 11 ints"):
         torch.ops.fmkv.attention(*bad)
     bad = list(att)
     bad[12] = "cuda"  # CPU tensors with the cuda backend: never a silent copy

@@ -144,3 +144,37 @@ def test_format3_three_bit_levels_differ_from_format2():
     v3, _ = tq.codebook_tensor(3, format_version=3, side="v")
     assert not torch.equal(k2, k3) and not torch.equal(k3, v3)
     assert torch.equal(tq.codebook_tensor(4, format_version=3, side="v")[0], tq.codebook_tensor(4)[0])
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("rule", ["lsq", "rms"])
+@pytest.mark.parametrize("version", [2, 3])
+def test_scale_group_64_bit_exact(d, bits, rule, version):
+    """One scale per 64 coordinates (scale_group=64): codes and d / 64 scales equal the library's, fresh inputs
+    included; the dequantized vectors too; and the scales are not scale group 32's."""
+    x = np.concatenate([_inputs(d, n=48, seed=7), np.random.default_rng().standard_normal((48, d)).astype(np.float32)])
+    x[7, : d // 2] *= 50.0  # one half of the vector much larger than the other: the two scale groups differ
+    seed, layer = 0x0DDC_0FFE_E0DD_F00D, 3
+    q = tq.quantize(torch.from_numpy(x), bits, seed, layer, rule, format_version=version, side="v", scale_group=64)
+    assert q.scales.shape == (x.shape[0], d // 64)
+    q32 = tq.quantize(torch.from_numpy(x), bits, seed, layer, rule, format_version=version, side="v")
+    assert q32.scales.shape == (x.shape[0], d // 32)
+    assert not torch.equal(q.codes, q32.codes)
+    out = tq.dequantize(q).numpy()
+    for i in range(x.shape[0]):
+        codes, scales = fmkv.quantize_vector(x[i], bits, seed=seed, layer=layer, scale_rule=rule,
+                                             format_version=version, side="v", scale_group=64)
+        np.testing.assert_array_equal(q.codes[i].numpy(), codes, err_msg=f"codes row {i}")
+        np.testing.assert_array_equal(q.scales[i].numpy().view(np.uint16), scales.view(np.uint16),
+                                      err_msg=f"scales row {i}")
+        ref = fmkv.dequantize_vector(codes, scales, bits, seed=seed, layer=layer, format_version=version, side="v",
+                                     scale_group=64)
+        np.testing.assert_allclose(out[i], ref, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(ref).max())))
+
+
+def test_scale_group_rejected():
+    x = torch.randn(4, 64)
+    for sg in (16, 48, 128):
+        with pytest.raises(ValueError, match=f"scale_group {sg} is not supported"):
+            tq.quantize(x, 2, scale_group=sg)

@@ -360,7 +360,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if a.from_sensitivity:
         try:
             sens, count = PL.load_sensitivity(a.from_sensitivity, sens_cfg, a.k_bits, a.v_bits, n_units,
-                                              n_cal * (a.ctx - 1), key_offset=a.key_offset)
+                                              n_cal * (a.ctx - 1), key_offset=a.key_offset, scale_group=a.scale_group)
         except (OSError, ValueError) as e:
             print(f"--from-sensitivity: {e}", file=sys.stderr)
             return 2
@@ -368,7 +368,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
               f"{count} calibration tokens read from {a.from_sensitivity}; check: {n_chk} later windows", file=sys.stderr)
     else:
         quants = [PL.sensitivity_quantizer(name, n_layers, n_kv, w, side, i, h, b, a.format_version, a.seed,
-                                           key_offset=a.key_offset)
+                                           key_offset=a.key_offset, scale_group=a.scale_group)
                   for name, (w, side, i, h, b) in sens_cfg.items()]
         print(f"model {a.model} loaded in {time.time() - t0:.1f}s; {n_layers} layers, {n_kv} kv heads, head_dim {d}; "
               f"calibration: {n_cal} windows of {a.ctx} ({len(quants)} sensitivity configs); check: {n_chk} later "
@@ -404,6 +404,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
                            calib_tokens=count)
                 if a.key_offset:
                     row["key_offset"] = True
+                if a.scale_group:
+                    row["scale_group"] = a.scale_group
                 if units:
                     row["kld_per_head"] = [[round(float(x), 7) for x in m[i * units:(i + 1) * units, j]]
                                            for i in range(n_layers)]
@@ -417,7 +419,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         best = None
         for w in regions:
             r = PL.allocate(sens[(w, "k")], sens[(w, "v")], a.k_bits, a.v_bits, d, budget, w[0], amort,
-                            heads=units or 1, max_groups=a.max_groups, sinks=w[1])
+                            heads=units or 1, max_groups=a.max_groups, sinks=w[1], scale_group=a.scale_group)
             if r is not None and (best is None or r[1] < best[1]):
                 best = (r[0], r[1], r[2], w)
         if best is None:
@@ -425,14 +427,16 @@ def cmd_plan(a: argparse.Namespace) -> int:
             continue
         bits, pred, nbytes, (w, sk) = best
         name = (f"plan-{budget:.4g}B" + ("-per-head" if units else "") + (f"-g{a.max_groups}" if a.max_groups else "")
-                + (f"-s{sk}" if sk else "") + ("-ko" if a.key_offset else ""))
+                + (f"-s{sk}" if sk else "") + ("-ko" if a.key_offset else "")
+                + (f"-sg{a.scale_group}" if a.scale_group else ""))
         if name in checks:
             print(f"plan {name} is also a stored plan's name (--plans)", file=sys.stderr)
             return 2
         heads = [bits[i * units:(i + 1) * units] for i in range(n_layers)] if units else None
         checks[name] = PL.planned_quantizer(name, [] if units else bits, w, a.format_version, a.seed, head_bits=heads,
-                                            key_offset=a.key_offset, sinks=sk)
-        uni = sorted(PL.uniform_candidates(a.k_bits, a.v_bits, regions, d, budget, amort), key=lambda t: -t[1])
+                                            key_offset=a.key_offset, sinks=sk, scale_group=a.scale_group)
+        uni = sorted(PL.uniform_candidates(a.k_bits, a.v_bits, regions, d, budget, amort, a.scale_group),
+                     key=lambda t: -t[1])
         uni = [u for u in uni if u[1] >= 0.8 * budget][:a.uniform_per_budget]
         uni = [u + ("-fmt3" if a.format_version == 3 else "") + ("-km" if a.key_offset else "") for u, _ in uni]
         for nm in uni:
@@ -444,6 +448,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
                     calib_windows=[0, n_cal], check_windows=[n_cal, n_cal + n_chk])
         if a.key_offset:
             plan["key_offset"] = True
+        if a.scale_group:
+            plan["scale_group"] = a.scale_group
         if units:
             plan["head_bits"] = [[list(p) for p in layer] for layer in heads]
             plan["max_groups"] = a.max_groups or n_kv
@@ -572,10 +578,16 @@ def cmd_needle(a: argparse.Namespace) -> int:
     return run_needle(a)
 
 
+def _fmt_scale_groups() -> tuple:
+    from .. import format as fmt
+
+    return fmt.SCALE_GROUPS
+
+
 def generate_cache_options(spec: str) -> dict:
     """FmkvCache / FmkvStaticCache keyword arguments of an fmkv config name (fmkv.eval.quantizers syntax): the
     widths, ``-w<N>`` (window; 0 when absent: every token compressed), ``-s<N>`` (sinks), ``-rms``/``-lsq``,
-    ``-fmt3``, ``-km`` (key_offset). Modifiers the caches do not have (evaluation-only simulations) are refused by name."""
+    ``-fmt3``, ``-km`` (key_offset), ``-g64`` (scale_group). Modifiers the caches do not have (evaluation-only simulations) are refused by name."""
     from .quantizers import parse_config
 
     q = parse_config(spec)
@@ -590,7 +602,8 @@ def generate_cache_options(spec: str) -> dict:
         raise ValueError(f"config {spec!r}: {', '.join(unsupported)} exist only in the evaluation's quantizers, "
                          "not in the caches")
     return dict(k_bits=q.k_bits, v_bits=q.v_bits, window_tokens=q.residual, sink_tokens=q.sinks,
-                scale_rule=q.scale_rule, format_version=q.format_version, key_offset=q.key_mean)
+                scale_rule=q.scale_rule, format_version=q.format_version, key_offset=q.key_mean,
+                scale_group=q.scale_group)
 
 
 def _check_generate_configs(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -742,6 +755,10 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--key-offset", action="store_true",
                     help="keys minus their mean over each sequence's first 128 tokens before quantizing (softmax "
                          "ignores it; the caches' key_offset=True): sensitivity, plans and uniform configs")
+    pn.add_argument("--scale-group", type=int, default=0, choices=[0] + list(_fmt_scale_groups()),
+                    help="coordinates per fp16 scale of every quantized side (0: the format's default; 64: one "
+                         "scale per 64, at head_dim 64 one per vector; the caches' scale_group): sensitivity, plans "
+                         "and uniform configs")
     pn.add_argument("--no-progress", action="store_true")
     pn.set_defaults(func=cmd_plan, check=_check_plan_memory)
     pa = sub.add_parser("pareto", help="bytes vs quality front of measured rows; best fmkv vs best other per budget")

@@ -34,26 +34,29 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import format as fmt
 from .quantizers import KVQuantizer
 
 
 def planned_quantizer(name: str, layer_bits: Sequence[Tuple[int, int]], window: int, format_version: int = 0,
                       seed: int = 0, head_bits: Optional[Sequence[Sequence[Tuple[int, int]]]] = None,
-                      key_offset: bool = False, sinks: int = 0) -> KVQuantizer:
+                      key_offset: bool = False, sinks: int = 0, scale_group: int = 0) -> KVQuantizer:
     """An fmkv quantizer with one (k_bits, v_bits) per layer (16: that side of that layer in fp16); with
     ``head_bits`` (a list of (k_bits, v_bits) per kv head for each layer) one pair per (layer, kv head), and
     ``layer_bits`` the per-layer maxima (what a cache that takes one width per layer would need). ``key_offset``:
     keys minus their mean over the first 128 tokens before quantizing (the caches' ``key_offset=True``); ``sinks``:
-    the first tokens kept in fp16 (the caches' ``sink_tokens``)."""
+    the first tokens kept in fp16 (the caches' ``sink_tokens``); ``scale_group``: coordinates per fp16 scale (0: the
+    format's default; the caches' ``scale_group``)."""
     heads = tuple(tuple((int(k), int(v)) for k, v in layer) for layer in head_bits) if head_bits else ()
     if heads:
         layer_bits = [(max(k for k, _ in layer), max(v for _, v in layer)) for layer in heads]
     pairs = tuple((int(k), int(v)) for k, v in layer_bits)
     q = KVQuantizer(name, "fmkv", max(k for k, _ in pairs), max(v for _, v in pairs), residual=int(window),
                     format_version=int(format_version), layer_bits=pairs, head_bits=heads, seed=seed,
-                    num_layers=len(pairs), key_mean=bool(key_offset), sinks=int(sinks))
+                    num_layers=len(pairs), key_mean=bool(key_offset), sinks=int(sinks), scale_group=int(scale_group))
     q.options = {"scale_rule": q.scale_rule, "rotation": True, "sink_tokens": int(sinks), "window_tokens": int(window),
-                 "group": 32, "layer_bits": [list(p) for p in pairs]}
+                 "group": fmt.GROUP_SIZE, "scale_group": q.scale_group or fmt.SCALE_GROUP,
+                 "layer_bits": [list(p) for p in pairs]}
     if heads:
         q.options["head_bits"] = [[list(p) for p in layer] for layer in heads]
     if format_version:
@@ -94,7 +97,7 @@ def load_plans(path: str, num_layers: int = 0, seed: int = 0) -> List[KVQuantize
             out.append(planned_quantizer(str(r["config"]), bits, int(r.get("window_tokens", 0)),
                                          int(r.get("format_version") or 0), seed=seed, head_bits=heads,
                                          key_offset=bool(r.get("key_offset", False)),
-                                         sinks=int(r.get("sink_tokens", 0))))
+                                         sinks=int(r.get("sink_tokens", 0)), scale_group=int(r.get("scale_group") or 0)))
     if not out:
         raise ValueError(f"{path}: no plan rows (suite 'plan'; write them with fmkv-eval plan)")
     return out
@@ -126,7 +129,7 @@ def sensitivity_configs(num_layers: int, k_menu: Sequence[int], v_menu: Sequence
 
 def sensitivity_quantizer(name: str, num_layers: int, kv_heads: int, region: Tuple[int, int], side: str, layer: int,
                           head: int, bits: int, format_version: int = 0, seed: int = 0,
-                          key_offset: bool = False) -> KVQuantizer:
+                          key_offset: bool = False, scale_group: int = 0) -> KVQuantizer:
     """The quantizer of one sensitivity config: ``side`` of ``layer`` (only kv head ``head`` when >= 0) at
     ``bits`` with the (window, sinks) ``region`` in fp16, every other K/V in fp16 (``key_offset``: the quantized keys
     minus their offset, as the plan's)."""
@@ -135,21 +138,23 @@ def sensitivity_quantizer(name: str, num_layers: int, kv_heads: int, region: Tup
     if head < 0:
         layer_bits = [(16, 16)] * num_layers
         layer_bits[layer] = pair
-        return planned_quantizer(name, layer_bits, window, format_version, seed, key_offset=key_offset, sinks=sinks)
+        return planned_quantizer(name, layer_bits, window, format_version, seed, key_offset=key_offset, sinks=sinks,
+                                 scale_group=scale_group)
     heads = [[(16, 16)] * kv_heads for _ in range(num_layers)]
     heads[layer][head] = pair
     return planned_quantizer(name, [], window, format_version, seed, head_bits=heads, key_offset=key_offset,
-                             sinks=sinks)
+                             sinks=sinks, scale_group=scale_group)
 
 
 def load_sensitivity(path: str, configs: Dict[str, tuple], k_menu: Sequence[int],
                      v_menu: Sequence[int], units: int, calib_tokens: int,
-                     key_offset: bool = False) -> Tuple[Dict[tuple, np.ndarray], int]:
+                     key_offset: bool = False, scale_group: int = 0) -> Tuple[Dict[tuple, np.ndarray], int]:
     """The sensitivity matrices ({((W, sinks), side): [units, menu]}) of every config of ``configs`` (sensitivity_configs)
     from the "plan-sensitivity" rows of an earlier plan JSONL, and their calibration token count (which must be
     ``calib_tokens``); rows measured with the key offset are used only with ``key_offset`` and the others only
-    without it; ValueError naming what is missing or different."""
-    rows, other = {}, 0
+    without it, and likewise rows of another scale group (``scale_group``, 0: the default) are not used; ValueError
+    naming what is missing or different."""
+    rows, other, other_sg = {}, 0, 0
     with open(path) as f:
         for line in f:
             if line.strip():
@@ -158,11 +163,15 @@ def load_sensitivity(path: str, configs: Dict[str, tuple], k_menu: Sequence[int]
                     if bool(r.get("key_offset", False)) != bool(key_offset):
                         other += 1
                         continue
+                    if (int(r.get("scale_group") or 0) or fmt.SCALE_GROUP) != (int(scale_group) or fmt.SCALE_GROUP):
+                        other_sg += 1
+                        continue
                     rows[((int(r["window_tokens"]), int(r.get("sink_tokens", 0))), r["side"], int(r["bits"]))] = r
     if not rows:
         raise ValueError(f"{path}: no sensitivity rows (suite 'plan-sensitivity')" + (
             f"; its {other} rows were measured " + ("without" if key_offset else "with") + " the key offset"
-            + (" (drop --key-offset)" if key_offset else " (pass --key-offset)") if other else ""))
+            + (" (drop --key-offset)" if key_offset else " (pass --key-offset)") if other else "")
+            + (f"; {other_sg} rows were measured with another scale group (--scale-group)" if other_sg else ""))
     per_head = any(h >= 0 for (_, _, _, h, _) in configs.values())
     out: Dict[tuple, np.ndarray] = {}
     counts = set()
@@ -197,18 +206,19 @@ def budget_from_memory(memory_bytes: float, context: int, num_layers: int, kv_he
     return float(memory_bytes) / (float(context) * num_layers * kv_heads * batch)
 
 
-def side_bytes(d: int, bits: int) -> int:
-    """Bytes per token per kv head of one side at ``bits`` (16: fp16), the format's count."""
+def side_bytes(d: int, bits: int, scale_group: int = 0) -> int:
+    """Bytes per token per kv head of one side at ``bits`` (16: fp16) with ``scale_group``, the format's count."""
     if bits == 16:
         return 2 * d
     import fmkv
 
-    return int(fmkv.bytes_per_token_head(d, bits))
+    return int(fmkv.bytes_per_token_head(d, bits, scale_group))
 
 
 def allocate(sens_k: np.ndarray, sens_v: np.ndarray, k_menu: Sequence[int], v_menu: Sequence[int], d: int,
              budget: float, window: int = 0, ctx: int = 2048, heads: int = 1,
-             max_groups: int = 0, sinks: int = 0) -> Optional[Tuple[List[Tuple[int, int]], float, float]]:
+             max_groups: int = 0, sinks: int = 0,
+             scale_group: int = 0) -> Optional[Tuple[List[Tuple[int, int]], float, float]]:
     """Exact minimum of sum_i sens_k[i, k_i] + sens_v[i, v_i] with mean bytes <= budget.
 
     sens_k [units, len(k_menu)], sens_v [units, len(v_menu)]: predicted KLD per choice (0 for fp16); a unit is a
@@ -225,7 +235,7 @@ def allocate(sens_k: np.ndarray, sens_v: np.ndarray, k_menu: Sequence[int], v_me
     cap = int(math.floor(q_max * n + 1e-9))
     if cap < 0:
         return None
-    choices = [(kb, vb, side_bytes(d, kb) + side_bytes(d, vb)) for kb in k_menu for vb in v_menu]
+    choices = [(kb, vb, side_bytes(d, kb, scale_group) + side_bytes(d, vb, scale_group)) for kb in k_menu for vb in v_menu]
     value = np.array([[sens_k[u, list(k_menu).index(kb)] + sens_v[u, list(v_menu).index(vb)] for kb, vb, _ in choices]
                       for u in range(n)])
     if heads > 1 and 0 < max_groups < heads:
@@ -304,16 +314,17 @@ def _layer_options(value: np.ndarray, choices: Sequence[Tuple[int, int, int]], m
 
 
 def uniform_candidates(k_menu: Sequence[int], v_menu: Sequence[int], regions: Sequence[Tuple[int, int]], d: int,
-                       budget: float, ctx: int) -> List[Tuple[str, float]]:
+                       budget: float, ctx: int, scale_group: int = 0) -> List[Tuple[str, float]]:
     """Uniform fmkv configs (every layer the same widths) of the menus and (window, sinks) regions that fit the
     budget, with their bytes."""
     out = []
     for kb, vb, (w, sk) in itertools.product(k_menu, v_menu, regions):
         if kb == 16 and vb == 16:
             continue
-        q = side_bytes(d, kb) + side_bytes(d, vb)
+        q = side_bytes(d, kb, scale_group) + side_bytes(d, vb, scale_group)
         f = w + sk
         b = (q * (ctx - f) + 4.0 * d * f) / ctx
         if b <= budget + 1e-9:
-            out.append((f"k{kb}v{vb}" + (f"-w{w}" if w else "") + (f"-s{sk}" if sk else ""), b))
+            out.append((f"k{kb}v{vb}" + (f"-w{w}" if w else "") + (f"-s{sk}" if sk else "")
+                        + (f"-g{scale_group}" if scale_group and scale_group != fmt.SCALE_GROUP else ""), b))
     return out

@@ -21,7 +21,8 @@ Config names (``parse_config``):
                    fmkv.eval.e5m2_levels; ``-ve5m2``: on V only, the format-3 candidate's
                    V levels, whose K levels are the int8 grid's, within 0.003% of Lloyd-Max),
                    ``-fmt3`` (format version 3's codebooks: 3-bit K and V on integer levels x an fp16
-                   step; 2- and 4-bit codes are format 2's)
+                   step; 2- and 4-bit codes are format 2's), ``-g64`` (scale group 64: one fp16 scale per
+                   64 rotated coordinates, at d = 64 one per vector; the caches' ``scale_group=64``)
 ``quanto-int4``    per-token asymmetric int4 / int2 with one fp16 scale + fp16 zero per group
 ``quanto-int2``    of ``-g<G>`` channels (default 64), as optimum-quanto's KV cache does
 ``kivi-4/kivi-2``  KIVI: K per-channel (groups of 32 tokens), V per-token (groups of 32 channels),
@@ -74,6 +75,7 @@ class KVQuantizer:
     e5m2: bool = False  # research: e5m2-restricted levels (fmkv.eval.e5m2_levels), not format v1
     e5m2_k: bool = True  # ... on K too (False: -ve5m2, V only)
     format_version: int = 0  # fmkv format version (0: the library's default); picks the codebooks
+    scale_group: int = 0  # fmkv: coordinates per fp16 scale (0: the format's default; -g64: 64)
     layer_bits: tuple = ()  # ((k_bits, v_bits) per layer): per-layer widths (fmkv.eval.plan), 16 = fp16
     head_bits: tuple = ()  # (((k_bits, v_bits) per kv head) per layer): per-head widths (fmkv.eval.plan --per-head)
     num_layers: int = 0  # set by the evaluation (needed for boundary layers and bytes)
@@ -87,7 +89,7 @@ class KVQuantizer:
         if self.kind == "fmkv":
             import fmkv  # the format's bytes (include/fmkv/format.h), for any width the layout defines
 
-            return float(fmkv.bytes_per_token_head(d, bits))
+            return float(fmkv.bytes_per_token_head(d, bits, self.scale_group))
         if self.kind == "quanto":
             return d * bits / 8 + (d / self.group) * 4
         if self.kind == "kivi":
@@ -175,7 +177,7 @@ class KVQuantizer:
                 x = x - mu
             levels = e5m2_codebook(bits) if self.e5m2 and (side == "v" or self.e5m2_k) else None
             out = tq.fake_quantize(x, bits, self.seed, layer, self.scale_rule, self.rotate, levels=levels,
-                                   format_version=self.format_version, side=side)
+                                   format_version=self.format_version, side=side, scale_group=self.scale_group)
             return (out if mu is None else out + mu).to(dt)
         if self.kind == "quanto":
             return _asym_groups(x, bits, self.group, axis=-1).to(dt)
@@ -262,6 +264,11 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
                 q.e5m2, q.e5m2_k = True, False
             elif mod == "fmt3":
                 q.format_version = 3
+            elif re.fullmatch(r"g\d+", mod):
+                q.scale_group = int(mod[1:])
+                if q.scale_group not in fmt.SCALE_GROUPS:
+                    raise ValueError(f"config {name!r}: scale group {q.scale_group} is not supported "
+                                     f"({' or '.join(map(str, fmt.SCALE_GROUPS))})")
             elif mod == "km":
                 q.key_mean = True
             elif re.fullmatch(r"kms\d+", mod):
@@ -284,7 +291,8 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
                      "window_tokens": q.residual, "key_mean": q.key_mean, "key_mean_skip": q.key_mean_skip,
                      "value_mean": q.value_mean,
                      "fp16_boundary_layers": q.boundary, "fp16_layers": list(q.fp16_layers),
-                     "only_layer": q.only_layer, "group": 32}
+                     "only_layer": q.only_layer, "group": fmt.GROUP_SIZE,
+                     "scale_group": q.scale_group or fmt.SCALE_GROUP}
         if q.format_version:
             q.options["format_version"] = q.format_version
         if q.e5m2 and q.format_version:

@@ -22,7 +22,9 @@
   ``boundary_v_bits``) or ``layer_bits`` (a (k_bits, v_bits) pair per layer, e.g. a budget plan of
   ``fmkv-eval plan``) or ``head_bits`` (a pair per kv head of every layer: ``fmkv-eval plan --per-head``;
   a layer with several pairs is one layer per pair over its heads, fmkv.hf.head_groups), ``scale_rule`` ('lsq' default, or 'rms'), rotation ``seed``, ``format_version``
-  (0: the library's default; 3: format 3's 3-bit codes), ``key_offset`` (keys minus their mean over each
+  (0: the library's default; 3: format 3's 3-bit codes), ``scale_group`` (rotated coordinates per fp16 scale:
+  0 = the default ``fmkv.format.SCALE_GROUP``, or one of ``fmkv.format.SCALE_GROUPS``; 64 saves 2 bytes per 64
+  coordinates of each token and head, on the host backends 'ref' / 'cpu' -- 'cuda' refuses it), ``key_offset`` (keys minus their mean over each
   sequence's first 128 tokens, fixed by the first chunk: softmax ignores it, the codes see centred keys;
   fmkv.key_offset), ``backend`` (default: the device's), ``device``.
 * The host keeps each layer's length (a Python int: it plans each CUDA call for the actual length),
@@ -94,9 +96,10 @@ class FmkvLayer(FixedLayerOps, CacheLayerMixin):
                  page_size: int = 64, sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                  scale_rule: str = "lsq", seed: int = 0, backend: Optional[str] = None,
                  prefill: str = "full", device=None, fused: bool = True, format_version: int = 0,
-                 key_offset: bool = False):
+                 key_offset: bool = False, scale_group: int = 0):
         super().__init__()
         self.fused = bool(fused)
+        self.scale_group = int(scale_group)
         self.key_offset = bool(key_offset)
         self.key_mu: Optional[torch.Tensor] = None  # [batch, kv_heads, 1, head_dim] (key_offset): set by the first chunk
         self.format_version = int(format_version)
@@ -140,7 +143,8 @@ class FmkvLayer(FixedLayerOps, CacheLayerMixin):
         self.config = fmkv.Config(head_dim=d, num_kv_heads=h, k_bits=self.k_bits, v_bits=self.v_bits,
                                   page_size=self.page_size, sink_tokens=self.sink_tokens,
                                   window_tokens=self.window_tokens, scale_rule=self.scale_rule,
-                                  seed=layer_seed(self.seed, self.layer_idx), format_version=self.format_version)
+                                  seed=layer_seed(self.seed, self.layer_idx), format_version=self.format_version,
+                                  scale_group=self.scale_group)
         self._cfg = torch_ops.config_to_list(self.config)
         pps = pages_per_sequence(self.max_cache_len, self.sink_tokens, self.page_size)
         R = self.sink_tokens + self.window_tokens
@@ -373,9 +377,11 @@ class FmkvCache(Cache):
                  boundary_layers: int = 0, boundary_k_bits: int = 16, boundary_v_bits: int = 4,
                  scale_rule: str = "lsq", seed: int = 0, backend: Optional[str] = None,
                  prefill: str = "full", set_attention: bool = True, device=None, fused: bool = True,
-                 format_version: int = 0, layer_bits=None, head_bits=None, key_offset: bool = False):
+                 format_version: int = 0, layer_bits=None, head_bits=None, key_offset: bool = False,
+                 scale_group: int = 0):
         if prefill not in ("full", "compressed"):
             raise ValueError("prefill must be 'full' or 'compressed'")
+        scale_group = fmkv.Config(scale_group=scale_group).scale_group  # checked now, not at the first update
         text = text_config(config)
         types = layer_types(text)
         n = len(types)
@@ -392,7 +398,7 @@ class FmkvCache(Cache):
                 raise ValueError(f"layer {i}: type {t!r} is not supported by FmkvCache")
             groups = width_groups(heads[i]) if heads is not None else [(widths[i], None)]
             parts = [(FmkvLayer(i, kb, vb, max_cache_len, page_size, sink_tokens, window_tokens, scale_rule, seed,
-                                backend, prefill, device, fused, format_version, key_offset), h)
+                                backend, prefill, device, fused, format_version, key_offset, scale_group), h)
                      for (kb, vb), h in groups]
             layers.append(parts[0][0] if len(parts) == 1 else FmkvHeadGroupLayer(i, parts, kv_heads,
                                                                                    q_heads // kv_heads))
@@ -403,7 +409,7 @@ class FmkvCache(Cache):
                             scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend,
                             device=None if device is None else str(device), fused=fused,
                             format_version=format_version, layer_bits=None if layer_bits is None else widths,
-                            head_bits=heads, key_offset=bool(key_offset))
+                            head_bits=heads, key_offset=bool(key_offset), scale_group=scale_group)
         if set_attention:
             use_fmkv_attention(config)
 

@@ -78,9 +78,10 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
     def __init__(self, layer_idx: int, max_cache_len: int, k_bits: int = 3, v_bits: int = 3, page_size: int = 64,
                  sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS, scale_rule: str = "lsq",
                  seed: int = 0, backend: Optional[str] = None, prefill: str = "full", format_version: int = 0,
-                 key_offset: bool = False):
+                 key_offset: bool = False, scale_group: int = 0):
         super().__init__()
         self.format_version = int(format_version)
+        self.scale_group = int(scale_group)
         self.key_offset = bool(key_offset)
         self.key_mu: Optional[torch.Tensor] = None  # [batch, kv_heads, 1, head_dim] (key_offset), zeros until set
         self._mu_set: List[bool] = []  # host: which sequences' offsets their first chunk has set
@@ -113,7 +114,8 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
         return fmkv.Config(head_dim=int(head_dim), num_kv_heads=int(num_kv_heads), k_bits=self.k_bits,
                            v_bits=self.v_bits, page_size=self.page_size, sink_tokens=self.sink_tokens,
                            window_tokens=self.window_tokens, scale_rule=self.scale_rule,
-                           seed=layer_seed(self.seed, self.layer_idx), format_version=self.format_version)
+                           seed=layer_seed(self.seed, self.layer_idx), format_version=self.format_version,
+                           scale_group=self.scale_group)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate every tensor for key_states' batch, heads, head_dim and device (also the entry point of
@@ -474,14 +476,17 @@ class FmkvStaticCache(Cache):
     """transformers Cache of static shape whose full-attention layers hold compressed fmkv storage and
     whose decode step is capturable in one CUDA graph (module docstring). Options as FmkvCache's;
     ``batch_size`` + ``device`` allocate at construction (``dtype``: of transformers' sliding-window
-    layers, default the config's; fmkv layers store uint8 pages and fp16 regions)."""
+    layers, default the config's; fmkv layers store uint8 pages and fp16 regions). ``scale_group`` as FmkvCache's
+    (64 on the host backends only: 'cuda' refuses it at the first append)."""
 
     def __init__(self, config, max_cache_len: int, k_bits: int = 3, v_bits: int = 3, page_size: int = 64,
                  sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS, boundary_layers: int = 0,
                  boundary_k_bits: int = 16, boundary_v_bits: int = 4, scale_rule: str = "lsq", seed: int = 0,
                  backend: Optional[str] = None, prefill: str = "full", set_attention: bool = True,
                  batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None,
-                 format_version: int = 0, layer_bits=None, head_bits=None, key_offset: bool = False):
+                 format_version: int = 0, layer_bits=None, head_bits=None, key_offset: bool = False,
+                 scale_group: int = 0):
+        scale_group = fmkv.Config(scale_group=scale_group).scale_group  # checked now, not at the first update
         text = text_config(config)
         types = layer_types(text)
         n = len(types)
@@ -497,7 +502,8 @@ class FmkvStaticCache(Cache):
                 raise ValueError(f"layer {i}: type {t!r} is not supported by FmkvStaticCache")
             groups = width_groups(heads[i]) if heads is not None else [(widths[i], None)]
             parts = [(FmkvStaticLayer(i, max_cache_len, kb, vb, page_size, sink_tokens, window_tokens, scale_rule,
-                                      seed, backend, prefill, format_version, key_offset), h) for (kb, vb), h in groups]
+                                      seed, backend, prefill, format_version, key_offset, scale_group), h)
+                     for (kb, vb), h in groups]
             layers.append(parts[0][0] if len(parts) == 1 else FmkvStaticHeadGroupLayer(
                 i, parts, len(heads[i]), int(text.num_attention_heads) // len(heads[i])))
         super().__init__(layers=layers)
@@ -507,7 +513,7 @@ class FmkvStaticCache(Cache):
                             boundary_k_bits=boundary_k_bits, boundary_v_bits=boundary_v_bits,
                             scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend,
                             format_version=format_version, layer_bits=None if layer_bits is None else widths,
-                            head_bits=heads, key_offset=bool(key_offset))
+                            head_bits=heads, key_offset=bool(key_offset), scale_group=scale_group)
         if set_attention:
             use_fmkv_attention(config)
         if batch_size is not None:
@@ -592,11 +598,11 @@ class FmkvStaticCache(Cache):
     def bytes_per_sequence(config, max_cache_len: int, k_bits: int = 3, v_bits: int = 3, page_size: int = 64,
                            sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                            boundary_layers: int = 0, boundary_k_bits: int = 16, boundary_v_bits: int = 4,
-                           layer_bits=None, head_bits=None) -> int:
+                           layer_bits=None, head_bits=None, scale_group: int = 0) -> int:
         """Device bytes one sequence slot of an FmkvStaticCache with these options allocates over all
         full-attention layers (page pool + fp16 regions + its block-table row, length and offsets), from
         the format's page and region sizes: what a batch of B slots takes is B times this (plus a few
-        bytes per layer). Sliding-window layers are not counted. ``layer_bits``: as the constructor's."""
+        bytes per layer). Sliding-window layers are not counted. ``layer_bits``, ``scale_group``: as the constructor's."""
         text = text_config(config)
         kv_heads, head_dim = _kv_shape(text)
         types = layer_types(text)
@@ -614,7 +620,7 @@ class FmkvStaticCache(Cache):
             groups = width_groups(heads[i]) if heads is not None else [(widths[i], range(kv_heads))]
             for (kb, vb), h in groups:  # each width group is a layer of its own (pages, regions, index)
                 c = fmkv.Config(head_dim=head_dim, num_kv_heads=len(h), k_bits=kb, v_bits=vb, page_size=page_size,
-                                sink_tokens=sink_tokens, window_tokens=window_tokens)
+                                sink_tokens=sink_tokens, window_tokens=window_tokens, scale_group=scale_group)
                 total += pps * c.page_bytes + c.fp16_slot_bytes + index
         return total
 

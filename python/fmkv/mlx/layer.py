@@ -13,6 +13,9 @@ bits) and, on the GPU runtimes, eight uint32 status words. Bytes are those of th
 section 3), so a model's layers stored here hold the bytes of one multi-layer fmkv cache. The config's
 ``format_version`` (0 = the default, 2 or 3) goes to every runtime: the GPU kernels read it from their
 parameter block (format 3's 3-bit sections: integer levels, tile blocks), the host backends from the config.
+The config's ``scale_group`` other than the default (``fmkv.format.SCALE_GROUP``; 64: one fp16 scale per 64
+coordinates) runs on the host runtime only: the kernel core of the GPU runtimes stores one scale per code group,
+so :class:`MlxLayer` refuses such a config on 'metal' / 'cuda' when it is made (:func:`check_runtime_config`).
 """
 from __future__ import annotations
 
@@ -57,6 +60,15 @@ def resolve_runtime(runtime: Optional[str] = None) -> str:
     return runtime
 
 
+def check_runtime_config(runtime: str, config: "fmkv.Config", what: str = "MlxLayer") -> None:
+    """Refuse (FmkvError naming the option and the runtime) a config the runtime cannot store: a scale group other
+    than the default on the GPU runtimes, whose kernel core writes and reads one fp16 scale per code group."""
+    if runtime != "host" and (config.scale_group or _fmkv.SCALE_GROUP) != _fmkv.SCALE_GROUP:
+        raise FmkvError(f"{what}: scale_group {config.scale_group} is not supported by the MLX {runtime!r} runtime "
+                        f"(fmkv's GPU kernel core stores one fp16 scale per {_fmkv.SCALE_GROUP} coordinates); use "
+                        f"runtime='host' (the C library's host backends) or scale_group 0")
+
+
 def _ops(runtime: str, backend: Optional[str], options: Dict):
     if runtime == "host":
         from .host import HostOps
@@ -83,6 +95,7 @@ class MlxLayer:
     over everything cached (causal among the n). On the GPU runtimes both are lazy MLX operations;
     kernel-detected errors are recorded in the status words and raised by :meth:`check`.
     ``gpu_options`` tune the GPU launch (fmkv.mlx.gpu.GpuOps: threads, simdgroups, target_groups...).
+    A config with a scale group other than the default is refused on the GPU runtimes (FmkvError at construction).
     """
 
     def __init__(self, config: "fmkv.Config", layer: int = 0, batch: int = 1, max_tokens: int = 4096,
@@ -97,6 +110,7 @@ class MlxLayer:
         self.batch = int(batch)
         self.max_tokens = int(max_tokens)
         self.runtime = resolve_runtime(runtime)
+        check_runtime_config(self.runtime, config)
         self.ops = _ops(self.runtime, backend, gpu_options)
         self.raw = config._raw()
         self.cfg_fields = dict(head_dim=config.head_dim, num_kv_heads=config.num_kv_heads, k_bits=config.k_bits,

@@ -30,9 +30,9 @@ from __future__ import annotations
 import sys
 from typing import Any, List, Optional
 
-from .. import Config, FmkvError, _args, format_version as fmkv_format_version
+from .. import Config, FmkvError, _args, _fmkv, format_version as fmkv_format_version
 from ..key_offset import first_tokens_mean
-from .layer import MlxLayer
+from .layer import MlxLayer, check_runtime_config, resolve_runtime
 
 __all__ = ["FmkvKVCache", "make_prompt_cache", "install", "DEFAULT_WINDOW_TOKENS"]
 
@@ -58,11 +58,14 @@ class _Compressed:
 
 
 _STATE_SCALARS = ("offset", "k_bits", "v_bits", "page_size", "sink_tokens", "window_tokens", "scale_rule", "seed",
-                  "layer", "batch", "max_tokens", "prefill", "num_kv_heads", "head_dim", "format_version", "key_offset")
-# Older states: saved before the key offset (those scalars less the last, no offset, no offset array) and before
-# the cache recorded its format version (less the last two, always format version 2).
-_STATE_SCALARS_NO_OFFSET = _STATE_SCALARS[:-1]
-_STATE_SCALARS_V2 = _STATE_SCALARS[:-2]
+                  "layer", "batch", "max_tokens", "prefill", "num_kv_heads", "head_dim", "format_version", "key_offset",
+                  "scale_group")
+# Older states: saved before the scale group (those scalars less the last, then the offset array: scale group 0),
+# before the key offset (less the last two, no offset array) and before the cache recorded its format version (less
+# the last three, always format version 2).
+_STATE_SCALARS_NO_SCALE_GROUP = _STATE_SCALARS[:-1]
+_STATE_SCALARS_NO_OFFSET = _STATE_SCALARS[:-2]
+_STATE_SCALARS_V2 = _STATE_SCALARS[:-3]
 
 
 class FmkvKVCache(_BaseCache):
@@ -71,19 +74,25 @@ class FmkvKVCache(_BaseCache):
     k_bits 2/3/4/16, v_bits 2/3/4; ``window_tokens`` recent tokens (and ``sink_tokens`` first ones)
     kept in fp16; ``max_tokens`` per sequence (pages are allocated up front at the first update);
     ``layer`` selects the layer's rotation signs; ``format_version`` 0 (the library's default), 2 or 3
-    (fmkv.Config's); ``key_offset``: keys minus their mean over each sequence's first 128 tokens, fixed by the
-    first chunk (fmkv.key_offset; softmax ignores it); ``runtime`` 'metal' / 'cuda' / 'host' (default: MLX's
-    default device); ``gpu_options`` go to fmkv.mlx.gpu.GpuOps.
+    (fmkv.Config's); ``scale_group`` 0 (the default, ``fmkv.format.SCALE_GROUP`` coordinates per fp16 scale) or one
+    of ``fmkv.format.SCALE_GROUPS`` (fmkv.Config's; a non-default one on the host runtime only: the GPU runtimes
+    refuse it when the cache is made; saved with the state, older states load with 0); ``key_offset``: keys minus
+    their mean over each sequence's first 128 tokens, fixed by the first chunk (fmkv.key_offset; softmax ignores it);
+    ``runtime`` 'metal' / 'cuda' / 'host' (default: MLX's default device); ``gpu_options`` go to fmkv.mlx.gpu.GpuOps.
     """
 
     def __init__(self, k_bits: int = 4, v_bits: int = 4, window_tokens: int = DEFAULT_WINDOW_TOKENS,
                  sink_tokens: int = 0, page_size: int = 64, max_tokens: int = 4096, scale_rule: str = "lsq",
                  seed: int = 0, layer: int = 0, runtime: Optional[str] = None, prefill: str = "full",
-                 format_version: int = 0, key_offset: bool = False, **gpu_options):
+                 format_version: int = 0, key_offset: bool = False, scale_group: int = 0, **gpu_options):
         if prefill not in ("full", "compressed"):
             raise FmkvError("prefill must be 'full' or 'compressed'")
-        # checked now (not at the first update): the version the cache will write and save
-        self.format_version = Config(format_version=format_version).format_version or fmkv_format_version()
+        # checked now (not at the first update): the version the cache will write and save, its scale group
+        checked = Config(format_version=format_version, scale_group=scale_group)
+        self.format_version = checked.format_version or fmkv_format_version()
+        self.scale_group = checked.scale_group
+        if self.scale_group not in (0, _fmkv.SCALE_GROUP):  # refused now where the runtime cannot store it
+            check_runtime_config(resolve_runtime(runtime), checked, "FmkvKVCache")
         self.k_bits, self.v_bits = int(k_bits), int(v_bits)
         self.window_tokens, self.sink_tokens = int(window_tokens), int(sink_tokens)
         self.page_size, self.max_tokens = int(page_size), int(max_tokens)
@@ -100,12 +109,14 @@ class FmkvKVCache(_BaseCache):
     def __repr__(self) -> str:
         return (f"FmkvKVCache(layer={self.layer}, k{self.k_bits}v{self.v_bits}, format {self.format_version}, offset={self.offset}, "
                 f"window={self.window_tokens}, runtime={self.fmkv.runtime if self.fmkv else self.runtime}"
+                + (f", scale_group {self.scale_group}" if self.scale_group else "")
                 + (", key_offset" if self.key_offset else "") + ")")
 
     def _allocate(self, batch: int, heads: int, head_dim: int) -> None:
         cfg = Config(head_dim=head_dim, num_kv_heads=heads, k_bits=self.k_bits, v_bits=self.v_bits,
                      page_size=self.page_size, sink_tokens=self.sink_tokens, window_tokens=self.window_tokens,
-                     scale_rule=self.scale_rule, seed=self.seed, format_version=self.format_version)
+                     scale_rule=self.scale_rule, seed=self.seed, format_version=self.format_version,
+                     scale_group=self.scale_group)
         self.fmkv = MlxLayer(cfg, layer=self.layer, batch=batch, max_tokens=self.max_tokens, runtime=self.runtime,
                              **self.gpu_options)
         self.batch, self.num_kv_heads, self.head_dim = batch, heads, head_dim
@@ -186,7 +197,7 @@ class FmkvKVCache(_BaseCache):
     def _scalars(self) -> List[Any]:
         return [self.offset, self.k_bits, self.v_bits, self.page_size, self.sink_tokens, self.window_tokens,
                 self.scale_rule, str(self.seed), self.layer, self.batch, self.max_tokens, self.prefill,
-                self.num_kv_heads, self.head_dim, self.format_version, int(self.key_offset)]
+                self.num_kv_heads, self.head_dim, self.format_version, int(self.key_offset), self.scale_group]
 
     @property
     def state(self):
@@ -202,10 +213,12 @@ class FmkvKVCache(_BaseCache):
         key_mu = None
         if len(scalars) == len(_STATE_SCALARS) + 1:
             scalars, key_mu = scalars[:-1], scalars[-1]
+        elif len(scalars) == len(_STATE_SCALARS_NO_SCALE_GROUP) + 1:
+            scalars, key_mu = [*scalars[:-1], 0], scalars[-1]
         elif len(scalars) == len(_STATE_SCALARS_NO_OFFSET):
-            scalars = [*scalars, 0]
+            scalars = [*scalars, 0, 0]
         elif len(scalars) == len(_STATE_SCALARS_V2):
-            scalars = [*scalars, 2, 0]
+            scalars = [*scalars, 2, 0, 0]
         if len(scalars) != len(_STATE_SCALARS):
             raise FmkvError(f"FmkvKVCache state: {len(scalars)} scalars, expected {len(_STATE_SCALARS)}")
         vals = dict(zip(_STATE_SCALARS, scalars))
@@ -214,7 +227,8 @@ class FmkvKVCache(_BaseCache):
                              page_size=int(vals["page_size"]), max_tokens=int(vals["max_tokens"]),
                              scale_rule=str(vals["scale_rule"]), seed=int(vals["seed"]), layer=int(vals["layer"]),
                              prefill=str(vals["prefill"]), format_version=int(vals["format_version"]),
-                             key_offset=bool(int(vals["key_offset"])), runtime=getattr(self, "runtime", None),
+                             key_offset=bool(int(vals["key_offset"])), scale_group=int(vals["scale_group"]),
+                             runtime=getattr(self, "runtime", None),
                              **getattr(self, "gpu_options", {}))
         if pages is None:
             return
