@@ -121,7 +121,7 @@ void fill_cache(const fmkv_config& c, std::vector<uint8_t>& pages, int64_t num_p
           for (int64_t i = 0; i < (int64_t)P * d; ++i) v[i] = tab[r.next() & 1023];
         } else {
           uint16_t* sc = (uint16_t*)(sec + fmkv_scales_offset(d, bits, P));
-          for (int64_t i = 0; i < (int64_t)fmkv_groups(d) * P; ++i) sc[i] = (uint16_t)(0x3400u + (r.next() & 0x3ffu));
+          for (int64_t i = 0; i < (int64_t)fmkv_scales_per_vector(d, c.scale_group) * P; ++i) sc[i] = (uint16_t)(0x3400u + (r.next() & 0x3ffu));
         }
       }
 }
@@ -134,6 +134,7 @@ int main(int argc, char** argv) {
   bool skip_quant = false;
   int only_kb = 0, only_geom = -1;
   int32_t format_version = 0;  // the caches' fmkv_config.format_version (0: the library's default)
+  int32_t scale_group = 0;     // the caches' fmkv_config.scale_group (0: the default)
   auto fail = [](const std::string& m) {
     std::fprintf(stderr, "cpu_bench: %s\n", m.c_str());
     std::exit(2);
@@ -172,13 +173,16 @@ int main(int argc, char** argv) {
       only_geom = (int)number(i, a, 0, 1);
     } else if (a == "--format-version") {
       format_version = (int32_t)number(i, a, 0, 99);  // the C API names an unsupported version
+    } else if (a == "--scale-group") {
+      scale_group = (int32_t)number(i, a, 0, 4096);  // the C API names an unsupported scale group
     } else if (a == "--skip-quant") {
       skip_quant = true;
     } else if (a == "--quick") {
       contexts = {4096, 32768};
       reps_override = 3;
     } else {
-      fail("unknown flag '" + a + "' (--contexts, --reps, --quick, --format-version, --kbits, --geom, --skip-quant)");
+      fail("unknown flag '" + a + "' (--contexts, --reps, --quick, --format-version, --scale-group, --kbits, --geom, "
+           "--skip-quant)");
     }
   }
   if (!fmkv_backend_available(FMKV_BACKEND_CPU)) {
@@ -207,6 +211,7 @@ int main(int argc, char** argv) {
     c.v_bits = f.vb;
     c.page_size = 64;
     c.format_version = format_version;
+    c.scale_group = scale_group;
     check(fmkv_config_validate(&c), "config");
     const int64_t T = 4096, np = T / c.page_size;
     std::vector<uint8_t> pages((size_t)(np * fmkv_config_page_bytes(&c)));
@@ -230,14 +235,14 @@ int main(int argc, char** argv) {
     double bytes = 2.0 * T * 8 * 128 * 4;
     std::printf("{\"op\":\"quantize_append_api\",\"batch\":1,\"q_len\":%lld,\"context\":%lld,\"head_dim\":128,\"q_heads\":32,"
                 "\"kv_heads\":8,\"layers\":1,\"k_bits\":%d,\"v_bits\":%d,\"page_size\":64,\"time_us\":%.1f,\"bytes\":%.0f,"
-                "\"gbps\":%.3f,\"gbps_per_core\":%.3f,\"threads\":%d,\"copy_gbps\":%.3f,\"pct_copy_bw\":%.2f,\"format_version\":%d}\n",
+                "\"gbps\":%.3f,\"gbps_per_core\":%.3f,\"threads\":%d,\"copy_gbps\":%.3f,\"pct_copy_bw\":%.2f,\"format_version\":%d,\"scale_group\":%d}\n",
                 (long long)T, (long long)T, f.kb, f.vb, us_api, bytes, bytes / (us_api * 1e3), bytes / (us_api * 1e3) / used_threads,
-                used_threads, copy, 100.0 * bytes / (us_api * 1e3) / copy, fmkv_resolved_format_version(format_version));
+                used_threads, copy, 100.0 * bytes / (us_api * 1e3) / copy, fmkv_resolved_format_version(format_version), fmkv_resolved_scale_group(scale_group));
     std::printf("{\"op\":\"quantize_append\",\"batch\":1,\"q_len\":%lld,\"context\":%lld,\"head_dim\":128,\"q_heads\":32,"
                 "\"kv_heads\":8,\"layers\":1,\"k_bits\":%d,\"v_bits\":%d,\"page_size\":64,\"time_us\":%.1f,\"bytes\":%.0f,"
-                "\"gbps\":%.3f,\"gbps_per_core\":%.3f,\"threads\":%d,\"copy_gbps\":%.3f,\"pct_copy_bw\":%.2f,\"format_version\":%d}\n",
+                "\"gbps\":%.3f,\"gbps_per_core\":%.3f,\"threads\":%d,\"copy_gbps\":%.3f,\"pct_copy_bw\":%.2f,\"format_version\":%d,\"scale_group\":%d}\n",
                 (long long)T, (long long)T, f.kb, f.vb, us, bytes, bytes / (us * 1e3), bytes / (us * 1e3) / used_threads,
-                used_threads, copy, 100.0 * bytes / (us * 1e3) / copy, fmkv_resolved_format_version(format_version));
+                used_threads, copy, 100.0 * bytes / (us * 1e3) / copy, fmkv_resolved_format_version(format_version), fmkv_resolved_scale_group(scale_group));
     std::fflush(stdout);
   }
 
@@ -260,6 +265,7 @@ int main(int argc, char** argv) {
       c.page_size = 64;
       c.seed = 1234;
       c.format_version = format_version;
+      c.scale_group = scale_group;
       check(fmkv_config_validate(&c), "config");
       const int64_t np = (max_ctx + c.page_size - 1) / c.page_size;
       std::vector<uint8_t> pages;
@@ -282,15 +288,15 @@ int main(int argc, char** argv) {
         double us = median_us(reps, [&] {
           check(fmkv_attention(FMKV_BACKEND_CPU, &c, &lc, &bt, &qt, nullptr, &ot, nullptr, 0, nullptr), "attention");
         });
-        double bytes = (double)ctx * gm.hkv * (fmkv_bytes_per_token_head(gm.d, f.kb, 0) + fmkv_bytes_per_token_head(gm.d, f.vb, 0)) +
+        double bytes = (double)ctx * gm.hkv * (fmkv_bytes_per_token_head(gm.d, f.kb, scale_group) + fmkv_bytes_per_token_head(gm.d, f.vb, scale_group)) +
                        2.0 * gm.hq * gm.d * 4;
         double gbps = bytes / (us * 1e3);
         std::printf("{\"op\":\"decode_attention\",\"batch\":1,\"q_len\":1,\"context\":%lld,\"head_dim\":%d,\"q_heads\":%d,"
                     "\"kv_heads\":%d,\"layers\":1,\"k_bits\":%d,\"v_bits\":%d,\"page_size\":64,\"time_us\":%.1f,"
                     "\"bytes\":%.0f,\"gbps\":%.3f,\"copy_gbps\":%.3f,\"pct_copy_bw\":%.2f,\"threads\":%d,\"cpu_us\":%.1f,"
-                    "\"format_version\":%d}\n",
+                    "\"format_version\":%d,\"scale_group\":%d}\n",
                     (long long)ctx, gm.d, gm.hq, gm.hkv, f.kb, f.vb, us, bytes, gbps, copy, 100.0 * gbps / copy, used_threads, g_cpu_us,
-                    fmkv_resolved_format_version(format_version));
+                    fmkv_resolved_format_version(format_version), fmkv_resolved_scale_group(scale_group));
         std::fflush(stdout);
       }
     }

@@ -7,12 +7,13 @@ on CPU (fp32 and bf16, GQA via enable_gqa) for the same decode shapes, prints a 
 with the fields of BENCHMARKS.md ("baseline" = the faster torch dtype; the fp32 time is kept too).
 
 Usage: python3 bench/cpu_bench.py [--bin build-cpu/bench/cpu_bench] [--contexts 4096,32768,131072]
-       [--format-versions 2,3] [--isas best,avx512,avx2] [--out docs/results] [--quick]
+       [--format-versions 2,3] [--scale-groups 32,64] [--isas best,avx512,avx2] [--out docs/results] [--quick]
 Each (ISA, format version) pair is one run of the binary (FMKV_CPU_ISA selects the kernel set; "best" is
 the library's own choice); rows carry `format_version` and `isa`. torch SDPA is timed once per shape.
 Threads: both sides use all cores (FMKV_NUM_THREADS / torch.set_num_threads override).
 """
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -85,6 +86,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--format-versions", default="2,3", help="fmkv format versions, one binary run each")
+    ap.add_argument("--scale-groups", default="32", help="the caches' scale groups (32, 64), one binary run each")
     ap.add_argument("--replot", nargs=2, metavar=("JSONL", "PNG"), help="only redraw PNG from a cpu_decode.jsonl")
     ap.add_argument("--isas", default="best", help="CPU kernel sets (FMKV_CPU_ISA): best, avx512vnni, avx512, avx2, scalar, neon")
     a = ap.parse_args()
@@ -95,14 +97,16 @@ def main():
     binp = find_bin(a.bin)
     threads = int(os.environ.get("FMKV_NUM_THREADS", "0")) or os.cpu_count() or 1
     versions = [int(v) for v in a.format_versions.split(",")]
+    sgs = [int(v) for v in a.scale_groups.split(",")]
     isas = a.isas.split(",")
     for isa in isas:
         if isa not in ("best", "avx512vnni", "avx512", "avx2", "scalar", "neon"):
             sys.exit("--isas: unknown kernel set %r (best, avx512vnni, avx512, avx2, scalar, neon)" % isa)
     decode, quant, infos, seen = [], [], [], set()
     for isa in isas:
-        for fv in versions:
-            cmd = [binp, "--contexts", a.contexts, "--format-version", str(fv)] + (["--reps", "3"] if a.quick else [])
+        for fv, sg in itertools.product(versions, sgs):
+            cmd = ([binp, "--contexts", a.contexts, "--format-version", str(fv), "--scale-group", str(sg)]
+                   + (["--reps", "3"] if a.quick else []))
             env = dict(os.environ)
             env.pop("FMKV_CPU_ISA", None)
             if isa != "best":
@@ -115,10 +119,10 @@ def main():
             if isa != "best" and got != isa:
                 print("  (%s is not available here: the library ran %s; skipped)" % (isa, got))
                 continue
-            if (got, fv) in seen:
-                print("  (%s, format %d already measured; skipped)" % (got, fv))
+            if (got, fv, sg) in seen:
+                print("  (%s, format %d, scale group %d already measured; skipped)" % (got, fv, sg))
                 continue
-            seen.add((got, fv))
+            seen.add((got, fv, sg))
             info_end = next((l for l in lines if l["op"] == "info_end"), {})
             info["loadavg_start_end"] = [info.get("loadavg"), info_end.get("loadavg")]
             infos.append(info)
@@ -141,7 +145,7 @@ def main():
         t = tt[(l["q_heads"], l["kv_heads"], l["head_dim"], l["context"])]
         best = "bf16" if t["bf16"][0] < t["fp32"][0] else "fp32"
         r = {k: l.get(k) for k in FIELDS}
-        r.update(suite="cpu_decode", backend="cpu", device=l["device"], commit=rev, format_version=l["format_version"],
+        r.update(suite="cpu_decode", backend="cpu", device=l["device"], commit=rev, format_version=l["format_version"], scale_group=l.get("scale_group", 32),
                  isa=l["isa"],
                  baseline="torch_sdpa_%s_%s" % (best, t[best][1]), baseline_time_us=round(t[best][0], 1),
                  speedup=round(t[best][0] / l["time_us"], 3))
@@ -151,7 +155,7 @@ def main():
         rows_d.append(r)
     for l in quant:
         r = {k: l.get(k) for k in FIELDS}
-        r.update(suite="cpu_quantize", backend="cpu", device=l["device"], commit=rev, format_version=l["format_version"],
+        r.update(suite="cpu_quantize", backend="cpu", device=l["device"], commit=rev, format_version=l["format_version"], scale_group=l.get("scale_group", 32),
                  isa=l["isa"], baseline=None,
                  baseline_time_us=None, speedup=None, threads=l["threads"], gbps_per_core=l["gbps_per_core"],
                  input_dtype="f32", loadavg_start_end=l["loadavg_start_end"],
@@ -168,16 +172,17 @@ def main():
 
     print("\ndevice: %s   copy bandwidth (read+write, per run): %s GB/s   torch %s, %d threads   load avg %s" %
           (device, ", ".join("%.2f" % i["copy_gbps"] for i in infos), tver, threads, load))
-    print("%-12s %-6s %-3s %-5s %7s %10s %8s %7s %10s %10s %8s %8s" %
-          ("shape", "isa", "fv", "fmt", "ctx", "fmkv_us", "GB/s", "%copy", "sdpa32_us", "sdpa16_us", "x_fp32", "x_best"))
+    print("%-12s %-6s %-3s %-3s %-5s %7s %10s %8s %7s %10s %10s %8s %8s" %
+          ("shape", "isa", "fv", "sg", "fmt", "ctx", "fmkv_us", "GB/s", "%copy", "sdpa32_us", "sdpa16_us", "x_fp32", "x_best"))
     for r in rows_d:
-        print("%-12s %-6s %-3d %-5s %7d %10.1f %8.2f %7.1f %10.1f %10.1f %8.2f %8.2f" %
-              ("%dq/%dkv d%d" % (r["q_heads"], r["kv_heads"], r["head_dim"]), r["isa"], r["format_version"],
+        print("%-12s %-6s %-3d %-3d %-5s %7d %10.1f %8.2f %7.1f %10.1f %10.1f %8.2f %8.2f" %
+              ("%dq/%dkv d%d" % (r["q_heads"], r["kv_heads"], r["head_dim"]), r["isa"], r["format_version"], r["scale_group"],
                "k%dv%d" % (r["k_bits"], r["v_bits"]), r["context"], r["time_us"], r["gbps"], r["pct_copy_bw"],
                r["torch_fp32_time_us"], r["torch_bf16_time_us"], r["speedup_vs_fp32"], r["speedup"]))
-    print("\n%-20s %-6s %-3s %-5s %10s %8s %10s" % ("quantize (4096 tok)", "isa", "fv", "fmt", "time_us", "GB/s", "GB/s/core"))
+    print("\n%-20s %-6s %-3s %-3s %-5s %10s %8s %10s" % ("quantize (4096 tok)", "isa", "fv", "sg", "fmt", "time_us", "GB/s",
+                                                        "GB/s/core"))
     for r in rows_q:
-        print("%-20s %-6s %-3d %-5s %10.1f %8.3f %10.3f" % (r["op"], r["isa"], r["format_version"],
+        print("%-20s %-6s %-3d %-3d %-5s %10.1f %8.3f %10.3f" % (r["op"], r["isa"], r["format_version"], r["scale_group"],
                                                          "k%dv%d" % (r["k_bits"], r["v_bits"]), r["time_us"],
                                                          r["gbps"], r["gbps_per_core"]))
 
