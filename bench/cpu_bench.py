@@ -205,13 +205,16 @@ def plot(rows_d, png):
     for row, isa in enumerate(isas):
         for ax, g in zip(axes[row], geoms):
             rs = [r for r in rows_d if (r["q_heads"], r["kv_heads"], r["head_dim"]) == g and r.get("isa", "?") == isa]
-            for (kb, vb, fv) in sorted({(r["k_bits"], r["v_bits"], r.get("format_version", 2)) for r in rs}, reverse=True):
-                if fv >= 3 and 3 not in (kb, vb):
+            key = lambda r: (r["k_bits"], r["v_bits"], r.get("format_version", 2), r.get("scale_group", 32))
+            keys = {key(r) for r in rs}
+            for (kb, vb, fv, sg) in sorted(keys, reverse=True):
+                if fv >= 3 and 3 not in (kb, vb) and (kb, vb, 2, sg) in keys:
                     continue  # version 3 changes only 3-bit sections: those rows repeat version 2's (a noise check)
-                pts = sorted((r["context"], r["time_us"]) for r in rs
-                             if (r["k_bits"], r["v_bits"], r.get("format_version", 2)) == (kb, vb, fv))
-                ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], "o-" if fv >= 3 else "s--",
-                        color=colors.get((kb, vb)), label="fmkv k%dv%d, format %d" % (kb, vb, fv), lw=1.2, ms=4)
+                pts = sorted((r["context"], r["time_us"]) for r in rs if key(r) == (kb, vb, fv, sg))
+                ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts],
+                        ":" if sg != 32 else "o-" if fv >= 3 else "s--", marker="^" if sg != 32 else None,
+                        color=colors.get((kb, vb)), lw=1.2, ms=4,
+                        label="fmkv k%dv%d, format %d" % (kb, vb, fv) + (", scale group %d" % sg if sg != 32 else ""))
             for key, style in (("torch_fp32_time_us", "k--"), ("torch_bf16_time_us", "k:")):
                 pts = sorted({(r["context"], r[key]) for r in rs})
                 ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], style, label="torch SDPA " + key.split("_")[1])

@@ -150,9 +150,11 @@ def test_generate_cache_options_from_config_names():
     from fmkv.eval.cli import generate_cache_options
 
     assert generate_cache_options("k4v4") == dict(k_bits=4, v_bits=4, window_tokens=0, sink_tokens=0,
-                                                  scale_rule="lsq", format_version=0, key_offset=False)
+                                                  scale_rule="lsq", format_version=0, key_offset=False, scale_group=0)
     assert generate_cache_options("k3v3-fmt3-w64-s4-rms") == dict(k_bits=3, v_bits=3, window_tokens=64, sink_tokens=4,
-                                                                  scale_rule="rms", format_version=3, key_offset=False)
+                                                                  scale_rule="rms", format_version=3, key_offset=False,
+                                                                  scale_group=0)
+    assert generate_cache_options("k2v2-g64")["scale_group"] == 64  # the caches' scale_group=64
     assert generate_cache_options("k16v3-w32")["k_bits"] == 16
     assert generate_cache_options("k3v3-km")["key_offset"] is True  # the caches' key_offset=True
     for bad, word in (("k3v3-kms4", "-kms<N>"), ("k4v4-norot", "-norot"), ("k4v4-b1", "-b<N>"), ("kivi-4", "fmkv caches"),
