@@ -238,6 +238,56 @@ TEST_P(Backends, FusedAppendAttentionLengthBound) {
 // Format 3 (3-bit codes in tile blocks): a backend that reads and writes it matches the reference (append
 // bit-exact, attention within its bound, the fused step both); one that does not refuses each op with
 // FMKV_ERR_UNSUPPORTED naming the version, and writes nothing.
+// A config option the backend states (format version 3, scale group 64): the append writes the reference's bytes, the
+// attention and the fused step are within the backend's bound of the reference's (a CUDA combination outside the
+// build's grid is noted and skipped).
+void expect_matches_reference(fmkv_backend b, const Scenario& s, const fmkv_tensor& kt, const fmkv_tensor& vt,
+                              const fmkv_tensor& qt, int d, int kb, int vb, const std::string& what) {
+  const LayerState want = run_append(FMKV_BACKEND_REF, s, kt, vt), got = run_append(b, s, kt, vt);
+  EXPECT_TRUE(got.pages == want.pages) << "pages differ: " << what;
+  EXPECT_TRUE(got.fp16_k == want.fp16_k && got.fp16_v == want.fp16_v) << "fp16 regions differ: " << what;
+  const std::vector<float> ref_out = run_attention(FMKV_BACKEND_REF, s, want, qt, FMKV_F32);
+  std::vector<float> out;
+  try {
+    out = run_attention(b, s, want, qt, FMKV_F32);
+  } catch (const fmkv::Error& e) {
+    if (!cuda_combination_not_compiled(b, e, d, kb, vb, s.cfg.format_version >= 3)) throw;
+    std::printf("[ note ] %s: not compiled in this build (FMKV_CUDA_FULL_GRID=OFF)\n", what.c_str());
+    return;
+  }
+  EXPECT_LT(rel_error(out, ref_out), attention_tolerance(b, FMKV_F32)) << what;
+  bool fused_rows_ok = true;
+  for (int64_t r : s.rows) fused_rows_ok = fused_rows_ok && r <= FMKV_FUSED_MAX_ROWS;
+  if (fused_rows_ok) {
+    auto [st, fout] = run_append_attention(b, s, kt, vt, qt, FMKV_F32);
+    EXPECT_TRUE(st.pages == want.pages && st.fp16_k == want.fp16_k && st.fp16_v == want.fp16_v)
+        << "fused step state differs: " << what;
+    EXPECT_LT(rel_error(fout, ref_out), attention_tolerance(b, FMKV_F32)) << "fused step: " << what;
+  }
+}
+
+// A config option the backend does not state: every op fails with FMKV_ERR_UNSUPPORTED and a message containing
+// `needle`, the workspace query answers 0, and nothing of the cache changes.
+void expect_refused_unchanged(fmkv_backend b, const Scenario& s, const fmkv_tensor& kt, const fmkv_tensor& vt,
+                              const fmkv_tensor& qt, const std::string& needle, const std::string& what) {
+  const fmkv_config& c = s.cfg;
+  DeviceLayer L(b, s, s.pages, s.fp16_k, s.fp16_v, s.lens);
+  DeviceTensor k(b, kt), v(b, vt), q(b, qt);
+  DeviceOutput o(b, qt, FMKV_F32);
+  auto refused = [&](fmkv_status st, const char* op) {
+    EXPECT_EQ(st, FMKV_ERR_UNSUPPORTED) << op << ": " << what;
+    EXPECT_NE(std::string(fmkv_last_error()).find(needle), std::string::npos) << op << ": " << fmkv_last_error();
+  };
+  refused(fmkv_append(b, &c, &L.lc, &L.bt, &k.t, &v.t, nullptr), "append");
+  refused(fmkv_attention(b, &c, &L.lc, &L.bt, &q.t, nullptr, &o.t, nullptr, 0, nullptr), "attention");
+  refused(fmkv_append_attention(b, &c, &L.lc, &L.bt, &k.t, &v.t, &q.t, nullptr, &o.t, nullptr, 0, nullptr), "fused step");
+  EXPECT_EQ(fmkv_attention_workspace_bytes(b, &c, qt.heads, qt.rows, s.seqs(), 0), 0) << what;
+  check(fmkv_device_synchronize(b));
+  const LayerState after = L.state(s);
+  EXPECT_TRUE(after.pages == s.pages && after.fp16_k == s.fp16_k && after.fp16_v == s.fp16_v)
+      << what << ": a refused op wrote the cache";
+}
+
 TEST_P(Backends, FormatVersion3MatchesOrIsRefused) {
   const fmkv_backend b = GetParam();
   const bool supported = find_backend(b)->max_format_version >= 3;
@@ -265,47 +315,8 @@ TEST_P(Backends, FormatVersion3MatchesOrIsRefused) {
     const fmkv_tensor kt = make_tensor(k1.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
     const fmkv_tensor vt = make_tensor(v1.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
     const fmkv_tensor qt = make_tensor(q1.data(), FMKV_F16, n1, HQ, c.head_dim);
-    if (supported) {
-      const LayerState want = run_append(FMKV_BACKEND_REF, s, kt, vt), got = run_append(b, s, kt, vt);
-      EXPECT_TRUE(got.pages == want.pages) << "pages differ: " << what;
-      EXPECT_TRUE(got.fp16_k == want.fp16_k && got.fp16_v == want.fp16_v) << "fp16 regions differ: " << what;
-      Scenario as = s;  // attention over the appended state
-      const std::vector<float> ref_out = run_attention(FMKV_BACKEND_REF, as, want, qt, FMKV_F32);
-      std::vector<float> out;
-      try {
-        out = run_attention(b, as, want, qt, FMKV_F32);
-      } catch (const fmkv::Error& e) {
-        if (!cuda_combination_not_compiled(b, e, sh.d, sh.kb, sh.vb, true)) throw;
-        std::printf("[ note ] %s in format 3: not compiled in this build (FMKV_CUDA_FULL_GRID=OFF)\n", what.c_str());
-        continue;
-      }
-      EXPECT_LT(rel_error(out, ref_out), attention_tolerance(b, FMKV_F32)) << what;
-      bool fused_rows_ok = true;
-      for (int64_t r : sh.rows) fused_rows_ok = fused_rows_ok && r <= FMKV_FUSED_MAX_ROWS;
-      if (fused_rows_ok) {
-        auto [st, fout] = run_append_attention(b, s, kt, vt, qt, FMKV_F32);
-        EXPECT_TRUE(st.pages == want.pages && st.fp16_k == want.fp16_k && st.fp16_v == want.fp16_v)
-            << "fused step state differs: " << what;
-        EXPECT_LT(rel_error(fout, ref_out), attention_tolerance(b, FMKV_F32)) << "fused step: " << what;
-      }
-      continue;
-    }
-    DeviceLayer L(b, s, s.pages, s.fp16_k, s.fp16_v, s.lens);
-    DeviceTensor k(b, kt), v(b, vt), q(b, qt);
-    DeviceOutput o(b, qt, FMKV_F32);
-    auto refused = [&](fmkv_status st, const char* op) {
-      EXPECT_EQ(st, FMKV_ERR_UNSUPPORTED) << op << ": " << what;
-      EXPECT_NE(std::string(fmkv_last_error()).find("format version 3 is not supported"), std::string::npos)
-          << op << ": " << fmkv_last_error();
-    };
-    refused(fmkv_append(b, &c, &L.lc, &L.bt, &k.t, &v.t, nullptr), "append");
-    refused(fmkv_attention(b, &c, &L.lc, &L.bt, &q.t, nullptr, &o.t, nullptr, 0, nullptr), "attention");
-    refused(fmkv_append_attention(b, &c, &L.lc, &L.bt, &k.t, &v.t, &q.t, nullptr, &o.t, nullptr, 0, nullptr), "fused step");
-    EXPECT_EQ(fmkv_attention_workspace_bytes(b, &c, HQ, n1, s.seqs(), 0), 0) << what;
-    check(fmkv_device_synchronize(b));
-    const LayerState after = L.state(s);
-    EXPECT_TRUE(after.pages == s.pages && after.fp16_k == s.fp16_k && after.fp16_v == s.fp16_v)
-        << what << ": a refused op wrote the cache";
+    if (supported) expect_matches_reference(b, s, kt, vt, qt, sh.d, sh.kb, sh.vb, what + " in format 3");
+    else expect_refused_unchanged(b, s, kt, vt, qt, "format version 3 is not supported", what);
   }
 }
 
@@ -441,38 +452,8 @@ TEST_P(Backends, ScaleGroup64MatchesOrIsRefused) {
     const fmkv_tensor kt = make_tensor(k1.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
     const fmkv_tensor vt = make_tensor(v1.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
     const fmkv_tensor qt = make_tensor(q1.data(), FMKV_F16, n1, HQ, c.head_dim);
-    if (supported) {
-      const LayerState want = run_append(FMKV_BACKEND_REF, s, kt, vt), got = run_append(b, s, kt, vt);
-      EXPECT_TRUE(got.pages == want.pages) << "pages differ: " << what;
-      EXPECT_TRUE(got.fp16_k == want.fp16_k && got.fp16_v == want.fp16_v) << "fp16 regions differ: " << what;
-      const std::vector<float> ref_out = run_attention(FMKV_BACKEND_REF, s, want, qt, FMKV_F32);
-      EXPECT_LT(rel_error(run_attention(b, s, want, qt, FMKV_F32), ref_out), attention_tolerance(b, FMKV_F32)) << what;
-      bool fused_rows_ok = true;
-      for (int64_t r : sh.rows) fused_rows_ok = fused_rows_ok && r <= FMKV_FUSED_MAX_ROWS;
-      if (fused_rows_ok) {
-        auto [st, fout] = run_append_attention(b, s, kt, vt, qt, FMKV_F32);
-        EXPECT_TRUE(st.pages == want.pages && st.fp16_k == want.fp16_k && st.fp16_v == want.fp16_v)
-            << "fused step state differs: " << what;
-        EXPECT_LT(rel_error(fout, ref_out), attention_tolerance(b, FMKV_F32)) << "fused step: " << what;
-      }
-      continue;
-    }
-    DeviceLayer L(b, s, s.pages, s.fp16_k, s.fp16_v, s.lens);
-    DeviceTensor k(b, kt), v(b, vt), q(b, qt);
-    DeviceOutput o(b, qt, FMKV_F32);
-    auto refused = [&](fmkv_status st, const char* op) {
-      EXPECT_EQ(st, FMKV_ERR_UNSUPPORTED) << op << ": " << what;
-      EXPECT_NE(std::string(fmkv_last_error()).find("scale_group 64 is not supported"), std::string::npos)
-          << op << ": " << fmkv_last_error();
-    };
-    refused(fmkv_append(b, &c, &L.lc, &L.bt, &k.t, &v.t, nullptr), "append");
-    refused(fmkv_attention(b, &c, &L.lc, &L.bt, &q.t, nullptr, &o.t, nullptr, 0, nullptr), "attention");
-    refused(fmkv_append_attention(b, &c, &L.lc, &L.bt, &k.t, &v.t, &q.t, nullptr, &o.t, nullptr, 0, nullptr), "fused step");
-    EXPECT_EQ(fmkv_attention_workspace_bytes(b, &c, HQ, n1, s.seqs(), 0), 0) << what;
-    check(fmkv_device_synchronize(b));
-    const LayerState after = L.state(s);
-    EXPECT_TRUE(after.pages == s.pages && after.fp16_k == s.fp16_k && after.fp16_v == s.fp16_v)
-        << what << ": a refused op wrote the cache";
+    if (supported) expect_matches_reference(b, s, kt, vt, qt, sh.d, sh.kb, sh.vb, what);
+    else expect_refused_unchanged(b, s, kt, vt, qt, "scale_group 64 is not supported", what);
   }
 }
 

@@ -34,32 +34,29 @@ const BackendOps& usable_backend(fmkv_backend b) {
   return *ops;
 }
 
-// usable_backend(b), for a valid config whose format version the backend reads and writes.
+// Fails with FMKV_ERR_UNSUPPORTED when backend b's `limit` (a BackendOps capability: the newest format version, the
+// largest scale group) is below `value`, naming the option (`what`, e.g. "format version"; `plural` for the limit)
+// and the compiled backends that have it.
+void require_capability(fmkv_backend b, const BackendOps& ops, int32_t BackendOps::*limit, int32_t value,
+                        const char* what, const char* plural) {
+  if (value <= ops.*limit) return;
+  std::string which;  // the compiled backends that do
+  for (int i = 0; i < FMKV_BACKEND_COUNT; ++i)
+    if (const BackendOps* o = fmkv::find_backend((fmkv_backend)i); o && o->*limit >= value)
+      which += (which.empty() ? "" : ", ") + std::string(fmkv_backend_name((fmkv_backend)i));
+  const std::string v = std::string(what) + " " + std::to_string(value);
+  fmkv::fail(fmkv::kUnsupported, v + " is not supported by the '" + fmkv_backend_name(b) + "' backend (it reads and writes " +
+                                     plural + " up to " + std::to_string(ops.*limit) + "; " + v + " in this build: " + which + ")");
+}
+
+// usable_backend(b), for a valid config whose format version and scale group the backend reads and writes.
 const BackendOps& backend_for(fmkv_backend b, const fmkv_config& cfg) {
   const BackendOps& ops = usable_backend(b);
   fmkv::validate_config(cfg);
-  const int32_t v = fmkv_resolved_format_version(cfg.format_version);
-  if (v > ops.max_format_version) {
-    std::string which;  // the compiled backends that do
-    for (int i = 0; i < FMKV_BACKEND_COUNT; ++i)
-      if (const BackendOps* o = fmkv::find_backend((fmkv_backend)i); o && o->max_format_version >= v)
-        which += (which.empty() ? "" : ", ") + std::string(fmkv_backend_name((fmkv_backend)i));
-    fmkv::fail(fmkv::kUnsupported, "format version " + std::to_string(v) + " is not supported by the '" +
-                                       fmkv_backend_name(b) + "' backend (it reads and writes format versions up to " +
-                                       std::to_string(ops.max_format_version) + "; format version " + std::to_string(v) +
-                                       " in this build: " + which + ")");
-  }
-  const int32_t sg = fmkv_resolved_scale_group(cfg.scale_group);
-  if (sg > ops.max_scale_group) {
-    std::string which;  // the compiled backends that do
-    for (int i = 0; i < FMKV_BACKEND_COUNT; ++i)
-      if (const BackendOps* o = fmkv::find_backend((fmkv_backend)i); o && o->max_scale_group >= sg)
-        which += (which.empty() ? "" : ", ") + std::string(fmkv_backend_name((fmkv_backend)i));
-    fmkv::fail(fmkv::kUnsupported, "scale_group " + std::to_string(sg) + " is not supported by the '" +
-                                       fmkv_backend_name(b) + "' backend (it writes and reads scale groups up to " +
-                                       std::to_string(ops.max_scale_group) + "; scale_group " + std::to_string(sg) +
-                                       " in this build: " + which + ")");
-  }
+  require_capability(b, ops, &BackendOps::max_format_version, fmkv_resolved_format_version(cfg.format_version),
+                     "format version", "format versions");
+  require_capability(b, ops, &BackendOps::max_scale_group, fmkv_resolved_scale_group(cfg.scale_group), "scale_group",
+                     "scale groups");
   return ops;
 }
 }  // namespace
