@@ -288,6 +288,20 @@ void expect_refused_unchanged(fmkv_backend b, const Scenario& s, const fmkv_tens
       << what << ": a refused op wrote the cache";
 }
 
+// One case of a config option: a filled scenario of c, fresh fp16 K, V and `group` query heads per kv head; checked
+// against the reference where the backend states the option, refused (message containing `needle`) where not.
+void check_option_case(fmkv_backend b, bool supported, const fmkv_config& c, const std::vector<int64_t>& lens,
+                       const std::vector<int64_t>& rows, int group, const std::string& needle, const std::string& what) {
+  int64_t n1 = 0;
+  Scenario s = filled_scenario(c, lens, rows, FMKV_F16, &n1);
+  const int32_t H = c.num_kv_heads, HQ = H * group, d = c.head_dim;
+  auto k1 = random_tensor(FMKV_F16, n1, H, d, 3.0), v1 = random_tensor(FMKV_F16, n1, H, d), q1 = random_tensor(FMKV_F16, n1, HQ, d);
+  const fmkv_tensor kt = make_tensor(k1.data(), FMKV_F16, n1, H, d), vt = make_tensor(v1.data(), FMKV_F16, n1, H, d);
+  const fmkv_tensor qt = make_tensor(q1.data(), FMKV_F16, n1, HQ, d);
+  if (supported) expect_matches_reference(b, s, kt, vt, qt, d, c.k_bits, c.v_bits, what);
+  else expect_refused_unchanged(b, s, kt, vt, qt, needle, what);
+}
+
 TEST_P(Backends, FormatVersion3MatchesOrIsRefused) {
   const fmkv_backend b = GetParam();
   const bool supported = find_backend(b)->max_format_version >= 3;
@@ -307,16 +321,7 @@ TEST_P(Backends, FormatVersion3MatchesOrIsRefused) {
     c.format_version = 3;
     const std::string what = std::string(fmkv_backend_name(b)) + " d=" + std::to_string(sh.d) + " k" +
                              std::to_string(sh.kb) + "v" + std::to_string(sh.vb);
-    int64_t n1 = 0;
-    Scenario s = filled_scenario(c, sh.lens, sh.rows, FMKV_F16, &n1);
-    const int32_t HQ = sh.kv_heads * sh.group;
-    auto k1 = random_tensor(FMKV_F16, n1, c.num_kv_heads, c.head_dim, 3.0), v1 = random_tensor(FMKV_F16, n1, c.num_kv_heads, c.head_dim);
-    auto q1 = random_tensor(FMKV_F16, n1, HQ, c.head_dim);
-    const fmkv_tensor kt = make_tensor(k1.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
-    const fmkv_tensor vt = make_tensor(v1.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
-    const fmkv_tensor qt = make_tensor(q1.data(), FMKV_F16, n1, HQ, c.head_dim);
-    if (supported) expect_matches_reference(b, s, kt, vt, qt, sh.d, sh.kb, sh.vb, what + " in format 3");
-    else expect_refused_unchanged(b, s, kt, vt, qt, "format version 3 is not supported", what);
+    check_option_case(b, supported, c, sh.lens, sh.rows, sh.group, "format version 3 is not supported", what + " in format 3");
   }
 }
 
@@ -444,16 +449,7 @@ TEST_P(Backends, ScaleGroup64MatchesOrIsRefused) {
     c.scale_group = 64;
     const std::string what = std::string(fmkv_backend_name(b)) + " d=" + std::to_string(sh.d) + " k" +
                              std::to_string(sh.kb) + "v" + std::to_string(sh.vb) + " format " + std::to_string(sh.version);
-    int64_t n1 = 0;
-    Scenario s = filled_scenario(c, sh.lens, sh.rows, FMKV_F16, &n1);
-    const int32_t HQ = sh.kv_heads * sh.group;
-    auto k1 = random_tensor(FMKV_F16, n1, c.num_kv_heads, c.head_dim, 3.0), v1 = random_tensor(FMKV_F16, n1, c.num_kv_heads, c.head_dim);
-    auto q1 = random_tensor(FMKV_F16, n1, HQ, c.head_dim);
-    const fmkv_tensor kt = make_tensor(k1.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
-    const fmkv_tensor vt = make_tensor(v1.data(), FMKV_F16, n1, c.num_kv_heads, c.head_dim);
-    const fmkv_tensor qt = make_tensor(q1.data(), FMKV_F16, n1, HQ, c.head_dim);
-    if (supported) expect_matches_reference(b, s, kt, vt, qt, sh.d, sh.kb, sh.vb, what);
-    else expect_refused_unchanged(b, s, kt, vt, qt, "scale_group 64 is not supported", what);
+    check_option_case(b, supported, c, sh.lens, sh.rows, sh.group, "scale_group 64 is not supported", what);
   }
 }
 
