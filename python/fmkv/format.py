@@ -8,12 +8,13 @@ import numpy as np
 
 from . import _fmkv
 
-__all__ = ["GROUP_SIZE", "SCALE_GROUP", "SCALE_GROUPS", "FP16_BITS", "CODE_BITS", "CODE_BITS_TEXT", "K_CODE_BITS_TEXT", "CODEBOOK_MAX_BITS", "rotation_sign_words", "rotation_signs", "layer_seed", "rotation_norm",
+__all__ = ["GROUP_SIZE", "SCALE_GROUP", "SCALE_GROUPS", "resolved_scale_group", "FP16_BITS", "CODE_BITS", "CODE_BITS_TEXT", "K_CODE_BITS_TEXT", "CODEBOOK_MAX_BITS", "rotation_sign_words", "rotation_signs", "layer_seed", "rotation_norm",
            "compressed_end"]
 
 GROUP_SIZE: int = _fmkv.GROUP_SIZE  # rotated coordinates per code group
 SCALE_GROUP: int = _fmkv.SCALE_GROUP  # rotated coordinates per fp16 scale of a default cache (scale_group 0)
 SCALE_GROUPS: tuple = tuple(_fmkv.SCALE_GROUPS)  # the scale groups a cache can use (Config.scale_group), ascending
+resolved_scale_group = _fmkv.resolved_scale_group  # a config's scale_group (0: SCALE_GROUP); ValueError if unsupported
 FP16_BITS: int = _fmkv.FP16_BITS    # k_bits value meaning "K kept in fp16, unrotated"
 CODE_BITS: tuple = tuple(_fmkv.CODE_BITS)  # code widths of a K or V side, ascending (K may also be FP16_BITS)
 CODE_BITS_TEXT: str = _fmkv.CODE_BITS_TEXT  # CODE_BITS as the library's messages list them ("2, 3 or 4")

@@ -175,11 +175,8 @@ class QuantizedTensor:
 
 
 def _scale_group(scale_group: int) -> int:
-    sg = _format.SCALE_GROUP if scale_group == 0 else int(scale_group)
-    if sg not in _format.SCALE_GROUPS:
-        raise ValueError(f"scale_group {scale_group} is not supported (0 = default, "
-                         f"{' or '.join(map(str, _format.SCALE_GROUPS))})")
-    return sg
+    """The scale group's coordinates (fmkv.format.resolved_scale_group; FmkvError, a ValueError, if unsupported)."""
+    return _format.resolved_scale_group(int(scale_group))
 
 
 def _scale_group_sum(t: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,11 @@ void bind_format(nb::module_& m) {
       if (fmkv_scale_group_supported(sg)) sgs.append(sg);
     m.attr("SCALE_GROUPS") = nb::tuple(sgs);
   }
+  m.def("resolved_scale_group", [](int64_t sg) {  // a config's scale_group: 0 means SCALE_GROUP
+    if (!fits_i32(sg) || !fmkv_scale_group_supported((int32_t)sg))
+      fail("scale_group " + std::to_string(sg) + " is not supported (0 = default, 32 or 64)");
+    return fmkv_resolved_scale_group((int32_t)sg);
+  }, "scale_group"_a);
   {
     nb::list widths;  // the code widths of a K or V side (fmkv_code_bits_supported), ascending
     for (int32_t b : fmkv::supported_code_bits()) widths.append(b);

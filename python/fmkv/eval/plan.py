@@ -55,7 +55,7 @@ def planned_quantizer(name: str, layer_bits: Sequence[Tuple[int, int]], window: 
                     format_version=int(format_version), layer_bits=pairs, head_bits=heads, seed=seed,
                     num_layers=len(pairs), key_mean=bool(key_offset), sinks=int(sinks), scale_group=int(scale_group))
     q.options = {"scale_rule": q.scale_rule, "rotation": True, "sink_tokens": int(sinks), "window_tokens": int(window),
-                 "group": fmt.GROUP_SIZE, "scale_group": q.scale_group or fmt.SCALE_GROUP,
+                 "group": fmt.GROUP_SIZE, "scale_group": fmt.resolved_scale_group(q.scale_group),
                  "layer_bits": [list(p) for p in pairs]}
     if heads:
         q.options["head_bits"] = [[list(p) for p in layer] for layer in heads]
@@ -163,7 +163,7 @@ def load_sensitivity(path: str, configs: Dict[str, tuple], k_menu: Sequence[int]
                     if bool(r.get("key_offset", False)) != bool(key_offset):
                         other += 1
                         continue
-                    if (int(r.get("scale_group") or 0) or fmt.SCALE_GROUP) != (int(scale_group) or fmt.SCALE_GROUP):
+                    if fmt.resolved_scale_group(int(r.get("scale_group") or 0)) != fmt.resolved_scale_group(int(scale_group)):
                         other_sg += 1
                         continue
                     rows[((int(r["window_tokens"]), int(r.get("sink_tokens", 0))), r["side"], int(r["bits"]))] = r

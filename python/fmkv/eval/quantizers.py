@@ -292,7 +292,7 @@ def parse_config(name: str, seed: int = 0) -> KVQuantizer:
                      "value_mean": q.value_mean,
                      "fp16_boundary_layers": q.boundary, "fp16_layers": list(q.fp16_layers),
                      "only_layer": q.only_layer, "group": fmt.GROUP_SIZE,
-                     "scale_group": q.scale_group or fmt.SCALE_GROUP}
+                     "scale_group": fmt.resolved_scale_group(q.scale_group)}
         if q.format_version:
             q.options["format_version"] = q.format_version
         if q.e5m2 and q.format_version:

@@ -63,7 +63,7 @@ def resolve_runtime(runtime: Optional[str] = None) -> str:
 def check_runtime_config(runtime: str, config: "fmkv.Config", what: str = "MlxLayer") -> None:
     """Refuse (FmkvError naming the option and the runtime) a config the runtime cannot store: a scale group other
     than the default on the GPU runtimes, whose kernel core writes and reads one fp16 scale per code group."""
-    if runtime != "host" and (config.scale_group or _fmkv.SCALE_GROUP) != _fmkv.SCALE_GROUP:
+    if runtime != "host" and _fmkv.resolved_scale_group(config.scale_group) != _fmkv.SCALE_GROUP:
         raise FmkvError(f"{what}: scale_group {config.scale_group} is not supported by the MLX {runtime!r} runtime "
                         f"(fmkv's GPU kernel core stores one fp16 scale per {_fmkv.SCALE_GROUP} coordinates); use "
                         f"runtime='host' (the C library's host backends) or scale_group 0")

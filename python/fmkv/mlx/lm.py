@@ -91,7 +91,7 @@ class FmkvKVCache(_BaseCache):
         checked = Config(format_version=format_version, scale_group=scale_group)
         self.format_version = checked.format_version or fmkv_format_version()
         self.scale_group = checked.scale_group
-        if self.scale_group not in (0, _fmkv.SCALE_GROUP):  # refused now where the runtime cannot store it
+        if _fmkv.resolved_scale_group(self.scale_group) != _fmkv.SCALE_GROUP:  # refused now where the runtime cannot store it
             check_runtime_config(resolve_runtime(runtime), checked, "FmkvKVCache")
         self.k_bits, self.v_bits = int(k_bits), int(v_bits)
         self.window_tokens, self.sink_tokens = int(window_tokens), int(sink_tokens)
