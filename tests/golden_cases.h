@@ -39,6 +39,15 @@ inline const std::vector<GoldenCase> kCasesScaleGroup64 = {
     {256, 16, 2, 16, 0, 0, FMKV_SCALE_LSQ, 17, 64},
 };
 
+// 5-bit codes (tests/golden/v3_code_width5.txt, format 3): K, V and both at 5 bits, with fp16 K, a 3-bit tiled side,
+// sinks and a window, both scale groups and rules
+inline const std::vector<GoldenCase> kCasesCodeWidth5 = {
+    {64, 5, 4, 16, 0, 0, FMKV_SCALE_LSQ, 21},
+    {128, 5, 5, 32, 2, 4, FMKV_SCALE_RMS, 39},
+    {128, 3, 5, 16, 1, 0, FMKV_SCALE_LSQ, 18, 64},
+    {256, 16, 5, 16, 0, 0, FMKV_SCALE_LSQ, 17},
+};
+
 // The storage of a golden case: one kv head, one sequence in region slot 0, block table {2, 0, 3, 1} over a
 // pool of 4 pages of 0xA5 bytes, fp16 regions of 0x7E00; layer = case index.
 constexpr int32_t kGoldenPages = 4;

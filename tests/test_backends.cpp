@@ -453,6 +453,31 @@ TEST_P(Backends, ScaleGroup64MatchesOrIsRefused) {
   }
 }
 
+// 5-bit codes (FORMAT.md section 6: the magnitude in nibble words, a sign plane): a backend that writes them appends
+// the reference's bytes and attends within its bound; one that does not refuses every op with FMKV_ERR_UNSUPPORTED
+// naming the width, and writes nothing. Every pair with a 5-bit side, every head_dim, formats 2 and 3, both scale
+// groups and rules, sinks and windows.
+TEST_P(Backends, CodeWidth5MatchesOrIsRefused) {
+  const fmkv_backend b = GetParam();
+  const bool supported = find_backend(b)->max_code_bits >= 5;
+  int n = 0;
+  for (int d : {64, 128, 256})
+    for (int kb : {2, 3, 4, 5, 16})
+      for (int vb : {2, 3, 4, 5}) {
+        if (kb != 5 && vb != 5) continue;
+        ++n;
+        const int sink = n % 3 == 0 ? 2 : 0, window = n % 4 == 1 ? 16 : 0;
+        fmkv_config c = config(d, kb, vb, 2, n % 2 ? 16 : 32, sink, window, n % 2 ? FMKV_SCALE_RMS : FMKV_SCALE_LSQ);
+        c.format_version = 2 + n % 2;
+        c.scale_group = n % 5 == 0 ? 64 : 0;
+        if (c.scale_group > find_backend(b)->max_scale_group) continue;  // refused for the scale group (its own test)
+        const std::string what = std::string(fmkv_backend_name(b)) + " d=" + std::to_string(d) + " k" +
+                                 std::to_string(kb) + "v" + std::to_string(vb) + " format " +
+                                 std::to_string(c.format_version) + " sg " + std::to_string(c.scale_group);
+        check_option_case(b, supported, c, {41, 0, 77}, {1, 2, 1}, 2 + n % 3, "code width 5 is not supported", what);
+      }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, Backends,
                          ::testing::ValuesIn(backends_under_test()),
                          [](const ::testing::TestParamInfo<fmkv_backend>& i) { return std::string(fmkv_backend_name(i.param)); });

@@ -121,7 +121,7 @@ const std::vector<Bad>& bad_table() {
       {{"demo", "--formats", ","}, R"(--formats: empty item)"},
       // formats and backends of the demo
       {{"demo", "--formats", "fp16"}, R"(--formats: 'fp16' is the uncompressed baseline)"},
-      {{"demo", "--formats", "k5v3"}, R"(--formats: format 'k5v3' is not kXvY)"},
+      {{"demo", "--formats", "k6v3"}, R"(--formats: format 'k6v3' is not kXvY)"},
       {{"demo", "--formats", "k3v16"}, R"(--formats: format 'k3v16' is not kXvY)"},
       {{"demo", "--formats", "k3v3x"}, R"(--formats: format 'k3v3x' is not kXvY)"},
       {{"demo", "--formats", "k+3v3"}, R"(--formats: format 'k\+3v3' is not kXvY)"},

@@ -37,7 +37,7 @@ TEST(Errors, Config) {
   for (fmkv_backend b : {FMKV_BACKEND_REF, FMKV_BACKEND_CPU}) {
     if (!fmkv_backend_available(b)) continue;
     { Fixture f; f.c.head_dim = 96; EXPECT_ERR(f.append(b), FMKV_ERR_INVALID_ARGUMENT, "head_dim 96"); }
-    { Fixture f; f.c.k_bits = 5; EXPECT_ERR(f.append(b), FMKV_ERR_INVALID_ARGUMENT, "k_bits 5"); }
+    { Fixture f; f.c.k_bits = 6; EXPECT_ERR(f.append(b), FMKV_ERR_INVALID_ARGUMENT, "k_bits 6"); }
     { Fixture f; f.c.v_bits = 16; EXPECT_ERR(f.append(b), FMKV_ERR_INVALID_ARGUMENT, "v_bits 16"); }
     { Fixture f; f.c.page_size = 48; EXPECT_ERR(f.append(b), FMKV_ERR_INVALID_ARGUMENT, "page_size 48"); }
     { Fixture f; f.c.scale_rule = 7; EXPECT_ERR(f.append(b), FMKV_ERR_INVALID_ARGUMENT, "scale_rule 7"); }

@@ -1,10 +1,11 @@
-// Golden vectors of format v2 (tests/golden/v2.txt), v3 (tests/golden/v3.txt) and v3 with scale group 64
-// (tests/golden/v3_scale_group64.txt): inputs -> page bytes ->
+// Golden vectors of format v2 (tests/golden/v2.txt), v3 (tests/golden/v3.txt), v3 with scale group 64
+// (tests/golden/v3_scale_group64.txt) and v3 with 5-bit codes (tests/golden/v3_code_width5.txt): inputs -> page bytes ->
 // dequantized values -> attention output. Every backend must reproduce the bytes bit-exactly and the output within its stated bound
 // (at least 1e-5: the file stores the output in float32).
 // Cases and inputs: tests/golden_cases.h (splitmix64, not <random>: the files are platform independent).
-// A backend that does not read and write a version or scale group refuses its cases (FMKV_ERR_UNSUPPORTED).
+// A backend that does not read and write a version, scale group or code width refuses its cases (FMKV_ERR_UNSUPPORTED).
 // Regenerate (only with a format version change): FMKV_WRITE_GOLDEN=1 fmkv_tests --gtest_filter=Golden.*
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -108,6 +109,11 @@ void golden_cases(int32_t version, const std::vector<GoldenCase>& cases, const c
           EXPECT_NE(std::string(e.what()).find("scale_group " + std::to_string(cases[i].scale_group)), std::string::npos) << e.what();
           continue;
         }
+        if (std::max(cases[i].kb == FMKV_FP16_BITS ? 0 : cases[i].kb, cases[i].vb) > find_backend(b)->max_code_bits) {
+          EXPECT_EQ(e.code(), FMKV_ERR_UNSUPPORTED) << e.what();  // refused, naming the width
+          EXPECT_NE(std::string(e.what()).find("code width 5"), std::string::npos) << e.what();
+          continue;
+        }
         if (!cuda_combination_not_compiled(b, e, cases[i].d, cases[i].kb, cases[i].vb, version >= 3)) throw;
         std::printf("[ note ] %s: not compiled in this build (FMKV_CUDA_FULL_GRID=OFF)\n", lines[4 * i].c_str());
         continue;
@@ -115,6 +121,8 @@ void golden_cases(int32_t version, const std::vector<GoldenCase>& cases, const c
       EXPECT_LE(version, find_backend(b)->max_format_version) << fmkv_backend_name(b) << " ran a version it does not support";
       EXPECT_LE(fmkv_resolved_scale_group(cases[i].scale_group), find_backend(b)->max_scale_group)
           << fmkv_backend_name(b) << " ran a scale group it does not support";
+      EXPECT_LE(std::max(cases[i].kb == FMKV_FP16_BITS ? 0 : cases[i].kb, cases[i].vb), find_backend(b)->max_code_bits)
+          << fmkv_backend_name(b) << " ran a code width it does not support";
       EXPECT_EQ(p.pages, lines[4 * i + 1]) << fmkv_backend_name(b) << ": " << lines[4 * i];
       EXPECT_EQ(p.fp16.empty() ? "-" : p.fp16, lines[4 * i + 2]) << fmkv_backend_name(b) << ": " << lines[4 * i];
       std::vector<float> want(p.out.size());
@@ -133,6 +141,7 @@ void golden_cases(int32_t version, const std::vector<GoldenCase>& cases, const c
 TEST(Golden, ReproducedByEveryBackend) { golden_cases(2, kCasesV2); }
 TEST(Golden, Version3ReproducedOrRefused) { golden_cases(3, kCasesV3); }
 TEST(Golden, ScaleGroup64ReproducedOrRefused) { golden_cases(3, kCasesScaleGroup64, "_scale_group64"); }
+TEST(Golden, CodeWidth5ReproducedOrRefused) { golden_cases(3, kCasesCodeWidth5, "_code_width5"); }
 
 }  // namespace
 }  // namespace fmkv::test

@@ -42,9 +42,23 @@ TEST(Pack, FourBitCodesAreNibbles) {
   }
 }
 
+// A 5-bit code: its magnitude (bits 0-3) is the nibble 4 (j & 7) of word j >> 3 (a 4-bit code's place), its sign
+// (bit 4) bit j of word 4, the sign plane.
+TEST(Pack, FiveBitCodesAreMagnitudeNibblesAndASignPlane) {
+  std::mt19937 r(std::random_device{}());
+  uint8_t codes[32];
+  for (auto& c : codes) c = (uint8_t)(r() % 32u);
+  uint32_t w[5] = {0, 0, 0, 0, 0};
+  fmkv::ref::pack_group(codes, 5, w, 1);
+  for (int j = 0; j < 32; ++j) {
+    EXPECT_EQ((w[j / 8] >> (4 * (j % 8))) & 15u, codes[j] & 15u) << "coordinate " << j;
+    EXPECT_EQ((w[4] >> j) & 1u, (uint32_t)codes[j] >> 4) << "coordinate " << j;
+  }
+}
+
 TEST(Pack, RoundTripEveryBitWidthAndHeadDim) {
   std::mt19937 r(std::random_device{}());
-  for (int bits = 2; bits <= 4; ++bits)
+  for (int bits = FMKV_CODE_BITS_MIN; bits <= FMKV_CODE_BITS_MAX; ++bits)
     for (int d : {64, 128, 256}) {
       const int64_t stride = 16;
       std::vector<uint8_t> codes(d), back(d);
@@ -62,13 +76,13 @@ TEST(Pack, RoundTripEveryBitWidthAndHeadDim) {
 }
 
 TEST(Pack, EveryBitIsUsed) {
-  for (int bits = 2; bits <= 4; ++bits) {
+  for (int bits = FMKV_CODE_BITS_MIN; bits <= FMKV_CODE_BITS_MAX; ++bits) {
     std::vector<uint32_t> acc(bits, 0);
     for (int j = 0; j < 32; ++j) {
       uint8_t codes[32] = {0};
       for (uint32_t bit = 0; bit < (uint32_t)bits; ++bit) {
         codes[j] = (uint8_t)(1u << bit);
-        uint32_t w[4] = {0, 0, 0, 0};
+        uint32_t w[FMKV_CODE_BITS_MAX] = {};
         fmkv::ref::pack_group(codes, bits, w, 1);
         int set = 0;
         for (int k = 0; k < bits; ++k) { set += __builtin_popcount(w[k]); acc[k] |= w[k]; }

@@ -97,6 +97,11 @@ TEST(Reference, AttentionEqualsNaiveFloat64) {
       {128, 3, 2, 1, 8, 32, 4, 8, {70, 5}, {4, 1}, 0.0f, 3},
       {256, 4, 3, 2, 1, 16, 0, 16, {50}, {16}, 0.0f, 3},
       {128, 16, 3, 2, 2, 16, 2, 0, {33, 18}, {1, 2}, 30.0f, 3},
+      // 5-bit codes (either side, both formats), MQA with sink + window, fp16 K
+      {64, 5, 5, 2, 4, 16, 0, 0, {40, 0, 17}, {1, 3, 2}, 0.0f},
+      {128, 5, 4, 1, 8, 32, 4, 8, {70, 5}, {4, 1}, 0.0f, 3},
+      {256, 3, 5, 2, 1, 16, 0, 16, {50}, {16}, 0.0f, 3},
+      {128, 16, 5, 2, 2, 16, 2, 0, {33, 18}, {1, 2}, 30.0f},
   };
   for (const RefCase& rc : cases) {
     fmkv_config c = config(rc.d, rc.kb, rc.vb, rc.kv_heads, rc.page, rc.sink, rc.window);
@@ -181,8 +186,8 @@ TEST(Reference, AppendIsChunkingInvariant) {
 // format 3's 3-bit K and V tables, tables 1 and 2).
 TEST(Reference, QuantizationMseNearLloydMax) {
   std::normal_distribution<float> nd;
-  const double max_d[5] = {0, 0, 0.1175, 0.03455, 0.009501};
-  const std::pair<int, int> tables[] = {{2, 0}, {3, 0}, {3, 1}, {3, 2}, {4, 0}};
+  const double max_d[6] = {0, 0, 0.1175, 0.03455, 0.009501, 0.002505};
+  const std::pair<int, int> tables[] = {{2, 0}, {3, 0}, {3, 1}, {3, 2}, {4, 0}, {5, 0}};
   for (auto [bits, table] : tables)
     for (int rule : {FMKV_SCALE_RMS, FMKV_SCALE_LSQ}) {
       double err = 0, ref = 0;
@@ -215,7 +220,7 @@ TEST(Reference, QuantizationMseNearLloydMax) {
 TEST(Reference, ScaleGroup64IsOneScalePer64Coordinates) {
   std::normal_distribution<float> nd;
   for (int d : {64, 128, 256})
-    for (int bits : {2, 3, 4})
+    for (int bits : {2, 3, 4, 5})
       for (int rule : {FMKV_SCALE_RMS, FMKV_SCALE_LSQ})
         for (int trial = 0; trial < 20; ++trial) {
           std::vector<uint16_t> x(d);

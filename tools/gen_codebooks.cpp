@@ -26,12 +26,13 @@ static void print_levels(const char* grid, const fmkv::IntegerLevels& q) {
 
 static int print_integer_levels(int max_level) {
   std::printf("grid       bits max_level step                  distortion            lloyd-max             excess   levels\n");
-  for (int b = 1; b <= kMaxBits; ++b)
+  constexpr int kIntBits = 4;  // integer_levels_gaussian / _on_grid take widths 1..4 (tools/lloyd_max.h)
+  for (int b = 1; b <= kIntBits; ++b)
     if (max_level >= (1 << (b - 1))) print_levels("int8", fmkv::integer_levels_gaussian(b, max_level));
   // the operand grids of format 3's decode paths (tools/lloyd_max.h)
-  for (int b = 1; b <= kMaxBits; ++b) print_levels("odd", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kOddGrid));
-  for (int b = 1; b <= kMaxBits; ++b) print_levels("3sig", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kThreeSignificantBits));
-  for (int b = 1; b <= kMaxBits; ++b) print_levels("4sig", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kFourSignificantBits));
+  for (int b = 1; b <= kIntBits; ++b) print_levels("odd", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kOddGrid));
+  for (int b = 1; b <= kIntBits; ++b) print_levels("3sig", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kThreeSignificantBits));
+  for (int b = 1; b <= kIntBits; ++b) print_levels("4sig", fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kFourSignificantBits));
   return 0;
 }
 

@@ -46,6 +46,10 @@ int64_t fmkv_host_memory_bytes(void);
 /* Defaults: head_dim 128, 8 kv heads, k3v3, page 64, no sink/window, LSQ scales, seed 0. */
 void fmkv_config_default(fmkv_config* cfg);
 fmkv_status fmkv_config_validate(const fmkv_config* cfg);
+/* FMKV_OK when backend b is usable and its ops read and write caches of this valid config (its format version,
+ * scale group and code widths); otherwise the error every op of b would return for it (FMKV_ERR_UNSUPPORTED naming
+ * the option and the backends that have it, FMKV_ERR_INVALID_ARGUMENT for an invalid config). */
+fmkv_status fmkv_backend_check_config(fmkv_backend b, const fmkv_config* cfg);
 /* Bytes of one page (one layer, all kv heads, K and V), or -1 on an invalid config. */
 int64_t fmkv_config_page_bytes(const fmkv_config* cfg);
 /* Bytes of the fp16 sink+window region of one sequence slot, K and V, one layer. */

@@ -35,7 +35,7 @@ extern "C" {
 #define FMKV_SCALE_GROUP 32 /* rotated coordinates per fp16 scale of a cache whose fmkv_config.scale_group is 0 */
 #define FMKV_FP16_BITS 16  /* k_bits value meaning "K kept in fp16, unrotated" */
 #define FMKV_CODE_BITS_MIN 2 /* code widths of a K or V side: FMKV_CODE_BITS_MIN .. FMKV_CODE_BITS_MAX */
-#define FMKV_CODE_BITS_MAX 4 /* (tools/gen_codebooks.cpp generates the codebooks of widths 1 .. this) */
+#define FMKV_CODE_BITS_MAX 5 /* (tools/gen_codebooks.cpp generates the codebooks of widths 1 .. this) */
 #define FMKV_TILED_CODE_BITS 3 /* the width format version 3 stores in tile blocks (fmkv_tiled_codes) */
 #define FMKV_MIN_PAGE_SIZE 16
 #define FMKV_MAX_PAGE_SIZE 256
@@ -121,6 +121,8 @@ FMKV_HD int64_t fmkv_scales_offset(int32_t d, int32_t bits, int32_t page_size) {
  *   b=3: words 0,1 = 2-bit magnitude field plane,   word 2 = sign plane
  *   b=4: words 0..3 = nibble words (version 2): the whole code of coordinate j is the nibble at
  *        bits fmkv_nibble_shift(j) .. + 3 of word fmkv_nibble_word(j) (sign in the nibble's bit 3)
+ *   b=5: words 0..3 = nibble words of the 4-bit magnitude (coordinate j's at the same nibble as a 4-bit
+ *        code), word 4 = sign plane
  * In a 1-bit plane coordinate j is bit j. In the 2-bit field plane coordinate j occupies two bits
  * of word fmkv_field_word(j) at fmkv_field_shift(j); with i = j & 15, lo = j >> 4:
  *   word = i >> 3, shift = 8 * (2 * (i & 1) + lo) + 2 * ((i >> 1) & 3).

@@ -29,6 +29,8 @@ __all__ = [
     "Cache",
     "format_version",
     "backends",
+    "check_backend",
+    "backend_supports",
     "default_backend",
     "synchronize",
     "cuda_check",
@@ -53,6 +55,22 @@ def format_version() -> int:
 def backends() -> Dict[str, Dict[str, Any]]:
     """``{name: {"available": bool, "device": str}}`` for ref, cpu, cuda, metal."""
     return _fmkv.backends()
+
+
+def check_backend(backend: str, config: "Config") -> None:
+    """Raise :class:`FmkvError` when ``backend`` cannot run caches of ``config`` -- not usable here, or an option its
+    ops do not read and write (a format version, scale group or code width: FMKV_ERR_UNSUPPORTED naming the option
+    and the backends that have it); the same error every op of the backend would raise (``fmkv_backend_check_config``)."""
+    _fmkv.backend_check_config(backend, config._raw())
+
+
+def backend_supports(backend: str, config: "Config") -> bool:
+    """Whether :func:`check_backend` accepts ``backend`` for ``config``."""
+    try:
+        check_backend(backend, config)
+        return True
+    except FmkvError:
+        return False
 
 
 def default_backend() -> str:

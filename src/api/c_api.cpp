@@ -1,5 +1,6 @@
 // The C API: validation, dispatch to a backend through the registry (src/core/backend.h), exceptions
 // turned into status codes (src/core/status.h).
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -35,7 +36,7 @@ const BackendOps& usable_backend(fmkv_backend b) {
 }
 
 // Fails with FMKV_ERR_UNSUPPORTED when backend b's `limit` (a BackendOps capability: the newest format version, the
-// largest scale group) is below `value`, naming the option (`what`, e.g. "format version"; `plural` for the limit)
+// largest scale group, the widest code) is below `value`, naming the option (`what`, e.g. "format version"; `plural` for the limit)
 // and the compiled backends that have it.
 void require_capability(fmkv_backend b, const BackendOps& ops, int32_t BackendOps::*limit, int32_t value,
                         const char* what, const char* plural) {
@@ -49,7 +50,13 @@ void require_capability(fmkv_backend b, const BackendOps& ops, int32_t BackendOp
                                      plural + " up to " + std::to_string(ops.*limit) + "; " + v + " in this build: " + which + ")");
 }
 
-// usable_backend(b), for a valid config whose format version and scale group the backend reads and writes.
+// The widest code of a config's quantized sides (fp16 K has none).
+int32_t widest_code_bits(const fmkv_config& cfg) {
+  return std::max(cfg.k_bits == FMKV_FP16_BITS ? 0 : cfg.k_bits, cfg.v_bits);
+}
+
+// usable_backend(b), for a valid config whose format version, scale group and code widths the backend reads and
+// writes.
 const BackendOps& backend_for(fmkv_backend b, const fmkv_config& cfg) {
   const BackendOps& ops = usable_backend(b);
   fmkv::validate_config(cfg);
@@ -57,6 +64,7 @@ const BackendOps& backend_for(fmkv_backend b, const fmkv_config& cfg) {
                      "format version", "format versions");
   require_capability(b, ops, &BackendOps::max_scale_group, fmkv_resolved_scale_group(cfg.scale_group), "scale_group",
                      "scale groups");
+  require_capability(b, ops, &BackendOps::max_code_bits, widest_code_bits(cfg), "code width", "code widths");
   return ops;
 }
 }  // namespace
@@ -128,6 +136,13 @@ fmkv_status fmkv_config_validate(const fmkv_config* c) {
   return guarded([&] {
     require(c != nullptr, FMKV_ERR_INVALID_ARGUMENT, "config is NULL");
     fmkv::validate_config(*c);
+  });
+}
+
+fmkv_status fmkv_backend_check_config(fmkv_backend b, const fmkv_config* c) {
+  return guarded([&] {
+    require(c != nullptr, FMKV_ERR_INVALID_ARGUMENT, "config is NULL");
+    backend_for(b, *c);
   });
 }
 
@@ -241,7 +256,7 @@ int64_t fmkv_attention_workspace_bytes(fmkv_backend b, const fmkv_config* cfg, i
   const BackendOps* ops = fmkv::find_backend(b);
   if (!ops || !ops->attention_workspace_bytes || !cfg || fmkv_config_validate(cfg) != FMKV_OK ||
       fmkv_resolved_format_version(cfg->format_version) > ops->max_format_version ||
-      fmkv_resolved_scale_group(cfg->scale_group) > ops->max_scale_group)
+      fmkv_resolved_scale_group(cfg->scale_group) > ops->max_scale_group || widest_code_bits(*cfg) > ops->max_code_bits)
     return 0;
   return ops->attention_workspace_bytes(*cfg, q_heads, max_rows, num_seqs, max_seq_len);
 }

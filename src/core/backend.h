@@ -39,6 +39,7 @@ struct BackendOps {
   bool attention_lse;  // decode_attention writes AttentionArgs::lse when requested (fmkv_attention_lse)
   int32_t max_format_version;  // the newest format version (FORMAT.md section 1) its ops write and read
   int32_t max_scale_group;     // the largest fmkv_config.scale_group (FORMAT.md section 4) its ops write and read
+  int32_t max_code_bits;       // the widest code (FORMAT.md section 6) of a quantized K or V side its ops write and read
 };
 
 // The backend compiled into this build under id b; nullptr when b is not one (unknown or not compiled).

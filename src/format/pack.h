@@ -1,5 +1,6 @@
 // Code packing of the format core (FORMAT.md "Code words"): the 32 codes of a scale group <-> its
-// `bits` uint32 code words (bit planes and the 2-bit field plane for 2 / 3 bits, nibble words for 4),
+// `bits` uint32 code words (bit planes and the 2-bit field plane for 2 / 3 bits, nibble words for 4, nibble
+// words of the magnitude and a sign plane for 5),
 // scalar form; and format 3's 3-bit tile blocks, code by code. The positions come from include/fmkv/format.h
 // (fmkv_field_*, fmkv_nibble_*, fmkv_tile_code_bit).
 // Portable: host C++, CUDA host and device, MSL. Backends that pack in parallel (CUDA and MSL
@@ -23,6 +24,7 @@ FMKV_HD void pack_group_words(FMKV_THREAD const uint8_t* codes, int32_t bits, FM
     w[bits - 1] |= sign << j;  // the sign plane is the last word
     if (bits == 2) w[0] |= m << j;
     if (bits == 3) w[fmkv_field_word(j)] |= m << fmkv_field_shift(j);
+    if (bits == 5) w[fmkv_nibble_word(j)] |= m << fmkv_nibble_shift(j);
   }
 }
 
@@ -30,7 +32,9 @@ FMKV_HD void pack_group_words(FMKV_THREAD const uint8_t* codes, int32_t bits, FM
 FMKV_HD uint32_t unpack_code(FMKV_DEVICE const uint32_t* words, int64_t stride, int32_t bits, int32_t j) {
   if (bits == 4) return (words[fmkv_nibble_word(j) * stride] >> fmkv_nibble_shift(j)) & 15u;
   const uint32_t sign = (words[(bits - 1) * stride] >> j) & 1u;
-  const uint32_t m = bits == 2 ? (words[0] >> j) & 1u : (words[fmkv_field_word(j) * stride] >> fmkv_field_shift(j)) & 3u;
+  const uint32_t m = bits == 2   ? (words[0] >> j) & 1u
+                     : bits == 3 ? (words[fmkv_field_word(j) * stride] >> fmkv_field_shift(j)) & 3u
+                                 : (words[fmkv_nibble_word(j) * stride] >> fmkv_nibble_shift(j)) & 15u;
   return (sign << (bits - 1)) | m;
 }
 

@@ -230,7 +230,7 @@ void dequantize_token(const fmkv_config& c, const uint8_t* page, int32_t h, int 
   const int32_t version = fmkv_resolved_format_version(c.format_version);
   const int table = codebook_table(version, bits, is_v);
   for (int32_t g = 0; g < G; ++g) {
-    uint32_t words[4];
+    uint32_t words[FMKV_CODE_BITS_MAX];
     if (!fmkv_tiled_codes(version, bits))
       for (int32_t w = 0; w < bits; ++w) words[w] = rd32(sec + 4 * fmkv_code_word_index(bits, P, g, w, t));
     const int64_t s = g >> fmkv_scale_shift(c.scale_group);  // the code group's scale

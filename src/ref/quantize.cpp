@@ -35,7 +35,7 @@ void quantize_vector(const uint16_t* x_f16, int32_t d, int32_t bits, int32_t sca
 }
 
 void pack_group(const uint8_t* codes, int32_t bits, uint32_t* words, int64_t stride) {
-  uint32_t w[4];
+  uint32_t w[FMKV_CODE_BITS_MAX];
   pack_group_words(codes, bits, w);
   for (int32_t k = 0; k < bits; ++k) words[k * stride] = w[k];
 }

@@ -18,16 +18,16 @@ def _accepted_widths():
 
 
 def test_code_bits_are_what_the_library_accepts():
-    assert fmt.CODE_BITS == (2, 3, 4)  # docs/FORMAT.md section 6 (an independent statement of the rule)
+    assert fmt.CODE_BITS == (2, 3, 4, 5)  # docs/FORMAT.md section 6 (an independent statement of the rule)
     assert _accepted_widths() == list(fmt.CODE_BITS) + [fmt.FP16_BITS]
     assert fmt.CODEBOOK_MAX_BITS == max(fmt.CODE_BITS)
     for b in range(1, fmt.CODEBOOK_MAX_BITS + 1):
         assert len(fmkv.codebook(b)) == 2 ** (b - 1)
-    with pytest.raises(fmkv.FmkvError, match=r"codebooks exist for 1\.\.4 bits"):
+    with pytest.raises(fmkv.FmkvError, match=r"codebooks exist for 1\.\.5 bits"):
         fmkv.codebook(fmt.CODEBOOK_MAX_BITS + 1)
 
 
-@pytest.mark.parametrize("field,value,listed", [("k_bits", 5, "2, 3, 4 or 16"), ("v_bits", 16, "2, 3 or 4"),
+@pytest.mark.parametrize("field,value,listed", [("k_bits", 6, "2, 3, 4, 5 or 16"), ("v_bits", 16, "2, 3, 4 or 5"),
                                                 ("head_dim", 96, "64, 128 or 256")])
 def test_messages_list_exactly_the_supported_values(field, value, listed):
     with pytest.raises(fmkv.FmkvError, match=rf"{field} {value} is not supported \({listed}\)"):
@@ -35,7 +35,7 @@ def test_messages_list_exactly_the_supported_values(field, value, listed):
 
 
 def test_width_texts_from_the_library():
-    assert fmt.CODE_BITS_TEXT == "2, 3 or 4" and fmt.K_CODE_BITS_TEXT == "2, 3, 4 or 16"
+    assert fmt.CODE_BITS_TEXT == "2, 3, 4 or 5" and fmt.K_CODE_BITS_TEXT == "2, 3, 4, 5 or 16"
 
 
 def test_eval_config_parser_takes_the_widths_from_the_library():
@@ -44,25 +44,48 @@ def test_eval_config_parser_takes_the_widths_from_the_library():
     for kb in fmt.CODE_BITS + (fmt.FP16_BITS,):
         for vb in fmt.CODE_BITS:
             assert parse_config(f"k{kb}v{vb}").k_bits == kb
-    for bad in ("k5v3", "k3v16", "k1v2"):
-        with pytest.raises(ValueError, match=r"k_bits must be 2, 3, 4 or 16 and v_bits 2, 3 or 4"):
+    for bad in ("k6v3", "k3v16", "k1v2"):
+        with pytest.raises(ValueError, match=r"k_bits must be 2, 3, 4, 5 or 16 and v_bits 2, 3, 4 or 5"):
             parse_config(bad)
-    with pytest.raises(ValueError, match=r"turbo-<2\|3\|4>"):
-        parse_config("turbo-5")
+    with pytest.raises(ValueError, match=r"turbo-<2\|3\|4\|5>"):
+        parse_config("turbo-6")
 
 
 def test_needle_widths_from_the_library(tmp_path):
-    """fmkv-eval needle: --bits defaults to every code width (plus fp16 K), and refuses a width the format lacks."""
+    """fmkv-eval needle: --bits defaults to every code width the backend runs (plus fp16 K), refuses a width the format
+    lacks, and one the backend does not run with the backend's error."""
     import json
     import subprocess
     import sys
 
     run = lambda *a: subprocess.run([sys.executable, "-m", "fmkv.eval", "needle", *a], capture_output=True, text=True,
                                     timeout=300)
-    r = run("--bits", "5")
-    assert r.returncode == 2 and "k width 5 is not supported (expected one of [2, 3, 4])" in r.stderr
+    r = run("--bits", "6")
+    assert r.returncode == 2 and "k width 6 is not supported (expected one of [2, 3, 4, 5])" in r.stderr
+    r = run("--bits", "5", "--backend", "cpu", "--max-ctx", "1024")
+    assert r.returncode == 2 and "code width 5 is not supported by the 'cpu' backend" in r.stderr, r.stderr
     out = tmp_path / "needle.jsonl"
     r = run("--max-ctx", "1024", "--trials", "1", "--head-dim", "64", "--out", str(out))
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted({row["k_bits"] for row in rows}) == list(fmt.CODE_BITS) + [fmt.FP16_BITS]
+    backend = fmkv.default_backend()
+    runs = [b for b in fmt.CODE_BITS if fmkv.backend_supports(backend, fmkv.Config(head_dim=64, num_kv_heads=1, k_bits=b))]
+    assert runs == [b for b in fmt.CODE_BITS if b <= 4] if backend == "cpu" else runs == list(fmt.CODE_BITS)
+    assert sorted({row["k_bits"] for row in rows}) == runs + [fmt.FP16_BITS]
+
+
+def test_check_backend_names_the_width_and_the_backends_that_have_it():
+    """fmkv.check_backend raises what every op of the backend would (fmkv_backend_check_config): 5-bit codes on the
+    CPU backend are refused naming the width and the reference that has them; the reference accepts them; an invalid
+    config is an invalid argument, not an unsupported option."""
+    five = fmkv.Config(head_dim=64, num_kv_heads=1, k_bits=5, v_bits=4)
+    fmkv.check_backend("ref", five)
+    assert fmkv.backend_supports("ref", five)
+    if fmkv.backends()["cpu"]["available"]:
+        with pytest.raises(fmkv.FmkvError, match=r"code width 5 is not supported by the 'cpu' backend .*: ref\)") as e:
+            fmkv.check_backend("cpu", five)
+        assert e.value.status == "UNSUPPORTED"
+        assert not fmkv.backend_supports("cpu", five)
+        assert fmkv.backend_supports("cpu", fmkv.Config(head_dim=64, num_kv_heads=1, k_bits=16, v_bits=4))
+    with pytest.raises(fmkv.FmkvError, match="unknown backend"):
+        fmkv.check_backend("tpu", five)

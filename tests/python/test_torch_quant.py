@@ -5,6 +5,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
 fmkv = pytest.importorskip("fmkv", reason="the fmkv binding is not installed")
 tq = pytest.importorskip("fmkv.torch_quant")
+fmt = pytest.importorskip("fmkv.format")
 
 
 def _inputs(d, n=96, seed=0):
@@ -21,7 +22,7 @@ def _inputs(d, n=96, seed=0):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", fmt.CODE_BITS)
 @pytest.mark.parametrize("rule", ["lsq", "rms"])
 def test_codes_and_scales_bit_exact(d, bits, rule):
     x = _inputs(d)
@@ -36,7 +37,7 @@ def test_codes_and_scales_bit_exact(d, bits, rule):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", fmt.CODE_BITS)
 def test_dequantize_matches_binding(d, bits):
     x = _inputs(d, n=32, seed=1)
     q = tq.quantize(torch.from_numpy(x), bits, 3, 2)
@@ -83,7 +84,7 @@ def _random_inputs_bit_exact(d, rng):
     n = 64
     x = (rng.standard_normal((n, d)) * np.exp(rng.uniform(-8, 6, (n, 1)))).astype(np.float32)
     seed, layer = int(rng.integers(0, 2**63)), int(rng.integers(0, 2**31))
-    for bits in (2, 3, 4):
+    for bits in fmt.CODE_BITS:
         for rule in ("lsq", "rms"):
             q = tq.quantize(torch.from_numpy(x), bits, seed, layer, rule)
             for i in range(n):
@@ -116,7 +117,7 @@ def test_sqrt_rn_is_correctly_rounded():
 
 @pytest.mark.parametrize("version", [2, 3])
 @pytest.mark.parametrize("side", ["k", "v"])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", fmt.CODE_BITS)
 @pytest.mark.parametrize("rule", ["lsq", "rms"])
 def test_codes_and_scales_bit_exact_per_format_version(version, side, bits, rule):
     d = 128
@@ -147,7 +148,7 @@ def test_format3_three_bit_levels_differ_from_format2():
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", fmt.CODE_BITS)
 @pytest.mark.parametrize("rule", ["lsq", "rms"])
 @pytest.mark.parametrize("version", [2, 3])
 def test_scale_group_64_bit_exact(d, bits, rule, version):

@@ -770,8 +770,8 @@ def build_parser() -> argparse.ArgumentParser:
     pa.set_defaults(func=cmd_pareto)
     n = sub.add_parser("needle", help="kernel-level needle retrieval through fmkv.Cache")
     n.add_argument("--max-ctx", type=_int_at_least(1), default=131072)
-    n.add_argument("--bits", type=lambda t: _int_list(t, set(fmt.CODE_BITS), "k width"), default=list(fmt.CODE_BITS),
-                   help="K code widths, comma-separated (fp16 K is always added; default: every width)")
+    n.add_argument("--bits", type=lambda t: _int_list(t, set(fmt.CODE_BITS), "k width"), default=None,
+                   help="K code widths, comma-separated (fp16 K is always added; default: every width the backend runs)")
     n.add_argument("--trials", type=_int_at_least(1), default=8)
     n.add_argument("--margin", type=_finite_at_least(0.0), default=3.0, help="needle score margin in units of score std")
     n.add_argument("--head-dim", type=_int_at_least(1), default=128)

@@ -101,9 +101,20 @@ def run_needle(a) -> int:
         dev_name = fmkv.backends()[backend]["device"]
         all_ctx = (1024, 8192, 32768, 131072)
     ctxs = [c for c in all_ctx if c <= a.max_ctx]
+    from .. import format as fmt
     from ..format import FP16_BITS
 
-    bits = list(a.bits) + [FP16_BITS]
+    cfg_of = lambda b: fmkv.Config(head_dim=a.head_dim, num_kv_heads=1, k_bits=b, v_bits=4, page_size=64)  # noqa: E731
+    if a.bits is None:  # every K width the backend runs
+        bits = [b for b in fmt.CODE_BITS if fmkv.backend_supports(backend, cfg_of(b))] + [FP16_BITS]
+    else:
+        bits = list(a.bits) + [FP16_BITS]
+        for b in bits:
+            try:
+                fmkv.check_backend(backend, cfg_of(b))
+            except fmkv.FmkvError as e:
+                print(f"needle: --bits {b}: {e}", file=sys.stderr)
+                return 2
     margins = [0.1, 0.25, 0.5, 1.0]
     from .cli import _commit, write_jsonl  # the eval CLI's helpers (cli imports this module lazily, no cycle)
 
@@ -113,7 +124,7 @@ def run_needle(a) -> int:
     for n in ctxs:
         trials = a.trials if (n <= 32768 or use_torch) else max(2, a.trials // 2)
         for b in bits:
-            cfg = fmkv.Config(head_dim=a.head_dim, num_kv_heads=1, k_bits=b, v_bits=4, page_size=64)
+            cfg = cfg_of(b)
             num_pages = (n + cfg.page_size - 1) // cfg.page_size + 1
             cache = torch_ops.TorchCache(cfg, 1, num_pages, 1, backend=backend, device=device) if use_torch else None
             for m in margins:
