@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
               used_threads, copy, loadavg1());
   std::fflush(stdout);
 
-  const Fmt fmts[] = {{4, 4}, {3, 3}, {2, 2}, {16, 4}};
+  const Fmt fmts[] = {{5, 5}, {5, 4}, {4, 4}, {3, 3}, {2, 2}, {16, 4}};
 
   // ---- quantize-append: 4096 new tokens of fp32 K and V, 8 kv heads x d128 -------------------
   for (Fmt f : fmts) {

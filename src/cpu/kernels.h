@@ -14,7 +14,7 @@ struct QuantParams {
   int32_t tiled, is_v;                 // codes written into tile blocks (format 3, 3 bits: tile.h); K or V section
   int32_t ssh;                         // fmkv_scale_shift of the cache's scale group: code group g uses scale g >> ssh
   alignas(64) uint32_t sign_xor[256];  // 0x80000000 where the rotation sign is -1, else 0
-  float thr[8];                        // decision thresholds of the section's codebook, ascending (magnitude_count - 1)
+  float thr[15];                       // decision thresholds of the section's codebook, ascending (magnitude_count - 1)
   alignas(64) float mag16[16];         // mag16[i] = its level i & (magnitude_count - 1) (table_mag)
   float norm;                          // rotation_norm(d)
 };
@@ -49,7 +49,7 @@ constexpr int kMaxTile = 4;  // query vectors per attention kernel call
 struct Kernels {
   const char* name;
   int lanes;
-  // Quantize one fp16 head vector x into token slot t of a quantized section (bits 2..4; tile blocks
+  // Quantize one fp16 head vector x into token slot t of a quantized section (bits 2..5; tile blocks
   // when qp.tiled: only the token's bits of its block change).
   void (*quantize)(const QuantParams& qp, const uint16_t* x, uint8_t* section, int32_t P, int32_t t);
   // Convert n values of dtype (fmkv_dtype) to fp16 bits, round to nearest even.

@@ -88,6 +88,7 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
   const F nv = T::set1(qp.norm);
   for (int k = 0; k < NV; ++k) y[k] = T::mul(y[k], nv);
   const typename T::Table tmag = T::load_table(qp.mag16);
+  const typename T::Table16 tmag16 = T::load_table16(qp.mag16);  // B = 5: 16 magnitudes
 
   uint32_t* words = (uint32_t*)section;
   uint16_t* scales = (uint16_t*)(section + fmkv_scales_offset(D, B, P));
@@ -109,8 +110,8 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
     for (int h = 0; h < n; ++h) {
       const int g = sgi * n + h;
       const F* yg = y + g * K;
-      uint32_t w[4] = {0, 0, 0, 0};
-      uint32_t sign = 0, b0 = 0, b1 = 0;  // 2, 3 bits: bit j = coordinate j's sign, magnitude bits 0, 1
+      uint32_t w[5] = {0, 0, 0, 0, 0};
+      uint32_t sign = 0, b0 = 0, b1 = 0;  // 2, 3, 5 bits: bit j = coordinate j's sign; 2, 3: magnitude bits 0, 1
       if (s0f != 0.0f) {
         const F sv = T::set1(s0f);
         I mm[K], cc[K];
@@ -123,6 +124,9 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
           mm[k] = m;
           if constexpr (B == 4) {
             cc[k] = T::code4(m, u[k]);  // whole code m | sign << 3
+          } else if constexpr (B == 5) {
+            cc[k] = m;  // the magnitude's nibble; the sign goes to the sign plane
+            sign |= T::ltzero_mask(u[k]) << (k * N);
           } else {
             sign |= T::ltzero_mask(u[k]) << (k * N);
             b0 |= T::bitmask(m, 0) << (k * N);
@@ -142,11 +146,14 @@ void quantize_t(const QuantParams& qp, const uint16_t* x, uint8_t* section, int3
           w[2] = sign;
         } else if (B == 4) {  // nibble words: code j at bits 4 (j & 7) .. of word j >> 3
           T::pack_nibbles(cc, w);
+        } else if (B == 5) {  // nibble words of the magnitudes (words 0..3), sign plane (word 4)
+          T::pack_nibbles(cc, w);
+          w[4] = sign;
         }  // (B = 3 tiled: the planes sign, b0, b1 are written below)
         if (qp.rule == FMKV_SCALE_LSQ) {
           F nn[K], dd[K];
           for (int k = 0; k < K; ++k) {
-            const F lv = T::negate_if_lt0(T::lut(tmag, mm[k]), u[k]);
+            const F lv = T::negate_if_lt0(B == 5 ? T::lut16(tmag16, mm[k]) : T::lut(tmag, mm[k]), u[k]);
             nn[k] = T::mul(yg[k], lv);
             dd[k] = T::mul(lv, lv);
           }
@@ -177,9 +184,9 @@ void quantize_dispatch(const QuantParams& qp, const uint16_t* x, uint8_t* sectio
 #define FMKV_QT(D) \
   if (qp.d == D && qp.bits == 3 && qp.tiled) return quantize_t<T, D, 3, true>(qp, x, section, P, t);
   FMKV_QT(64) FMKV_QT(128) FMKV_QT(256)
-  FMKV_Q(64, 2) FMKV_Q(64, 3) FMKV_Q(64, 4)
-  FMKV_Q(128, 2) FMKV_Q(128, 3) FMKV_Q(128, 4)
-  FMKV_Q(256, 2) FMKV_Q(256, 3) FMKV_Q(256, 4)
+  FMKV_Q(64, 2) FMKV_Q(64, 3) FMKV_Q(64, 4) FMKV_Q(64, 5)
+  FMKV_Q(128, 2) FMKV_Q(128, 3) FMKV_Q(128, 4) FMKV_Q(128, 5)
+  FMKV_Q(256, 2) FMKV_Q(256, 3) FMKV_Q(256, 4) FMKV_Q(256, 5)
 #undef FMKV_QT
 #undef FMKV_Q
 }
@@ -237,13 +244,14 @@ void make_int_query(const float* const* q, int32_t d, float step, IntQuery<R>& o
 // [c0, c1) in blocks of N tokens (N = SIMD lanes; a block never crosses a page since P >= 16).
 // K (quantized): lane = token. For each coordinate j the N tokens' codes are extracted from the
 // code words of N consecutive tokens (one contiguous load per word: planes for 2 / 3 bits, nibble
-// words for 4 bits) with constant shifts, looked up in the codebook (register permute), signed, and
+// words for 4 bits, nibble words and the sign plane for 5 bits) with constant shifts, looked up in the
+// codebook (register permute; 5 bits: a 16-entry table, T::lut16), signed, and
 // fma'd with the broadcast rotated q[j]; per-group fp16 scales multiply the group partial sums.
 // Scores come out as one vector per query.
 // K (fp16, k_bits == 16): lane = coordinate, one dot product per token.
 // Softmax: online, per block (max, exp, sum) in registers.
-// V: lane = coordinate (lane order pi, see LaneTables). Per token: broadcast the code words (4 bits:
-// the block's one or two nibble words, blended), shift by per-lane constants, look up, fma into
+// V: lane = coordinate (lane order pi, see LaneTables). Per token: broadcast the code words (4 and 5 bits:
+// the block's one or two nibble words, blended; 5 bits also the sign plane), shift by per-lane constants, look up, fma into
 // accumulators with weight p * scale.
 // Tile blocks (format 3, 3-bit K: KT, V: VT; tile.h): at the first block of each 16-token tile the tile
 // block is unpacked into a scratch (tile_unpack_k / tile_unpack_v: K as 4 nibble words per token and
@@ -261,6 +269,7 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
   const int d = job.d, G = d / 32, P = job.P, ssh = job.ssh;
   const LaneTables& lt = lane_tables();
   const typename T::Table tk = T::load_table(job.tk), tv = T::load_table(job.tv);
+  const typename T::Table16 tk16 = T::load_table16(job.tk), tv16 = T::load_table16(job.tv);  // 5-bit magnitudes
   const float NEG_INF = -__builtin_inff();
   float m[R], l[R];
   for (int r = 0; r < R; ++r) m[r] = st[r].m, l[r] = st[r].l;
@@ -396,6 +405,8 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
           if constexpr (KB == 4) {
             const I wj = W[fmkv_nibble_word(j)];
             lev = T::xor_sign(T::lut(tk, T::srl(wj, fmkv_nibble_shift(j))), T::sll(wj, 28 - fmkv_nibble_shift(j)));
+          } else if constexpr (KB == 5) {  // the magnitude nibble (lut16 reads it mod 16), the sign plane
+            lev = T::xor_sign(T::lut16(tk16, T::srl(W[fmkv_nibble_word(j)], fmkv_nibble_shift(j))), T::sll(W[4], 31 - j));
           } else {
             const I idx = KB == 2 ? T::srl(W[0], j) : T::srl(W[fmkv_field_word(j)], fmkv_field_shift(j));
             lev = T::xor_sign(T::lut(tk, idx), T::sll(W[KB - 1], 31 - j));
@@ -468,6 +479,17 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
             const F lev = T::xor_sign(T::lut(tv, T::srlv(w, sh_n)), T::sllv(w, sh_s));
             for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
           }
+        } else if constexpr (VB == 5) {
+          // The magnitude nibble as for 4 bits (lut16 reads it mod 16), the sign from the sign plane as for 2, 3.
+          const I sh_n = T::loadi(lt.nib_shift + u0), sh_s = T::loadi(lt.sign_shl + u0);
+          const uint32_t* wa = wg + (int64_t)lt.nib_word[u0] * P;
+          const uint32_t* wb = wg + (int64_t)lt.nib_word[N >= 8 ? u0 + 4 : u0] * P;
+          for (int t = 0; t < nany; ++t) {
+            I w = T::set1i(wa[t]);
+            if constexpr (N >= 8) w = T::blend_i_hbit(w, T::set1i(wb[t]), 4);
+            const F lev = T::xor_sign(T::lut16(tv16, T::srlv(w, sh_n)), T::sllv(T::set1i(wg[4 * P + t]), sh_s));
+            for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
+          }
         } else {
           const I sh_m = VB == 2 ? T::loadi(lt.pi_srl + u0) : T::loadi(lt.field_shift + u0);
           const I sh_s = T::loadi(lt.sign_shl + u0);
@@ -530,7 +552,7 @@ AttendFn pick_v(int VB, bool tiled, int R) {
   } else {
     if (VB == 3) return tiled ? pick_r<T, KB, 3, false, true>(R) : pick_r<T, KB, 3, false, false>(R);
   }
-  return VB == 2 ? pick_r<T, KB, 2, KT, false>(R) : pick_r<T, KB, 4, KT, false>(R);
+  return VB == 2 ? pick_r<T, KB, 2, KT, false>(R) : VB == 4 ? pick_r<T, KB, 4, KT, false>(R) : pick_r<T, KB, 5, KT, false>(R);
 }
 
 template <class T>
@@ -539,6 +561,7 @@ void attend_dispatch(const AttnJob& job, int R, const float* const* q, const int
   AttendFn f = job.k_bits == 2 ? pick_v<T, 2, false>(job.v_bits, tiled, R)
              : job.k_bits == 3 ? (tiled ? pick_v<T, 3, true>(job.v_bits, true, R) : pick_v<T, 3, false>(job.v_bits, false, R))
              : job.k_bits == 4 ? pick_v<T, 4, false>(job.v_bits, tiled, R)
+             : job.k_bits == 5 ? pick_v<T, 5, false>(job.v_bits, tiled, R)
                                : pick_v<T, 16, false>(job.v_bits, tiled, R);
   f(job, q, climit, st);
 }

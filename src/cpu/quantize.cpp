@@ -34,7 +34,7 @@ void make_quant_params(int32_t d, int32_t bits, int32_t rule, uint64_t seed, int
   uint64_t sw[FMKV_MAX_SIGN_WORDS] = {0, 0, 0, 0};
   rotation_sign_words(seed, layer, d, sw);
   for (int32_t i = 0; i < 256; ++i) qp->sign_xor[i] = i < d && sign_negative(sw, i) ? 0x80000000u : 0u;
-  for (int i = 0; i < 8; ++i) qp->thr[i] = i + 1 < magnitude_count(bits) ? table_threshold(table, bits, i) : 0.0f;
+  for (int i = 0; i < 15; ++i) qp->thr[i] = i + 1 < magnitude_count(bits) ? table_threshold(table, bits, i) : 0.0f;
   codebook_table16(bits, table, qp->mag16);
   qp->norm = rotation_norm(d);
 }

@@ -53,6 +53,10 @@ struct ScalarT {
   static F xor_sign(F x, I s) { return bits_f32(f32_bits(x) ^ (s & 0x80000000u)); }
   static Table load_table(const float* t16) { return t16; }
   static F lut(Table t, I idx) { return t[idx & 15u]; }
+  // 16 distinct entries (5-bit magnitudes): lut16 reads idx mod 16 on every set (lut reads mod 8 on AVX2, NEON).
+  using Table16 = const float*;
+  static Table16 load_table16(const float* t16) { return t16; }
+  static F lut16(Table16 t, I idx) { return t[idx & 15u]; }
   static F select_valid(F a, F b, int n) { return n > 0 ? a : b; }
   static float hmax(F x) { return x; }
   static float hsum(F x) { return x; }
@@ -111,6 +115,14 @@ struct Avx2T {
   static F xor_sign(F x, I s) { return xor_i(x, _mm256_and_si256(s, set1i(0x80000000u))); }
   static Table load_table(const float* t16) { return _mm256_loadu_ps(t16); }
   static F lut(Table t, I idx) { return _mm256_permutevar8x32_ps(t, idx); }
+  struct Table16 {
+    __m256 lo, hi;
+  };
+  static Table16 load_table16(const float* t16) { return {_mm256_loadu_ps(t16), _mm256_loadu_ps(t16 + 8)}; }
+  static F lut16(Table16 t, I idx) {  // entry idx & 7 of the low or high half, by bit 3 (moved to the sign bit)
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, idx), _mm256_permutevar8x32_ps(t.hi, idx),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+  }
   static F select_valid(F a, F b, int n) {
     if (n >= N) return a;
     F m = _mm256_castsi256_ps(_mm256_cmpgt_epi32(set1i((uint32_t)(n < 0 ? 0 : n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
@@ -220,6 +232,9 @@ struct Avx512T {
   }
   static Table load_table(const float* t16) { return _mm512_loadu_ps(t16); }
   static F lut(Table t, I idx) { return _mm512_permutexvar_ps(idx, t); }
+  using Table16 = __m512;
+  static Table16 load_table16(const float* t16) { return _mm512_loadu_ps(t16); }
+  static F lut16(Table16 t, I idx) { return _mm512_permutexvar_ps(idx, t); }
   static F select_valid(F a, F b, int n) {
     __mmask16 k = n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
     return _mm512_mask_blend_ps(k, b, a);
@@ -352,6 +367,16 @@ struct NeonT {
   static F lut(Table t, I idx) {  // byte index 4 * (idx & 7) + {0, 1, 2, 3} per lane
     const I b = vaddq_u32(vmulq_n_u32(vandq_u32(idx, vdupq_n_u32(7u)), 0x04040404u), vdupq_n_u32(0x03020100u));
     return vreinterpretq_f32_u8(vqtbl2q_u8(t, vreinterpretq_u8_u32(b)));
+  }
+  using Table16 = uint8x16x4_t;  // mag16[0..15] as bytes
+  static Table16 load_table16(const float* t16) {
+    Table16 t;
+    for (int i = 0; i < 4; ++i) t.val[i] = vld1q_u8((const uint8_t*)(t16 + 4 * i));
+    return t;
+  }
+  static F lut16(Table16 t, I idx) {  // byte index 4 * (idx & 15) + {0, 1, 2, 3} per lane
+    const I b = vaddq_u32(vmulq_n_u32(vandq_u32(idx, vdupq_n_u32(15u)), 0x04040404u), vdupq_n_u32(0x03020100u));
+    return vreinterpretq_f32_u8(vqtbl4q_u8(t, vreinterpretq_u8_u32(b)));
   }
   static I lane_ids() {
     static const uint32_t ids[4] = {0, 1, 2, 3};

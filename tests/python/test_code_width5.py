@@ -1,0 +1,143 @@
+"""5-bit codes (docs/FORMAT.md section 6: the magnitude in nibble words, a sign plane) through the Python layers.
+
+* Config / bytes: k5 costs 40 code bytes + 4 scale bytes per 64-d vector; fmkv.codebook(5) is the 16 Lloyd-Max levels.
+* torch ops on the host backends: the pages an append writes are bit-identical between 'cpu' and 'ref' (storage
+  random first), attention (output NaN-poisoned before the call) and the fused step are within 1e-5 of the float64
+  attention over the dequantized K/V (fmkv.reference), for K, V or both at 5 bits, formats 2 and 3, both scale
+  groups, sinks and windows.
+* fmkv.hf: FmkvCache(k_bits=5, ...) decodes the tiny model of hf_cases; every decode output equals the evaluation's
+  dequantize-then-attend with the same config name (k5v4-w8-s2), the quantizer whose perplexity docs/EVAL.md reports.
+* Backends without 5-bit kernels (CUDA here when present) refuse the config naming the width, cache unchanged.
+"""
+import numpy as np
+import pytest
+
+import fmkv
+from fmkv import _fmkv, reference
+
+from conftest import host_backends
+
+torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch to run the torch op tests")
+from fmkv import torch_ops  # noqa: E402
+
+TOL = 1e-5
+
+
+def test_bytes_and_levels():
+    assert fmkv.bytes_per_token_head(64, 5) == 44 and fmkv.bytes_per_token_head(128, 5) == 88
+    assert fmkv.bytes_per_token_head(64, 5, 64) == 42
+    c = fmkv.Config(head_dim=64, num_kv_heads=1, k_bits=5, v_bits=4)
+    assert c.bytes_per_token_per_head == 44 + 36
+    lv = fmkv.codebook(5)
+    assert lv.shape == (16,) and np.all(np.diff(lv) > 0) and np.array_equal(lv, lv.astype(np.float16).astype(np.float32))
+    # the Lloyd-Max optimum for N(0, 1): the quantizer's distortion, integrated here in float64
+    x = np.linspace(0.0, 10.0, 2_000_001)
+    q = lv[np.searchsorted((lv[:-1] + lv[1:]) / 2, x)]
+    dist = 2 * np.trapezoid((x - q) ** 2 * np.exp(-x * x / 2) / np.sqrt(2 * np.pi), x)
+    assert abs(dist - 0.0025047) < 2e-6
+
+
+def _batch(slots, lens, rows, tables):
+    offs = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    return (torch.tensor(slots, dtype=torch.int32), torch.tensor(lens, dtype=torch.int64), torch.from_numpy(offs),
+            torch.tensor(tables, dtype=torch.int32))
+
+
+def _storage(config, seed):
+    g = torch.Generator().manual_seed(seed)
+    R = config.sink_tokens + config.window_tokens
+    pages = torch.randint(0, 256, (5, config.page_bytes), dtype=torch.uint8, generator=g)
+    fk = torch.randint(-2000, 2000, (1, config.num_kv_heads, R, config.head_dim), generator=g).to(torch.float16)
+    return pages, fk, fk.clone() * 0.5
+
+
+CASES = [  # k_bits, v_bits, head_dim, sink, window, scale_rule, format_version, scale_group
+    (5, 5, 64, 0, 0, "lsq", 0, 0),
+    (5, 4, 128, 2, 5, "rms", 3, 0),
+    (16, 5, 64, 0, 3, "lsq", 0, 0),
+    (3, 5, 128, 0, 0, "lsq", 3, 64),
+    (5, 2, 256, 1, 0, "lsq", 2, 64),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "k{}v{}d{}S{}W{}{}f{}g{}".format(*c))
+def test_torch_ops_host_backends(rng, case):
+    kb, vb, d, S, W, rule, fv, sg = case
+    seed, layer = int(rng.integers(0, 2**63)), int(rng.integers(0, 30))
+    H, HQ, T, NQ = 2, 6, 45, 3
+    g = torch.Generator().manual_seed(seed % 2**62)
+    k = torch.randn(T, H, d, generator=g) * (1 + torch.rand(d, generator=g) * 3)
+    v = torch.randn(T, H, d, generator=g)
+    q = torch.randn(NQ, HQ, d, generator=g)
+    table = [[3, 0, 2, 1]]
+    config = fmkv.Config(head_dim=d, num_kv_heads=H, k_bits=kb, v_bits=vb, page_size=16, sink_tokens=S,
+                         window_tokens=W, scale_rule=rule, seed=seed, format_version=fv, scale_group=sg)
+    cfg = torch_ops.config_to_list(config)
+    stored = {}
+    for backend in host_backends():
+        pages, fk, fv16 = _storage(config, seed % 1000)
+        untouched = pages[4].clone()  # not in the block table
+        torch.ops.fmkv.append(pages, fk, fv16, k[:20], v[:20], *_batch([0], [0], [20], table), cfg, layer, backend)
+        torch.ops.fmkv.append(pages, fk, fv16, k[20:], v[20:], *_batch([0], [20], [T - 20], table), cfg, layer, backend)
+        assert torch.equal(pages[4], untouched)
+        poisoned = torch.full_like(q, float("nan"))
+        _fmkv.attention_raw(backend, config._raw(), layer, pages, fk, fv16, *_batch([0], [T], [NQ], table), q,
+                            poisoned, 0.0, 0.0, max_seq_len=T)
+        ref = reference.attention(config, layer, k, v, q)
+        assert torch.isfinite(poisoned).all() and reference.rel_error(poisoned.numpy(), ref) < TOL, backend
+        p2, k2, v2 = _storage(config, seed % 1000)
+        torch.ops.fmkv.append(p2, k2, v2, k[:T - 1], v[:T - 1], *_batch([0], [0], [T - 1], table), cfg, layer, backend)
+        fused = torch_ops.append_attention(p2, k2, v2, k[T - 1:], v[T - 1:], q[-1:], *_batch([0], [T - 1], [1], table),
+                                           cfg, layer, 0.0, 0.0, backend)
+        assert reference.rel_error(fused.numpy(), ref[-1:]) < TOL, backend
+        assert all(torch.equal(a, b) for a, b in zip((p2, k2, v2), (pages, fk, fv16)))
+        stored[backend] = (pages, fk, fv16)
+    for backend, got in stored.items():  # every host backend writes the reference's bytes
+        assert all(torch.equal(a, b) for a, b in zip(got, stored["ref"])), backend
+    # the 5-bit side is what it says: at 4 bits the output moves
+    four = fmkv.Config(head_dim=d, num_kv_heads=H, k_bits=min(kb, 4), v_bits=min(vb, 4), page_size=16, sink_tokens=S,
+                       window_tokens=W, scale_rule=rule, seed=seed, format_version=fv, scale_group=sg)
+    assert not np.allclose(reference.attention(four, layer, k, v, q), reference.attention(config, layer, k, v, q),
+                           rtol=0, atol=1e-6)
+
+
+def test_hf_decode_equals_the_evaluation_quantizer(monkeypatch):
+    """Prefill 60 tokens, 4 decode steps through FmkvCache(k_bits=5, v_bits=4, window 8, 2 sinks): each fused output
+    equals fmkv.eval's k5v4-w8-s2 dequantize-then-attend over the same K/V (and not k4v4-w8-s2's)."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    import fmkv.hf as fhf
+    from fmkv.eval.quantizers import parse_config
+    from hf_cases import COMMON, token_ids, tiny_model
+    from test_hf_key_offset import _record, _worst_against
+
+    model = tiny_model()
+    q5, q4 = parse_config("k5v4-w8-s2"), parse_config("k4v4-w8-s2")
+    for q in (q5, q4):
+        q.num_layers = COMMON["num_hidden_layers"]
+    cache = fhf.FmkvCache(model.config, max_cache_len=80, k_bits=5, v_bits=4, window_tokens=8, sink_tokens=2,
+                          page_size=16)
+    log = _record(monkeypatch, cache)
+    ids = token_ids(1, 64, 7)
+    with torch.no_grad():
+        pkv = fhf.output_cache(model(ids[:, :60], **fhf.cache_kwargs(cache), use_cache=True))
+        for t in range(60, 64):
+            pkv = fhf.output_cache(model(ids[:, t:t + 1], **fhf.cache_kwargs(pkv), use_cache=True))
+    assert all(sum(q.shape[2] == 1 for q, *_ in r["qo"]) == 4 for r in log.values())
+    assert _worst_against(log, q5) < 2e-5
+    assert _worst_against(log, q4) > 1e-4
+
+
+@pytest.mark.skipif(not fmkv.backends()["cuda"]["available"], reason="no CUDA backend in this build / no GPU")
+def test_cuda_refuses_five_bits_unchanged():
+    config = fmkv.Config(head_dim=128, num_kv_heads=2, k_bits=5, v_bits=4, page_size=16)
+    cfg = torch_ops.config_to_list(config)
+    pages = torch.randint(0, 256, (3, config.page_bytes), dtype=torch.uint8).cuda()
+    before = pages.clone()
+    empty = torch.zeros(1, 2, 0, 128, dtype=torch.float16, device="cuda")
+    k = torch.randn(5, 2, 128, device="cuda")
+    with pytest.raises(fmkv.FmkvError, match=r"code width 5 is not supported by the 'cuda' backend"):
+        torch_ops.append(pages, empty, empty.clone(), k, k.clone(), *[t.cuda() for t in _batch([0], [0], [5], [[0, 1]])],
+                         cfg, 0, "cuda")
+    assert torch.equal(pages, before)
+    with pytest.raises(fmkv.FmkvError, match="code width 5"):
+        fmkv.check_backend("cuda", config)
