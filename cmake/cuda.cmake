@@ -26,17 +26,18 @@ set(FMKV_CUDA_SOURCES
   ${PROJECT_SOURCE_DIR}/src/cuda/append.cu
   ${PROJECT_SOURCE_DIR}/src/cuda/decode_attention.cu)
 # The decode kernels, one translation unit per K width (build parallelism; src/cuda/decode_k.cuh): the code
-# widths FMKV_CODE_BITS_MIN .. FMKV_CODE_BITS_MAX of include/fmkv/format.h and FMKV_FP16_BITS, read from it.
-function(fmkv_format_h_define name out)
-  file(STRINGS ${PROJECT_SOURCE_DIR}/include/fmkv/format.h _line REGEX "^#define ${name} [0-9]+")
+# widths FMKV_CODE_BITS_MIN (include/fmkv/format.h) .. FMKV_CUDA_CODE_BITS_MAX (src/cuda/code_widths.cuh, the
+# widths the CUDA kernels have) and FMKV_FP16_BITS, read from those headers.
+function(fmkv_header_define file name out)
+  file(STRINGS ${PROJECT_SOURCE_DIR}/${file} _line REGEX "^#define ${name} [0-9]+")
   if(NOT _line MATCHES "^#define ${name} ([0-9]+)")
-    message(FATAL_ERROR "include/fmkv/format.h: no '#define ${name} <number>'")
+    message(FATAL_ERROR "${file}: no '#define ${name} <number>'")
   endif()
   set(${out} ${CMAKE_MATCH_1} PARENT_SCOPE)
 endfunction()
-fmkv_format_h_define(FMKV_CODE_BITS_MIN _kb_min)
-fmkv_format_h_define(FMKV_CODE_BITS_MAX _kb_max)
-fmkv_format_h_define(FMKV_FP16_BITS _kb_fp16)
+fmkv_header_define(include/fmkv/format.h FMKV_CODE_BITS_MIN _kb_min)
+fmkv_header_define(src/cuda/code_widths.cuh FMKV_CUDA_CODE_BITS_MAX _kb_max)
+fmkv_header_define(include/fmkv/format.h FMKV_FP16_BITS _kb_fp16)
 foreach(_kb RANGE ${_kb_min} ${_kb_max})
   list(APPEND _fmkv_k_widths ${_kb})
 endforeach()
@@ -49,7 +50,8 @@ foreach(_kb IN LISTS _fmkv_k_widths)
 ")
   list(APPEND FMKV_CUDA_SOURCES ${_tu})
 endforeach()
-set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/include/fmkv/format.h)
+set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/include/fmkv/format.h
+                                                                ${PROJECT_SOURCE_DIR}/src/cuda/code_widths.cuh)
 target_sources(fmkv PRIVATE ${FMKV_CUDA_SOURCES})
 # fmkv was created before enable_language(CUDA): its CUDA_ARCHITECTURES (and a compiler launcher such as
 # ccache, from CMAKE_CUDA_COMPILER_LAUNCHER or the environment variable of that name) were never initialised.

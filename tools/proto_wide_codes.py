@@ -157,7 +157,7 @@ def main() -> int:
             row = {"suite": "ppl", "prototype": "wide_codes", "model": P.model_label(a.model), "ctx": a.ctx,
                    "tokens": s["n"], "windows": n_win, "commit": a.commit, "config": c.name,
                    "bytes_per_token_per_head": round(c.bytes_per_token_per_head(d, a.ctx), 3),
-                   "ppl_ratio": round(s["ppl_ratio"], 5), "kld": round(s["kld"], 6),
+                   "ppl": round(s["ppl"], 5), "ppl_ratio": round(s["ppl_ratio"], 5), "kld": round(s["kld"], 6),
                    "top1_agree": round(s["top1_agree"], 5), "device": a.device}
             f.write(json.dumps(row) + "\n")
             print(f"{c.name:24s} {row['bytes_per_token_per_head']:7.2f} B  ppl/fp16 {row['ppl_ratio']:.5f}  "

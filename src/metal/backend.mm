@@ -290,6 +290,7 @@ extern const BackendOps metal_backend = {
     metal::append, metal::decode_attention,
     /*append_attention=*/nullptr, metal::attention_workspace_bytes,
     metal::alloc, metal::free, metal::copy, metal::synchronize, /*attention_lse=*/false,
-    /*max_format_version=*/3, /*max_scale_group=*/FMKV_SCALE_GROUP, /*max_code_bits=*/4};
+    /*max_format_version=*/3, /*max_scale_group=*/FMKV_SCALE_GROUP,
+    /*max_code_bits=*/4};  // 5-bit codes: kernel_core.h packs and decodes 2-4 bits
 }  // namespace fmkv
 #endif  // __APPLE__

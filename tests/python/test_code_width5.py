@@ -141,3 +141,29 @@ def test_cuda_refuses_five_bits_unchanged():
     assert torch.equal(pages, before)
     with pytest.raises(fmkv.FmkvError, match="code width 5"):
         fmkv.check_backend("cuda", config)
+
+
+def test_mlx_host_runtime_stores_five_bits_and_gpu_runtimes_refuse():
+    """fmkv.mlx: the host runtime (the C library) takes a 5-bit config and attends within 1e-5 of the reference; the
+    GPU runtimes' kernel core packs 2-4 bits, so a 5-bit side is refused naming the width when the layer is made."""
+    mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
+    from fmkv.mlx.layer import MlxLayer, check_runtime_config
+
+    config = fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=5, v_bits=4, page_size=16, seed=5)
+    for runtime in ("metal", "cuda"):
+        with pytest.raises(fmkv.FmkvError, match=rf"code width 5 is not supported by the MLX '{runtime}' runtime"):
+            check_runtime_config(runtime, config)
+        with pytest.raises(fmkv.FmkvError, match="code width 5"):
+            check_runtime_config(runtime, fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=16, v_bits=5))
+    check_runtime_config("metal", fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=4, v_bits=4))
+    layer = MlxLayer(config, batch=1, max_tokens=64, runtime="host")
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((1, 2, 40, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 40, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    layer.append(mx.array(k), mx.array(v))
+    out = np.array(layer.attention(mx.array(q)))  # [1, 4, 64]
+    want = reference.attention(config, 0, torch.from_numpy(k[0].transpose(1, 0, 2).copy()),
+                               torch.from_numpy(v[0].transpose(1, 0, 2).copy()),
+                               torch.from_numpy(q[0].transpose(1, 0, 2).copy()))
+    assert reference.rel_error(out, want) < TOL
