@@ -466,28 +466,21 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
             const F lev = T::lut(tv, idx);
             for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
           }
-        } else if constexpr (VB == 4) {
+        } else if constexpr (VB == 4 || VB == 5) {
           // Nibble words (see LaneTables): lane u takes word nib_word[u], a single word for N <= 4,
           // for N = 8 / 16 word u0 >> 4 in lanes with lane-index bit 2 clear, word (u0 >> 4) + 2 in
-          // the others. Shift the lane's nibble to bits 0..3 (no mask: see K) and its bit 3 to bit 31.
-          const I sh_n = T::loadi(lt.nib_shift + u0), sh_s = T::loadi(lt.nib_sign_shl + u0);
+          // the others. Shift the lane's nibble to bits 0..3 (no mask: see K). 4 bits: the nibble's bit 3 is
+          // the sign, shifted to bit 31; 5 bits: the nibble is the magnitude (lut16 reads it mod 16), the sign
+          // comes from the sign plane (word 4) as for 2 and 3 bits.
+          const I sh_n = T::loadi(lt.nib_shift + u0), sh_s = T::loadi((VB == 4 ? lt.nib_sign_shl : lt.sign_shl) + u0);
           const uint32_t* wa = wg + (int64_t)lt.nib_word[u0] * P;
           const uint32_t* wb = wg + (int64_t)lt.nib_word[N >= 8 ? u0 + 4 : u0] * P;
           for (int t = 0; t < nany; ++t) {
             I w = T::set1i(wa[t]);
             if constexpr (N >= 8) w = T::blend_i_hbit(w, T::set1i(wb[t]), 4);
-            const F lev = T::xor_sign(T::lut(tv, T::srlv(w, sh_n)), T::sllv(w, sh_s));
-            for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
-          }
-        } else if constexpr (VB == 5) {
-          // The magnitude nibble as for 4 bits (lut16 reads it mod 16), the sign from the sign plane as for 2, 3.
-          const I sh_n = T::loadi(lt.nib_shift + u0), sh_s = T::loadi(lt.sign_shl + u0);
-          const uint32_t* wa = wg + (int64_t)lt.nib_word[u0] * P;
-          const uint32_t* wb = wg + (int64_t)lt.nib_word[N >= 8 ? u0 + 4 : u0] * P;
-          for (int t = 0; t < nany; ++t) {
-            I w = T::set1i(wa[t]);
-            if constexpr (N >= 8) w = T::blend_i_hbit(w, T::set1i(wb[t]), 4);
-            const F lev = T::xor_sign(T::lut16(tv16, T::srlv(w, sh_n)), T::sllv(T::set1i(wg[4 * P + t]), sh_s));
+            F lev;
+            if constexpr (VB == 4) lev = T::xor_sign(T::lut(tv, T::srlv(w, sh_n)), T::sllv(w, sh_s));
+            else lev = T::xor_sign(T::lut16(tv16, T::srlv(w, sh_n)), T::sllv(T::set1i(wg[4 * P + t]), sh_s));
             for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
           }
         } else {

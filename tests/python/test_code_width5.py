@@ -1,10 +1,10 @@
 """5-bit codes (docs/FORMAT.md section 6: the magnitude in nibble words, a sign plane) through the Python layers.
 
 * Config / bytes: k5 costs 40 code bytes + 4 scale bytes per 64-d vector; fmkv.codebook(5) is the 16 Lloyd-Max levels.
-* torch ops on the host backends: the pages an append writes are bit-identical between 'cpu' and 'ref' (storage
-  random first), attention (output NaN-poisoned before the call) and the fused step are within 1e-5 of the float64
-  attention over the dequantized K/V (fmkv.reference), for K, V or both at 5 bits, formats 2 and 3, both scale
-  groups, sinks and windows.
+* torch ops on the host backends (test_scale_group.run_host_backends): the pages an append writes are bit-identical
+  between 'cpu' and 'ref' (storage random first), attention (output NaN-poisoned before the call) and the fused step
+  are within 1e-5 of the float64 attention over the dequantized K/V (fmkv.reference), for K, V or both at 5 bits,
+  formats 2 and 3, both scale groups, sinks and windows.
 * fmkv.hf: FmkvCache(k_bits=5, ...) decodes the tiny model of hf_cases; every decode output equals the evaluation's
   dequantize-then-attend with the same config name (k5v4-w8-s2), the quantizer whose perplexity docs/EVAL.md reports.
 * Backends without 5-bit kernels (CUDA here when present) refuse the config naming the width, cache unchanged.
@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 
 import fmkv
-from fmkv import _fmkv, reference
-
-from conftest import host_backends
+from fmkv import reference
 
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch to run the torch op tests")
 from fmkv import torch_ops  # noqa: E402
+from test_scale_group import _batch, run_host_backends  # noqa: E402  (the host-backend checks of both options)
 
 TOL = 1e-5
 
@@ -35,20 +34,6 @@ def test_bytes_and_levels():
     q = lv[np.searchsorted((lv[:-1] + lv[1:]) / 2, x)]
     dist = 2 * np.trapezoid((x - q) ** 2 * np.exp(-x * x / 2) / np.sqrt(2 * np.pi), x)
     assert abs(dist - 0.0025047) < 2e-6
-
-
-def _batch(slots, lens, rows, tables):
-    offs = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
-    return (torch.tensor(slots, dtype=torch.int32), torch.tensor(lens, dtype=torch.int64), torch.from_numpy(offs),
-            torch.tensor(tables, dtype=torch.int32))
-
-
-def _storage(config, seed):
-    g = torch.Generator().manual_seed(seed)
-    R = config.sink_tokens + config.window_tokens
-    pages = torch.randint(0, 256, (5, config.page_bytes), dtype=torch.uint8, generator=g)
-    fk = torch.randint(-2000, 2000, (1, config.num_kv_heads, R, config.head_dim), generator=g).to(torch.float16)
-    return pages, fk, fk.clone() * 0.5
 
 
 CASES = [  # k_bits, v_bits, head_dim, sink, window, scale_rule, format_version, scale_group
@@ -69,31 +54,9 @@ def test_torch_ops_host_backends(rng, case):
     k = torch.randn(T, H, d, generator=g) * (1 + torch.rand(d, generator=g) * 3)
     v = torch.randn(T, H, d, generator=g)
     q = torch.randn(NQ, HQ, d, generator=g)
-    table = [[3, 0, 2, 1]]
     config = fmkv.Config(head_dim=d, num_kv_heads=H, k_bits=kb, v_bits=vb, page_size=16, sink_tokens=S,
                          window_tokens=W, scale_rule=rule, seed=seed, format_version=fv, scale_group=sg)
-    cfg = torch_ops.config_to_list(config)
-    stored = {}
-    for backend in host_backends():
-        pages, fk, fv16 = _storage(config, seed % 1000)
-        untouched = pages[4].clone()  # not in the block table
-        torch.ops.fmkv.append(pages, fk, fv16, k[:20], v[:20], *_batch([0], [0], [20], table), cfg, layer, backend)
-        torch.ops.fmkv.append(pages, fk, fv16, k[20:], v[20:], *_batch([0], [20], [T - 20], table), cfg, layer, backend)
-        assert torch.equal(pages[4], untouched)
-        poisoned = torch.full_like(q, float("nan"))
-        _fmkv.attention_raw(backend, config._raw(), layer, pages, fk, fv16, *_batch([0], [T], [NQ], table), q,
-                            poisoned, 0.0, 0.0, max_seq_len=T)
-        ref = reference.attention(config, layer, k, v, q)
-        assert torch.isfinite(poisoned).all() and reference.rel_error(poisoned.numpy(), ref) < TOL, backend
-        p2, k2, v2 = _storage(config, seed % 1000)
-        torch.ops.fmkv.append(p2, k2, v2, k[:T - 1], v[:T - 1], *_batch([0], [0], [T - 1], table), cfg, layer, backend)
-        fused = torch_ops.append_attention(p2, k2, v2, k[T - 1:], v[T - 1:], q[-1:], *_batch([0], [T - 1], [1], table),
-                                           cfg, layer, 0.0, 0.0, backend)
-        assert reference.rel_error(fused.numpy(), ref[-1:]) < TOL, backend
-        assert all(torch.equal(a, b) for a, b in zip((p2, k2, v2), (pages, fk, fv16)))
-        stored[backend] = (pages, fk, fv16)
-    for backend, got in stored.items():  # every host backend writes the reference's bytes
-        assert all(torch.equal(a, b) for a, b in zip(got, stored["ref"])), backend
+    run_host_backends(config, layer, k, v, q, [[3, 0, 2, 1]], seed)
     # the 5-bit side is what it says: at 4 bits the output moves
     four = fmkv.Config(head_dim=d, num_kv_heads=H, k_bits=min(kb, 4), v_bits=min(vb, 4), page_size=16, sink_tokens=S,
                        window_tokens=W, scale_rule=rule, seed=seed, format_version=fv, scale_group=sg)

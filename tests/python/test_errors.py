@@ -48,21 +48,22 @@ def test_head_dim_96():
         fmkv.quantize_vector(np.zeros(96, np.float32), 3)
 
 
-def test_bits_5():
-    with expect("INVALID_ARGUMENT", r"k_bits 5 is not supported"):
-        fmkv.Config(k_bits=5)
-    with expect("INVALID_ARGUMENT", r"v_bits 5 is not supported"):
-        fmkv.Config(v_bits=5)
+def test_bits_6():
+    """A width the format does not have (it has 2-5; fp16 K is 16) is an invalid argument naming it."""
+    with expect("INVALID_ARGUMENT", r"k_bits 6 is not supported"):
+        fmkv.Config(k_bits=6)
+    with expect("INVALID_ARGUMENT", r"v_bits 6 is not supported"):
+        fmkv.Config(v_bits=6)
     with expect("INVALID_ARGUMENT", r"v_bits 16 is not supported"):
         fmkv.Config(v_bits=16)
-    with expect("INVALID_ARGUMENT", r"bits 5"):
-        fmkv.quantize_vector(np.zeros(64, np.float32), 5)
-    with expect("INVALID_ARGUMENT", r"bits 5"):
-        fmkv.dequantize_vector(np.zeros(64, np.uint8), np.ones(2, np.float16), 5)
-    with expect("INVALID_ARGUMENT", r"bits 5"):
-        fmkv.codebook(5)
-    with expect("INVALID_ARGUMENT", r"bits 5"):
-        fmkv.bytes_per_token_head(128, 5)
+    with expect("INVALID_ARGUMENT", r"bits 6"):
+        fmkv.quantize_vector(np.zeros(64, np.float32), 6)
+    with expect("INVALID_ARGUMENT", r"bits 6"):
+        fmkv.dequantize_vector(np.zeros(64, np.uint8), np.ones(2, np.float16), 6)
+    with expect("INVALID_ARGUMENT", r"bits 6"):
+        fmkv.codebook(6)
+    with expect("INVALID_ARGUMENT", r"bits 6"):
+        fmkv.bytes_per_token_head(128, 6)
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
 fmkv = pytest.importorskip("fmkv", reason="the fmkv binding is not installed")
+from fmkv import format as fmt  # noqa: E402
 from fmkv.eval import plan as PL  # noqa: E402
 from fmkv.eval.quantizers import parse_config  # noqa: E402
 
@@ -85,7 +86,8 @@ def test_plan_command_end_to_end(tmp_path, monkeypatch):
         assert p["check"]["tokens"] == 3 * 63 and p["calib_windows"] == [0, 2] and p["check_windows"] == [2, 5]
         assert p["check"]["kld"] >= 0 and "best_uniform" in p
     sens = [r for r in rows if r["suite"] == "plan-sensitivity"]
-    assert len(sens) == 2 * (3 + 3) and all(len(r["kld_per_layer"]) == 3 for r in sens)
+    # per window: one row per K code width and per V code width (the default menus: every width of the format)
+    assert len(sens) == 2 * 2 * len(fmt.CODE_BITS) and all(len(r["kld_per_layer"]) == 3 for r in sens)
     assert (tmp_path / "plan.png").stat().st_size > 0
     # a larger budget never predicts a worse plan
     assert plans[1]["predicted_kld"] <= plans[0]["predicted_kld"] + 1e-12

@@ -106,6 +106,40 @@ CASES = [  # k_bits, v_bits, head_dim, sink, window, scale_rule, format_version
 ]
 
 
+def run_host_backends(config, layer, k, v, q, table, seed):
+    """Every host backend on one sequence (block table ``table`` over a pool of 5 random-byte pages): two appends
+    (the page outside the table untouched), attention -- the op, and the raw binding into a NaN-poisoned output,
+    equal -- within TOL of fmkv.reference's float64 attention, the fused step giving the same bytes and the last row's
+    output; every backend writes the reference's bytes. Returns ({backend: attention output}, the reference's
+    (pages, fp16 K, fp16 V))."""
+    cfg = torch_ops.config_to_list(config)
+    T, NQ = k.shape[0], q.shape[0]
+    ref = reference.attention(config, layer, k, v, q)
+    stored, outs = {}, {}
+    for backend in host_backends():
+        pages, fk, fv16 = _tensors(config, 5, 1, seed % 1000)
+        untouched = pages[4].clone()  # not in the block table
+        torch.ops.fmkv.append(pages, fk, fv16, k[:20], v[:20], *_batch([0], [0], [20], table), cfg, layer, backend)
+        torch.ops.fmkv.append(pages, fk, fv16, k[20:], v[20:], *_batch([0], [20], [T - 20], table), cfg, layer, backend)
+        assert torch.equal(pages[4], untouched)
+        out = torch_ops.attention(pages, fk, fv16, q, *_batch([0], [T], [NQ], table), cfg, layer, 0.0, 0.0, backend)
+        poisoned = torch.full_like(q, float("nan"))
+        _fmkv.attention_raw(backend, config._raw(), layer, pages, fk, fv16, *_batch([0], [T], [NQ], table), q,
+                            poisoned, 0.0, 0.0, max_seq_len=T)
+        assert torch.isfinite(poisoned).all() and torch.equal(poisoned, out)
+        assert reference.rel_error(out.numpy(), ref) < TOL, backend
+        p2, k2, v2 = _tensors(config, 5, 1, seed % 1000)
+        torch.ops.fmkv.append(p2, k2, v2, k[:T - 1], v[:T - 1], *_batch([0], [0], [T - 1], table), cfg, layer, backend)
+        fused = torch_ops.append_attention(p2, k2, v2, k[T - 1:], v[T - 1:], q[-1:], *_batch([0], [T - 1], [1], table),
+                                           cfg, layer, 0.0, 0.0, backend)
+        assert reference.rel_error(fused.numpy(), ref[-1:]) < TOL, backend
+        assert all(torch.equal(a, b) for a, b in zip((p2, k2, v2), (pages, fk, fv16)))
+        stored[backend], outs[backend] = (pages, fk, fv16), out
+    for backend, got in stored.items():  # every host backend writes the reference's bytes
+        assert all(torch.equal(a, b) for a, b in zip(got, stored["ref"])), backend
+    return outs, stored["ref"]
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"k{c[0]}v{c[1]}d{c[2]}S{c[3]}W{c[4]}{c[5]}f{c[6]}")
 def test_torch_ops_host_backends(rng, case):
     kb, vb, d, S, W, rule, fv = case
@@ -116,41 +150,14 @@ def test_torch_ops_host_backends(rng, case):
     k = torch.randn(T, H, d, generator=g) * (1 + torch.rand(d, generator=g) * 3)
     v = torch.randn(T, H, d, generator=g)
     q = torch.randn(NQ, HQ, d, generator=g)
-    table = [[3, 0, 2, 1]]
     outs, pages_by = {}, {}
     for sg in (0, SG):
         config = _cfg(head_dim=d, num_kv_heads=H, k_bits=kb, v_bits=vb, sink_tokens=S, window_tokens=W,
                       scale_rule=rule, seed=seed, format_version=fv, scale_group=sg)
         cfg = torch_ops.config_to_list(config)
         assert len(cfg) == torch_ops.CONFIG_INTS == 11 and cfg[-1] == sg
-        stored = {}
-        for backend in host_backends():
-            pages, fk, fv16 = _tensors(config, 5, 1, seed % 1000)
-            untouched = pages[4].clone()  # not in the block table
-            torch.ops.fmkv.append(pages, fk, fv16, k[:20], v[:20], *_batch([0], [0], [20], table), cfg, layer, backend)
-            torch.ops.fmkv.append(pages, fk, fv16, k[20:], v[20:], *_batch([0], [20], [T - 20], table), cfg, layer,
-                                  backend)
-            assert torch.equal(pages[4], untouched)
-            # attention: the op's result, and the raw binding writing into a NaN-poisoned output
-            out = torch_ops.attention(pages, fk, fv16, q, *_batch([0], [T], [NQ], table), cfg, layer, 0.0, 0.0, backend)
-            poisoned = torch.full_like(q, float("nan"))
-            _fmkv.attention_raw(backend, config._raw(), layer, pages, fk, fv16, *_batch([0], [T], [NQ], table), q,
-                                poisoned, 0.0, 0.0, max_seq_len=T)
-            assert torch.isfinite(poisoned).all() and torch.equal(poisoned, out)
-            ref = reference.attention(config, layer, k, v, q)
-            assert reference.rel_error(out.numpy(), ref) < TOL, (backend, sg)
-            # the fused step: the same bytes and output as append + attention
-            p2, k2, v2 = _tensors(config, 5, 1, seed % 1000)
-            torch.ops.fmkv.append(p2, k2, v2, k[:T - 1], v[:T - 1], *_batch([0], [0], [T - 1], table), cfg, layer, backend)
-            fused = torch_ops.append_attention(p2, k2, v2, k[T - 1:], v[T - 1:], q[-1:], *_batch([0], [T - 1], [1], table),
-                                               cfg, layer, 0.0, 0.0, backend)
-            assert reference.rel_error(fused.numpy(), ref[-1:]) < TOL
-            stored[backend] = (pages, fk, fv16)
-            assert all(torch.equal(a, b) for a, b in zip((p2, k2, v2), (pages, fk, fv16)))
-            outs[(sg, backend)] = out
-        ref_bytes = stored["ref"]
-        for backend, got in stored.items():  # every host backend writes the reference's bytes
-            assert all(torch.equal(a, b) for a, b in zip(got, ref_bytes)), backend
+        got, ref_bytes = run_host_backends(config, layer, k, v, q, [[3, 0, 2, 1]], seed)
+        outs.update({(sg, b): o for b, o in got.items()})
         pages_by[sg] = ref_bytes[0]
     assert pages_by[SG].shape[1] < pages_by[0].shape[1]  # smaller pages ...
     for backend in host_backends():  # ... and other values: the option is applied
