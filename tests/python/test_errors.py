@@ -376,7 +376,7 @@ def test_float16_output_overflow_is_refused(backend):
 def test_eval_cli_rejects_bad_arguments(capsys):
     pytest.importorskip("torch", reason="torch is not installed: fmkv-eval needs it")
     from fmkv.eval import cli
-    for argv, msg in [(["ppl", "--configs", "k9v9"], "k_bits must be 2, 3, 4 or 16"),
+    for argv, msg in [(["ppl", "--configs", "k9v9"], "k_bits must be 2, 3, 4, 5 or 16"),
                       (["ppl", "--configs", ","], "--configs: empty list"),
                       (["ppl", "--configs", "k3v3-zz"], "unknown modifier 'zz'"),
                       (["ppl", "--ctx", "-5"], "--ctx: -5 is out of range"),

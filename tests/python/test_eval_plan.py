@@ -96,7 +96,7 @@ def test_plan_command_end_to_end(tmp_path, monkeypatch):
 def test_plan_rejects_bad_arguments(capsys):
     from fmkv.eval import cli
 
-    for argv, msg in ((["plan", "--budgets", "0"], "positive"), (["plan", "--k-bits", "5"], "k width 5"),
+    for argv, msg in ((["plan", "--budgets", "0"], "positive"), (["plan", "--k-bits", "6"], "k width 6"),
                       (["plan", "--windows", "-3"], "negative"), (["plan", "--budgets", "x"], "not a comma")):
         with pytest.raises(SystemExit):
             cli.main(argv)
@@ -221,7 +221,7 @@ def test_plan_per_head_and_memory_end_to_end(tmp_path, monkeypatch):
                             "--windows", "0", "--plans", str(layer_out), "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     sens = [r for r in rows if r["suite"] == "plan-sensitivity"]
-    assert len(sens) == 3 + 3 and all(len(r["kld_per_head"]) == 3 and len(r["kld_per_head"][0]) == 2 for r in sens)
+    assert len(sens) == 2 * len(fmt.CODE_BITS) and all(len(r["kld_per_head"]) == 3 and len(r["kld_per_head"][0]) == 2 for r in sens)
     (plan,) = [r for r in rows if r["suite"] == "plan"]
     assert plan["config"] == "plan-70B-per-head" and plan["budget"] == pytest.approx(70.0)
     assert plan["memory_bytes"] == mem and plan["context"] == 1024 and plan["batch"] == 2
@@ -400,7 +400,7 @@ def test_plan_chooses_sinks_from_the_menu(tmp_path, monkeypatch):
                             "--key-offset", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     sens = [r for r in rows if r["suite"] == "plan-sensitivity"]
-    assert sorted({r["sink_tokens"] for r in sens}) == [0, 4] and len(sens) == 2 * (3 + 3)
+    assert sorted({r["sink_tokens"] for r in sens}) == [0, 4] and len(sens) == 2 * 2 * len(fmt.CODE_BITS)
     assert sens[0]["kld_per_layer"] != next(r for r in sens if r["sink_tokens"] == 4 and r["side"] == sens[0]["side"]
                                             and r["bits"] == sens[0]["bits"])["kld_per_layer"]
     plan = next(r for r in rows if r["suite"] == "plan")

@@ -158,7 +158,7 @@ def test_generate_cache_options_from_config_names():
     assert generate_cache_options("k16v3-w32")["k_bits"] == 16
     assert generate_cache_options("k3v3-km")["key_offset"] is True  # the caches' key_offset=True
     for bad, word in (("k3v3-kms4", "-kms<N>"), ("k4v4-norot", "-norot"), ("k4v4-b1", "-b<N>"), ("kivi-4", "fmkv caches"),
-                      ("k3v3-w", "unknown modifier"), ("k5v3", "k_bits")):
+                      ("k3v3-w", "unknown modifier"), ("k6v3", "k_bits")):
         with pytest.raises(ValueError, match=re.escape(word)):
             generate_cache_options(bad)
 
