@@ -62,30 +62,35 @@ def test_needle_widths_from_the_library(tmp_path):
                                     timeout=300)
     r = run("--bits", "6")
     assert r.returncode == 2 and "k width 6 is not supported (expected one of [2, 3, 4, 5])" in r.stderr
-    r = run("--bits", "5", "--backend", "cpu", "--max-ctx", "1024")
-    assert r.returncode == 2 and "code width 5 is not supported by the 'cpu' backend" in r.stderr, r.stderr
+    r = run("--bits", "5", "--backend", "cuda", "--max-ctx", "1024")  # the backend's own error, before any work
+    if not fmkv.backends()["cuda"]["available"]:
+        assert r.returncode == 2 and "needle: --bits 5:" in r.stderr and "'cuda'" in r.stderr, r.stderr
     out = tmp_path / "needle.jsonl"
     r = run("--max-ctx", "1024", "--trials", "1", "--head-dim", "64", "--out", str(out))
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     backend = fmkv.default_backend()
     runs = [b for b in fmt.CODE_BITS if fmkv.backend_supports(backend, fmkv.Config(head_dim=64, num_kv_heads=1, k_bits=b))]
-    assert runs == [b for b in fmt.CODE_BITS if b <= 4] if backend == "cpu" else runs == list(fmt.CODE_BITS)
+    assert runs == list(fmt.CODE_BITS)  # the host backends have every width
     assert sorted({row["k_bits"] for row in rows}) == runs + [fmt.FP16_BITS]
 
 
 def test_check_backend_names_the_width_and_the_backends_that_have_it():
-    """fmkv.check_backend raises what every op of the backend would (fmkv_backend_check_config): 5-bit codes on the
-    CPU backend are refused naming the width and the reference that has them; the reference accepts them; an invalid
-    config is an invalid argument, not an unsupported option."""
+    """fmkv.check_backend raises what every op of the backend would (fmkv_backend_check_config): the host backends
+    take 5-bit codes; the CUDA kernels refuse them naming the width and the backends that have them (when CUDA is
+    here; otherwise the backend itself is refused as unavailable); an unknown backend is an error."""
     five = fmkv.Config(head_dim=64, num_kv_heads=1, k_bits=5, v_bits=4)
-    fmkv.check_backend("ref", five)
-    assert fmkv.backend_supports("ref", five)
-    if fmkv.backends()["cpu"]["available"]:
-        with pytest.raises(fmkv.FmkvError, match=r"code width 5 is not supported by the 'cpu' backend .*: ref\)") as e:
-            fmkv.check_backend("cpu", five)
-        assert e.value.status == "UNSUPPORTED"
-        assert not fmkv.backend_supports("cpu", five)
-        assert fmkv.backend_supports("cpu", fmkv.Config(head_dim=64, num_kv_heads=1, k_bits=16, v_bits=4))
+    for b in ("ref", "cpu"):
+        if fmkv.backends()[b]["available"]:
+            fmkv.check_backend(b, five)
+            assert fmkv.backend_supports(b, five)
+    if fmkv.backends()["cuda"]["available"]:
+        with pytest.raises(fmkv.FmkvError, match=r"code width 5 is not supported by the 'cuda' backend .*: ref, cpu\)") as e:
+            fmkv.check_backend("cuda", five)
+        assert fmkv.backend_supports("cuda", fmkv.Config(head_dim=64, num_kv_heads=1, k_bits=4, v_bits=4))
+    else:
+        with pytest.raises(fmkv.FmkvError, match=r"backend 'cuda' is not compiled into this build or has no usable") as e:
+            fmkv.check_backend("cuda", five)
+    assert e.value.status == "UNSUPPORTED" and not fmkv.backend_supports("cuda", five)
     with pytest.raises(fmkv.FmkvError, match="unknown backend"):
         fmkv.check_backend("tpu", five)

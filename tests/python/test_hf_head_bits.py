@@ -184,7 +184,7 @@ def test_head_bits_errors():
     with pytest.raises(ValueError, match="head_bits and layer_bits both"):
         fhf.FmkvStaticCache.bytes_per_sequence(cfg, 32, head_bits=HEAD_BITS, layer_bits=[(4, 4)] * 3)
     # a width the format does not have: the group's fmkv.Config refuses it at allocation
-    cache = fhf.FmkvCache(cfg, head_bits=[[(4, 4), (5, 2), (4, 4)]] + HEAD_BITS[1:], max_cache_len=32)
+    cache = fhf.FmkvCache(cfg, head_bits=[[(4, 4), (6, 2), (4, 4)]] + HEAD_BITS[1:], max_cache_len=32)
     with pytest.raises((fmkv.FmkvError, ValueError), match="bits"):
         with torch.no_grad():
             model(_ids(1, 4, 3), use_cache=True, **fhf.cache_kwargs(cache))

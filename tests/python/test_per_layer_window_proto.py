@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("fmkv", reason="the fmkv binding is not installed")
+from fmkv import format as fmt  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -23,7 +24,7 @@ def _sens(rng, layers, windows):
     sens = {}
     for w in windows:
         shrink = 1.0 / (1 + w / 16)  # a window lowers every layer's sensitivity
-        for side, bits in (("k", (2, 3, 4)), ("v", (2, 3, 4))):
+        for side, bits in (("k", fmt.CODE_BITS), ("v", fmt.CODE_BITS)):  # every width the proto's default menus take
             base = rng.uniform(0.1, 1.0, layers)
             for b in bits:
                 sens[(w, side, b)] = base * shrink * 4.0 ** (2 - b) * rng.uniform(0.5, 1.5, layers)
