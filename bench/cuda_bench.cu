@@ -308,6 +308,22 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e1));
 
   std::vector<Fmt> fmts = {{3, 3}, {4, 4}, {4, 2}};
+  // FMKV_BENCH_FORMATS="kb,vb;kb,vb;...": the formats of the default mode (bench/cuda_bench.py --formats)
+  if (const char* fe = std::getenv("FMKV_BENCH_FORMATS")) {
+    fmts.clear();
+    std::string spec(fe);
+    for (size_t at = 0; at < spec.size();) {
+      size_t end = spec.find(';', at);
+      if (end == std::string::npos) end = spec.size();
+      int kb = 0, vb = 0;
+      if (std::sscanf(spec.substr(at, end - at).c_str(), "%d,%d", &kb, &vb) != 2) {
+        std::fprintf(stderr, "FMKV_BENCH_FORMATS=%s: expected kb,vb;kb,vb;...\n", fe);
+        return 2;
+      }
+      fmts.push_back({kb, vb});
+      at = end + 1;
+    }
+  }
   struct Case {
     int B;
     int64_t ctx;

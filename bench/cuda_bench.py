@@ -11,6 +11,7 @@ cuda_sdpa_variants.jsonl), merges, prints a table and writes docs/results/cuda_d
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --latency  # cuda_latency.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --kv-heads-sweep  # cuda_kv_heads.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --ragged  # cuda_decode_ragged.jsonl
+    python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --formats 4:4,5:4,5:5 --tag code_width5
     ... --format-version 3: every fmkv case in format version 3 (the records say format_version)
 """
 import argparse
@@ -302,12 +303,19 @@ def main():
     ap.add_argument("--kv-heads-sweep", action="store_true",
                     help="B=1 decode with 1/2/4/8 kv heads (4 q heads each), k3v3 and k4v4, with SDPA of the same "
                          "shapes; writes cuda_kv_heads.jsonl only")
+    ap.add_argument("--formats", default=None,
+                    help="the (K, V) widths of the default run, e.g. 4:4,5:4,5:5 (FMKV_BENCH_FORMATS of the binary; "
+                         "no window run); with --tag the files are named cuda_decode_TAG.jsonl etc.")
+    ap.add_argument("--tag", default=None, help="suffix of the output files (cuda_decode_TAG.jsonl, ...)")
     ap.add_argument("--format-version", type=int, choices=(2, 3), default=None,
                     help="the cache format version of every fmkv case (FMKV_BENCH_FORMAT_VERSION of the binary; "
                          "format 3 changes the 3-bit codes only)")
     a = ap.parse_args()
     if a.format_version:
         os.environ["FMKV_BENCH_FORMAT_VERSION"] = str(a.format_version)
+    if a.formats:
+        os.environ["FMKV_BENCH_FORMATS"] = ";".join(f.replace(":", ",") for f in a.formats.split(","))
+    sfx = "_" + a.tag if a.tag else ""
     if a.replot:
         dec = [json.loads(l) for l in open(os.path.join(a.out, "cuda_decode.jsonl"))]
         plot_decode(dec, dec[0]["copy_gbps"], dec[0]["device"], os.path.join(a.out, "cuda_decode.png"))
@@ -331,12 +339,12 @@ def main():
     res = subprocess.run(cmd, capture_output=True, text=True)
     sys.stderr.write(res.stderr)
     recs = [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
-    if not a.quick and not a.latency:  # k3v3 B=1 with a 64-token fp16 window (the default of fmkv.hf.FmkvCache)
+    if not a.quick and not a.latency and not a.formats:  # k3v3 B=1, 64-token fp16 window (fmkv.hf.FmkvCache's default)
         resw = subprocess.run([a.bin, "--window", "64"], capture_output=True, text=True)
         sys.stderr.write(resw.stderr)
         recs += [r for r in (json.loads(l) for l in resw.stdout.splitlines() if l.startswith("{"))
                  if r["kind"] != "copy"]
-    raw_name = "cuda_latency_raw.jsonl" if a.latency else "cuda_bench_raw.jsonl"
+    raw_name = "cuda_latency_raw.jsonl" if a.latency else "cuda_bench_raw%s.jsonl" % sfx
     with open(os.path.join(a.out, raw_name), "w") as f:
         for r in recs:
             f.write(json.dumps(r) + "\n")
@@ -349,7 +357,7 @@ def main():
         if r["kind"] == "decode" and (r["batch"], r["context"]) not in sdpa:
             sdpa[(r["batch"], r["context"])] = sdpa_time_us(r["batch"], r["context"], l2_bytes=copy["l2_bytes"],
                                                             log=sdpa_log)
-    with open(os.path.join(a.out, "cuda_latency_sdpa.jsonl" if a.latency else "cuda_sdpa_variants.jsonl"), "w") as f:
+    with open(os.path.join(a.out, "cuda_latency_sdpa.jsonl" if a.latency else "cuda_sdpa_variants%s.jsonl" % sfx), "w") as f:
         for r in sdpa_log:
             f.write(json.dumps(dict(suite="cuda_sdpa_variants", device=device, commit=a.commit, **r)) + "\n")
     dec, qua, steps = [], [], []
@@ -373,9 +381,9 @@ def main():
     if a.latency:
         write_jsonl(os.path.join(a.out, "cuda_latency.jsonl"), [dict(r, suite="cuda_latency") for r in dec + steps])
     else:
-        write_jsonl(os.path.join(a.out, "cuda_decode.jsonl"), dec)
-        write_jsonl(os.path.join(a.out, "cuda_quantize.jsonl"), qua)
-        write_jsonl(os.path.join(a.out, "cuda_step.jsonl"), steps)
+        write_jsonl(os.path.join(a.out, "cuda_decode%s.jsonl" % sfx), dec)
+        write_jsonl(os.path.join(a.out, "cuda_quantize%s.jsonl" % sfx), qua)
+        write_jsonl(os.path.join(a.out, "cuda_step%s.jsonl" % sfx), steps)
     print("device: %s   copy bandwidth (read+write): %.0f GB/s" % (device, copy["gbps"]))
     print_table("%-5s %3s %8s %6s %10s %8s %6s %10s %8s %s",
                 ("fmt", "B", "context", "window", "fmkv_us", "GB/s", "%copy", "sdpa_us", "speedup", "sdpa_variant"),
@@ -391,7 +399,7 @@ def main():
     print_quantize(qua)
     if a.latency:
         return
-    plot_decode(dec, copy["gbps"], device, os.path.join(a.out, "cuda_decode.png"))
+    plot_decode(dec, copy["gbps"], device, os.path.join(a.out, "cuda_decode%s.png" % sfx))
 
 
 def _context_axes(axes, xlabel, time_axis):

@@ -114,12 +114,12 @@ struct LayerState {
   std::vector<uint16_t> fp16_k, fp16_v;
 };
 
-// The CUDA decode attention of a default build covers this grid (issue 4: at least k4v4, k3v3, k4v2,
-// k16v3 for head_dim 64/128); -DFMKV_CUDA_FULL_GRID=ON compiles every combination. Outside it the
+// The CUDA decode attention of a default build covers this grid (at least k4v4, k3v3, k4v2, k16v3, and the
+// 5-bit k5v4, k5v5 for head_dim 64/128; src/cuda/decode_attention.cuh attn_compiled); -DFMKV_CUDA_FULL_GRID=ON compiles every combination. Outside it the
 // backend must fail with FMKV_ERR_UNSUPPORTED saying "not compiled"; inside it, it must run.
 inline bool in_default_cuda_grid(int d, int kb, int vb) {
   const bool small = (kb == 2 && vb == 2) || (kb == 3 && vb == 3) || (kb == 4 && vb == 4) || (kb == 4 && vb == 2) ||
-                     (kb == 16 && vb == 3);
+                     (kb == 16 && vb == 3) || (kb == 5 && vb == 4) || (kb == 5 && vb == 5);
   return ((d == 64 || d == 128) && small) || (d == 256 && kb == vb && (kb == 3 || kb == 4));
 }
 

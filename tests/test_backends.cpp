@@ -69,6 +69,11 @@ std::vector<Shape> shapes() {
                {1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, FMKV_F16});
   v.push_back({64, 4, 4, 4, 2, 32, 4, 32, FMKV_SCALE_RMS, {40, 9000, 300, 2500, 0, 77}, {2, 1, 4, 1, 1, 3}, FMKV_BF16});
   v.push_back({128, 4, 2, 1, 4, 16, 0, 0, FMKV_SCALE_LSQ, {1, 12000, 50}, {1, 1, 2}, FMKV_F16});
+  // 5-bit codes (magnitude nibbles + a sign plane; CUDA's default grid has k5v4 and k5v5 at d 64 / 128): many tiles
+  // and splits, GQA 4 and 8, a ragged batch with sinks and a window
+  v.push_back({128, 5, 4, 2, 4, 64, 0, 0, FMKV_SCALE_LSQ, {6000, 3}, {1, 2}, FMKV_F16});
+  v.push_back({64, 5, 5, 3, 2, 32, 4, 32, FMKV_SCALE_RMS, {40, 4000, 0, 77}, {2, 1, 1, 3}, FMKV_BF16});
+  v.push_back({128, 5, 5, 1, 8, 16, 0, 0, FMKV_SCALE_LSQ, {5000}, {1}, FMKV_F16});
   return v;
 }
 

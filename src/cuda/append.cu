@@ -54,7 +54,7 @@ struct AppendParams {
   int32_t in16[2], ring16, pages16;
   uint32_t items;  // compress: warp tasks, 2 H ceil(rows / vectors per warp)
   SignWords sw;
-  QuantTables qt[3];  // code widths 2, 3, 4
+  QuantTables qt[FMKV_CUDA_CODE_BITS_MAX - 1];  // code widths 2 .. FMKV_CUDA_CODE_BITS_MAX (index bits - 2)
   long long* err;
   int32_t f3;          // format 3 with a 3-bit side: the compress<..., true> kernels (tile blocks)
   QuantTables qt3[2];  // format 3: the 3-bit tables of K (table 1) and V (table 2)
@@ -535,7 +535,7 @@ void append(const AppendArgs& a) {
   p.ring16 = aligned16(a.layer.fp16_k) && aligned16(a.layer.fp16_v);
   p.pages16 = aligned16(a.layer.pages);
   p.items = (uint32_t)tasks;
-  for (int i = 0; i < 3; ++i) p.qt[i] = quant_tables(i + 2);
+  for (int b = FMKV_CODE_BITS_MIN; b <= FMKV_CUDA_CODE_BITS_MAX; ++b) p.qt[b - 2] = quant_tables(b);
   p.f3 = fmkv_tiled_codes(c.format_version, c.k_bits) || fmkv_tiled_codes(c.format_version, c.v_bits);
   p.qt3[0] = tile_quantizer_tables(1);
   p.qt3[1] = tile_quantizer_tables(2);

@@ -9,7 +9,7 @@
 
 #include "fmkv/format.h"
 
-#define FMKV_CUDA_CODE_BITS_MAX 4 /* widest code of the CUDA kernels (5-bit decode and pack not written) */
+#define FMKV_CUDA_CODE_BITS_MAX 5 /* widest code of the CUDA kernels */
 static_assert(FMKV_CUDA_CODE_BITS_MAX <= FMKV_CODE_BITS_MAX, "a width of the format");
 
 namespace fmkv {

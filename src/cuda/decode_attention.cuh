@@ -110,6 +110,35 @@ __device__ __forceinline__ NibbleTables nibble_tables(const uint32_t (&T)[4]) {
   return t;
 }
 
+// 5-bit codes (FORMAT.md section 6: a nibble word of the 4-bit magnitude, the sign in plane 4): the 16
+// magnitudes' fp16 levels as byte tables, low bytes L[0..3] and high bytes H[0..3] (levels 0..7 in [0..1],
+// 8..15 in [2..3]). For the four nibbles of the low half-word of x: their levels' low bytes (lo) and high
+// bytes (hi), bytes in nibble order, from both halves of the tables, picked per byte by the nibble's bit 3
+// (byte k of prmt(x, 16 x, 0x9D8C) replicates it, as in nibble_bytes); the caller ORs the signs into hi.
+struct NibbleTables16 {
+  uint32_t L[4], H[4];
+};
+__device__ __forceinline__ void nibble16_bytes(uint32_t x, uint32_t k16, const NibbleTables16& t, uint32_t& lo, uint32_t& hi) {
+  const uint32_t sel = x & 0x7777u, up = prmt(x, x * k16, 0x9D8Cu);
+  lo = (prmt(t.L[0], t.L[1], sel) & ~up) | (prmt(t.L[2], t.L[3], sel) & up);
+  hi = (prmt(t.H[0], t.H[1], sel) & ~up) | (prmt(t.H[2], t.H[3], sel) & up);
+}
+// the tables from the fp16x2 level registers T[k] = level 2k | level 2k + 1 << 16 (k < 8)
+__device__ __forceinline__ NibbleTables16 nibble16_tables(const uint32_t (&T)[8]) {
+  NibbleTables16 t;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    t.L[2 * h] = prmt(T[4 * h], T[4 * h + 1], 0x6420u);
+    t.L[2 * h + 1] = prmt(T[4 * h + 2], T[4 * h + 3], 0x6420u);
+    t.H[2 * h] = prmt(T[4 * h], T[4 * h + 1], 0x7531u);
+    t.H[2 * h + 1] = prmt(T[4 * h + 2], T[4 * h + 3], 0x7531u);
+  }
+  return t;
+}
+// The signs of four coordinates (u: bits 0..3) as bit 7 of bytes 0..3 (bit k -> bit 8 k + 7; u < 16, so
+// the four shifted copies do not overlap and nothing carries); the caller masks 0x80808080.
+__device__ __forceinline__ uint32_t sign_bytes(uint32_t u) { return u * 0x10204080u; }
+
 // Selector-form word of coordinates (i0, i0+16, i0+1, i0+17) of a group (i0 even, < 16) of one token,
 // 3- and 4-bit codes: f is the field word (i0 >> 3). (2-bit codes: make_x2s.)
 __device__ __forceinline__ uint32_t make_x(uint32_t f, int i0) { return (f >> (i0 & 7)) & 0x03030303u; }
@@ -164,6 +193,10 @@ __device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int
   return true;
 }
 
+// fp16x2 words of a side's level table in shared memory (attn_kernel's s_tab, a copy per lane): 4 (the 2-4
+// bit magnitudes; fp16 K keeps 4 unused rows), 8 for the 16 magnitudes of 5-bit codes.
+__host__ __device__ constexpr int level_table_rows(int bits) { return bits == 5 ? 8 : 4; }
+
 // Bytes of one 16-token tile of one kv head as staged in shared memory: the rows of the page layout
 // (FORMAT.md) cut to 16 tokens, in page order: K code planes (64 B each), K scale rows (32 B each;
 // k16: 16 tokens x D fp16 instead), then the same for V.
@@ -209,8 +242,8 @@ static_assert(kQV % kAttnWarps == 0, "whole query vectors per warp");
 template <int D>
 struct SplitShared {
   float (&qmax)[kQV];                            // max |q| of the pass's vectors
-  uint32_t (&tab)[8][32];                        // K (rows 0..3) and V (4..7) level tables, a copy per lane
-  uint32_t (&pow2)[16];                          // 1 << i (the multipliers of TileLane::kmul, vmul)
+  const uint32_t (*tab)[32];                     // K (rows 0 .. kTabRows(KB) - 1) and V level tables, a copy per lane
+  uint32_t (&pow2)[32];                          // 1 << i (the multipliers of TileLane::kmul, vmul, kmul5, vmul5)
   uint2 (&qb)[kAttnWarps][D / 32][2][32];        // each warp's copy of its lanes' Q fragments (B operand)
   float (&m)[kAttnWarps][kQV], (&l)[kAttnWarps][kQV];  // each warp's (m, l) for the combine
   int64_t (&vpos)[kQV], (&vpart)[kQV];           // the pass's vectors: position (causal limit), partial index
@@ -315,6 +348,8 @@ __device__ __forceinline__ void split_q_rotate(const AttnParams& p, int warp, in
 struct TileLane {
   uint32_t TK[4], TV[4];   // fp16x2 level tables T[k] = level 2k | level 2k + 1 << 16 (2-bit: T[1] negated T[0])
   NibbleTables NK, NV;     // 4-bit codes: the same levels as byte tables (nibble_bytes)
+  NibbleTables16 NK5, NV5; // 5-bit codes: the 16 magnitudes as byte tables (nibble16_bytes)
+  uint32_t kmul5[2], vmul5;  // 5-bit codes: multipliers that move a lane's four sign bits to bits 28..31
   uint32_t k16, vsel;      // 16 (the sign move of nibble_bytes); 4-bit V: the byte interleave of two tokens
   uint32_t z;              // format-3 V: 0x0808, the zero low bytes' selector nibbles (tile_v_fragment)
   bool softcapped;
@@ -331,16 +366,33 @@ template <int D, int KB, int VB, bool F3>
 __device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, int gID, int tid, const SplitShared<D>& sh,
                                                 const float (*sq)[D], uint2 (&qb)[D / 32][2][32], uint64_t ci_first,
                                                 int64_t C, TileLane& L) {
-  constexpr int G = D / 32;
+  constexpr int G = D / 32, RK = level_table_rows(KB);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     L.TK[k] = sh.tab[k][lane];
-    L.TV[k] = sh.tab[4 + k][lane];
+    L.TV[k] = sh.tab[RK + k][lane];
   }
   if (KB == 2) L.TK[1] = L.TK[0] ^ kSignMask;  // 2-bit: the signed table of make_x2s
   if (VB == 2) L.TV[1] = L.TV[0] ^ kSignMask;
   L.NK = nibble_tables(L.TK);  // 4-bit codes (used only then)
   L.NV = nibble_tables(L.TV);
+  if constexpr (KB == 5) {
+    uint32_t T[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) T[k] = sh.tab[k][lane];
+    L.NK5 = nibble16_tables(T);
+  }
+  if constexpr (VB == 5) {
+    uint32_t T[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) T[k] = sh.tab[RK + k][lane];
+    L.NV5 = nibble16_tables(T);
+  }
+  // 5-bit K: the signs of coordinates 8 tid + 4 c .. + 3 (bits of sign plane 4) x kmul5[c] -> bits 28..31;
+  // 5-bit V: those of 4 gID .. + 3 x vmul5
+  L.kmul5[0] = sh.pow2[28 - 8 * tid];
+  L.kmul5[1] = sh.pow2[24 - 8 * tid];
+  L.vmul5 = sh.pow2[28 - 4 * gID];
   L.k16 = sh.pow2[4];
   // 4-bit K: this lane's nibbles are word tid of the group, half-word c for chunk c (coordinates
   // 8 tid + 4 c .. + 3); 4-bit V: half-word gID & 1 of word gID >> 1 (coordinates 4 gID .. + 3),
@@ -379,9 +431,11 @@ __device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, i
       for (int c = 0; c < 2; ++c) {
         // k pairs (2 tid, 2 tid + 1) and (2 tid + 8, 2 tid + 9) hold the coordinates the K decode pairs:
         // 3 bits and fp16 K: (b, b + 16), (b + 1, b + 17) with b = 32 g + 8 c + 2 tid; 2 bits (make_x2s order):
-        // (b, b + 1), (b + 16, b + 17); 4 bits (nibbles): (b, b + 1), (b + 2, b + 3) with b = 32 g + 8 tid + 4 c
-        const int b = KB == 4 ? 32 * g + 8 * tid + 4 * c : 32 * g + 8 * c + 2 * tid;
-        const int o1 = KB == 2 || KB == 4 ? 1 : 16, o2 = KB == 2 ? 16 : KB == 4 ? 2 : 1, o3 = KB == 4 ? 3 : 17;
+        // (b, b + 1), (b + 16, b + 17)
+        // 4 and 5 bits (nibbles): (b, b + 1), (b + 2, b + 3) with b = 32 g + 8 tid + 4 c
+        constexpr bool NIB = KB == 4 || KB == 5;
+        const int b = NIB ? 32 * g + 8 * tid + 4 * c : 32 * g + 8 * c + 2 * tid;
+        const int o1 = KB == 2 || NIB ? 1 : 16, o2 = KB == 2 ? 16 : NIB ? 2 : 1, o3 = NIB ? 3 : 17;
         qb[g][c][lane] = make_uint2(pack_half2(sq[gID][b] * qinv, sq[gID][b + o1] * qinv),
                                     pack_half2(sq[gID][b + o2] * qinv, sq[gID][b + o3] * qinv));
       }
@@ -481,7 +535,21 @@ __device__ __forceinline__ void tile_scores(const uint16_t* ka, const uint32_t* 
       float(&c4)[4] = c4g[g];
 #pragma unroll
       for (int i = 0; i < 4; ++i) c4[i] = 0.0f;
-      if constexpr (KB == 4) {  // nibbles: two pairs per token from one half-word, no sign work after
+      if constexpr (KB == 5) {  // magnitude nibbles as for 4 bits, from 16-entry tables; signs from plane 4
+        const uint2 w2 = *(const uint2*)(kw + (g * 5 + tid) * 16);  // word tid of tokens a, b
+        const uint2 s2 = *(const uint2*)(kw + (g * 5 + 4) * 16);    // their sign planes
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          uint32_t la, ha, lb, hb;
+          nibble16_bytes(c ? w2.x >> 16 : w2.x, L.k16, L.NK5, la, ha);
+          nibble16_bytes(c ? w2.y >> 16 : w2.y, L.k16, L.NK5, lb, hb);
+          ha |= sign_bytes((s2.x * L.kmul5[c]) >> 28) & 0x80808080u;
+          hb |= sign_bytes((s2.y * L.kmul5[c]) >> 28) & 0x80808080u;
+          const uint2 qf = load_shared_u2(&qb[g][c][lane]);
+          mma16816(c4, prmt(la, ha, 0x5140u), prmt(lb, hb, 0x5140u), prmt(la, ha, 0x7362u), prmt(lb, hb, 0x7362u),
+                   qf.x, qf.y);
+        }
+      } else if constexpr (KB == 4) {  // nibbles: two pairs per token from one half-word, no sign work after
         const uint2 w2 = *(const uint2*)(kw + (g * 4 + tid) * 16);  // word tid of tokens a, b
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
@@ -617,6 +685,27 @@ __device__ __forceinline__ void tile_pv(const uint32_t* vw, const uint32_t* vs, 
       tile_v_fragment(XV[g], YV[g], L.z, a);
       aA0 = a[0]; aA1 = a[1]; aA2 = a[2]; aA3 = a[3];
       aB0 = a[4]; aB1 = a[5]; aB2 = a[6]; aB3 = a[7];
+    } else if constexpr (VB == 5) {
+      // as for 4 bits (below), the magnitudes from 16-entry tables; the signs of coordinates 4 gID .. + 3 of
+      // tokens a .. d (plane 4) as bits 0..3 of ua .. ud, moved to bit 7 of the hi bytes (nibble order a n, a n',
+      // b n, b n': n, n' = coordinates 4 gID, + 1 of the low half-word, + 2, + 3 of the high one; each
+      // product's shifted copies of a value < 16 are disjoint, so nothing carries)
+      const uint4 n4 = *(const uint4*)(vw + (g * 5 + (gID >> 1)) * 16);
+      const uint4 s4 = *(const uint4*)(vw + (g * 5 + 4) * 16);
+      const uint32_t zab = prmt(n4.x, n4.z, L.vsel), zcd = prmt(n4.y, n4.w, L.vsel);
+      const uint32_t ua = (s4.x * L.vmul5) >> 28, ub = (s4.z * L.vmul5) >> 28;
+      const uint32_t uc = (s4.y * L.vmul5) >> 28, ud = (s4.w * L.vmul5) >> 28;
+      auto pairs = [&](uint32_t z, uint32_t sg, uint32_t& p0, uint32_t& p1) {
+        uint32_t lo, hi;
+        nibble16_bytes(z, L.k16, L.NV5, lo, hi);
+        hi |= sg & 0x80808080u;
+        p0 = prmt(lo, hi, 0x6240u);
+        p1 = prmt(lo, hi, 0x7351u);
+      };
+      pairs(zab, ua * 0x00004080u + ub * 0x40800000u, aA0, aA1);
+      pairs(zcd, uc * 0x00004080u + ud * 0x40800000u, aA2, aA3);
+      pairs(zab >> 16, ua * 0x00001020u + ub * 0x10200000u, aB0, aB1);
+      pairs(zcd >> 16, uc * 0x00001020u + ud * 0x10200000u, aB2, aB3);
     } else if constexpr (VB == 4) {
       // nibbles of tokens (a, b), (c, d) interleaved bytewise, then per half-word two fp16 pairs
       // (coordinate n; token pair): aA = n0, n1 = 4 gID, 4 gID + 1, aB = n2, n3
@@ -754,7 +843,7 @@ __device__ __forceinline__ void split_combine_store(const AttnParams& p, int slo
 #pragma unroll
       for (int k = 0; k < 4; ++k)
         wacc[(2 * tid + (k & 1)) * D + (kTiled<VB, F3> ? 32 * g + 16 * mt + gID + ((k & 2) ? 8 : 0)
-                                        : VB == 4     ? 32 * g + 4 * gID + 2 * mt + (k >> 1)
+                                        : VB >= 4     ? 32 * g + 4 * gID + 2 * mt + (k >> 1)
                                                       : 32 * g + 2 * gID + mt + ((k & 2) ? 16 : 0))] =
             kTiled<VB, F3> ? acc[g][mt][k] * p.tile_step[1] : acc[g][mt][k];  // format 3: V levels x step
   __syncthreads();
@@ -936,8 +1025,9 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   constexpr bool K16 = KB == FMKV_FP16_BITS;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float s_qmax[kQV];
-  __shared__ uint32_t s_tab[8][32];
-  __shared__ uint32_t s_pow2[16];
+  constexpr int RK = level_table_rows(KB), RV = level_table_rows(VB);
+  __shared__ uint32_t s_tab[RK + RV][32];
+  __shared__ uint32_t s_pow2[32];
   __shared__ uint2 s_qb[kAttnWarps][G][2][32];
   __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV];
   __shared__ int64_t s_vpos[kQV], s_vpart[kQV];
@@ -946,12 +1036,13 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31, gID = lane >> 2, tid = lane & 3;
   // Codebook tables in ordinary registers: a table in a uniform register costs a move per lookup,
   // so every lane reads its own copy (a lane-dependent shared-memory address is never uniform).
-  // fp16x2 level tables: T[k] = level 2k | level 2k+1 << 16 (levels 0..3 in T[0..1], 4..7 in T[2..3]).
+  // fp16x2 level tables: T[k] = level 2k | level 2k+1 << 16 (levels 0..3 in T[0..1], 4..7 in T[2..3]; 5-bit
+  // codes' 16 magnitudes in T[0..7], level_table_rows).
   // No kernel writes the levels, so threads 0..7 request theirs before the dependency wait (the
   // round trip hides in it and in the batch-array loads) and store them to s_tab after those.
-  uint32_t tab_lo = 0u, tab_hi = 0u;  // entry tidx & 3 of the K (tidx < 4) or V table
-  if (sp < p.nsplit && tidx < 8) {
-    const int bits = tidx < 4 ? (K16 ? VB : KB) : VB, k = tidx & 3;
+  uint32_t tab_lo = 0u, tab_hi = 0u;  // entry tidx of the K table (tidx < RK), else entry tidx - RK of the V table
+  if (sp < p.nsplit && tidx < RK + RV) {
+    const int bits = tidx < RK ? (K16 ? VB : KB) : VB, k = tidx < RK ? tidx : tidx - RK;
     const int M = 1 << (bits - 1), off = FMKV_CODEBOOK_OFFSET(bits);
     if (2 * k < M) tab_lo = load_now(gtab::fmkv_codebook_mag_f16 + off + 2 * k);
     if (2 * k + 1 < M) tab_hi = load_now(gtab::fmkv_codebook_mag_f16 + off + 2 * k + 1);
@@ -997,9 +1088,9 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
   if (p.balanced && z == 0 && h == 0)  // the sequence's rows: partials to merge (merge_kernel)
     for (int64_t r = tidx; r < n; r += blockDim.x) p.part_n[r0 + r] = p.nraw + ns;
   const int64_t E = fmkv_compressed_end(p.S, p.W, p.fused ? len0 : len), C = E - p.S;
-  if (sp < p.nsplit && tidx < 8)
+  if (sp < p.nsplit && tidx < RK + RV)
     for (int l = 0; l < 32; ++l) s_tab[tidx][l] = tab_lo | (tab_hi << 16);
-  if (sp < p.nsplit && tidx < 16) s_pow2[tidx] = 1u << tidx;
+  if (sp < p.nsplit && tidx < 32) s_pow2[tidx] = 1u << tidx;
   FMKV_TRACE(p, 0, 2);
   // CTA nsplit: the fp16 tokens (attention) or the fused step; CTA nsplit + 1 (a fused step with fp16
   // regions): the fp16 tokens before the step. (Two equality tests: with `sp >= nsplit` ptxas lays the
@@ -1024,11 +1115,13 @@ constexpr bool attn_compiled(int d, int kb, int vb) {
   return (d == 64 || d == 128 || d == 256) && is_k_bits(kb) && is_code_bits(vb);
 #else
   return ((d == 64 || d == 128) && ((kb == 2 && vb == 2) || (kb == 3 && vb == 3) || (kb == 4 && vb == 4) ||
-                                    (kb == 4 && vb == 2) || (kb == 16 && vb == 3))) ||
+                                    (kb == 4 && vb == 2) || (kb == 16 && vb == 3) || (kb == 5 && vb == 4) ||
+                                    (kb == 5 && vb == 5))) ||
          (d == 256 && ((kb == 3 && vb == 3) || (kb == 4 && vb == 4)));
 #endif
 }
-const char* const kAttnDefaultGrid = "k2v2, k3v3, k4v4, k4v2, k16v3 for head_dim 64/128 and k3v3, k4v4 for head_dim 256";
+const char* const kAttnDefaultGrid =
+    "k2v2, k3v3, k4v4, k4v2, k16v3, k5v4, k5v5 for head_dim 64/128 and k3v3, k4v4 for head_dim 256";
 // Format 3 (a side in tile blocks): a default build compiles k3v3 (every head_dim); the full grid every
 // combination with a tiled side.
 constexpr bool attn_compiled_f3(int d, int kb, int vb) {

@@ -6,11 +6,13 @@
 //  * thread level (thread_fwht, thread_quantize_group; used by append.cu): one thread owns 64
 //    coordinates, i.e. two whole groups; D/64 threads per vector. See thread_fwht for the mapping.
 #pragma once
+#include <array>
 #include <cmath>
 #include <cstring>
 
 #include "../format/quantize_group.h"
 #include "../format/rows.h"
+#include "code_widths.cuh"
 #include "common.cuh"
 
 namespace fmkv {
@@ -24,11 +26,13 @@ __device__ __forceinline__ float warp_tree_sum32(float t) {
   return t;
 }
 
-// Per b-bit codebook (index b - 2), filled on the host from src/format/quantize_group.h.
+// Per b-bit codebook (index b - 2), filled on the host from src/format/quantize_group.h (sized for the widest
+// code of the CUDA kernels, src/cuda/code_widths.cuh).
+constexpr int kMaxMagnitudes = 1 << (FMKV_CUDA_CODE_BITS_MAX - 1);
 struct QuantTables {
-  float thr[7];   // t_i = codebook_threshold(b, i): the reference's decision thresholds
-  float hulp[7];  // ulp(t_i) / 2 (a power of two)
-  float mag[8];   // positive levels mag_b[m] as float (exact fp16 values)
+  float thr[kMaxMagnitudes - 1];   // t_i = codebook_threshold(b, i): the reference's decision thresholds
+  float hulp[kMaxMagnitudes - 1];  // ulp(t_i) / 2 (a power of two)
+  float mag[kMaxMagnitudes];       // positive levels mag_b[m] as float (exact fp16 values)
 };
 
 __device__ __forceinline__ float f16_bits_to_f32_hw(uint32_t h16) {  // exact (cvt.f32.f16)
@@ -37,7 +41,7 @@ __device__ __forceinline__ float f16_bits_to_f32_hw(uint32_t h16) {  // exact (c
 
 // Thresholds of src/format/codebook.h and the facts the division-free code search relies on: <= 13 significant
 // bits and an even significand (checked once per width; constants of the format, unchanged since v1).
-// bits 2, 3, 4; host side.
+// bits FMKV_CODE_BITS_MIN .. FMKV_CUDA_CODE_BITS_MAX; host side.
 inline const QuantTables& quant_tables(int bits) {
   auto make = [](int b) {
     QuantTables q;
@@ -53,9 +57,13 @@ inline const QuantTables& quant_tables(int bits) {
     }
     return q;
   };
-  static const QuantTables tables[3] = {make(2), make(3), make(4)};
-  if (bits < 2 || bits > 4) throw Error(kBackendError, "cuda quantizer: no code tables for " + std::to_string(bits) + " bits");
-  return tables[bits - 2];
+  static const auto tables = [&] {
+    std::array<QuantTables, FMKV_CUDA_CODE_BITS_MAX - FMKV_CODE_BITS_MIN + 1> t;
+    for (int b = FMKV_CODE_BITS_MIN; b <= FMKV_CUDA_CODE_BITS_MAX; ++b) t[b - FMKV_CODE_BITS_MIN] = make(b);
+    return t;
+  }();
+  if (!is_code_bits(bits)) throw Error(kBackendError, "cuda quantizer: no code tables for " + std::to_string(bits) + " bits");
+  return tables[bits - FMKV_CODE_BITS_MIN];
 }
 
 // A decision threshold for any t (t + hulp and s with at most 29 + 24 significant bits together): the float
@@ -76,13 +84,34 @@ __device__ __forceinline__ void group_thresholds(const QuantTables& q, float s, 
   for (int i = 0; i < (1 << (BITS - 1)) - 1; ++i) T[i] = __fadd_rd(__fmul_rn(q.thr[i], s), __fmul_rn(q.hulp[i], s));
 }
 
+// 5-bit codes: the thermometer count m over the 15 thresholds (binary search, bits c[0..3]) and mag[m], by
+// compares and select trees (no indexed load: T and q.mag stay in registers / the parameter bank).
+__device__ __forceinline__ float search_magnitude5(float a, const float* T, const QuantTables& q, bool (&c)[4]) {
+  c[3] = a > T[7];
+  c[2] = a > (c[3] ? T[11] : T[3]);
+  c[1] = a > (c[2] ? (c[3] ? T[13] : T[5]) : (c[3] ? T[9] : T[1]));
+  float u[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) u[k] = c[3] ? T[8 + 2 * k] : T[2 * k];  // T[8 c3 + 4 c2 + 2 c1], stepwise
+  c[0] = a > (c[1] ? (c[2] ? u[3] : u[1]) : (c[2] ? u[2] : u[0]));
+  float r[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) r[k] = c[3] ? q.mag[8 + k] : q.mag[k];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) r[k] = c[2] ? r[4 + k] : r[k];
+  const float r0 = c[1] ? r[2] : r[0], r1 = c[1] ? r[3] : r[1];
+  return c[0] ? r1 : r0;
+}
+
 // Magnitude code of a = |y| (the thermometer count over T, by binary search: its bits c[0..BITS-2])
 // and the level mag[m], by compares and selects (no division, no indexed table load).
 template <int BITS>
 __device__ __forceinline__ float search_magnitude(float a, const float (&T)[(1 << (BITS - 1)) - 1], const QuantTables& q,
-                                                 bool (&c)[3]) {
-  c[0] = c[1] = c[2] = false;
-  if constexpr (BITS == 2) {
+                                                 bool (&c)[4]) {
+  c[0] = c[1] = c[2] = c[3] = false;
+  if constexpr (BITS == 5) {
+    return search_magnitude5(a, T, q, c);
+  } else if constexpr (BITS == 2) {
     c[0] = a > T[0];
     return c[0] ? q.mag[1] : q.mag[0];
   } else if constexpr (BITS == 3) {
@@ -220,9 +249,9 @@ __device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], const Quant
     float T[(1 << (BITS - 1)) - 1];
     group_thresholds<BITS>(q, f16_bits_to_f32_hw(s0), T);
     const float a = fabsf(y[g]);
-    bool c[3];
+    bool c[4];
     const float mag = nz ? search_magnitude<BITS>(a, T, q, c) : 0.0f;
-    m[g] = nz ? (uint32_t)c[0] | (uint32_t)c[1] << 1 | (uint32_t)c[2] << 2 : 0u;
+    m[g] = nz ? (uint32_t)c[0] | (uint32_t)c[1] << 1 | (uint32_t)c[2] << 2 | (uint32_t)c[3] << 3 : 0u;
     sign[g] = nz && y[g] < 0.0f ? 1u : 0u;
     l[g] = sign[g] ? -mag : mag;
     scale[g] = s0;
@@ -238,12 +267,13 @@ __device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], const Quant
   }
 #pragma unroll
   for (int g = 0; g < NR; ++g) {
-    uint32_t wd[4] = {0u, 0u, 0u, 0u};
-    if (BITS == 4) {  // nibble words: the whole code of coordinate `lane`
-      const uint32_t c = ((sign[g] << 3) | m[g]) << fmkv_nibble_shift(lane);
+    uint32_t wd[5] = {0u, 0u, 0u, 0u, 0u};
+    if (BITS >= 4) {  // nibble words: the whole code of coordinate `lane` (5 bits: its magnitude; sign plane word 4)
+      const uint32_t c = (BITS == 4 ? (sign[g] << 3) | m[g] : m[g]) << fmkv_nibble_shift(lane);
       const int nw = fmkv_nibble_word(lane);
 #pragma unroll
       for (int k = 0; k < 4; ++k) wd[k] = __reduce_or_sync(kFull, nw == k ? c : 0u);
+      if (BITS == 5) wd[4] = __ballot_sync(kFull, sign[g]);
     } else {  // planes: magnitude plane (2 bits) or field plane (3 bits), then the sign plane
       if (BITS == 2) wd[0] = __ballot_sync(kFull, m[g] & 1u);
       if (BITS == 3) {
@@ -255,7 +285,7 @@ __device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], const Quant
       wd[BITS - 1] = __ballot_sync(kFull, sign[g]);
     }
     if (lane < BITS) {
-      const uint32_t out = lane == 0 ? wd[0] : lane == 1 ? wd[1] : lane == 2 ? wd[2] : wd[3];
+      const uint32_t out = lane == 0 ? wd[0] : lane == 1 ? wd[1] : lane == 2 ? wd[2] : lane == 3 ? wd[3] : wd[4];
       words0[(int64_t)g * BITS * P + lane * P] = out;
     }
     if (lane == 31) scales0[(int64_t)g * P] = scale[g];
@@ -417,6 +447,14 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
         if (c0) w[fw] |= 1u << fs;
         if (c1) w[fw] |= 2u << fs;
       }
+    } else if constexpr (BITS == 5) {
+      bool c[4];
+      l = search_magnitude5(a, T, q, c);
+      // nibble j & 7 of word j >> 3: the magnitude (bits 0-3); the sign in plane 4 (below)
+      const int nw = fmkv_nibble_word(j), ns = fmkv_nibble_shift(j);
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        if (c[b]) w[nw] |= 1u << (ns + b);
     } else {
       const bool c2 = a > T[3];
       const bool c1 = a > (c2 ? T[5] : T[1]);
@@ -432,7 +470,7 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
       if (c2) w[nw] |= 4u << ns;
       if (y[j] < 0.0f) w[nw] |= 8u << ns;
     }
-    if (BITS < 4 && !NIB && y[j] < 0.0f) w[BITS - 1] |= 1u << j;
+    if (BITS != 4 && !NIB && y[j] < 0.0f) w[BITS - 1] |= 1u << j;
     if constexpr (LSQ) {
       const float tn = __fmul_rn(a, l), td = __fmul_rn(l, l);
       // jj & 1: second of the pair (j, j+16); jj & 2: second of the step-8 pair

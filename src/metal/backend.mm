@@ -291,6 +291,6 @@ extern const BackendOps metal_backend = {
     /*append_attention=*/nullptr, metal::attention_workspace_bytes,
     metal::alloc, metal::free, metal::copy, metal::synchronize, /*attention_lse=*/false,
     /*max_format_version=*/3, /*max_scale_group=*/FMKV_SCALE_GROUP,
-    /*max_code_bits=*/4};  // 5-bit codes: kernel_core.h packs and decodes 2-4 bits
+    /*max_code_bits=*/5};  // kernel_core.h packs (fmkv_pack_group_lanes) and decodes codes of 2-5 bits
 }  // namespace fmkv
 #endif  // __APPLE__

@@ -7,7 +7,8 @@
 //   * a group sum is the xor butterfly 16, 8, 4, 2, 1, which computes exactly tree_sum32 of
 //     src/format/quantize_group.h in every lane (same pairwise sums; float addition is commutative);
 //   * 2/3-bit codes: 1-bit planes are one ballot each, the 2-bit field plane is built from two
-//     ballots; 4-bit codes: nibble words (format version 2) are built from four ballots;
+//     ballots; 4-bit codes: nibble words (format version 2) are built from four ballots; 5-bit codes:
+//     the nibble words of the 4-bit magnitude from four ballots, the sign plane from a fifth;
 //   * attention decodes the code of coordinate i in lane i mod 32 from broadcast code words.
 // Format version 3, 3-bit sections (tile blocks of 16 token slots, FORMAT.md section 6; the parameter
 // blocks carry fmkv_config.format_version): the quantizer uses table fmkv::codebook_table(version, 3, is_v)
@@ -150,19 +151,23 @@ FMKV_INLINE fmkv_u32 fmkv_spread_nibbles(fmkv_u32 x) {
   return x;
 }
 
-// Code words of one group (FORMAT.md §6) from each lane's code; w[0..bits-1], same in every lane.
-// bits 2, 3: magnitude planes / field plane and the sign plane; bits 4: nibble words.
+// Code words of one group (FORMAT.md §6) from each lane's code; w[0..bits-1] (w holds FMKV_CODE_BITS_MAX
+// words), same in every lane. bits 2, 3: magnitude planes / field plane and the sign plane; bits 4: nibble
+// words of the whole code; bits 5: nibble words of the 4-bit magnitude (at the positions of a 4-bit code)
+// and the sign plane.
 FMKV_INLINE void fmkv_pack_group_lanes(fmkv_u32 code, int bits, FMKV_THREAD fmkv_u32* w) {
-  if (bits == 4) {  // uniform: nibble word k = codes of coordinates 8k..8k+7, coordinate j at 4*(j & 7)
-    fmkv_u32 c0 = FMKV_BALLOT((code & 1u) != 0u);
-    fmkv_u32 c1 = FMKV_BALLOT((code & 2u) != 0u);
-    fmkv_u32 c2 = FMKV_BALLOT((code & 4u) != 0u);
-    fmkv_u32 c3 = FMKV_BALLOT((code & 8u) != 0u);  // sign
+  if (bits >= 4) {  // uniform: nibble word k = nibbles of coordinates 8k..8k+7, coordinate j at 4*(j & 7)
+    const fmkv_u32 nib = code & 15u;  // bits 4: the whole code (sign in bit 3); bits 5: the magnitude
+    fmkv_u32 c0 = FMKV_BALLOT((nib & 1u) != 0u);
+    fmkv_u32 c1 = FMKV_BALLOT((nib & 2u) != 0u);
+    fmkv_u32 c2 = FMKV_BALLOT((nib & 4u) != 0u);
+    fmkv_u32 c3 = FMKV_BALLOT((nib & 8u) != 0u);
     for (fmkv_u32 k = 0; k < 4u; ++k) {
       fmkv_u32 s = 8u * k;
       w[k] = fmkv_spread_nibbles(c0 >> s) | (fmkv_spread_nibbles(c1 >> s) << 1) |
              (fmkv_spread_nibbles(c2 >> s) << 2) | (fmkv_spread_nibbles(c3 >> s) << 3);
     }
+    if (bits == 5) w[4] = FMKV_BALLOT(((code >> 4) & 1u) != 0u);  // the sign plane is the last word
     return;
   }
   fmkv_u32 m = code & ((1u << (bits - 1)) - 1u);
@@ -187,7 +192,7 @@ FMKV_INLINE void fmkv_pack_group_lanes(fmkv_u32 code, int bits, FMKV_THREAD fmkv
 
 // Dequantized rotated values (or fp16 values, bits == 16) of token slot t of the K (is_v = 0) or V section
 // of a cache in format `version` (resolved: 2 or 3), lane layout: lane reads coordinate g*32 + lane of every
-// group g. Code words (format 2, and 2- / 4-bit codes of format 3): unpack_code from the group's words.
+// group g. Code words (format 2, and 2-, 4- and 5-bit codes of format 3): unpack_code from the group's words.
 // Tile blocks (3-bit codes of format 3): the lane loads the (at most two) aligned uint32 words of its tile
 // block that hold its code's three bits (tile_get_code_words); level = decode_level_table with the
 // section's table (signed integer level x fp16 step, exact in float32), times the fp16 scale.
@@ -321,7 +326,7 @@ FMKV_INLINE void fmkv_append_compress_spec(
   for (int g = 0; g < G; ++g) {
     fmkv_u16 scale;
     fmkv_u32 code = fmkv_quantize_group_lane_table(y[g], bits, table, p.scale_rule, &scale);
-    fmkv_u32 w[4];
+    fmkv_u32 w[FMKV_CODE_BITS_MAX];
     fmkv_pack_group_lanes(code, bits, w);
     for (int b = 0; b < bits; ++b)
       if ((int)lane == b) words[fmkv_code_word_index(bits, P, g, b, t)] = w[b];

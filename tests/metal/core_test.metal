@@ -3,7 +3,8 @@
 // against the MSL shim like the real kernels. One SIMD group per vector of head_dim floats:
 //   sums[(v*G + g)*32 + lane] = group sum of group g in every lane (must equal tree_sum32),
 //   codes / scales / words    = quantization of each group taken as rotated values y
-//                               with codebook p.table (must equal quantize_group_table + pack_group),
+//                               with codebook p.table (must equal quantize_group_table + pack_group;
+//                               words: FMKV_CODE_BITS_MAX per group, the first p.bits written),
 //   rotated                   = the vector rotated (must equal fmkv::rotate, bitwise).
 #include "../../src/format/portability.h"
 #include "../../src/metal/params_msl.h"
@@ -36,10 +37,10 @@ kernel void fmkv_core_test(device const fmkv_core_test_params& p [[buffer(0)]],
     fmkv_u16 scale;
     fmkv_u32 code = fmkv_quantize_group_lane_table(v[g], p.bits, p.table, p.scale_rule, &scale);
     codes[vec * d + g * 32 + lane] = code;
-    fmkv_u32 w[4];
+    fmkv_u32 w[FMKV_CODE_BITS_MAX];
     fmkv_pack_group_lanes(code, p.bits, w);
     for (int b = 0; b < p.bits; ++b)
-      if ((int)lane == b) words[(vec * G + g) * 4 + b] = w[b];
+      if ((int)lane == b) words[(vec * G + g) * FMKV_CODE_BITS_MAX + b] = w[b];
     if (lane == 0u) scales[vec * G + g] = scale;
   }
   fmkv_u64 sw[4];

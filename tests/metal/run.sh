@@ -105,7 +105,7 @@ m = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(m)
 prelude = ("#include <metal_stdlib>\nusing namespace metal;\ntypedef half float16_t;\n"
            "struct bfloat16_t { ushort bits; };\n")
-formats = [(128, 4, 4), (64, 3, 2), (256, 16, 3)]
+formats = [(128, 4, 4), (64, 3, 2), (256, 16, 3), (128, 5, 5)]
 for dt in ("float32", "float16", "bfloat16"):
     common = {"params": "int32", "pages": "uint8", "fp16_k": "uint16", "fp16_v": "uint16", "k": dt, "v": dt, "q": dt,
               "seq_lens": "int64", "row_offsets": "int64", "block_table": "int32", "slots": "int32", "ws": "float32",
@@ -129,7 +129,7 @@ EOF
     for f in "$OUT"/mlx_*.metal; do msl_check "$f" 320 || { echo "in $f"; return 1; }; done
     ls "$OUT"/mlx_*.metal | wc -l
   }
-  step "MSL type-check of the MLX-generated kernel sources (4 kernels x 3 dtypes x 3 formats)" mlx_all
+  step "MSL type-check of the MLX-generated kernel sources (4 kernels x 3 dtypes x 4 formats)" mlx_all
 fi
 
 # Host code: backend.mm parses as Objective-C++ against stand-in Metal/Foundation declarations

@@ -2,10 +2,12 @@
 // with the reference backend (src/ref through the public C API, FMKV_BACKEND_REF) on the same inputs:
 //   * quantize-append: pages and fp16 regions bit-exact (untouched bytes included; state poisoned
 //     with random bytes first), several threadgroup sizes (partial SIMD groups for the fp16 pass)
-//     and fiber schedule orders, multi-call appends, sink/window rings, k16;
+//     and fiber schedule orders, multi-call appends, sink/window rings, every code width of the format
+//     (FMKV_CODE_BITS_MIN..FMKV_CODE_BITS_MAX) and k16, format versions 2 and 3;
 //   * decode attention: outputs (poisoned with NaN first, workspace too) within the stated relative
 //     error (||out - ref|| / ||ref||, as tests/test_backends.cpp) of the float64 reference;
-//   * kernel-side error reporting (block table out of range, bad threadgroup size).
+//   * kernel-side error reporting (block table out of range, bad threadgroup size);
+//   * the golden vectors of tests/golden (v2, v3, v3_code_width5) reproduced.
 // Prints one line per case and a final "N passed, M failed"; exit status 1 on any failure.
 // FMKV_METAL_SEED=<n> fixes the inputs (the seed is printed); FMKV_METAL_QUICK=1 runs a subset.
 #include <algorithm>
@@ -196,10 +198,11 @@ void run_attention_case(const AttentionCase& ac) {
          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
-// Golden vectors (tests/golden/v<version>.txt, written by the reference; cases and inputs in tests/golden_cases.h):
+// Golden vectors (tests/golden/v<version><suffix>.txt, written by the reference; cases and inputs in tests/golden_cases.h):
 // the emulated Metal kernels reproduce the page bytes (a pool of 0xA5 bytes: unwritten slots of partly filled
 // pages and tile blocks keep them) and fp16 region bytes exactly, and the attention output within 1e-5 relative.
-// FMKV_GOLDEN_DIR overrides the directory (default tests/golden, run.sh runs from the repository root).
+// FMKV_GOLDEN_DIR overrides the directory (default tests/golden, run.sh runs from the repository root). Cases with a
+// scale group other than the default are left out: the kernels store one fp16 scale per code group.
 std::string hex_of(const void* p, size_t n) {
   static const char digits[] = "0123456789abcdef";
   std::string s;
@@ -210,10 +213,10 @@ std::string hex_of(const void* p, size_t n) {
   return s;
 }
 
-void run_golden_cases(int32_t version, const std::vector<fmkv::test::GoldenCase>& cases) {
+void run_golden_cases(int32_t version, const std::vector<fmkv::test::GoldenCase>& cases, const std::string& suffix = "") {
   using namespace fmkv::test;
   const char* dir = std::getenv("FMKV_GOLDEN_DIR");
-  const std::string path = std::string(dir ? dir : "tests/golden") + "/v" + std::to_string(version) + ".txt";
+  const std::string path = std::string(dir ? dir : "tests/golden") + "/v" + std::to_string(version) + suffix + ".txt";
   std::vector<std::string> lines;
   {
     FILE* f = std::fopen(path.c_str(), "r");
@@ -229,12 +232,13 @@ void run_golden_cases(int32_t version, const std::vector<fmkv::test::GoldenCase>
     if (f) std::fclose(f);
   }
   if (lines.size() != 4 * cases.size()) {
-    report(false, "golden v" + std::to_string(version), path + " missing or malformed", 0.0);
+    report(false, "golden v" + std::to_string(version) + suffix, path + " missing or malformed", 0.0);
     return;
   }
   for (size_t i = 0; i < cases.size(); ++i) {
     auto t0 = std::chrono::steady_clock::now();
     const GoldenCase& g = cases[i];
+    if (fmkv_resolved_scale_group(g.scale_group) != FMKV_SCALE_GROUP) continue;
     Layer L;
     L.cfg = golden_config(g, (int)i, version);
     const fmkv_config& c = L.cfg;
@@ -284,7 +288,7 @@ void run_golden_cases(int32_t version, const std::vector<fmkv::test::GoldenCase>
     if (err.empty() && !(rel <= 1e-5)) err = "attention rel error " + std::to_string(rel) + " vs the golden output";
     if (status[0] || status[1] || st2[0] || st2[1]) err += " kernel status set";
     char name[200];
-    snprintf(name, sizeof name, "golden v%d: %s (%s)", version, lines[4 * i].c_str(), order_name(order));
+    snprintf(name, sizeof name, "golden v%d%s: %s (%s)", version, suffix.c_str(), lines[4 * i].c_str(), order_name(order));
     char detail[64];
     snprintf(detail, sizeof detail, "pages and fp16 bytes equal, attention rel error %.3g", rel);
     report(err.empty(), name, err.empty() ? detail : err,
@@ -328,7 +332,7 @@ void run_core_case(int d, int bits, int rule, int table, uint32_t threads, Order
     }
   const size_t nsum = (size_t)nvec * G * 32;
   std::vector<float> sums(nsum, NAN), rot((size_t)nvec * d, NAN);
-  std::vector<uint32_t> codes((size_t)nvec * d, 0xDEADBEEFu), words((size_t)nvec * G * 4, 0xDEADBEEFu);
+  std::vector<uint32_t> codes((size_t)nvec * d, 0xDEADBEEFu), words((size_t)nvec * G * FMKV_CODE_BITS_MAX, 0xDEADBEEFu);
   std::vector<uint16_t> scales((size_t)nvec * G, 0xFFFFu);
   emu_kernels::CoreTestParams p{d, bits, rule, (int32_t)(g_rng() % 40), g_rng(), nvec, table};
   emu_kernels::CoreTestBuffers b{x.data(), sums.data(), rot.data(), codes.data(), scales.data(), words.data()};
@@ -354,7 +358,7 @@ void run_core_case(int d, int bits, int rule, int table, uint32_t threads, Order
                 ", lane " + std::to_string(lane) + ")";
       uint8_t rc[32];
       const uint16_t rs = fmkv::quantize_group_table(y, bits, table, rule, rc);
-      uint32_t rw[4] = {0, 0, 0, 0};
+      uint32_t rw[FMKV_CODE_BITS_MAX] = {};
       fmkv::ref::pack_group(rc, bits, rw, 1);
       if (scales[(size_t)vi * G + g] != rs) err = "scale differs (vector " + std::to_string(vi) + ", group " + std::to_string(g) + ")";
       for (int j = 0; j < 32 && err.empty(); ++j) {
@@ -363,7 +367,7 @@ void run_core_case(int d, int bits, int rule, int table, uint32_t threads, Order
         (void)s0f;
       }
       for (int w = 0; w < bits && err.empty(); ++w)
-        if (words[((size_t)vi * G + g) * 4 + w] != rw[w]) err = "plane word " + std::to_string(w) + " differs";
+        if (words[((size_t)vi * G + g) * FMKV_CODE_BITS_MAX + w] != rw[w]) err = "code word " + std::to_string(w) + " differs";
       if ((vi + g) % 6 == 2 || (vi + g) % 6 == 5) {  // count coordinates that landed on a threshold
         float t2[32];
         for (int j = 0; j < 32; ++j) t2[j] = y[j] * y[j];
@@ -522,7 +526,7 @@ int main(int argc, char** argv) {
 
   // ---- kernel core primitives, bit-exact on adversarial inputs ----
   for (int d : {64, 128, 256})
-    for (int bits : {2, 3, 4})
+    for (int bits = FMKV_CODE_BITS_MIN; bits <= FMKV_CODE_BITS_MAX; ++bits)
       for (int rule : {0, 1}) {
         if (quick && (d + bits + rule) % 2) continue;
         run_core_case(d, bits, rule, 0, 32u * (uint32_t)(1 + (d / 64 + bits + rule) % 4), (Order)((bits + rule) % 3));
@@ -537,9 +541,13 @@ int main(int argc, char** argv) {
 
   // ---- quantize-append, bit-exact ----
   std::vector<AppendCase> ap;
+  std::vector<int> k_widths, v_widths;  // every width of the format (K also fp16)
+  for (int b = FMKV_CODE_BITS_MIN; b <= FMKV_CODE_BITS_MAX; ++b) v_widths.push_back(b);
+  k_widths = v_widths;
+  k_widths.push_back(FMKV_FP16_BITS);
   for (int d : {64, 128, 256})
-    for (int kb : {2, 3, 4, 16})
-      for (int vb : {2, 3, 4}) {
+    for (int kb : k_widths)
+      for (int vb : v_widths) {
         if (quick && (kb + vb + d / 64) % 3 != 0) continue;
         int page = kb == 3 ? 16 : kb == 4 ? 64 : 32;
         Order o = (Order)((kb + vb) % 3);
@@ -582,14 +590,34 @@ int main(int argc, char** argv) {
                 Order::kRandom});
   ap.push_back({make_config3(64, 3, 4, 2, 32, 3, 6, FMKV_SCALE_LSQ), {5, 9, 0}, {{4, 0, 30}, {0, 2, 0}, {17, 5, 1}},
                 FMKV_F16, 64, 40, Order::kForward});  // sequences without rows
+  // 5-bit codes (magnitude nibble words + sign plane): K, V and both, with a tiled 3-bit side, sinks / windows,
+  // multi-call appends, formats 2 and 3.
+  ap.push_back({make_config(64, 5, 4, 2, 16, 2, 8, FMKV_SCALE_LSQ), {5, 0, 29}, {{3, 17, 2}, {9, 1, 16}}, FMKV_BF16, 96,
+                48, Order::kRandom});
+  ap.push_back({make_config(128, 4, 5, 2, 32, 0, 16, FMKV_SCALE_RMS), {40, 3}, {{1, 20}, {33, 2}}, FMKV_F32, 64, 33,
+                Order::kReverse});
+  ap.push_back({make_config(128, 5, 5, 1, 64, 3, 0, FMKV_SCALE_LSQ), {70}, {{25}, {6}}, FMKV_F16, 128, 64,
+                Order::kForward});
+  ap.push_back({make_config3(64, 5, 5, 2, 32, 0, 0, FMKV_SCALE_RMS), {13, 1}, {{20, 3}, {1, 40}}, FMKV_F16, 256, 64,
+                Order::kRandom});
+  ap.push_back({make_config3(128, 5, 4, 2, 16, 2, 4, FMKV_SCALE_LSQ), {30, 9, 0}, {{1, 16, 25}, {21, 3, 4}}, FMKV_BF16,
+                96, 48, Order::kReverse});
+  ap.push_back({make_config3(128, 4, 5, 1, 128, 0, 32, FMKV_SCALE_LSQ), {50}, {{40}, {3}}, FMKV_F32, 32, 7,
+                Order::kRandom});
+  ap.push_back({make_config3(64, 5, 3, 2, 16, 1, 3, FMKV_SCALE_LSQ), {3, 20}, {{9, 2}, {18, 7}}, FMKV_F16, 64, 64,
+                Order::kForward});  // 3-bit V in tile blocks
+  ap.push_back({make_config3(128, 3, 5, 2, 16, 0, 0, FMKV_SCALE_RMS), {5, 29}, {{3, 17}, {9, 16}}, FMKV_F16, 192, 64,
+                Order::kRandom});  // 3-bit K in tile blocks
+  ap.push_back({make_config3(128, 16, 5, 2, 16, 0, 16, FMKV_SCALE_LSQ), {40, 33}, {{9, 1}, {30, 17}}, FMKV_F16, 64, 64,
+                Order::kReverse});
   for (auto& c : ap) run_append_case(c);
 
   // ---- decode attention ----
   std::vector<AttentionCase> at;
   for (int d : {64, 128, 256})
-    for (int kb : {2, 3, 4, 16}) {
+    for (int kb : k_widths) {
       if (quick && (kb + d / 64) % 2) continue;
-      int vb = kb == 16 ? 4 : kb == 4 ? 2 : kb + 1;
+      int vb = kb == FMKV_FP16_BITS ? FMKV_CODE_BITS_MAX : kb == FMKV_CODE_BITS_MAX ? 4 : kb == 4 ? 2 : kb + 1;
       int page = kb == 3 ? 16 : 32;
       at.push_back({make_config(d, kb, vb, 2, page, 0, 0, (kb + vb) % 2), 2, {37, 5, 90}, {1, 3, 1}, FMKV_F32, FMKV_F32,
                     0.0f, 0.0f, 1 + (d / 64 + kb) % 3, 1 + kb % 3, 2, (Order)((d / 64 + kb) % 3)});
@@ -622,11 +650,31 @@ int main(int argc, char** argv) {
                 0.0f, 30.0f, 1, 4, 2, Order::kReverse});
   at.push_back({make_config3(256, 3, 4, 2, 16, 2, 4, FMKV_SCALE_RMS), 1, {60, 7}, {3, 0}, FMKV_BF16, FMKV_F32, 0.0f,
                 0.0f, 2, 1, 2, Order::kRandom});  // a sequence without query rows
+  // 5-bit codes: K, V and both, formats 2 and 3, with a tiled 3-bit side, sinks / windows, softcap, q_len up to 16.
+  at.push_back({make_config(64, 5, 4, 2, 16, 2, 8, FMKV_SCALE_LSQ), 2, {37, 5, 90}, {1, 3, 1}, FMKV_F32, FMKV_F32, 0.0f,
+                0.0f, 2, 3, 2, Order::kRandom});
+  at.push_back({make_config(128, 4, 5, 2, 32, 0, 16, FMKV_SCALE_RMS), 4, {120, 9, 30}, {16, 2, 5}, FMKV_BF16, FMKV_F32,
+                0.0f, 0.0f, 4, 2, 1, Order::kReverse});
+  at.push_back({make_config(128, 5, 5, 1, 64, 3, 0, FMKV_SCALE_LSQ), 8, {100, 13}, {1, 12}, FMKV_F16, FMKV_F32, 0.0f,
+                30.0f, 3, 1, 2, Order::kForward});
+  at.push_back({make_config3(64, 5, 5, 2, 32, 0, 0, FMKV_SCALE_RMS), 2, {1, 2, 47}, {1, 2, 16}, FMKV_F32, FMKV_F32,
+                0.0f, 0.0f, 1, 4, 2, Order::kRandom});
+  at.push_back({make_config3(128, 5, 4, 2, 16, 2, 4, FMKV_SCALE_LSQ), 3, {150, 40}, {7, 1}, FMKV_F32, FMKV_F16, 0.2f,
+                0.0f, 2, 3, 4, Order::kReverse});
+  at.push_back({make_config3(128, 4, 5, 2, 128, 0, 32, FMKV_SCALE_LSQ), 2, {300, 25}, {1, 3}, FMKV_F16, FMKV_F32, 0.0f,
+                0.0f, 4, 2, 2, Order::kRandom});
+  at.push_back({make_config3(64, 5, 3, 2, 16, 1, 3, FMKV_SCALE_LSQ), 4, {37, 2, 120}, {1, 2, 1}, FMKV_F16, FMKV_F32,
+                0.0f, 0.0f, 2, 3, 2, Order::kForward});  // 3-bit V in tile blocks
+  at.push_back({make_config3(128, 3, 5, 2, 16, 0, 0, FMKV_SCALE_RMS), 2, {90, 33}, {1, 1}, FMKV_F16, FMKV_F32, 0.0f,
+                5.0f, 2, 2, 2, Order::kRandom});  // 3-bit K in tile blocks
+  at.push_back({make_config3(256, 16, 5, 2, 16, 0, 16, FMKV_SCALE_LSQ), 1, {40, 6}, {2, 6}, FMKV_F32, FMKV_F32, 0.0f,
+                0.0f, 1, 4, 1, Order::kRandom});
   for (auto& c : at) run_attention_case(c);
 
   run_error_cases();
   run_golden_cases(2, fmkv::test::kCasesV2);
   run_golden_cases(3, fmkv::test::kCasesV3);
+  run_golden_cases(3, fmkv::test::kCasesCodeWidth5, "_code_width5");
 
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const emu::Stats& st = emu::stats();

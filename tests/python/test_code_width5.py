@@ -7,7 +7,10 @@
   formats 2 and 3, both scale groups, sinks and windows.
 * fmkv.hf: FmkvCache(k_bits=5, ...) decodes the tiny model of hf_cases; every decode output equals the evaluation's
   dequantize-then-attend with the same config name (k5v4-w8-s2), the quantizer whose perplexity docs/EVAL.md reports.
-* Backends without 5-bit kernels (CUDA here when present) refuse the config naming the width, cache unchanged.
+* The CUDA kernels' 5-bit path is checked against the CPU backend in test_torch_cuda.py (and the C++ harness).
+* fmkv.mlx: every runtime takes 5-bit sides (the GPU runtimes' kernel core packs and decodes every width of the
+  format; tests/metal/run.sh checks its bytes against the reference, tests/python/test_mlx_gpu.py on an MLX GPU); the
+  host runtime attends within 1e-5 of the reference here; a width the format lacks (6) is refused when made.
 """
 import numpy as np
 import pytest
@@ -90,35 +93,31 @@ def test_hf_decode_equals_the_evaluation_quantizer(monkeypatch):
     assert _worst_against(log, q4) > 1e-4
 
 
-@pytest.mark.skipif(not fmkv.backends()["cuda"]["available"], reason="no CUDA backend in this build / no GPU")
-def test_cuda_refuses_five_bits_unchanged():
-    config = fmkv.Config(head_dim=128, num_kv_heads=2, k_bits=5, v_bits=4, page_size=16)
-    cfg = torch_ops.config_to_list(config)
-    pages = torch.randint(0, 256, (3, config.page_bytes), dtype=torch.uint8).cuda()
-    before = pages.clone()
-    empty = torch.zeros(1, 2, 0, 128, dtype=torch.float16, device="cuda")
-    k = torch.randn(5, 2, 128, device="cuda")
-    with pytest.raises(fmkv.FmkvError, match=r"code width 5 is not supported by the 'cuda' backend"):
-        torch_ops.append(pages, empty, empty.clone(), k, k.clone(), *[t.cuda() for t in _batch([0], [0], [5], [[0, 1]])],
-                         cfg, 0, "cuda")
-    assert torch.equal(pages, before)
-    with pytest.raises(fmkv.FmkvError, match="code width 5"):
-        fmkv.check_backend("cuda", config)
-
-
-def test_mlx_host_runtime_stores_five_bits_and_gpu_runtimes_refuse():
-    """fmkv.mlx: the host runtime (the C library) takes a 5-bit config and attends within 1e-5 of the reference; the
-    GPU runtimes' kernel core packs 2-4 bits, so a 5-bit side is refused naming the width when the layer is made."""
+def test_mlx_runtimes_take_five_bits(monkeypatch):
+    """fmkv.mlx: the host runtime (the C library) takes a 5-bit config and attends within 1e-5 of the reference; the GPU
+    runtimes' kernel core packs and decodes every width of the format, so their config check passes a 5-bit side (it
+    refuses only a scale group other than the default) and an mlx-lm cache with a 5-bit side is made for them; width 6,
+    which the format lacks, is refused when the cache is made."""
     mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
     from fmkv.mlx.layer import MlxLayer, check_runtime_config
 
     config = fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=5, v_bits=4, page_size=16, seed=5)
     for runtime in ("metal", "cuda"):
-        with pytest.raises(fmkv.FmkvError, match=rf"code width 5 is not supported by the MLX '{runtime}' runtime"):
-            check_runtime_config(runtime, config)
-        with pytest.raises(fmkv.FmkvError, match="code width 5"):
-            check_runtime_config(runtime, fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=16, v_bits=5))
-    check_runtime_config("metal", fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=4, v_bits=4))
+        for kb, vb in ((5, 4), (4, 5), (5, 5), (16, 5)):
+            check_runtime_config(runtime, fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=kb, v_bits=vb))
+        with pytest.raises(fmkv.FmkvError, match=rf"scale_group 64 is not supported by the MLX '{runtime}' runtime"):
+            check_runtime_config(runtime, fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=5, v_bits=5, scale_group=64))
+    try:
+        from fmkv.mlx import lm
+    except ImportError:
+        lm = None
+    if lm is not None:  # mlx-lm installed: the cache is made for a GPU runtime (forced: no GPU is needed), width 6 refused
+        monkeypatch.setattr(lm, "resolve_runtime", lambda r=None: "metal")
+        cache = lm.FmkvKVCache(k_bits=5, v_bits=5, runtime="metal")
+        assert (cache.k_bits, cache.v_bits) == (5, 5)
+        for kb, vb in ((6, 4), (4, 6)):
+            with pytest.raises(fmkv.FmkvError, match="bits 6 is not supported"):
+                lm.FmkvKVCache(k_bits=kb, v_bits=vb, runtime="metal")
     layer = MlxLayer(config, batch=1, max_tokens=64, runtime="host")
     rng = np.random.default_rng(3)
     k = rng.standard_normal((1, 2, 40, 64)).astype(np.float32)

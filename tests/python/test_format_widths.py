@@ -75,22 +75,24 @@ def test_needle_widths_from_the_library(tmp_path):
     assert sorted({row["k_bits"] for row in rows}) == runs + [fmt.FP16_BITS]
 
 
-def test_check_backend_names_the_width_and_the_backends_that_have_it():
-    """fmkv.check_backend raises what every op of the backend would (fmkv_backend_check_config): the host backends
-    take 5-bit codes; the CUDA kernels refuse them naming the width and the backends that have them (when CUDA is
-    here; otherwise the backend itself is refused as unavailable); an unknown backend is an error."""
+def test_check_backend_names_the_option_and_the_backends_that_have_it():
+    """fmkv.check_backend raises what every op of the backend would (fmkv_backend_check_config): every compiled
+    backend takes 5-bit codes; the CUDA kernels refuse scale group 64, naming the option and the backends that have
+    it (when CUDA is here; otherwise the backend itself is refused as unavailable); an unknown backend is an error."""
     five = fmkv.Config(head_dim=64, num_kv_heads=1, k_bits=5, v_bits=4)
-    for b in ("ref", "cpu"):
+    sg64 = fmkv.Config(head_dim=64, num_kv_heads=1, k_bits=4, v_bits=4, scale_group=64)
+    for b in ("ref", "cpu", "cuda"):
         if fmkv.backends()[b]["available"]:
             fmkv.check_backend(b, five)
             assert fmkv.backend_supports(b, five)
     if fmkv.backends()["cuda"]["available"]:
-        with pytest.raises(fmkv.FmkvError, match=r"code width 5 is not supported by the 'cuda' backend .*: ref, cpu\)") as e:
-            fmkv.check_backend("cuda", five)
+        with pytest.raises(fmkv.FmkvError, match=r"scale_group 64 is not supported by the 'cuda' backend .*: ref, cpu\)") as e:
+            fmkv.check_backend("cuda", sg64)
         assert fmkv.backend_supports("cuda", fmkv.Config(head_dim=64, num_kv_heads=1, k_bits=4, v_bits=4))
     else:
         with pytest.raises(fmkv.FmkvError, match=r"backend 'cuda' is not compiled into this build or has no usable") as e:
             fmkv.check_backend("cuda", five)
-    assert e.value.status == "UNSUPPORTED" and not fmkv.backend_supports("cuda", five)
+        assert not fmkv.backend_supports("cuda", five)
+    assert e.value.status == "UNSUPPORTED" and not fmkv.backend_supports("cuda", sg64)
     with pytest.raises(fmkv.FmkvError, match="unknown backend"):
         fmkv.check_backend("tpu", five)

@@ -15,6 +15,7 @@ mx = pytest.importorskip("mlx.core", reason="MLX is not installed")
 import fmkv  # noqa: E402
 import fmkv.mlx as fm  # noqa: E402
 from fmkv import reference  # noqa: E402
+from fmkv.format import CODE_BITS, FP16_BITS  # noqa: E402
 
 from mlx_cases import CASES, assert_storage_equal, bhld, poison_storage, random_kv, reference_append  # noqa: E402
 
@@ -31,8 +32,8 @@ RUNTIME = _gpu_runtime()
 pytestmark = pytest.mark.skipif(RUNTIME is None, reason="no MLX GPU backend (mx.metal / mx.cuda unavailable): "
                                                         "the kernels run through mx.fast.metal_kernel or cuda_kernel")
 ATTN_BOUND = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.2e-2}
-EXTRA = [  # more formats on the GPU: every (k, v) width pair at d 128, d 64 / 256 corners
-    (128, 8, 32, kb, vb, 64, 0, 0, "lsq", np.float16) for kb in (2, 3, 4, 16) for vb in (2, 3, 4)
+EXTRA = [  # more formats on the GPU: every (k, v) width pair of the format at d 128, d 64 / 256 corners
+    (128, 8, 32, kb, vb, 64, 0, 0, "lsq", np.float16) for kb in CODE_BITS + (FP16_BITS,) for vb in CODE_BITS
 ] + [(64, 4, 16, 3, 3, 16, 4, 64, "rms", np.float32), (256, 1, 8, 4, 4, 256, 0, 16, "lsq", "bfloat16")]
 
 
@@ -60,6 +61,10 @@ FORMAT3 = [  # format version 3: 3-bit sections in tile blocks (FORMAT.md sectio
     (64, 2, 8, 3, 3, 16, 0, 0, "lsq", np.float16), (128, 2, 8, 3, 3, 64, 4, 16, "lsq", np.float32),
     (256, 1, 8, 3, 2, 32, 0, 0, "rms", np.float16), (128, 2, 8, 16, 3, 16, 0, 32, "lsq", np.float16),
     (128, 2, 6, 4, 3, 128, 2, 0, "lsq", "bfloat16"),
+    # 5-bit sides (magnitude nibble words + sign plane) next to untiled and tiled ones
+    (64, 2, 8, 5, 5, 32, 0, 0, "rms", np.float16), (128, 2, 8, 5, 4, 16, 2, 8, "lsq", np.float32),
+    (128, 2, 8, 4, 5, 64, 0, 16, "lsq", "bfloat16"), (128, 2, 6, 5, 3, 16, 0, 0, "lsq", np.float16),
+    (64, 2, 4, 3, 5, 16, 1, 0, "rms", np.float16), (256, 1, 8, 16, 5, 16, 0, 32, "lsq", np.float32),
 ]
 
 

@@ -104,11 +104,11 @@ def _nvcc(tmp_path, src, stem, ptx=False):
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit): the generated CUDA sources are not compiled")
 def test_generated_cuda_sources_compile(tmp_path):
     """All four kernels x K/V/Q dtypes x formats, as MLX's CUDA backend generates them: sm_90 objects
-    for float16 (d 128 k4v4, d 64 k3v2), PTX for d 256 k16v3 and the other dtypes."""
+    for float16 (d 128 k4v4, d 64 k3v2), PTX for d 256 k16v3 and the other dtypes (5-bit codes: d 128 k5v5)."""
     _nvcc(tmp_path, _cuda_source("float16", [(128, 4, 4), (64, 3, 2)]), "f16")
     _nvcc(tmp_path, _cuda_source("float16", [(256, 16, 3)]), "f16_d256", ptx=True)
     _nvcc(tmp_path, _cuda_source("float32", [(128, 3, 3)]), "f32", ptx=True)
-    _nvcc(tmp_path, _cuda_source("bfloat16", [(64, 4, 2)]), "bf16", ptx=True)
+    _nvcc(tmp_path, _cuda_source("bfloat16", [(64, 4, 2), (128, 5, 5)]), "bf16", ptx=True)
 
 
 def _fma_count(ptx_text, kernel_prefix):
@@ -127,9 +127,9 @@ def test_append_kernels_contain_no_fma(tmp_path):
     """The quantize-append kernels of every code width contain no fused multiply-add under nvcc's
     (and NVRTC's, MLX's) default -fmad=true: their bytes cannot depend on contraction. Control: with
     the same flags a plain a*b + c is contracted and counted."""
-    ptx = _nvcc(tmp_path, _cuda_source("float16", [(128, 4, 4), (64, 3, 2), (128, 2, 3)], names=["append_compress"]),
-                "append", ptx=True).read_text()
-    assert sum(1 for l in ptx.splitlines() if ".entry" in l and "append_compress" in l) == 3
+    formats = [(128, 4, 4), (64, 3, 2), (128, 2, 3), (128, 5, 4)]
+    ptx = _nvcc(tmp_path, _cuda_source("float16", formats, names=["append_compress"]), "append", ptx=True).read_text()
+    assert sum(1 for l in ptx.splitlines() if ".entry" in l and "append_compress" in l) == len(formats)
     assert _fma_count(ptx, "append_compress") == 0
     control = _nvcc(tmp_path, "__global__ void control_kernel(const float* a, float* o) { o[0] = a[0] * a[1] + a[2]; }\n",
                     "control", ptx=True).read_text()

@@ -110,6 +110,8 @@ CONFIGS = [
     dict(head_dim=128, num_kv_heads=1, k_bits=4, v_bits=4, page_size=64, window_tokens=64),
     dict(head_dim=256, num_kv_heads=2, k_bits=4, v_bits=2, page_size=32, scale_rule="rms"),
     dict(head_dim=64, num_kv_heads=4, k_bits=16, v_bits=3, page_size=16, sink_tokens=4),
+    dict(head_dim=128, num_kv_heads=2, k_bits=5, v_bits=4, page_size=16, sink_tokens=2, window_tokens=8),
+    dict(head_dim=64, num_kv_heads=2, k_bits=5, v_bits=5, page_size=32, scale_rule="rms"),
 ]
 
 

@@ -15,8 +15,8 @@ section 3), so a model's layers stored here hold the bytes of one multi-layer fm
 parameter block (format 3's 3-bit sections: integer levels, tile blocks), the host backends from the config.
 The config's ``scale_group`` other than the default (``fmkv.format.SCALE_GROUP``; 64: one fp16 scale per 64
 coordinates) runs on the host runtime only: the kernel core of the GPU runtimes stores one scale per code group,
-so :class:`MlxLayer` refuses such a config on 'metal' / 'cuda' when it is made (:func:`check_runtime_config`);
-so are 5-bit codes (the kernel core packs and decodes 2-4 bits, ``KERNEL_CORE_MAX_CODE_BITS``).
+so :class:`MlxLayer` refuses such a config on 'metal' / 'cuda' when it is made (:func:`check_runtime_config`).
+Every code width of the format (``fmkv.format.CODE_BITS``, and fp16 K) runs on every runtime.
 """
 from __future__ import annotations
 
@@ -61,18 +61,10 @@ def resolve_runtime(runtime: Optional[str] = None) -> str:
     return runtime
 
 
-KERNEL_CORE_MAX_CODE_BITS = 4  # the widest code src/metal/kernel_core.h packs and decodes (the Metal backend's max_code_bits)
-
-
 def check_runtime_config(runtime: str, config: "fmkv.Config", what: str = "MlxLayer") -> None:
     """Refuse (FmkvError naming the option and the runtime) a config the runtime cannot store: on the GPU runtimes,
-    whose kernel core writes and reads one fp16 scale per code group and codes of 2-4 bits, a scale group other than
-    the default or a 5-bit side."""
-    widest = max(config.v_bits, 0 if config.k_bits == _fmkv.FP16_BITS else config.k_bits)
-    if runtime != "host" and widest > KERNEL_CORE_MAX_CODE_BITS:
-        raise FmkvError(f"{what}: code width {widest} is not supported by the MLX {runtime!r} runtime (fmkv's GPU "
-                        f"kernel core packs and decodes up to {KERNEL_CORE_MAX_CODE_BITS} bits); use runtime='host' "
-                        f"(the C library's host backends) or narrower widths")
+    whose kernel core writes and reads one fp16 scale per code group (and codes of every width of the format), a
+    scale group other than the default."""
     if runtime != "host" and _fmkv.resolved_scale_group(config.scale_group) != _fmkv.SCALE_GROUP:
         raise FmkvError(f"{what}: scale_group {config.scale_group} is not supported by the MLX {runtime!r} runtime "
                         f"(fmkv's GPU kernel core stores one fp16 scale per {_fmkv.SCALE_GROUP} coordinates); use "

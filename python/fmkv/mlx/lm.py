@@ -32,7 +32,7 @@ from typing import Any, List, Optional
 
 from .. import Config, FmkvError, _args, _fmkv, format_version as fmkv_format_version
 from ..key_offset import first_tokens_mean
-from .layer import KERNEL_CORE_MAX_CODE_BITS, MlxLayer, check_runtime_config, resolve_runtime
+from .layer import MlxLayer, check_runtime_config, resolve_runtime
 
 __all__ = ["FmkvKVCache", "make_prompt_cache", "install", "DEFAULT_WINDOW_TOKENS"]
 
@@ -71,7 +71,7 @@ _STATE_SCALARS_V2 = _STATE_SCALARS[:-3]
 class FmkvKVCache(_BaseCache):
     """One layer's KV cache for mlx-lm, stored compressed by fmkv (fmkv.mlx.MlxLayer).
 
-    k_bits 2/3/4/5/16, v_bits 2/3/4/5 (5 on the host runtime); ``window_tokens`` recent tokens (and ``sink_tokens`` first ones)
+    k_bits 2/3/4/5/16, v_bits 2/3/4/5 (``fmkv.format.CODE_BITS``, on every runtime); ``window_tokens`` recent tokens (and ``sink_tokens`` first ones)
     kept in fp16; ``max_tokens`` per sequence (pages are allocated up front at the first update);
     ``layer`` selects the layer's rotation signs; ``format_version`` 0 (the library's default), 2 or 3
     (fmkv.Config's); ``scale_group`` 0 (the default, ``fmkv.format.SCALE_GROUP`` coordinates per fp16 scale) or one
@@ -87,16 +87,13 @@ class FmkvKVCache(_BaseCache):
                  format_version: int = 0, key_offset: bool = False, scale_group: int = 0, **gpu_options):
         if prefill not in ("full", "compressed"):
             raise FmkvError("prefill must be 'full' or 'compressed'")
-        # checked now (not at the first update): the version the cache will write and save, its scale group
-        checked = Config(format_version=format_version, scale_group=scale_group)
+        # checked now (not at the first update): the widths, the version the cache will write and save, its scale group
+        checked = Config(k_bits=int(k_bits), v_bits=int(v_bits), format_version=format_version, scale_group=scale_group)
         self.format_version = checked.format_version or fmkv_format_version()
         self.scale_group = checked.scale_group
         if _fmkv.resolved_scale_group(self.scale_group) != _fmkv.SCALE_GROUP:  # refused now where the runtime cannot store it
             check_runtime_config(resolve_runtime(runtime), checked, "FmkvKVCache")
         self.k_bits, self.v_bits = int(k_bits), int(v_bits)
-        if max(self.v_bits, 0 if self.k_bits == _fmkv.FP16_BITS else self.k_bits) > KERNEL_CORE_MAX_CODE_BITS:
-            check_runtime_config(resolve_runtime(runtime),  # refused now where the runtime cannot store it
-                                 Config(k_bits=self.k_bits, v_bits=self.v_bits, scale_group=self.scale_group), "FmkvKVCache")
         self.window_tokens, self.sink_tokens = int(window_tokens), int(sink_tokens)
         self.page_size, self.max_tokens = int(page_size), int(max_tokens)
         self.scale_rule, self.seed, self.layer = scale_rule, int(seed), int(layer)
