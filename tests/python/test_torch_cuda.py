@@ -13,6 +13,7 @@ reason. Checks, against the CPU backend on the same inputs:
 * FmkvCache generate() on CUDA (tiny random Llama) agrees with the CPU cache, resident bytes.
 """
 import contextlib
+import gc
 
 import numpy as np
 import pytest
@@ -202,6 +203,7 @@ def test_append_attention_matches_cpu_backend(cfg, tgen):
 
 def test_torch_cache_on_cuda(tgen):
     config = fmkv.Config(head_dim=128, num_kv_heads=2, k_bits=3, v_bits=3, page_size=16, window_tokens=8)
+    gc.collect()  # earlier tests' unreachable CUDA tensors, freed now rather than while the cache is made
     before = torch.cuda.memory_allocated(DEV)
     tc = torch_ops.TorchCache(config, 2, 12, 2, device="cuda")
     assert tc.backend == "cuda" and tc.device == DEV and tc.pages[0].device == DEV
