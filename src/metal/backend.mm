@@ -290,7 +290,8 @@ extern const BackendOps metal_backend = {
     metal::append, metal::decode_attention,
     /*append_attention=*/nullptr, metal::attention_workspace_bytes,
     metal::alloc, metal::free, metal::copy, metal::synchronize, /*attention_lse=*/false,
-    /*max_format_version=*/3, /*max_scale_group=*/FMKV_SCALE_GROUP,
-    /*max_code_bits=*/5};  // kernel_core.h packs (fmkv_pack_group_lanes) and decodes codes of 2-5 bits
+    /*max_format_version=*/3,
+    /*max_scale_group=*/64,  // kernel_core.h: a 64-coordinate scale group spans two registers; scale g >> shift
+    /*max_code_bits=*/5};    // kernel_core.h packs (fmkv_pack_group_lanes) and decodes codes of 2-5 bits
 }  // namespace fmkv
 #endif  // __APPLE__

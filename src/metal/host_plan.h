@@ -39,6 +39,7 @@ inline fmkv_metal_append_params append_params(const AppendArgs& a) {
   p.total_rows = a.batch.num_seqs > 0 ? a.batch.row_offsets[a.batch.num_seqs] : 0;
   p.page_bytes = page_bytes(c);
   p.format_version = c.format_version;
+  p.scale_group = c.scale_group;
   return p;
 }
 
@@ -100,6 +101,7 @@ inline fmkv_metal_attention_params attention_params(const AttentionArgs& a, int3
   p.parts = p.num_splits * simdgroups;
   p.format_version = c.format_version;
   p.page_bytes = page_bytes(c);
+  p.scale_group = c.scale_group;
   return p;
 }
 

@@ -1,11 +1,15 @@
 // fmkv Metal backend: single-source kernel logic (MSL, host emulator, CUDA) over src/format/portability.h.
 //
 // Execution model: a SIMD group of 32 lanes owns one head vector; lane `lane` holds coordinates
-// i = g*32 + lane for g < G = d/32 (one scale group per register g). So
+// i = g*32 + lane for g < G = d/32 (one code group per register g). So
 //   * FWHT stages h = 1..16 are xor-shuffles between lanes, stages h = 32..d/2 are in-register, in
 //     the order h = 1, 2, 4, ... of FORMAT.md §3;
 //   * a group sum is the xor butterfly 16, 8, 4, 2, 1, which computes exactly tree_sum32 of
 //     src/format/quantize_group.h in every lane (same pairwise sums; float addition is commutative);
+//   * a scale group (fmkv_config.scale_group sg, FORMAT.md section 4; the parameter blocks carry it) is one
+//     register (sg = 32) or the two registers 2s, 2s + 1 (sg = 64): its sums are the registers' butterfly sums
+//     added in coordinate order (fmkv_simd_scale_group_sum), as quantize_scale_group_table adds its code
+//     groups' tree_sum32 sums; code group g uses scale g >> fmkv_scale_shift(sg), written by lane 0;
 //   * 2/3-bit codes: 1-bit planes are one ballot each, the 2-bit field plane is built from two
 //     ballots; 4-bit codes: nibble words (format version 2) are built from four ballots; 5-bit codes:
 //     the nibble words of the 4-bit magnitude from four ballots, the sign plane from a fifth;
@@ -18,7 +22,7 @@
 // them with at most one atomic AND and one atomic OR per containing aligned uint32 word of the block
 // (fmkv::tile_put_code_atomic; a uint16 Y word is the low or high half of such a word), because the other 15
 // slots of the block may be written at the same time by other SIMD groups and threadgroups; lane 0 stores
-// the group's fp16 scale. Attention: lane j of the SIMD group of a key loads the (one or two) uint32 words
+// the scale group's fp16 scale. Attention: lane j of the SIMD group of a key loads the (one or two) uint32 words
 // of the key's tile block that hold coordinate j's code of group g (fmkv::tile_get_code_words) and
 // dequantizes it as decode_level_table x scale.
 // Every arithmetic step of the quantizer mirrors src/format/quantize_group.h operation by operation
@@ -75,6 +79,15 @@ FMKV_INLINE float fmkv_simd_tree_sum(float x) {
   return x;
 }
 
+// Sum over a scale group of n code groups (n = 1 << fmkv_scale_shift(sg): 1 or 2), v[h] = the lane's value of
+// code group h: the code groups' butterfly sums (tree_sum32 each) added in coordinate order, h = 0 first, as
+// quantize_scale_group_table (src/format/quantize_group.h) forms its sums; the same in every lane.
+FMKV_INLINE float fmkv_simd_scale_group_sum(FMKV_THREAD const float* v, int n) {
+  float s = fmkv_simd_tree_sum(v[0]);
+  for (int h = 1; h < n; ++h) s = s + fmkv_simd_tree_sum(v[h]);
+  return s;
+}
+
 // Unnormalised FWHT of the d = 32*G values held as v[g] = coordinate g*32 + lane; stage order
 // h = 1, 2, ..., d/2, each pair (a at the lower index, b at the higher) -> (a + b, a - b).
 FMKV_INLINE void fmkv_fwht_lanes(FMKV_THREAD float* v, int G, fmkv_u32 lane) {
@@ -113,28 +126,40 @@ FMKV_INLINE void fmkv_unrotate_lanes(FMKV_THREAD float* v, int G, FMKV_THREAD co
   }
 }
 
-// quantize_group_table (src/format/quantize_group.h) with lane j holding y_j and codebook `table`
-// (fmkv::codebook_table: 0 = the fp16 Lloyd-Max levels, 1 / 2 = format 3's integer levels of 3-bit K / V):
-// returns lane j's code; *scale = fp16 bits of the group's stored scale (identical in every lane). The
-// products are rounded before the butterfly adds them (FMKV_MUL_RN: never an FMA), as in tree_sum32; the
-// code is encode_value_table's (a value equal to a threshold takes the smaller magnitude).
+// quantize_scale_group_table (src/format/quantize_group.h) of one scale group of n code groups (n = 1 <<
+// fmkv_scale_shift(sg): 1, or 2 with scale group 64), lane j holding y[h] = coordinate 32 h + j of the scale
+// group (the lane's register of code group h), with codebook `table` (fmkv::codebook_table: 0 = the fp16
+// Lloyd-Max levels, 1 / 2 = format 3's integer levels of 3-bit K / V): code[h] = the lane's code in code group
+// h; returns the fp16 bits of the scale group's stored scale (identical in every lane). The sums of the scale
+// rules are fmkv_simd_scale_group_sum's (the reference's order); the products are rounded before the butterfly
+// adds them (FMKV_MUL_RN: never an FMA), as in tree_sum32; the code is encode_value_table's (a value equal to a
+// threshold takes the smaller magnitude).
+FMKV_INLINE fmkv_u16 fmkv_quantize_scale_group_lanes_table(FMKV_THREAD const float* y, int n, int bits, int table,
+                                                           int scale_rule, FMKV_THREAD fmkv_u32* code) {
+  float sq[2], num[2], den[2];
+  for (int h = 0; h < n; ++h) sq[h] = FMKV_MUL_RN(y[h], y[h]);
+  const fmkv_u16 s0 = fmkv::rms_scale(fmkv_simd_scale_group_sum(sq, n), 32 * n);
+  const float s0f = fmkv::f16_to_f32(s0);
+  if (s0f == 0.0f) {  // uniform across the SIMD group
+    for (int h = 0; h < n; ++h) code[h] = 0u;
+    return 0;
+  }
+  for (int h = 0; h < n; ++h) code[h] = fmkv::encode_value_table(y[h] / s0f, bits, table);
+  if (scale_rule == FMKV_SCALE_RMS) return s0;
+  for (int h = 0; h < n; ++h) {
+    const float l = fmkv::decode_level_table(code[h], bits, table);
+    num[h] = FMKV_MUL_RN(y[h], l);
+    den[h] = FMKV_MUL_RN(l, l);
+  }
+  const float sn = fmkv_simd_scale_group_sum(num, n), sd = fmkv_simd_scale_group_sum(den, n);
+  return fmkv::lsq_scale(sn, sd);
+}
+// One code group with its own scale (quantize_group_table; scale group 32): returns lane j's code of y_j;
+// *scale = fp16 bits of the group's stored scale.
 FMKV_INLINE fmkv_u32 fmkv_quantize_group_lane_table(float y, int bits, int table, int scale_rule,
                                                     FMKV_THREAD fmkv_u16* scale) {
-  fmkv_u16 s0 = fmkv::rms_scale(fmkv_simd_tree_sum(FMKV_MUL_RN(y, y)));
-  float s0f = fmkv::f16_to_f32(s0);
-  if (s0f == 0.0f) {  // uniform across the SIMD group
-    *scale = 0;
-    return 0u;
-  }
-  fmkv_u32 code = fmkv::encode_value_table(y / s0f, bits, table);
-  if (scale_rule == FMKV_SCALE_RMS) {
-    *scale = s0;
-    return code;
-  }
-  float l = fmkv::decode_level_table(code, bits, table);
-  float num = fmkv_simd_tree_sum(FMKV_MUL_RN(y, l));
-  float den = fmkv_simd_tree_sum(FMKV_MUL_RN(l, l));
-  *scale = fmkv::lsq_scale(num, den);
+  fmkv_u32 code;
+  *scale = fmkv_quantize_scale_group_lanes_table(&y, 1, bits, table, scale_rule, &code);
   return code;
 }
 // The same with table 0 (every width of format 2).
@@ -191,15 +216,17 @@ FMKV_INLINE void fmkv_pack_group_lanes(fmkv_u32 code, int bits, FMKV_THREAD fmkv
 }
 
 // Dequantized rotated values (or fp16 values, bits == 16) of token slot t of the K (is_v = 0) or V section
-// of a cache in format `version` (resolved: 2 or 3), lane layout: lane reads coordinate g*32 + lane of every
-// group g. Code words (format 2, and 2-, 4- and 5-bit codes of format 3): unpack_code from the group's words.
+// of a cache in format `version` (resolved: 2 or 3) and scale group `sg` (fmkv_config.scale_group as given),
+// lane layout: lane reads coordinate g*32 + lane of every group g, with scale g >> fmkv_scale_shift(sg).
+// Code words (format 2, and 2-, 4- and 5-bit codes of format 3): unpack_code from the group's words.
 // Tile blocks (3-bit codes of format 3): the lane loads the (at most two) aligned uint32 words of its tile
 // block that hold its code's three bits (tile_get_code_words); level = decode_level_table with the
 // section's table (signed integer level x fp16 step, exact in float32), times the fp16 scale.
 FMKV_INLINE void fmkv_load_section_lanes_fmt(FMKV_DEVICE const fmkv_u8* section, int bits, fmkv_i32 version, int is_v,
-                                             fmkv_i32 d, fmkv_i32 P, fmkv_i32 t, fmkv_u32 lane,
+                                             fmkv_i32 sg, fmkv_i32 d, fmkv_i32 P, fmkv_i32 t, fmkv_u32 lane,
                                              FMKV_THREAD float* out) {
   int G = d / 32;
+  const fmkv_i32 ssh = fmkv_scale_shift(sg);
   if (bits == 16) {
     FMKV_DEVICE const fmkv_u16* vals = (FMKV_DEVICE const fmkv_u16*)section + (fmkv_i64)t * d;
     for (int g = 0; g < G; ++g) out[g] = fmkv::f16_to_f32(vals[g * 32 + (int)lane]);
@@ -211,20 +238,20 @@ FMKV_INLINE void fmkv_load_section_lanes_fmt(FMKV_DEVICE const fmkv_u8* section,
     FMKV_DEVICE const fmkv_u32* block = (FMKV_DEVICE const fmkv_u32*)(section + fmkv_tile_block_offset(d, t));
     for (int g = 0; g < G; ++g) {
       fmkv_u32 code = fmkv::tile_get_code_words(block, G, is_v, t & 15, g, (int32_t)lane);
-      out[g] = fmkv::decode_level_table(code, bits, table) * fmkv::f16_to_f32(scales[(fmkv_i64)g * P + t]);
+      out[g] = fmkv::decode_level_table(code, bits, table) * fmkv::f16_to_f32(scales[(fmkv_i64)(g >> ssh) * P + t]);
     }
     return;
   }
   FMKV_DEVICE const fmkv_u32* words = (FMKV_DEVICE const fmkv_u32*)section;
   for (int g = 0; g < G; ++g) {
     fmkv_u32 code = fmkv::unpack_code(words + fmkv_code_word_index(bits, P, g, 0, t), P, bits, (int32_t)lane);
-    out[g] = fmkv::decode_level_table(code, bits, table) * fmkv::f16_to_f32(scales[(fmkv_i64)g * P + t]);
+    out[g] = fmkv::decode_level_table(code, bits, table) * fmkv::f16_to_f32(scales[(fmkv_i64)(g >> ssh) * P + t]);
   }
 }
-// The same for format 2.
+// The same for format 2 and the default scale group.
 FMKV_INLINE void fmkv_load_section_lanes(FMKV_DEVICE const fmkv_u8* section, int bits, fmkv_i32 d, fmkv_i32 P,
                                          fmkv_i32 t, fmkv_u32 lane, FMKV_THREAD float* out) {
-  fmkv_load_section_lanes_fmt(section, bits, 2, 0, d, P, t, lane, out);
+  fmkv_load_section_lanes_fmt(section, bits, 2, 0, 0, d, P, t, lane, out);
 }
 
 // Online softmax: fold score sc with value vector v (lane layout) into (m, l, acc).
@@ -295,7 +322,7 @@ FMKV_INLINE void fmkv_append_compress_spec(
     for (int g = 0; g < G; ++g) xh[g] = region[off + g * 32 + lane];
   }
   FMKV_DEVICE fmkv_u8* section =
-      pages + (fmkv_i64)page * p.page_bytes + fmkv_section_offset(d, KB, VB, P, h, is_v, FMKV_SCALE_GROUP);
+      pages + (fmkv_i64)page * p.page_bytes + fmkv_section_offset(d, KB, VB, P, h, is_v, p.scale_group);
   if (bits == 16) {  // K kept in fp16, unrotated
     FMKV_DEVICE fmkv_u16* dst = (FMKV_DEVICE fmkv_u16*)section + (fmkv_i64)t * d;
     for (int g = 0; g < G; ++g) dst[g * 32 + lane] = xh[g];
@@ -310,27 +337,27 @@ FMKV_INLINE void fmkv_append_compress_spec(
   FMKV_DEVICE fmkv_u16* scales = (FMKV_DEVICE fmkv_u16*)(section + fmkv_scales_offset(d, bits, P));
   const fmkv_i32 version = fmkv_resolved_format_version(p.format_version);
   const int table = fmkv::codebook_table(version, bits, is_v);
-  if (fmkv_tiled_codes(version, bits)) {  // uniform per SIMD group
-    // Tile block of slot t: lane j writes its own code (coordinate j of group g) with atomic AND / OR on
-    // the words holding its bits; the block's other 15 tokens may be written concurrently by other SIMD
-    // groups (this dispatch) and keep their bits.
-    FMKV_DEVICE fmkv_u32* block = (FMKV_DEVICE fmkv_u32*)(section + fmkv_tile_block_offset(d, t));
-    for (int g = 0; g < G; ++g) {
-      fmkv_u16 scale;
-      fmkv_u32 code = fmkv_quantize_group_lane_table(y[g], bits, table, p.scale_rule, &scale);
-      fmkv::tile_put_code_atomic(block, G, is_v, t & 15, g, (int32_t)lane, code);
-      if (lane == 0u) scales[(fmkv_i64)g * P + t] = scale;
+  const fmkv_i32 ssh = fmkv_scale_shift(p.scale_group), ns = 1 << ssh;  // code groups per scale group
+  const int tiled = fmkv_tiled_codes(version, bits);                      // uniform per SIMD group
+  // Tile blocks: lane j writes its own code (coordinate j of group g) of slot t with atomic AND / OR on the words
+  // holding its bits; the block's other 15 tokens may be written concurrently by other SIMD groups (this
+  // dispatch) and keep their bits.
+  FMKV_DEVICE fmkv_u32* block = (FMKV_DEVICE fmkv_u32*)(section + fmkv_tile_block_offset(d, t));
+  for (int g0 = 0; g0 < G; g0 += ns) {  // one scale group: code groups g0 .. g0 + ns - 1
+    fmkv_u32 code[2];
+    const fmkv_u16 scale = fmkv_quantize_scale_group_lanes_table(y + g0, ns, bits, table, p.scale_rule, code);
+    for (int gi = 0; gi < ns; ++gi) {
+      const int g = g0 + gi;
+      if (tiled) {
+        fmkv::tile_put_code_atomic(block, G, is_v, t & 15, g, (int32_t)lane, code[gi]);
+        continue;
+      }
+      fmkv_u32 w[FMKV_CODE_BITS_MAX];
+      fmkv_pack_group_lanes(code[gi], bits, w);
+      for (int b = 0; b < bits; ++b)
+        if ((int)lane == b) words[fmkv_code_word_index(bits, P, g, b, t)] = w[b];
     }
-    return;
-  }
-  for (int g = 0; g < G; ++g) {
-    fmkv_u16 scale;
-    fmkv_u32 code = fmkv_quantize_group_lane_table(y[g], bits, table, p.scale_rule, &scale);
-    fmkv_u32 w[FMKV_CODE_BITS_MAX];
-    fmkv_pack_group_lanes(code, bits, w);
-    for (int b = 0; b < bits; ++b)
-      if ((int)lane == b) words[fmkv_code_word_index(bits, P, g, b, t)] = w[b];
-    if (lane == 0u) scales[(fmkv_i64)g * P + t] = scale;
+    if (lane == 0u) scales[(fmkv_i64)(g0 >> ssh) * P + t] = scale;
   }
 }
 FMKV_INLINE void fmkv_append_compress_impl(
@@ -453,7 +480,8 @@ FMKV_INLINE void fmkv_attention_partial_spec(
       }
       t = (fmkv_i32)(ci % P);
       base = pages + (fmkv_i64)page * p.page_bytes;
-      fmkv_load_section_lanes_fmt(base + fmkv_section_offset(d, KB, VB, P, h, 0, FMKV_SCALE_GROUP), KB, version, 0, d, P, t, lane, kv);
+      fmkv_load_section_lanes_fmt(base + fmkv_section_offset(d, KB, VB, P, h, 0, p.scale_group), KB, version, 0,
+                                  p.scale_group, d, P, t, lane, kv);
       k_rot = KB != 16;
     } else {
       off = fmkv_fp16_offset(H, S + W, d, slot, h, fmkv_fp16_row(S, W, kp));
@@ -471,7 +499,8 @@ FMKV_INLINE void fmkv_attention_partial_spec(
       sc[qt] = x;
     }
     if (comp) {
-      fmkv_load_section_lanes_fmt(base + fmkv_section_offset(d, KB, VB, P, h, 1, FMKV_SCALE_GROUP), VB, version, 1, d, P, t, lane, vv);
+      fmkv_load_section_lanes_fmt(base + fmkv_section_offset(d, KB, VB, P, h, 1, p.scale_group), VB, version, 1,
+                                  p.scale_group, d, P, t, lane, vv);
     } else {
       for (int g = 0; g < G; ++g) vv[g] = fmkv::f16_to_f32(fp16_v[off + g * 32 + lane]);
       fmkv_rotate_lanes(vv, G, sw, norm, lane);

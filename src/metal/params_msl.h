@@ -38,8 +38,9 @@ struct fmkv_metal_append_params {
   fmkv_i64 total_rows;  // row_offsets[num_seqs]
   fmkv_i64 page_bytes;  // fmkv_page_bytes(...)
   // fmkv_config.format_version as given (0 = FMKV_FORMAT_VERSION; the kernels resolve it): format 3's 3-bit
-  // sections use integer levels and tile blocks (FORMAT.md sections 4, 6)
-  fmkv_i32 format_version, reserved;
+  // sections use integer levels and tile blocks (FORMAT.md sections 4, 6); fmkv_config.scale_group as given
+  // (0 = FMKV_SCALE_GROUP, 32 or 64; the kernels take fmkv_scale_shift of it, FORMAT.md section 4)
+  fmkv_i32 format_version, scale_group;
 };
 
 // decode attention, pass 1 (partial) and pass 2 (merge). Buffers: 0 params, 1 pages, 2 fp16_k,
@@ -64,6 +65,7 @@ struct fmkv_metal_attention_params {
   fmkv_i32 parts;                // partial states per query = num_splits * simdgroups per threadgroup
   fmkv_i32 format_version;       // fmkv_config.format_version as given (0 = FMKV_FORMAT_VERSION)
   fmkv_i64 page_bytes;
+  fmkv_i32 scale_group, reserved;  // fmkv_config.scale_group as given (0 = FMKV_SCALE_GROUP, 32 or 64)
 };
 
 #endif  // FMKV_METAL_PARAMS_MSL_H

@@ -40,7 +40,8 @@ void core_test(const CoreTestParams& p, const CoreTestBuffers& b, const Launch& 
   fmkv_core_test_params q;
   std::memcpy(&q, &p, sizeof q);
   emu::dispatch(l.groups, l.threads, l.order, l.seed, [&](const emu::ThreadIds& t) {
-    fmkv_core_test(q, b.x, b.sums, b.rotated, b.codes, b.scales, b.words, t.group, t.simdgroup, t.simdgroups, t.lane);
+    fmkv_core_test(q, b.x, b.sums, b.rotated, b.codes, b.scales, b.words, b.group_sums, t.group, t.simdgroup,
+                   t.simdgroups, t.lane);
   });
 }
 

@@ -39,6 +39,7 @@ struct CoreTestParams {
   int32_t head_dim, bits, scale_rule, layer;
   uint64_t seed;
   int32_t vectors, table;
+  int32_t scale_group, reserved;
 };
 struct CoreTestBuffers {
   const float* x;
@@ -46,6 +47,7 @@ struct CoreTestBuffers {
   uint32_t* codes;
   uint16_t* scales;
   uint32_t* words;
+  float* group_sums;  // gsums of core_test.metal
 };
 void core_test(const CoreTestParams& p, const CoreTestBuffers& b, const Launch& l);
 

@@ -185,7 +185,7 @@ want_append, want_attn = sys.argv[1].split()
 # page_bytes comes from the binding (fmkv.Config.page_bytes) in real use: take the C++ value here.
 page_bytes = struct.unpack_from("<q", bytes.fromhex(want_append), 120)[0]
 cfg = dict(head_dim=128, num_kv_heads=2, k_bits=3, v_bits=4, page_size=16, sink_tokens=2, window_tokens=8,
-           scale_rule=0, seed=0x1234567890abcdef, format_version=3)
+           scale_rule=0, seed=0x1234567890abcdef, format_version=3, scale_group=64)
 a = m.pack_append_params(cfg, page_bytes, 77, 3, 5, 2, True, 9, "float16", "bfloat16", (256, 128), (256, 128), 4).hex()
 t = m.pack_attention_params(cfg, page_bytes, 77, 3, 5, 2, True, 9, 8, "float32", (1024, 128), "float16", (1024, 128),
                             3, 100, 0.0, 30.0, 4, 3).hex()

@@ -3,11 +3,11 @@
 //   * quantize-append: pages and fp16 regions bit-exact (untouched bytes included; state poisoned
 //     with random bytes first), several threadgroup sizes (partial SIMD groups for the fp16 pass)
 //     and fiber schedule orders, multi-call appends, sink/window rings, every code width of the format
-//     (FMKV_CODE_BITS_MIN..FMKV_CODE_BITS_MAX) and k16, format versions 2 and 3;
+//     (FMKV_CODE_BITS_MIN..FMKV_CODE_BITS_MAX) and k16, format versions 2 and 3, scale groups 32 and 64;
 //   * decode attention: outputs (poisoned with NaN first, workspace too) within the stated relative
 //     error (||out - ref|| / ||ref||, as tests/test_backends.cpp) of the float64 reference;
 //   * kernel-side error reporting (block table out of range, bad threadgroup size);
-//   * the golden vectors of tests/golden (v2, v3, v3_code_width5) reproduced.
+//   * the golden vectors of tests/golden (v2, v3, v3_scale_group64, v3_code_width5) reproduced.
 // Prints one line per case and a final "N passed, M failed"; exit status 1 on any failure.
 // FMKV_METAL_SEED=<n> fixes the inputs (the seed is printed); FMKV_METAL_QUICK=1 runs a subset.
 #include <algorithm>
@@ -201,8 +201,8 @@ void run_attention_case(const AttentionCase& ac) {
 // Golden vectors (tests/golden/v<version><suffix>.txt, written by the reference; cases and inputs in tests/golden_cases.h):
 // the emulated Metal kernels reproduce the page bytes (a pool of 0xA5 bytes: unwritten slots of partly filled
 // pages and tile blocks keep them) and fp16 region bytes exactly, and the attention output within 1e-5 relative.
-// FMKV_GOLDEN_DIR overrides the directory (default tests/golden, run.sh runs from the repository root). Cases with a
-// scale group other than the default are left out: the kernels store one fp16 scale per code group.
+// FMKV_GOLDEN_DIR overrides the directory (default tests/golden, run.sh runs from the repository root). Every case
+// runs, scale group 64 included.
 std::string hex_of(const void* p, size_t n) {
   static const char digits[] = "0123456789abcdef";
   std::string s;
@@ -238,7 +238,6 @@ void run_golden_cases(int32_t version, const std::vector<fmkv::test::GoldenCase>
   for (size_t i = 0; i < cases.size(); ++i) {
     auto t0 = std::chrono::steady_clock::now();
     const GoldenCase& g = cases[i];
-    if (fmkv_resolved_scale_group(g.scale_group) != FMKV_SCALE_GROUP) continue;
     Layer L;
     L.cfg = golden_config(g, (int)i, version);
     const fmkv_config& c = L.cfg;
@@ -297,19 +296,33 @@ void run_golden_cases(int32_t version, const std::vector<fmkv::test::GoldenCase>
 }
 
 // Per-SIMD-group primitives of kernel_core.h (tests/metal/core_test.metal) against the scalar
-// definitions (src/format: tree_sum32 / quantize_group, pack_group_words, rotate), bit for bit, on
-// adversarial inputs: wide dynamic range (summation order shows), values exactly on decision
-// thresholds (ties), zero / -0 / subnormal / overflowing groups (saturating scales).
-void run_core_case(int d, int bits, int rule, int table, uint32_t threads, Order order) {
+// definitions (src/format: tree_sum32 / quantize_scale_group_table, pack_group_words, rotate), bit for bit, on
+// adversarial inputs: wide dynamic range (summation order shows: the code group sums and the scale group sums,
+// which with scale group 64 add two code groups of different kinds, are compared as float32 bits), values exactly
+// on decision thresholds of the scale group's scale (ties), zero / -0 / subnormal / overflowing groups (saturating
+// scales). sg: fmkv_config.scale_group (32 or 64).
+void run_core_case(int d, int bits, int rule, int table, int sg, uint32_t threads, Order order) {
   auto t0 = std::chrono::steady_clock::now();
-  const int G = d / 32, nvec = 48;
+  const int G = d / 32, nvec = 48, n = 1 << fmkv_scale_shift(sg);
   std::vector<float> x((size_t)nvec * d);
   std::normal_distribution<float> nd;
   std::uniform_int_distribution<int> ex(-40, 40);
+  auto kind_of = [](int vi, int g) { return (vi + g) % 6; };
+  auto ties_kind = [&](int vi, int g) { return kind_of(vi, g) == 2 || kind_of(vi, g) == 5; };
+  // The RMS scale s0 of the scale group at y (n code groups), as float: the reference's sum order.
+  auto scale_group_s0 = [&](const float* y) {
+    float ss = 0.0f;
+    for (int h = 0; h < n; ++h) {
+      float t[32];
+      for (int j = 0; j < 32; ++j) t[j] = y[32 * h + j] * y[32 * h + j];
+      ss = h == 0 ? fmkv::tree_sum32(t) : ss + fmkv::tree_sum32(t);
+    }
+    return fmkv::f16_to_f32(fmkv::rms_scale(ss, 32 * n));
+  };
   for (int vi = 0; vi < nvec; ++vi)
     for (int g = 0; g < G; ++g) {
       float* y = &x[((size_t)vi * G + g) * 32];
-      const int kind = (vi + g) % 6;
+      const int kind = kind_of(vi, g);
       for (int j = 0; j < 32; ++j) {
         if (kind == 0) y[j] = nd(g_rng) * std::pow(10.0f, (float)(g_rng() % 7) - 3.0f);
         else if (kind == 1) y[j] = (g_rng() & 1 ? -1.0f : 1.0f) * std::ldexp(1.0f + (float)(g_rng() % 1024) / 1024.0f, ex(g_rng));
@@ -318,24 +331,29 @@ void run_core_case(int d, int bits, int rule, int table, uint32_t threads, Order
         else if (kind == 3) y[j] = j % 4 == 1 ? -0.0f : j % 4 == 3 ? 0.0f : nd(g_rng);  // -0 codes as positive
         else y[j] = (j % 2 ? -1.0f : 1.0f) * (vi % 2 ? 1e30f : 3.0e-39f) * (1.0f + (float)j / 32.0f);
       }
-      if (kind == 2 || kind == 5) {  // put coordinates exactly on thresholds of the group's scale
-        const int nm = fmkv::magnitude_count(bits);
-        int ms[32];
-        for (int j = 0; j < 32; ++j) ms[j] = (int)(g_rng() % (uint64_t)(nm - 1));
-        for (int it = 0; it < 8; ++it) {  // iterate to a fixed point of the group's fp16 scale
-          float t[32];
-          for (int j = 0; j < 32; ++j) t[j] = y[j] * y[j];
-          const float s0f = fmkv::f16_to_f32(fmkv::scale_to_f16(__builtin_sqrtf(fmkv::tree_sum32(t) / 32.0f)));
-          for (int j = 0; j < 32; j += 3) y[j] = (j % 2 ? -1.0f : 1.0f) * fmkv::table_threshold(table, bits, ms[j]) * s0f;
-        }
+    }
+  // Put coordinates of the tie groups exactly on thresholds of their scale group's fp16 scale.
+  for (int vi = 0; vi < nvec; ++vi)
+    for (int g0 = 0; g0 < G; g0 += n) {
+      float* ys = &x[((size_t)vi * G + g0) * 32];
+      int ms[2][32];
+      for (int h = 0; h < n; ++h)
+        for (int j = 0; j < 32; ++j) ms[h][j] = (int)(g_rng() % (uint64_t)(fmkv::magnitude_count(bits) - 1));
+      for (int it = 0; it < 8; ++it) {  // iterate to a fixed point of the scale group's fp16 scale
+        const float s0f = scale_group_s0(ys);
+        for (int h = 0; h < n; ++h)
+          if (ties_kind(vi, g0 + h))
+            for (int j = 0; j < 32; j += 3)
+              ys[32 * h + j] = (j % 2 ? -1.0f : 1.0f) * fmkv::table_threshold(table, bits, ms[h][j]) * s0f;
       }
     }
   const size_t nsum = (size_t)nvec * G * 32;
-  std::vector<float> sums(nsum, NAN), rot((size_t)nvec * d, NAN);
+  std::vector<float> sums(nsum, NAN), gsums(nsum, NAN), rot((size_t)nvec * d, NAN);
   std::vector<uint32_t> codes((size_t)nvec * d, 0xDEADBEEFu), words((size_t)nvec * G * FMKV_CODE_BITS_MAX, 0xDEADBEEFu);
   std::vector<uint16_t> scales((size_t)nvec * G, 0xFFFFu);
-  emu_kernels::CoreTestParams p{d, bits, rule, (int32_t)(g_rng() % 40), g_rng(), nvec, table};
-  emu_kernels::CoreTestBuffers b{x.data(), sums.data(), rot.data(), codes.data(), scales.data(), words.data()};
+  emu_kernels::CoreTestParams p{d, bits, rule, (int32_t)(g_rng() % 40), g_rng(), nvec, table, sg, 0};
+  emu_kernels::CoreTestBuffers b{x.data(), sums.data(), rot.data(), codes.data(), scales.data(), words.data(),
+                                 gsums.data()};
   const uint32_t nsg = threads / 32;
   emu_kernels::core_test(p, b, {(uint32_t)((nvec + nsg - 1) / nsg), threads, order, g_rng()});
   std::string err;
@@ -356,31 +374,48 @@ void run_core_case(int d, int bits, int rule, int table, uint32_t threads, Order
         if (fmkv::f32_bits(sums[((size_t)vi * G + g) * 32 + lane]) != fmkv::f32_bits(want))
           err = "group sum differs from tree_sum32 (vector " + std::to_string(vi) + ", group " + std::to_string(g) +
                 ", lane " + std::to_string(lane) + ")";
-      uint8_t rc[32];
-      const uint16_t rs = fmkv::quantize_group_table(y, bits, table, rule, rc);
-      uint32_t rw[FMKV_CODE_BITS_MAX] = {};
-      fmkv::ref::pack_group(rc, bits, rw, 1);
-      if (scales[(size_t)vi * G + g] != rs) err = "scale differs (vector " + std::to_string(vi) + ", group " + std::to_string(g) + ")";
-      for (int j = 0; j < 32 && err.empty(); ++j) {
-        if (codes[(size_t)vi * d + g * 32 + j] != rc[j]) err = "code differs (vector " + std::to_string(vi) + ")";
-        const float s0f = fmkv::f16_to_f32(rs);
-        (void)s0f;
+    }
+    for (int g0 = 0; g0 < G && err.empty(); g0 += n) {
+      const float* ys = &x[((size_t)vi * G + g0) * 32];
+      float want = 0.0f;  // the scale group's sum in the reference's order (quantize_scale_group_table)
+      for (int h = 0; h < n; ++h) {
+        float t[32];
+        std::memcpy(t, ys + 32 * h, sizeof t);
+        want = h == 0 ? fmkv::tree_sum32(t) : want + fmkv::tree_sum32(t);
       }
-      for (int w = 0; w < bits && err.empty(); ++w)
-        if (words[((size_t)vi * G + g) * FMKV_CODE_BITS_MAX + w] != rw[w]) err = "code word " + std::to_string(w) + " differs";
-      if ((vi + g) % 6 == 2 || (vi + g) % 6 == 5) {  // count coordinates that landed on a threshold
-        float t2[32];
-        for (int j = 0; j < 32; ++j) t2[j] = y[j] * y[j];
-        const float s0f = fmkv::f16_to_f32(fmkv::scale_to_f16(__builtin_sqrtf(fmkv::tree_sum32(t2) / 32.0f)));
-        for (int j = 0; j < 32; ++j)
-          for (int m = 0; m + 1 < fmkv::magnitude_count(bits); ++m)
-            ties += s0f != 0.0f && std::fabs(y[j] / s0f) == fmkv::table_threshold(table, bits, m);
+      for (int h = 0; h < n; ++h)
+        for (int lane = 0; lane < 32 && err.empty(); ++lane) {
+          const float got = gsums[((size_t)vi * G + g0 + h) * 32 + lane];
+          if (h == 0 ? fmkv::f32_bits(got) != fmkv::f32_bits(want) : !std::isnan(got))
+            err = "scale group sum differs from the reference's order (vector " + std::to_string(vi) + ", scale group " +
+                  std::to_string(g0 / n) + ", lane " + std::to_string(lane) + ")";
+        }
+      uint8_t rc[64];
+      const uint16_t rs = fmkv::quantize_scale_group_table(ys, n, bits, table, rule, rc);
+      const std::string at = " (vector " + std::to_string(vi) + ", scale group " + std::to_string(g0 / n) + ")";
+      if (scales[(size_t)vi * G + g0] != rs) err = "scale differs" + at;
+      for (int h = 1; h < n && err.empty(); ++h)
+        if (scales[(size_t)vi * G + g0 + h] != 0xFFFFu) err = "scale slot of a second code group written" + at;
+      for (int h = 0; h < n && err.empty(); ++h) {
+        const int g = g0 + h;
+        uint32_t rw[FMKV_CODE_BITS_MAX] = {};
+        fmkv::ref::pack_group(rc + 32 * h, bits, rw, 1);
+        for (int j = 0; j < 32 && err.empty(); ++j)
+          if (codes[(size_t)vi * d + g * 32 + j] != rc[32 * h + j]) err = "code differs" + at;
+        for (int w = 0; w < bits && err.empty(); ++w)
+          if (words[((size_t)vi * G + g) * FMKV_CODE_BITS_MAX + w] != rw[w]) err = "code word " + std::to_string(w) + " differs" + at;
       }
+      const float s0f = scale_group_s0(ys);  // count coordinates that landed on a threshold
+      for (int h = 0; h < n; ++h)
+        if (ties_kind(vi, g0 + h))
+          for (int j = 0; j < 32; ++j)
+            for (int m = 0; m + 1 < fmkv::magnitude_count(bits); ++m)
+              ties += s0f != 0.0f && std::fabs(ys[32 * h + j] / s0f) == fmkv::table_threshold(table, bits, m);
     }
   }
-  char name[160];
-  snprintf(name, sizeof name, "core primitives d%d %d-bit table%d %s tg=%u %s (tree sum, FWHT, scale, codes, code words)", d,
-           bits, table, rule ? "lsq" : "rms", threads, order_name(order));
+  char name[192];
+  snprintf(name, sizeof name, "core primitives d%d %d-bit table%d %s sg%d tg=%u %s (tree sums, FWHT, scale, codes, code words)",
+           d, bits, table, rule ? "lsq" : "rms", fmkv_resolved_scale_group(sg), threads, order_name(order));
   report(err.empty() && ties > 0, name, err.empty() ? std::to_string(ties) + " threshold ties" : err,
          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
@@ -429,16 +464,18 @@ void run_error_cases() {
 
 // The parameter blocks must have the layout python/fmkv/mlx/kernels.py packs (no implicit padding).
 void run_layout_case() {
-  bool ok = sizeof(fmkv_metal_append_params) == 136 && sizeof(fmkv_metal_attention_params) == 160 &&
+  bool ok = sizeof(fmkv_metal_append_params) == 136 && sizeof(fmkv_metal_attention_params) == 168 &&
             offsetof(fmkv_metal_append_params, seed) == 32 && offsetof(fmkv_metal_append_params, page_bytes) == 120 &&
             offsetof(fmkv_metal_append_params, format_version) == 128 &&
+            offsetof(fmkv_metal_append_params, scale_group) == 132 &&
             offsetof(fmkv_metal_attention_params, softmax_scale) == 120 &&
             offsetof(fmkv_metal_attention_params, format_version) == 148 &&
-            offsetof(fmkv_metal_attention_params, page_bytes) == 152;
+            offsetof(fmkv_metal_attention_params, page_bytes) == 152 &&
+            offsetof(fmkv_metal_attention_params, scale_group) == 160;
   char d[128];
   snprintf(d, sizeof d, "sizeof append %zu, attention %zu", sizeof(fmkv_metal_append_params),
            sizeof(fmkv_metal_attention_params));
-  report(ok, "parameter block layout (136 / 160 bytes, natural alignment, no padding)", d, 0.0);
+  report(ok, "parameter block layout (136 / 168 bytes, natural alignment, no padding)", d, 0.0);
 }
 
 // Parameter blocks of a fixed configuration as hex, for tests/metal/run.sh to compare with
@@ -447,6 +484,7 @@ int dump_params() {
   fmkv_config c = make_config(128, 3, 4, 2, 16, 2, 8, FMKV_SCALE_RMS);
   c.seed = 0x1234567890abcdefull;
   c.format_version = 3;
+  c.scale_group = 64;
   std::vector<int64_t> lens{40, 100}, offs{0, 3, 4};
   std::vector<int32_t> slots{1, 0}, table(18, 0);
   fmkv_layer_cache lc{nullptr, 77, nullptr, nullptr, 3, 5};
@@ -529,15 +567,24 @@ int main(int argc, char** argv) {
     for (int bits = FMKV_CODE_BITS_MIN; bits <= FMKV_CODE_BITS_MAX; ++bits)
       for (int rule : {0, 1}) {
         if (quick && (d + bits + rule) % 2) continue;
-        run_core_case(d, bits, rule, 0, 32u * (uint32_t)(1 + (d / 64 + bits + rule) % 4), (Order)((bits + rule) % 3));
+        run_core_case(d, bits, rule, 0, 0, 32u * (uint32_t)(1 + (d / 64 + bits + rule) % 4), (Order)((bits + rule) % 3));
       }
   // format 3's 3-bit codebooks: table 1 (K) and 2 (V), integer levels x fp16 step
   for (int d : {64, 128, 256})
     for (int table : {1, 2})
       for (int rule : {0, 1}) {
         if (quick && (d / 64 + table + rule) % 2) continue;
-        run_core_case(d, 3, rule, table, 32u * (uint32_t)(1 + (d / 64 + table + rule) % 4), (Order)((table + rule) % 3));
+        run_core_case(d, 3, rule, table, 0, 32u * (uint32_t)(1 + (d / 64 + table + rule) % 4), (Order)((table + rule) % 3));
       }
+  // scale group 64: one scale per two code groups (two registers of a lane), every width and codebook table
+  for (int d : {64, 128, 256})
+    for (int bits = FMKV_CODE_BITS_MIN; bits <= FMKV_CODE_BITS_MAX; ++bits)
+      for (int table = 0; table <= (bits == 3 ? 2 : 0); ++table)
+        for (int rule : {0, 1}) {
+          if (quick && (d / 64 + bits + table + rule) % 2) continue;
+          run_core_case(d, bits, rule, table, 64, 32u * (uint32_t)(1 + (d / 64 + bits + table + rule) % 4),
+                        (Order)((bits + table + rule + 1) % 3));
+        }
 
   // ---- quantize-append, bit-exact ----
   std::vector<AppendCase> ap;
@@ -610,6 +657,29 @@ int main(int argc, char** argv) {
                 Order::kRandom});  // 3-bit K in tile blocks
   ap.push_back({make_config3(128, 16, 5, 2, 16, 0, 16, FMKV_SCALE_LSQ), {40, 33}, {{9, 1}, {30, 17}}, FMKV_F16, 64, 64,
                 Order::kReverse});
+  // Scale group 64 (one fp16 scale per 64 rotated coordinates: at d 64 one per vector), formats 2 and 3 (3-bit
+  // sides in tile blocks), both rules, sinks / windows, multi-call appends, every input dtype.
+  auto sg64 = [](fmkv_config c) {
+    c.scale_group = 64;
+    return c;
+  };
+  const int sg_widths[][2] = {{2, 2}, {3, 3}, {4, 3}, {5, 4}, {16, 3}};
+  for (int d : {64, 128, 256})
+    for (int i = 0; i < 5; ++i)
+      for (int fmt : {2, 3}) {
+        const int kb = sg_widths[i][0], vb = sg_widths[i][1], rule = (i + fmt + d / 64) % 2;
+        if (quick && (i + fmt + d / 64) % 3 != 0) continue;
+        const int sink = i % 3 == 1 ? 2 : 0, window = (i + fmt) % 2 ? 8 : 0, page = (i + d / 64) % 2 ? 16 : 32;
+        fmkv_config c = fmt == 3 ? make_config3(d, kb, vb, 2, page, sink, window, rule)
+                                 : make_config(d, kb, vb, 2, page, sink, window, rule);
+        const fmkv_dtype dt = (fmkv_dtype)((i + fmt) % 3 == 0 ? FMKV_F16 : (i + fmt) % 3 == 1 ? FMKV_BF16 : FMKV_F32);
+        ap.push_back({sg64(c), {5, 0, 29}, {{3, 17, 2}, {9, 1, 16}, {1, 30, 5}}, dt,
+                      (uint32_t)(32 * (1 + (d / 32 + i + fmt) % 4)), 48, (Order)((i + fmt + d / 64) % 3)});
+      }
+  ap.push_back({sg64(make_config(128, 3, 3, 1, 16, 4, 16, FMKV_SCALE_LSQ)), {30, 9, 0}, {{1, 16, 25}, {21, 3, 40}},
+                FMKV_BF16, 1024, 64, Order::kRandom});
+  ap.push_back({sg64(make_config3(64, 2, 3, 2, 16, 0, 0, FMKV_SCALE_RMS)), {7, 1}, {{11, 2}, {13, 29}}, FMKV_F32, 256,
+                64, Order::kReverse});
   for (auto& c : ap) run_append_case(c);
 
   // ---- decode attention ----
@@ -669,11 +739,30 @@ int main(int argc, char** argv) {
                 5.0f, 2, 2, 2, Order::kRandom});  // 3-bit K in tile blocks
   at.push_back({make_config3(256, 16, 5, 2, 16, 0, 16, FMKV_SCALE_LSQ), 1, {40, 6}, {2, 6}, FMKV_F32, FMKV_F32, 0.0f,
                 0.0f, 1, 4, 1, Order::kRandom});
+  // Scale group 64: formats 2 and 3, both rules, GQA groups 1..8, sinks / windows, q_len up to 16, softcap;
+  // state from the reference append.
+  for (int d : {64, 128, 256})
+    for (int i = 0; i < 5; ++i)
+      for (int fmt : {2, 3}) {
+        const int kb = sg_widths[i][0], vb = sg_widths[i][1], rule = (i + fmt + d / 64 + 1) % 2;
+        if (quick && (i + fmt + d / 64) % 3 != 1) continue;
+        const int sink = i % 2 ? 2 : 0, window = (i + fmt + d / 64) % 2 ? 16 : 0, group = 1 << ((i + fmt) % 4);
+        fmkv_config c = fmt == 3 ? make_config3(d, kb, vb, 2, 16, sink, window, rule)
+                                 : make_config(d, kb, vb, 2, 32, sink, window, rule);
+        at.push_back({sg64(c), group, {37, 5, 90}, {1, 3, group == 2 ? 16 : 1}, i % 2 ? FMKV_F16 : FMKV_F32,
+                      FMKV_F32, 0.0f, i == 2 ? 30.0f : 0.0f, 1 + (d / 64 + i) % 3, 1 + (i + fmt) % 3, 2,
+                      (Order)((d / 64 + i + fmt) % 3)});
+      }
+  at.push_back({sg64(make_config3(128, 3, 3, 4, 64, 4, 16, FMKV_SCALE_LSQ)), 2, {300, 25, 64}, {1, 16, 3}, FMKV_F16,
+                FMKV_F32, 0.0f, 0.0f, 4, 2, 2, Order::kReverse});
+  at.push_back({sg64(make_config(64, 4, 2, 3, 128, 0, 32, FMKV_SCALE_RMS)), 3, {150}, {7}, FMKV_F32, FMKV_F16, 0.2f,
+                0.0f, 2, 3, 4, Order::kRandom});
   for (auto& c : at) run_attention_case(c);
 
   run_error_cases();
   run_golden_cases(2, fmkv::test::kCasesV2);
   run_golden_cases(3, fmkv::test::kCasesV3);
+  run_golden_cases(3, fmkv::test::kCasesScaleGroup64, "_scale_group64");
   run_golden_cases(3, fmkv::test::kCasesCodeWidth5, "_code_width5");
 
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -124,9 +124,9 @@ inline const char* dt_name(fmkv_dtype dt) { return dt == FMKV_F32 ? "f32" : dt =
 
 inline std::string config_name(const fmkv_config& c) {
   char b[128];
-  snprintf(b, sizeof b, "d%d k%dv%d H%d P%d S%d W%d %s%s", c.head_dim, c.k_bits, c.v_bits, c.num_kv_heads, c.page_size,
-           c.sink_tokens, c.window_tokens, c.scale_rule == FMKV_SCALE_RMS ? "rms" : "lsq",
-           c.format_version == 3 ? " fmt3" : "");
+  snprintf(b, sizeof b, "d%d k%dv%d H%d P%d S%d W%d %s%s%s", c.head_dim, c.k_bits, c.v_bits, c.num_kv_heads,
+           c.page_size, c.sink_tokens, c.window_tokens, c.scale_rule == FMKV_SCALE_RMS ? "rms" : "lsq",
+           c.format_version == 3 ? " fmt3" : "", fmkv_resolved_scale_group(c.scale_group) == 64 ? " sg64" : "");
   return b;
 }
 

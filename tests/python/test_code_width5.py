@@ -95,24 +95,25 @@ def test_hf_decode_equals_the_evaluation_quantizer(monkeypatch):
 
 def test_mlx_runtimes_take_five_bits(monkeypatch):
     """fmkv.mlx: the host runtime (the C library) takes a 5-bit config and attends within 1e-5 of the reference; the GPU
-    runtimes' kernel core packs and decodes every width of the format, so their config check passes a 5-bit side (it
-    refuses only a scale group other than the default) and an mlx-lm cache with a 5-bit side is made for them; width 6,
-    which the format lacks, is refused when the cache is made."""
+    runtimes' kernel core packs and decodes every width of the format (with either scale group), so a layer with a
+    5-bit side is made for them (the runtime forced: no GPU is needed before the first append) and an mlx-lm cache
+    with a 5-bit side is made for them; width 6, which the format lacks, is refused when the cache is made."""
     mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
-    from fmkv.mlx.layer import MlxLayer, check_runtime_config
+    from fmkv.mlx import layer as mlx_layer
+    from fmkv.mlx.layer import MlxLayer
 
     config = fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=5, v_bits=4, page_size=16, seed=5)
     for runtime in ("metal", "cuda"):
-        for kb, vb in ((5, 4), (4, 5), (5, 5), (16, 5)):
-            check_runtime_config(runtime, fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=kb, v_bits=vb))
-        with pytest.raises(fmkv.FmkvError, match=rf"scale_group 64 is not supported by the MLX '{runtime}' runtime"):
-            check_runtime_config(runtime, fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=5, v_bits=5, scale_group=64))
+        monkeypatch.setattr(mlx_layer, "resolve_runtime", lambda r=None, rt=runtime: rt)
+        for kb, vb, sg in ((5, 4, 0), (4, 5, 0), (5, 5, 0), (16, 5, 0), (5, 5, 64)):
+            gpu = MlxLayer(fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=kb, v_bits=vb, scale_group=sg), max_tokens=32)
+            assert gpu.runtime == runtime and gpu.cfg_fields["scale_group"] == sg
+    monkeypatch.undo()
     try:
         from fmkv.mlx import lm
     except ImportError:
         lm = None
-    if lm is not None:  # mlx-lm installed: the cache is made for a GPU runtime (forced: no GPU is needed), width 6 refused
-        monkeypatch.setattr(lm, "resolve_runtime", lambda r=None: "metal")
+    if lm is not None:  # mlx-lm installed: the cache is made for a GPU runtime (no GPU is needed), width 6 refused
         cache = lm.FmkvKVCache(k_bits=5, v_bits=5, runtime="metal")
         assert (cache.k_bits, cache.v_bits) == (5, 5)
         for kb, vb in ((6, 4), (4, 6)):

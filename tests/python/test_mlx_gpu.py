@@ -3,7 +3,7 @@ mx.fast.metal_kernel (Apple GPUs), the same launch path for both.
 
 Against the reference backend: pages and fp16 regions bit-exact (storage poisoned first, every byte
 compared) for appends in random chunks, every code width, both scale rules, sink/window, f32/f16/bf16
-inputs, format versions 2 and 3; attention within the bounds of docs/METAL.md (1e-5 relative with float32 queries, 2e-3
+inputs, format versions 2 and 3, scale groups 32 and 64; attention within the bounds of docs/METAL.md (1e-5 relative with float32 queries, 2e-3
 float16, 1.2e-2 bfloat16) of the float64 reference, GQA and multi-row causal queries, several
 plans (splits x SIMD groups); kernel-detected errors reported by MlxLayer.check. Skips naming MLX's
 GPU backends when neither is available (run by tests/python/run_device_mlx.sh on the H200)."""
@@ -68,6 +68,13 @@ FORMAT3 = [  # format version 3: 3-bit sections in tile blocks (FORMAT.md sectio
 ]
 
 
+SCALE_GROUP64 = [  # scale group 64 (one fp16 scale per 64 rotated coordinates: at d 64 one per vector), formats 2 and 3
+    ((64, 2, 8, 2, 2, 16, 0, 0, "lsq", np.float16), 2), ((64, 2, 4, 3, 3, 16, 2, 8, "rms", np.float32), 3),
+    ((128, 2, 8, 4, 3, 32, 0, 16, "lsq", np.float16), 3), ((128, 2, 8, 5, 4, 64, 1, 0, "rms", "bfloat16"), 2),
+    ((256, 1, 8, 16, 3, 16, 0, 32, "lsq", np.float32), 3), ((128, 2, 6, 3, 3, 16, 0, 0, "lsq", np.float16), 2),
+]
+
+
 @pytest.mark.parametrize("case", CASES + EXTRA, ids=_name)
 def test_gpu_append_bit_exact_and_attention(rng, case):
     _append_bit_exact_and_attention(rng, case, 0)
@@ -78,10 +85,16 @@ def test_gpu_format3_append_bit_exact_and_attention(rng, case):
     _append_bit_exact_and_attention(rng, case, 3)
 
 
-def _append_bit_exact_and_attention(rng, case, format_version):
+@pytest.mark.parametrize("case", SCALE_GROUP64, ids=lambda c: _name(c[0]) + f"-fmt{c[1]}")
+def test_gpu_scale_group64_append_bit_exact_and_attention(rng, case):
+    _append_bit_exact_and_attention(rng, case[0], case[1], scale_group=64)
+
+
+def _append_bit_exact_and_attention(rng, case, format_version, scale_group=0):
     d, H, HQ, kb, vb, P, S, W, rule, dtype = case
     cfg = fmkv.Config(head_dim=d, num_kv_heads=H, k_bits=kb, v_bits=vb, page_size=P, sink_tokens=S, window_tokens=W,
-                      scale_rule=rule, seed=int(rng.integers(0, 2**63)), format_version=format_version)
+                      scale_rule=rule, seed=int(rng.integers(0, 2**63)), format_version=format_version,
+                      scale_group=scale_group)
     layer_index = int(rng.integers(0, 40))
     T = int(rng.integers(3 * P, 5 * P)) + W
     layer = fm.MlxLayer(cfg, layer=layer_index, max_tokens=T + 8)

@@ -10,10 +10,14 @@
   and leave the cache tensors unchanged.
 * fmkv.hf: FmkvCache / FmkvStaticCache(scale_group=64) decode the tiny model of hf_cases, every layer's config
   (width groups included) carries it, every fused output equals the reference attention over the recorded K/V.
-* fmkv.mlx: the host runtime stores scale group 64 bit-exactly; the GPU runtimes (Metal / MLX-CUDA kernels) refuse it
-  when the layer or the mlx-lm cache is made; FmkvKVCache keeps it through save / load (older states load with 0).
+* fmkv.mlx: the host runtime stores scale group 64 bit-exactly; the GPU runtimes (Metal / MLX-CUDA kernels, whose kernel
+  core quantizes and attends with it) take it: the layer and the mlx-lm cache are made for them and the kernels'
+  parameter blocks carry it (runtime forced, no GPU needed; on a GPU the pages equal the reference bit for bit and
+  attention is within 1e-5: tests/python/test_mlx_gpu.py); FmkvKVCache keeps it through save / load (older states load
+  with 0).
 """
 import dataclasses
+import struct
 
 import numpy as np
 import pytest
@@ -397,36 +401,36 @@ def test_mlx_host_runtime_scale_group_64(rng, backend):
 
 
 @pytest.mark.parametrize("runtime", ["metal", "cuda"])
-def test_mlx_gpu_runtimes_refuse_scale_group_64(monkeypatch, runtime):
-    """The kernel core of the GPU runtimes stores one scale per 32 coordinates: a scale_group 64 config is refused
-    when the layer is made (the runtime is forced here, so no GPU is needed: the check comes before any kernel)."""
+def test_mlx_gpu_runtimes_take_scale_group_64(monkeypatch, runtime):
+    """The kernel core of the GPU runtimes stores one scale per 64 coordinates for a scale_group 64 config: the layer is
+    made for them (the runtime is forced here, so no GPU is needed: nothing runs before the first append) with the
+    scale group's page size, and the parameter blocks the kernels read carry the config's scale group."""
     mx, fm = _mlx()
+    from fmkv.mlx import kernels
     from fmkv.mlx import layer as mlx_layer
 
     monkeypatch.setattr(mlx_layer, "resolve_runtime", lambda runtime_=None, r=runtime: r)
-    with pytest.raises(fmkv.FmkvError, match=rf"MlxLayer: scale_group 64 is not supported by the MLX '{runtime}' runtime"):
-        fm.MlxLayer(_cfg(scale_group=SG), max_tokens=32)
-    mlx_layer.check_runtime_config(runtime, _cfg(scale_group=32))  # the default, spelled out: accepted
-    mlx_layer.check_runtime_config(runtime, _cfg())
-    mlx_layer.check_runtime_config("host", _cfg(scale_group=SG))
-    with pytest.raises(fmkv.FmkvError, match=f"'{runtime}' runtime"):
-        mlx_layer.check_runtime_config(runtime, _cfg(scale_group=SG))
+    for sg in (0, 32, SG):
+        cfg = _cfg(scale_group=sg, window_tokens=4)
+        layer = fm.MlxLayer(cfg, max_tokens=32)
+        assert layer.runtime == runtime and layer.cfg_fields["scale_group"] == sg
+        assert layer.pages.size == layer.num_pages * cfg.page_bytes
+        blocks = {
+            "fmkv_metal_append_params": kernels.pack_append_params(
+                layer.cfg_fields, cfg.page_bytes, layer.num_pages, layer.num_slots, 0, 1, True, layer.pages_per_seq,
+                "float16", "float16", (128, 64), (128, 64), 3),
+            "fmkv_metal_attention_params": kernels.pack_attention_params(
+                layer.cfg_fields, cfg.page_bytes, layer.num_pages, layer.num_slots, 0, 1, True, layer.pages_per_seq,
+                4, "float16", (256, 64), "float16", (256, 64), 1, 32, 0.0, 0.0, 4, 1),
+        }
+        for name, blob in blocks.items():
+            fields = [f for f, _ in kernels.struct_fields(name)]
+            vals = dict(zip(fields, struct.unpack(kernels._format(name), blob)))
+            assert vals["scale_group"] == sg and vals["page_bytes"] == cfg.page_bytes, name
+    assert _cfg(scale_group=SG).page_bytes < _cfg().page_bytes
 
 
-def test_mlx_gpu_runtime_refusal_on_a_real_gpu():
-    mx, fm = _mlx()
-    runtimes = [r for r, ok in (("metal", mx.metal.is_available()),
-                                ("cuda", hasattr(mx, "cuda") and mx.cuda.is_available())) if ok]
-    if not runtimes:
-        pytest.skip("MLX has no GPU device here (Metal or CUDA): the GPU runtimes' refusal is tested with a forced "
-                    "runtime in test_mlx_gpu_runtimes_refuse_scale_group_64")
-    for r in runtimes:
-        with pytest.raises(fmkv.FmkvError, match=f"scale_group 64 is not supported by the MLX '{r}' runtime"):
-            fm.MlxLayer(_cfg(scale_group=SG), max_tokens=32, runtime=r)
-        fm.MlxLayer(_cfg(), max_tokens=32, runtime=r)  # the default scale group runs there
-
-
-def test_mlx_lm_cache_scale_group(monkeypatch, tmp_path):
+def test_mlx_lm_cache_scale_group(tmp_path):
     mx, fm = _mlx()
     pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install mlx-lm)")
     from mlx_lm.models import cache as lm_cache
@@ -476,10 +480,9 @@ def test_mlx_lm_cache_scale_group(monkeypatch, tmp_path):
         assert old.scale_group == 0
         with pytest.raises(fmkv.FmkvError, match="scale_group 16"):
             lm.FmkvKVCache(scale_group=16)
-        # a GPU runtime is refused when the cache is made, not at its first update
-        monkeypatch.setattr(lm, "resolve_runtime", lambda runtime=None: "metal")
-        with pytest.raises(fmkv.FmkvError, match="FmkvKVCache: scale_group 64 is not supported by the MLX 'metal'"):
-            lm.FmkvKVCache(scale_group=SG)
-        lm.FmkvKVCache()  # the default scale group: no check needed
+        # a GPU runtime takes it: the cache is made for 'metal' (no GPU is needed before the first update)
+        gpu = lm.FmkvKVCache(scale_group=SG, runtime="metal")
+        assert gpu.scale_group == SG and gpu.runtime == "metal"
+        assert "scale_group 64" in repr(gpu)
     finally:
         mx.set_default_device(prev)

@@ -156,21 +156,21 @@ def _config_fields(cfg: dict) -> Dict[str, object]:
     return dict(head_dim=cfg["head_dim"], num_kv_heads=cfg["num_kv_heads"], k_bits=cfg["k_bits"],
                 v_bits=cfg["v_bits"], page_size=cfg["page_size"], sink_tokens=cfg.get("sink_tokens", 0),
                 window_tokens=cfg.get("window_tokens", 0), scale_rule=cfg.get("scale_rule", 1),
-                seed=cfg.get("seed", 0) & (2**64 - 1))
+                seed=cfg.get("seed", 0) & (2**64 - 1), format_version=cfg.get("format_version", 0),
+                scale_group=cfg.get("scale_group", 0))
 
 
 def pack_append_params(cfg: dict, page_bytes: int, num_pages: int, num_slots: int, layer: int, num_seqs: int,
                        has_slots: bool, block_table_stride: int, k_dtype: str, v_dtype: str,
                        k_strides: Tuple[int, int], v_strides: Tuple[int, int], total_rows: int) -> bytes:
     """struct fmkv_metal_append_params (as src/metal/host_plan.h append_params fills it). ``cfg``:
-    the fmkv_config fields (scale_rule as the C enum value, format_version as given: 0 = the default, 2 or 3);
-    ``page_bytes``: fmkv.Config.page_bytes."""
+    the fmkv_config fields (scale_rule as the C enum value; format_version as given: 0 = the default, 2 or 3;
+    scale_group as given: 0 = the default, 32 or 64); ``page_bytes``: fmkv.Config.page_bytes."""
     v = _config_fields(cfg)
     v.update(num_pages=num_pages, num_slots=num_slots, layer=layer, num_seqs=num_seqs, has_slots=int(has_slots),
              block_table_stride=block_table_stride, k_dtype=DTYPE_CODES[k_dtype], v_dtype=DTYPE_CODES[v_dtype],
              k_row_stride=k_strides[0], k_head_stride=k_strides[1], v_row_stride=v_strides[0],
-             v_head_stride=v_strides[1], total_rows=total_rows, page_bytes=page_bytes,
-             format_version=cfg.get("format_version", 0), reserved=0)
+             v_head_stride=v_strides[1], total_rows=total_rows, page_bytes=page_bytes)
     return _pack("fmkv_metal_append_params", v)
 
 
@@ -190,8 +190,7 @@ def pack_attention_params(cfg: dict, page_bytes: int, num_pages: int, num_slots:
              max_rows=max_rows, out_row_stride=out_strides[0], out_head_stride=out_strides[1],
              softmax_scale=softmax_scale if softmax_scale > 0 else 1.0 / math.sqrt(cfg["head_dim"]),
              softcap=softcap, tiles=max(1, -(-max_rows * group // define("FMKV_METAL_QTILE"))), num_splits=splits,
-             split_len=-(-max(1, max_len) // splits), parts=splits * simdgroups,
-             format_version=cfg.get("format_version", 0), page_bytes=page_bytes)
+             split_len=-(-max(1, max_len) // splits), parts=splits * simdgroups, page_bytes=page_bytes, reserved=0)
     return _pack("fmkv_metal_attention_params", v)
 
 

@@ -11,12 +11,11 @@ b owns pages [b * pages_per_seq, (b + 1) * pages_per_seq)), the fp16 sink/window
 bits) and, on the GPU runtimes, eight uint32 status words. Bytes are those of the format
 (docs/FORMAT.md), identical on every runtime; ``layer`` selects the rotation signs (FORMAT.md
 section 3), so a model's layers stored here hold the bytes of one multi-layer fmkv cache. The config's
-``format_version`` (0 = the default, 2 or 3) goes to every runtime: the GPU kernels read it from their
-parameter block (format 3's 3-bit sections: integer levels, tile blocks), the host backends from the config.
-The config's ``scale_group`` other than the default (``fmkv.format.SCALE_GROUP``; 64: one fp16 scale per 64
-coordinates) runs on the host runtime only: the kernel core of the GPU runtimes stores one scale per code group,
-so :class:`MlxLayer` refuses such a config on 'metal' / 'cuda' when it is made (:func:`check_runtime_config`).
-Every code width of the format (``fmkv.format.CODE_BITS``, and fp16 K) runs on every runtime.
+``format_version`` (0 = the default, 2 or 3) and ``scale_group`` (0 = the default ``fmkv.format.SCALE_GROUP``, or
+64: one fp16 scale per 64 coordinates) go to every runtime: the GPU kernels read them from their parameter block
+(format 3's 3-bit sections: integer levels, tile blocks; a scale group of 64 spans two code groups), the host
+backends from the config. Every code width of the format (``fmkv.format.CODE_BITS``, and fp16 K) and every scale
+group (``fmkv.format.SCALE_GROUPS``) runs on every runtime.
 """
 from __future__ import annotations
 
@@ -61,16 +60,6 @@ def resolve_runtime(runtime: Optional[str] = None) -> str:
     return runtime
 
 
-def check_runtime_config(runtime: str, config: "fmkv.Config", what: str = "MlxLayer") -> None:
-    """Refuse (FmkvError naming the option and the runtime) a config the runtime cannot store: on the GPU runtimes,
-    whose kernel core writes and reads one fp16 scale per code group (and codes of every width of the format), a
-    scale group other than the default."""
-    if runtime != "host" and _fmkv.resolved_scale_group(config.scale_group) != _fmkv.SCALE_GROUP:
-        raise FmkvError(f"{what}: scale_group {config.scale_group} is not supported by the MLX {runtime!r} runtime "
-                        f"(fmkv's GPU kernel core stores one fp16 scale per {_fmkv.SCALE_GROUP} coordinates); use "
-                        f"runtime='host' (the C library's host backends) or scale_group 0")
-
-
 def _ops(runtime: str, backend: Optional[str], options: Dict):
     if runtime == "host":
         from .host import HostOps
@@ -97,7 +86,6 @@ class MlxLayer:
     over everything cached (causal among the n). On the GPU runtimes both are lazy MLX operations;
     kernel-detected errors are recorded in the status words and raised by :meth:`check`.
     ``gpu_options`` tune the GPU launch (fmkv.mlx.gpu.GpuOps: threads, simdgroups, target_groups...).
-    A config with a scale group other than the default is refused on the GPU runtimes (FmkvError at construction).
     """
 
     def __init__(self, config: "fmkv.Config", layer: int = 0, batch: int = 1, max_tokens: int = 4096,
@@ -112,13 +100,13 @@ class MlxLayer:
         self.batch = int(batch)
         self.max_tokens = int(max_tokens)
         self.runtime = resolve_runtime(runtime)
-        check_runtime_config(self.runtime, config)
         self.ops = _ops(self.runtime, backend, gpu_options)
         self.raw = config._raw()
         self.cfg_fields = dict(head_dim=config.head_dim, num_kv_heads=config.num_kv_heads, k_bits=config.k_bits,
                                v_bits=config.v_bits, page_size=config.page_size, sink_tokens=config.sink_tokens,
                                window_tokens=config.window_tokens, scale_rule=_SCALE_RULES[config.scale_rule],
-                               seed=config.seed, format_version=config.format_version)
+                               seed=config.seed, format_version=config.format_version,
+                               scale_group=config.scale_group)
         c = config
         R = c.sink_tokens + c.window_tokens
         self.pages_per_seq = max(1, math.ceil(max(0, self.max_tokens - c.sink_tokens) / c.page_size))

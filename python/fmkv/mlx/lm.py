@@ -30,9 +30,9 @@ from __future__ import annotations
 import sys
 from typing import Any, List, Optional
 
-from .. import Config, FmkvError, _args, _fmkv, format_version as fmkv_format_version
+from .. import Config, FmkvError, _args, format_version as fmkv_format_version
 from ..key_offset import first_tokens_mean
-from .layer import MlxLayer, check_runtime_config, resolve_runtime
+from .layer import MlxLayer
 
 __all__ = ["FmkvKVCache", "make_prompt_cache", "install", "DEFAULT_WINDOW_TOKENS"]
 
@@ -75,9 +75,9 @@ class FmkvKVCache(_BaseCache):
     kept in fp16; ``max_tokens`` per sequence (pages are allocated up front at the first update);
     ``layer`` selects the layer's rotation signs; ``format_version`` 0 (the library's default), 2 or 3
     (fmkv.Config's); ``scale_group`` 0 (the default, ``fmkv.format.SCALE_GROUP`` coordinates per fp16 scale) or one
-    of ``fmkv.format.SCALE_GROUPS`` (fmkv.Config's; a non-default one on the host runtime only: the GPU runtimes
-    refuse it when the cache is made; saved with the state, older states load with 0); ``key_offset``: keys minus
-    their mean over each sequence's first 128 tokens, fixed by the first chunk (fmkv.key_offset; softmax ignores it);
+    of ``fmkv.format.SCALE_GROUPS`` (fmkv.Config's, on every runtime; saved with the state, older states load
+    with 0); ``key_offset``: keys minus their mean over each sequence's first 128 tokens, fixed by the first chunk
+    (fmkv.key_offset; softmax ignores it);
     ``runtime`` 'metal' / 'cuda' / 'host' (default: MLX's default device); ``gpu_options`` go to fmkv.mlx.gpu.GpuOps.
     """
 
@@ -91,8 +91,6 @@ class FmkvKVCache(_BaseCache):
         checked = Config(k_bits=int(k_bits), v_bits=int(v_bits), format_version=format_version, scale_group=scale_group)
         self.format_version = checked.format_version or fmkv_format_version()
         self.scale_group = checked.scale_group
-        if _fmkv.resolved_scale_group(self.scale_group) != _fmkv.SCALE_GROUP:  # refused now where the runtime cannot store it
-            check_runtime_config(resolve_runtime(runtime), checked, "FmkvKVCache")
         self.k_bits, self.v_bits = int(k_bits), int(v_bits)
         self.window_tokens, self.sink_tokens = int(window_tokens), int(sink_tokens)
         self.page_size, self.max_tokens = int(page_size), int(max_tokens)
