@@ -156,7 +156,8 @@ SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-fram
 BASE="-std=c++17 -g -U_FORTIFY_SOURCE -ffp-contract=off -fno-fast-math -Wall -Wextra -Wno-unused-parameter $SAN"
 build_emulator() {
   local jobs=()
-  rm -rf "$OUT/obj" && mkdir -p "$OUT/obj"
+  # no binary of an earlier build survives a failed one (the later steps run whatever $OUT/test_metal is)
+  rm -rf "$OUT/obj" "$OUT/test_metal" && mkdir -p "$OUT/obj"
   local s
   # The reference backend and the C API (plus src/io when present: the C API may call it).
   for s in src/core/*.cpp src/ref/*.cpp src/api/*.cpp $(ls src/io/*.cpp 2>/dev/null); do
