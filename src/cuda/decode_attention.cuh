@@ -31,8 +31,10 @@
 //                 index a signed 4-entry table instead (make_x2s): no sign work. 4-bit codes are nibbles
 //                 (format version 2): a half-word of 4 codes is the selector of two byte permutes (low /
 //                 high bytes of the levels), a sign-replicating permute ORs the signs into the high
-//                 bytes, two permutes interleave them into 2 fp16 pairs (nibble_bytes). fp16 K: the
-//                 pairs straight from the staged rows.
+//                 bytes, two permutes interleave them into 2 fp16 pairs (nibble_bytes). 5-bit codes: the
+//                 4-bit magnitude nibbles the same way from a 16-entry table (four byte permutes, picked
+//                 per byte by the nibble's bit 3), the signs of plane 4 spread to the high bytes' bit 7
+//                 by multiplies (nibble16_bytes, sign_bytes). fp16 K: the pairs straight from the staged rows.
 //                 Coordinates are permuted consistently in Q and K (the dot product does not care);
 //                 the Q fragments are read from shared memory per tile (registers for occupancy).
 //                 Per-group fp16 scales are applied in fp32 to each group's mma result.
@@ -140,7 +142,7 @@ __device__ __forceinline__ NibbleTables16 nibble16_tables(const uint32_t (&T)[8]
 __device__ __forceinline__ uint32_t sign_bytes(uint32_t u) { return u * 0x10204080u; }
 
 // Selector-form word of coordinates (i0, i0+16, i0+1, i0+17) of a group (i0 even, < 16) of one token,
-// 3- and 4-bit codes: f is the field word (i0 >> 3). (2-bit codes: make_x2s.)
+// 3-bit codes: f is the field word (i0 >> 3). (2-bit codes: make_x2s; 4- and 5-bit codes are nibbles.)
 __device__ __forceinline__ uint32_t make_x(uint32_t f, int i0) { return (f >> (i0 & 7)) & 0x03030303u; }
 
 // 2-bit codes with the sign in the table index (idx = m | s << 1; the table holds levels 0, 1 and their
@@ -232,7 +234,7 @@ struct TileGeom {
 //     P (fp32, before fp16 rounding).
 //   V (A operand, 16 coordinates x 16 tokens): tokens 4 tid .. 4 tid + 3 (pairs (4 tid, 4 tid + 2),
 //     (4 tid + 1, 4 tid + 3)); coordinates of each group: 2 gID, 2 gID + 16 (mma 0) and 2 gID + 1,
-//     2 gID + 17 (mma 1), 4-bit V: 4 gID, 4 gID + 1 (mma 0) and 4 gID + 2, 4 gID + 3 (mma 1).
+//     2 gID + 17 (mma 1), 4- and 5-bit V: 4 gID, 4 gID + 1 (mma 0) and 4 gID + 2, 4 gID + 3 (mma 1).
 //   O^T (C fragment of the V mma): those coordinates x queries 2 tid, 2 tid + 1.
 constexpr uint32_t kTokensPerStep = 16 * kAttnWarps;  // a warp's consecutive tiles are this many tokens apart
 constexpr int kQVPerWarp = kQV / kAttnWarps;          // query vectors a warp loads and rotates per pass
@@ -394,8 +396,8 @@ __device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, i
   L.kmul5[1] = sh.pow2[24 - 8 * tid];
   L.vmul5 = sh.pow2[28 - 4 * gID];
   L.k16 = sh.pow2[4];
-  // 4-bit K: this lane's nibbles are word tid of the group, half-word c for chunk c (coordinates
-  // 8 tid + 4 c .. + 3); 4-bit V: half-word gID & 1 of word gID >> 1 (coordinates 4 gID .. + 3),
+  // 4- and 5-bit K: this lane's nibbles are word tid of the group, half-word c for chunk c (coordinates
+  // 8 tid + 4 c .. + 3); 4- and 5-bit V: half-word gID & 1 of word gID >> 1 (coordinates 4 gID .. + 3),
   // the two tokens' bytes interleaved first (selector vsel)
   L.vsel = (gID & 1) ? 0x7362u : 0x5140u;
   L.z = sh.pow2[3] * 0x0101u;  // 0x0808, from shared memory: a register operand of the LOP3
@@ -478,8 +480,9 @@ __device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, i
 // tokens a = 2 gID, b = 2 gID + 1 (ka: their fp16 K rows; else kw: their words of code plane 0 of group 0,
 // ks: their scales of group 0) and, of each group g and chunk c (an mma each): 3 bits and fp16 K
 // coordinates (i0, i0 + 16) (a0 / a1) and (i0 + 1, i0 + 17) (a2 / a3) with i0 = 8 c + 2 tid; 2 bits
-// (i0, i0 + 1) and (i0 + 16, i0 + 17); 4 bits the nibbles of half-word c of word tid (coordinates
-// 8 tid + 4 c .. + 3) -- the pairs qb (this warp's Q fragments) holds Q in. Each group's mma result (its
+// (i0, i0 + 1) and (i0 + 16, i0 + 17); 4 and 5 bits the nibbles of half-word c of word tid (coordinates
+// 8 tid + 4 c .. + 3; 5 bits: with bits 8 tid + 4 c .. + 3 of sign plane 4) -- the pairs qb (this warp's Q
+// fragments) holds Q in. Each group's mma result (its
 // own accumulator) is multiplied by the token's fp16 scale in fp32.
 template <int D, int KB, bool F3>
 __device__ __forceinline__ void tile_scores(const uint16_t* ka, const uint32_t* kw, const uint32_t* ks,

@@ -217,7 +217,7 @@ __device__ __forceinline__ void half_warp_unrotate(float (&y)[D / 16], const Sig
 }
 
 // Quantize all NR groups of a warp-held vector (y[g] = coordinate lane of group g) and write their
-// code words (planes; nibble words for 4 bits) and scales, bit-exact with the reference (FORMAT.md
+// code words (planes; nibble words for 4 bits; the magnitude's nibble words and the sign plane for 5) and scales, bit-exact with the reference (FORMAT.md
 // 4-6): per group rms = sqrt(tree_sum(y^2) / 32) -> fp16 s0; codes of y / s0 against the midpoint
 // thresholds, found without a division by comparing |y| with group_thresholds (the equivalences of
 // thread_quantize_group); LSQ rescale tree_sum(y l) / tree_sum(l l) with y l = |y| mag[m]. The groups
@@ -373,7 +373,8 @@ __device__ __forceinline__ void thread_fwht(float (&r)[64], int lane) {
 }
 
 // Quantize one group of 32 rotated values y[0..31] (FORMAT.md 4-6, src/format/quantize_group.h quantize_group):
-// returns the fp16 scale, w[0..BITS-1] the packed words. Equivalences used (all exact):
+// returns the fp16 scale, w[0..BITS-1] the packed words (FORMAT.md section 6: planes for 2 / 3 bits, nibble
+// words for 4, the magnitude's nibble words and the sign plane for 5). Equivalences used (all exact):
 //  * tree_sum32(t) / 32 == t * 2^-5 (both the rounding of the same real number);
 //  * code magnitude: fl(|y| / s) > t_i  <=>  |y| > T_i = RD(t_i*s + hulp_i*s). t_i has <= 13
 //    significant bits and an even significand (checked on the host), s is fp16 (<= 11 bits), so
