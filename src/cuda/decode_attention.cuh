@@ -195,9 +195,11 @@ __device__ __forceinline__ bool attn_sequence_ok(const AttnParams& p, int s, int
   return true;
 }
 
-// fp16x2 words of a side's level table in shared memory (attn_kernel's s_tab, a copy per lane): 4 (the 2-4
-// bit magnitudes; fp16 K keeps 4 unused rows), 8 for the 16 magnitudes of 5-bit codes.
-__host__ __device__ constexpr int level_table_rows(int bits) { return bits == 5 ? 8 : 4; }
+// fp16x2 words of a side's level table in shared memory (attn_kernel's s_tab, a copy per lane): two magnitudes
+// per word, at least 4 (the 2-4 bit tables' layout; fp16 K keeps 4 unused rows): 8 for 5-bit codes.
+__host__ __device__ constexpr int level_table_rows(int bits) {
+  return bits == FMKV_FP16_BITS || bits < 5 ? 4 : 1 << (bits - 2);  // 2^(bits - 1) magnitudes, two per word
+}
 
 // Bytes of one 16-token tile of one kv head as staged in shared memory: the rows of the page layout
 // (FORMAT.md) cut to 16 tokens, in page order: K code planes (64 B each), K scale rows (32 B each;
