@@ -113,6 +113,7 @@ static double copy_gbps() {
 
 struct Fmt {
   int kb, vb;
+  int sg = 0;  // fmkv_config.scale_group (0: the default, 32)
 };
 
 // --ragged lengths: comma-separated items, each L (one sequence), LxN (N of them) or A-BxN (N lengths evenly
@@ -308,19 +309,21 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e1));
 
   std::vector<Fmt> fmts = {{3, 3}, {4, 4}, {4, 2}};
-  // FMKV_BENCH_FORMATS="kb,vb;kb,vb;...": the formats of the default mode (bench/cuda_bench.py --formats)
+  // FMKV_BENCH_FORMATS="kb,vb[,sg];...": the formats of the default mode (bench/cuda_bench.py --formats; sg: the
+  // scale group, 32 or 64, default 32)
   if (const char* fe = std::getenv("FMKV_BENCH_FORMATS")) {
     fmts.clear();
     std::string spec(fe);
     for (size_t at = 0; at < spec.size();) {
       size_t end = spec.find(';', at);
       if (end == std::string::npos) end = spec.size();
-      int kb = 0, vb = 0;
-      if (std::sscanf(spec.substr(at, end - at).c_str(), "%d,%d", &kb, &vb) != 2) {
-        std::fprintf(stderr, "FMKV_BENCH_FORMATS=%s: expected kb,vb;kb,vb;...\n", fe);
+      int kb = 0, vb = 0, sg = 0;
+      const int got = std::sscanf(spec.substr(at, end - at).c_str(), "%d,%d,%d", &kb, &vb, &sg);
+      if (got < 2 || (got == 3 && sg != 32 && sg != 64)) {
+        std::fprintf(stderr, "FMKV_BENCH_FORMATS=%s: expected kb,vb[,sg];kb,vb[,sg];... (sg 32 or 64)\n", fe);
         return 2;
       }
-      fmts.push_back({kb, vb});
+      fmts.push_back({kb, vb, got == 3 ? sg : 0});
       at = end + 1;
     }
   }
@@ -368,6 +371,8 @@ int main(int argc, char** argv) {
     cfg.seed = 1234;
     cfg.window_tokens = window;
     cfg.format_version = format_version;
+    cfg.scale_group = f.sg;
+    const int sg_out = fmkv_resolved_scale_group(f.sg);
     const int64_t pb = fmkv_config_page_bytes(&cfg);
 
     // ---- quantize-append throughput: one 32k-token prefill chunk, fp16 input
@@ -403,8 +408,9 @@ int main(int argc, char** argv) {
       const double us = median(t) * 1e3;
       const double bytes = (double)chunk * H * d * 2 * 2 + (double)np * pb;
       std::printf("{\"kind\":\"quantize\",\"k_bits\":%d,\"v_bits\":%d,\"tokens\":%lld,\"head_dim\":%d,\"kv_heads\":%d,"
-                  "\"page_size\":%d,\"time_us\":%.2f,\"bytes\":%.0f,\"gbps\":%.1f,\"mtok_per_s\":%.2f,\"format_version\":%d}\n",
-                  f.kb, f.vb, (long long)chunk, d, H, P, us, bytes, bytes / us / 1e3, chunk / us, fv_out);
+                  "\"page_size\":%d,\"time_us\":%.2f,\"bytes\":%.0f,\"gbps\":%.1f,\"mtok_per_s\":%.2f,\"format_version\":%d,"
+                  "\"scale_group\":%d}\n",
+                  f.kb, f.vb, (long long)chunk, d, H, P, us, bytes, bytes / us / 1e3, chunk / us, fv_out, sg_out);
       std::fflush(stdout);
       CK(cudaFree(pages));
       CK(cudaFree(dt));
@@ -532,7 +538,7 @@ int main(int argc, char** argv) {
       for (auto x : oh) nonfinite += !std::isfinite(__half2float(x));
       const double us = attn_ms * 1e3;
       const double kv = (double)total_len * H *
-                        (fmkv_bytes_per_token_head(d, f.kb, 0) + fmkv_bytes_per_token_head(d, f.vb, 0));
+                        (fmkv_bytes_per_token_head(d, f.kb, f.sg) + fmkv_bytes_per_token_head(d, f.vb, f.sg));
       const double bytes = kv + 2.0 * qrows * HQ * d * 2;
       // a ragged batch: context = the mean length (the uniform batch of the same bytes, BENCHMARKS.md), lengths
       std::string rag;
@@ -545,16 +551,16 @@ int main(int argc, char** argv) {
       std::printf("{\"kind\":\"decode\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":%d,\"context\":%lld,"
                   "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"time_us\":%.3f,\"bytes\":%.0f,"
                   "\"gbps\":%.1f,\"copy_gbps\":%.1f,\"pct_copy_bw\":%.1f,\"copies\":%d,\"nonfinite_out\":%d,"
-                  "\"window\":%d,\"max_seq_len\":%lld,\"format_version\":%d%s}\n",
+                  "\"window\":%d,\"max_seq_len\":%lld,\"format_version\":%d,\"scale_group\":%d%s}\n",
                   f.kb, f.vb, B, qlen, ctx_out, d, HQ, H, P, us, bytes, bytes / us / 1e3, cbw,
-                  100.0 * bytes / us / 1e3 / cbw, copies, nonfinite, window, (long long)bound, fv_out, rag.c_str());
+                  100.0 * bytes / us / 1e3 / cbw, copies, nonfinite, window, (long long)bound, fv_out, sg_out, rag.c_str());
       if (step_fused_us > 0)
         std::printf("{\"kind\":\"step\",\"k_bits\":%d,\"v_bits\":%d,\"batch\":%d,\"q_len\":%d,\"context\":%lld,"
                     "\"head_dim\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"page_size\":%d,\"fused_us\":%.3f,"
                     "\"separate_us\":%.3f,\"attention_only_us\":%.3f,\"copies\":%d,\"window\":%d,"
-                    "\"max_seq_len\":%lld,\"format_version\":%d}\n",
+                    "\"max_seq_len\":%lld,\"format_version\":%d,\"scale_group\":%d}\n",
                     f.kb, f.vb, B, qlen, (long long)ctx, d, HQ, H, P, step_fused_us, step_sep_us, us, copies, window,
-                    (long long)bound, fv_out);
+                    (long long)bound, fv_out, sg_out);
       std::fflush(stdout);
       CK(cudaFree(pages));
       CK(cudaFree(dt));

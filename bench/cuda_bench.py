@@ -128,13 +128,19 @@ def quantize_record(r, copy, device, commit):
                 kv_heads=r["kv_heads"], layers=1, k_bits=r["k_bits"], v_bits=r["v_bits"],
                 page_size=r["page_size"], time_us=r["time_us"], bytes=r["bytes"], gbps=r["gbps"],
                 copy_gbps=copy["gbps"], pct_copy_bw=round(100 * r["gbps"] / copy["gbps"], 1),
-                mtok_per_s=r["mtok_per_s"], format_version=r.get("format_version", 2))
+                mtok_per_s=r["mtok_per_s"], format_version=r.get("format_version", 2),
+                scale_group=r.get("scale_group", 32))
+
+
+def fmt_name(r):
+    """k<K>v<V>, with -g64 for scale group 64 (the eval's config names)."""
+    return "k%dv%d%s" % (r["k_bits"], r["v_bits"], "-g64" if r.get("scale_group", 32) == 64 else "")
 
 
 def print_quantize(qua):
     for r in qua:
-        print("quantize k%dv%d %d tokens: %.1f us, %.0f GB/s, %.1f%% of copy bw, %.1f Mtok/s" % (
-              r["k_bits"], r["v_bits"], r["context"], r["time_us"], r["gbps"], r["pct_copy_bw"], r["mtok_per_s"]))
+        print("quantize %s %d tokens: %.1f us, %.0f GB/s, %.1f%% of copy bw, %.1f Mtok/s" % (
+              fmt_name(r), r["context"], r["time_us"], r["gbps"], r["pct_copy_bw"], r["mtok_per_s"]))
 
 
 def quantize_only(a):
@@ -160,7 +166,7 @@ def decode_record(r, bt, be, device, commit, suite="cuda_decode"):
                 copy_gbps=r["copy_gbps"], pct_copy_bw=r["pct_copy_bw"], baseline="torch_sdpa_fp16_" + be,
                 baseline_time_us=round(bt, 3), speedup=round(bt / r["time_us"], 3),
                 nonfinite_out=r["nonfinite_out"], window_tokens=r.get("window", 0),
-                format_version=r.get("format_version", 2),
+                format_version=r.get("format_version", 2), scale_group=r.get("scale_group", 32),
                 max_seq_len=r.get("max_seq_len", 0))  # the call's length bound (0: none; the bench passes the context)
 
 
@@ -304,8 +310,9 @@ def main():
                     help="B=1 decode with 1/2/4/8 kv heads (4 q heads each), k3v3 and k4v4, with SDPA of the same "
                          "shapes; writes cuda_kv_heads.jsonl only")
     ap.add_argument("--formats", default=None,
-                    help="the (K, V) widths of the default run, e.g. 4:4,5:4,5:5 (FMKV_BENCH_FORMATS of the binary; "
-                         "no window run); with --tag the files are named cuda_decode_TAG.jsonl etc.")
+                    help="the (K, V) widths of the default run, e.g. 4:4,5:4,5:5, each with an optional scale group "
+                         "(4:4:64; default 32) (FMKV_BENCH_FORMATS of the binary; no window run); with --tag the files "
+                         "are named cuda_decode_TAG.jsonl etc.")
     ap.add_argument("--tag", default=None, help="suffix of the output files (cuda_decode_TAG.jsonl, ...)")
     ap.add_argument("--format-version", type=int, choices=(2, 3), default=None,
                     help="the cache format version of every fmkv case (FMKV_BENCH_FORMAT_VERSION of the binary; "
@@ -375,7 +382,7 @@ def main():
                               attention_only_us=r["attention_only_us"], graph="cuda_graph",
                               baseline="torch_sdpa_fp16_" + be + "_attention_only", baseline_time_us=round(bt, 3),
                               speedup=round(bt / r["fused_us"], 3), window_tokens=r.get("window", 0),
-                              format_version=r.get("format_version", 2)))
+                              format_version=r.get("format_version", 2), scale_group=r.get("scale_group", 32)))
         elif r["kind"] == "quantize":
             qua.append(quantize_record(r, copy, device, a.commit))
     if a.latency:
@@ -385,16 +392,16 @@ def main():
         write_jsonl(os.path.join(a.out, "cuda_quantize%s.jsonl" % sfx), qua)
         write_jsonl(os.path.join(a.out, "cuda_step%s.jsonl" % sfx), steps)
     print("device: %s   copy bandwidth (read+write): %.0f GB/s" % (device, copy["gbps"]))
-    print_table("%-5s %3s %8s %6s %10s %8s %6s %10s %8s %s",
+    print_table("%-8s %3s %8s %6s %10s %8s %6s %10s %8s %s",
                 ("fmt", "B", "context", "window", "fmkv_us", "GB/s", "%copy", "sdpa_us", "speedup", "sdpa_variant"),
-                "k%dv%d %3d %8d %6d %10.2f %8.0f %6.1f %10.2f %8.2f %s", dec,
-                lambda r: (r["k_bits"], r["v_bits"], r["batch"], r["context"], r["window_tokens"], r["time_us"], r["gbps"],
+                "%-8s %3d %8d %6d %10.2f %8.0f %6.1f %10.2f %8.2f %s", dec,
+                lambda r: (fmt_name(r), r["batch"], r["context"], r["window_tokens"], r["time_us"], r["gbps"],
                            r["pct_copy_bw"], r["baseline_time_us"], r["speedup"], r["baseline"]))
     print("decode step per layer (append 1 token + attention), CUDA graph:")
-    print("%-5s %3s %8s %6s %10s %12s %10s %10s" % ("fmt", "B", "context", "window", "fused_us", "separate_us",
+    print("%-8s %3s %8s %6s %10s %12s %10s %10s" % ("fmt", "B", "context", "window", "fused_us", "separate_us",
                                                     "attn_us", "sdpa_us"))
     for r in steps:
-        print("k%dv%d %3d %8d %6d %10.2f %12.2f %10.2f %10.2f" % (r["k_bits"], r["v_bits"], r["batch"], r["context"],
+        print("%-8s %3d %8d %6d %10.2f %12.2f %10.2f %10.2f" % (fmt_name(r), r["batch"], r["context"],
               r["window_tokens"], r["time_us"], r["separate_us"], r["attention_only_us"], r["baseline_time_us"]))
     print_quantize(qua)
     if a.latency:
@@ -418,10 +425,10 @@ def plot_decode(dec, copy_gbps, device, path):
         import matplotlib.pyplot as plt
         fig, (ax, at) = plt.subplots(1, 2, figsize=(12, 4.5))
         b1 = [r for r in dec if r["batch"] == 1 and not r.get("window_tokens")]
-        for kb, vb in sorted({(r["k_bits"], r["v_bits"]) for r in b1}):
-            xs = [r for r in b1 if r["k_bits"] == kb and r["v_bits"] == vb]
-            ax.plot([r["context"] for r in xs], [r["gbps"] for r in xs], "o-", label="fmkv k%dv%d" % (kb, vb))
-            at.plot([r["context"] for r in xs], [r["time_us"] for r in xs], "o-", label="fmkv k%dv%d" % (kb, vb))
+        for name in sorted({fmt_name(r) for r in b1}):
+            xs = [r for r in b1 if fmt_name(r) == name]
+            ax.plot([r["context"] for r in xs], [r["gbps"] for r in xs], "o-", label="fmkv " + name)
+            at.plot([r["context"] for r in xs], [r["time_us"] for r in xs], "o-", label="fmkv " + name)
         base = {}
         for r in b1:
             base.setdefault(r["context"], r["baseline_time_us"])

@@ -34,7 +34,7 @@ class TorchCache:
     holds the storage; inputs must be on it. ``backend`` defaults to the device's (host backend on
     the CPU, 'cuda' on a GPU). The format options -- ``format_version``, ``scale_group`` (fp16 scales per 32 or
     64 rotated coordinates, ``fmkv.format.SCALE_GROUPS``) -- come with ``config``; a backend that does not have
-    one (scale_group 64 on 'cuda') refuses every op on it by name and writes nothing.
+    one (``fmkv.check_backend``) refuses every op on it by name and writes nothing.
 
     Bookkeeping: page allocation and lengths are kept in host mirrors (Python ints); the device
     holds the block table [max_seqs, num_pages] int32, per-layer lengths [num_layers, max_seqs]

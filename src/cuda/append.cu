@@ -5,7 +5,8 @@
 //                     [ce(len0), ce(len0 + n)) -- either a new row (q >= len0) or a token aging
 //                     out of the fp16 ring window, read BEFORE the ring is rewritten). A warp takes
 //                     32 / (D/64) consecutive rows of one (kv head, K|V); D/64 threads per vector,
-//                     each owning two whole scale groups (quantize.cuh, thread_fwht). The next
+//                     each owning two whole code groups (quantize.cuh, thread_fwht; scale group 64:
+//                     quantize_pair adds a pair's sums in the thread or with lane ^ 1). The next
 //                     task's 4 KB tile is copied (cp.async) while the current one is computed.
 //                     Finiteness of a new row is checked here, on the rotated values: every output
 //                     of the FWHT is a signed sum of all inputs, so one NaN/Inf input makes every
@@ -49,6 +50,8 @@ struct AppendParams {
   int32_t k_dtype, v_dtype;
   int64_t k_rs, k_hs, v_rs, v_hs, rows;
   int32_t d, H, kb, vb, P, lgP, S, W, R, rule;
+  int32_t ss;  // scale shift, fmkv_scale_shift(scale_group): code group g's scale is row g >> ss of a section
+  int64_t head_stride, ksec_bytes;  // a kv head's K + V sections, its K section (bytes)
   // 16-byte paths: in16[isv] = fp16 input whose vectors all start 16-byte aligned; ring16 = the fp16
   // regions are 16-byte aligned; pages16 = the page pool is 16-byte aligned.
   int32_t in16[2], ring16, pages16;
@@ -133,7 +136,7 @@ __device__ __forceinline__ VecTask locate(const AppendParams& p, int64_t r, int3
   const int32_t pg = p.bt[(int64_t)s * p.bt_stride + (ci >> p.lgP)];
   if (pg < 0 || pg >= p.num_pages) return v;
   v.tok = (int32_t)(ci & (p.P - 1));
-  v.sec = p.pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, p.P, h, isv, FMKV_SCALE_GROUP);
+  v.sec = p.pages + (int64_t)pg * p.page_bytes + (int64_t)h * p.head_stride + (isv ? p.ksec_bytes : 0);
   if (q >= c.len0) {
     const int64_t off = input_offset(p, c.row0 + (q - c.len0), h, isv);
     const int32_t dt = isv ? p.v_dtype : p.k_dtype;
@@ -170,57 +173,110 @@ __device__ __forceinline__ uint64_t shfl64(uint64_t x, int src_lane) {
   return ((uint64_t)hi << 32) | lo;
 }
 
-// Quantize the thread's two groups (r[0..31]: group t, r[32..63]: group t + NT) and store them.
-template <int BITS, bool LSQ, int NT>
+// The thread's two code groups (r[0..31]: group t, r[32..63]: group t + NT, times their pending sign and
+// 1/sqrt(d): cn) quantized: w[b] the words and sc[b] the scale of group t + NT b. SS = 1 (scale group 64):
+// groups 2k and 2k + 1 share the scale of their scale group, their tree sums added (group 2k's first; one
+// addition commutes exactly): the thread's own pair at d = 64 (NT = 1), else group g ^ 1 is the same
+// register half of the partner lane (lane ^ 1: t ^ 1, the same vector). Every lane takes part (shuffles).
+// EXACT / NIB: thread_group_codes' (format 3's 3-bit tables, nibble output).
+template <int BITS, bool LSQ, int NT, int SS, bool EXACT, bool NIB>
+__device__ __forceinline__ void quantize_pair(const float (&r)[64], const float (&cn)[2], const QuantTables& qt,
+                                              uint32_t (&w)[2][NIB ? 4 : BITS], uint16_t (&sc)[2]) {
+  if constexpr (SS == 0) {
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      float y[32];
+#pragma unroll
+      for (int k = 0; k < 32; ++k) y[k] = __fmul_rn(r[32 * b + k], cn[b]);
+      sc[b] = thread_quantize_group<BITS, LSQ, EXACT, NIB>(y, qt, w[b]);
+    }
+  } else {
+    float y[2][32], ss[2], num[2], den[2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+      for (int k = 0; k < 32; ++k) y[b][k] = __fmul_rn(r[32 * b + k], cn[b]);
+      ss[b] = thread_square_sum(y[b]);
+    }
+    auto scale_group_sums = [](float (&x)[2]) {
+      if constexpr (NT == 1) {
+        x[0] = x[1] = __fadd_rn(x[0], x[1]);
+      } else {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) x[b] = __fadd_rn(x[b], __shfl_xor_sync(kFull, x[b], 1));
+      }
+    };
+    scale_group_sums(ss);
+    uint16_t s0[2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      s0[b] = rms_scale(ss[b], 2 * FMKV_GROUP_SIZE);
+      thread_group_codes<BITS, LSQ, EXACT, NIB>(y[b], qt, f16_bits_to_f32_hw(s0[b]), w[b], num[b], den[b]);
+    }
+    if constexpr (LSQ) {
+      scale_group_sums(num);
+      scale_group_sums(den);
+    }
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      sc[b] = LSQ ? lsq_scale(num[b], den[b]) : s0[b];
+      if (s0[b] == 0) {  // FORMAT.md 5.2: all codes 0, scale 0
+#pragma unroll
+        for (int i = 0; i < (NIB ? 4 : BITS); ++i) w[b][i] = 0u;
+        sc[b] = 0;
+      }
+    }
+  }
+}
+
+// Quantize the thread's two groups and store them (code group g's scale at row g >> SS: the even group's
+// thread writes it).
+template <int BITS, bool LSQ, int NT, int SS>
 __device__ __forceinline__ void quantize_store(const float (&r)[64], const float (&cn)[2],
                                                const QuantTables& qt, const VecTask& vt, int t, int P) {
   uint32_t* words = (uint32_t*)vt.sec + vt.tok;
   uint16_t* scales = (uint16_t*)(vt.sec + (int64_t)(2 * NT) * BITS * P * 4) + vt.tok;  // fmkv_scales_offset
+  uint32_t w[2][BITS];
+  uint16_t sc[2];
+  quantize_pair<BITS, LSQ, NT, SS, false, false>(r, cn, qt, w, sc);
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
-    float y[32];
-#pragma unroll
-    for (int k = 0; k < 32; ++k) y[k] = __fmul_rn(r[32 * b + k], cn[b]);
-    uint32_t w[BITS];
-    const uint16_t sc = thread_quantize_group<BITS, LSQ>(y, qt, w);
     const int g = t + NT * b;
     if (vt.sec) {
 #pragma unroll
-      for (int i = 0; i < BITS; ++i) words[(int64_t)(g * BITS + i) * P] = w[i];
-      scales[(int64_t)g * P] = sc;
+      for (int i = 0; i < BITS; ++i) words[(int64_t)(g * BITS + i) * P] = w[b][i];
+      if ((g & SS) == 0) scales[(int64_t)(g >> SS) * P] = sc[b];
     }
   }
 }
 
 // Format 3: the thread's two groups of a 3-bit tiled section (FORMAT.md section 6) -- the exact quantizer
-// (thread_quantize_group with EXACT, codes as nibbles), then the token's codes into its tile block and its scales as format 2
-// stores them. whole (warp-uniform): the warp's lanes hold consecutive tokens of one section from a multiple
-// of 8, so every block word is stored whole (tile_put_group_words: every lane takes part); otherwise each
-// token's bits are merged by reductions (tile_put_group_red).
-template <bool LSQ, int NT>
+// (EXACT, codes as nibbles), then the token's codes into its tile block and its scales as format 2 stores them.
+// whole (warp-uniform): the warp's lanes hold consecutive tokens of one section from a multiple of 8, so every
+// block word is stored whole (tile_put_group_words: every lane takes part); otherwise each token's bits are
+// merged by reductions (tile_put_group_red).
+template <bool LSQ, int NT, int SS>
 __device__ __forceinline__ void quantize_store_tiled(const float (&r)[64], const float (&cn)[2], const QuantTables& qt,
                                                      const VecTask& vt, int t, int P, int is_v, bool whole) {
   constexpr int G = 2 * NT;
   uint8_t* block = vt.sec ? vt.sec + fmkv_tile_block_offset(32 * G, vt.tok) : nullptr;
   uint16_t* scales = vt.sec ? (uint16_t*)(vt.sec + (int64_t)G * 3 * P * 4) + vt.tok : nullptr;  // fmkv_scales_offset
+  uint32_t w[2][4];
+  uint16_t sc[2];
+  quantize_pair<3, LSQ, NT, SS, true, true>(r, cn, qt, w, sc);
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
-    float y[32];
-#pragma unroll
-    for (int k = 0; k < 32; ++k) y[k] = __fmul_rn(r[32 * b + k], cn[b]);
-    uint32_t w[4];
-    const uint16_t sc = thread_quantize_group<3, LSQ, true, true>(y, qt, w);
     const int g = t + NT * b;
-    if (whole) tile_put_group_words<G, NT>(block, is_v, vt.tok & 15, g, w);
-    else if (vt.sec) tile_put_group_red<G>(block, is_v, vt.tok & 15, g, w);
-    if (vt.sec) scales[(int64_t)g * P] = sc;
+    if (whole) tile_put_group_words<G, NT>(block, is_v, vt.tok & 15, g, w[b]);
+    else if (vt.sec) tile_put_group_red<G>(block, is_v, vt.tok & 15, g, w[b]);
+    if (vt.sec && (g & SS) == 0) scales[(int64_t)(g >> SS) * P] = sc[b];
   }
 }
 
 // A warp task of a tiled side: VPW = 32 / NT vectors. When they are consecutive tokens of one page section
 // from a multiple of 8 (a prefill chunk), the tokens that share a block word are all in the warp and the words
 // are stored whole; otherwise (a decode step's rows, a chunk's ragged edges) by reductions.
-template <int D, bool LSQ>
+template <int D, bool LSQ, int SS>
 __device__ __forceinline__ void tiled_task(const AppendParams& p, const float (&r)[64], const float (&cn)[2],
                                            const VecTask& vt, int t, int lane, int is_v) {
   constexpr int NT = D / 64;
@@ -228,7 +284,22 @@ __device__ __forceinline__ void tiled_task(const AppendParams& p, const float (&
   const int32_t tok0 = __shfl_sync(kFull, vt.tok, 0);
   const bool whole = __all_sync(kFull, (tok0 & 7) == 0 && vt.sec && (uint64_t)(uintptr_t)vt.sec == sec0 &&
                                            vt.tok == tok0 + lane / NT);
-  quantize_store_tiled<LSQ, NT>(r, cn, p.qt3[is_v], vt, t, p.P, is_v, whole);
+  quantize_store_tiled<LSQ, NT, SS>(r, cn, p.qt3[is_v], vt, t, p.P, is_v, whole);
+}
+
+// One side's quantizer and store (TILED: format 3's 3-bit tile blocks) for the cache's scale group: p.ss is
+// uniform over the launch, so each launch runs one of the two.
+template <int D, int BITS, bool LSQ, bool TILED>
+__device__ __forceinline__ void quantize_side(const AppendParams& p, const float (&r)[64], const float (&cn)[2],
+                                              const VecTask& vt, int t, int lane, int is_v) {
+  constexpr int NT = D / 64;
+  if constexpr (TILED) {
+    if (p.ss) tiled_task<D, LSQ, 1>(p, r, cn, vt, t, lane, is_v);
+    else tiled_task<D, LSQ, 0>(p, r, cn, vt, t, lane, is_v);
+  } else {
+    if (p.ss) quantize_store<BITS, LSQ, NT, 1>(r, cn, p.qt[BITS - 2], vt, t, p.P);
+    else quantize_store<BITS, LSQ, NT, 0>(r, cn, p.qt[BITS - 2], vt, t, p.P);
+  }
 }
 
 // Place of chunk c (< 256) of a warp's 4 KB tile: segment c / 8 (= the owner lane), 16-byte slot
@@ -286,7 +357,7 @@ __device__ __forceinline__ void report_nonfinite_row(const AppendParams& p, int6
 // Task k of a warp is copied into stage k % 2 of the warp's tiles while task k - 1 is computed from
 // the other stage. Thread t of vector v reads its own 128 bytes (segment v NT + t, chunks 8 t .. 8 t
 // + 7 of the vector), applies the rotation signs (one xor per 16 bytes, masks of fwht_input_mask in
-// shared memory) and runs thread_fwht + quantize_store.
+// shared memory) and runs thread_fwht + quantize_side.
 constexpr int kCompressWarps = 8, kCompressStages = 2;
 
 constexpr int kCompressSmem = kCompressWarps * kCompressStages * 256 * 16;
@@ -390,19 +461,12 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
       // one non-finite input makes every output non-finite (header comment); ring rows were checked
       // when they were appended. Reported after the quantization (no live values around the call).
       bad = !(fabsf(r8[0]) <= 3.402823466e38f) && t == 0 && vt.src && !(vt.src & 1u);
-      if constexpr (KB == VB && kTiled<VB, F3>) {
-        tiled_task<D, LSQ>(p, r8, cn, vt, t, lane, isv);
-      } else if constexpr (KB == VB) {
-        quantize_store<VB, LSQ, NT>(r8, cn, p.qt[VB - 2], vt, t, p.P);
-      } else {
-        if (isv) {
-          if constexpr (kTiled<VB, F3>) tiled_task<D, LSQ>(p, r8, cn, vt, t, lane, 1);
-          else quantize_store<VB, LSQ, NT>(r8, cn, p.qt[VB - 2], vt, t, p.P);
-        } else if constexpr (kTiled<KB, F3>) {
-          tiled_task<D, LSQ>(p, r8, cn, vt, t, lane, 0);
-        } else if constexpr (KB != FMKV_FP16_BITS) {
-          quantize_store<KB, LSQ, NT>(r8, cn, p.qt[KB - 2], vt, t, p.P);
-        }
+      if constexpr (KB == VB) {
+        quantize_side<D, VB, LSQ, kTiled<VB, F3>>(p, r8, cn, vt, t, lane, isv);
+      } else if (isv) {
+        quantize_side<D, VB, LSQ, kTiled<VB, F3>>(p, r8, cn, vt, t, lane, 1);
+      } else if constexpr (KB != FMKV_FP16_BITS) {
+        quantize_side<D, KB, LSQ, kTiled<KB, F3>>(p, r8, cn, vt, t, lane, 0);
       }
     }
     if (bad) report_nonfinite_row(p, r, h, isv);

@@ -24,6 +24,7 @@ struct AttnParams {
   int32_t o_dtype;
   int64_t o_rs, o_hs;
   int32_t H, HQ, gq, P, S, W, R;
+  int32_t ss;  // scale shift, fmkv_scale_shift(scale_group): code group g's scale is row g >> ss of a section
   float sm_scale, softcap;
   float tile_step[2];  // format 3: the steps of the 3-bit K and V tables (fp16 values; the kernels use the integers)
   SignWords sw;

@@ -10,5 +10,5 @@ extern const BackendOps cuda_backend = {
     cuda::available, cuda::device_name,
     cuda::append, cuda::decode_attention, cuda::append_attention, cuda::attention_workspace_bytes,
     cuda::alloc, cuda::free, cuda::copy, cuda::synchronize, /*attention_lse=*/false,
-    /*max_format_version=*/3, /*max_scale_group=*/FMKV_SCALE_GROUP, /*max_code_bits=*/FMKV_CUDA_CODE_BITS_MAX};
+    /*max_format_version=*/3, /*max_scale_group=*/64, /*max_code_bits=*/FMKV_CUDA_CODE_BITS_MAX};
 }  // namespace fmkv

@@ -202,8 +202,9 @@ __host__ __device__ constexpr int level_table_rows(int bits) {
 }
 
 // Bytes of one 16-token tile of one kv head as staged in shared memory: the rows of the page layout
-// (FORMAT.md) cut to 16 tokens, in page order: K code planes (64 B each), K scale rows (32 B each;
-// k16: 16 tokens x D fp16 instead), then the same for V.
+// (FORMAT.md) cut to 16 tokens, in page order: K code planes (64 B each), K scale rows (32 B each, one per
+// code group: with scale group 64 each page row is staged twice, tile_copy_plan; k16: 16 tokens x D fp16
+// instead), then the same for V.
 template <int D, int KB, int VB>
 struct TileGeom {
   static constexpr int G = D / 32;
@@ -279,9 +280,9 @@ __device__ __forceinline__ void tile_copy_plan(const AttnParams& p, int lane, in
       } else if (off < G * bits * 64) {  // code plane row r, part q
         ch_off[i] = sec_page_off + (off / 64) * P * 4 + off % 64;
         ch_mul[i] = 4;
-      } else {  // scale row
+      } else {  // scale row of code group off / 32: the page's row (off / 32) >> ss (scale group 64: twice)
         off -= G * bits * 64;
-        ch_off[i] = sec_page_off + G * bits * P * 4 + (off / 32) * P * 2 + off % 32;
+        ch_off[i] = sec_page_off + G * bits * P * 4 + ((off / 32) >> p.ss) * P * 2 + off % 32;
         ch_mul[i] = 2;
       }
     }

@@ -168,7 +168,7 @@ struct StagedRowCheck {
 // with atomics in the tile block (the step's other tokens of the tile may be written by other warps).
 template <int D, int B, int P, bool F3>
 __device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uint8_t* sec, int32_t t, const SignWords& sw,
-                                                const QuantTables& q, int rule, int lane, float* dst, int is_v) {
+                                                const QuantTables& q, int rule, int ss, int lane, float* dst, int is_v) {
   constexpr int NR = D / 32;
   float v[NR];
 #pragma unroll
@@ -190,12 +190,12 @@ __device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uin
     if constexpr (kTiled<B, F3>) {
       uint32_t code[NR];
       uint16_t sc[NR];
-      warp_quantize_exact<NR>(v, q, rule, code, sc);
+      warp_quantize_exact<NR>(v, q, rule, ss, code, sc);
       tile_put_codes_atomic<NR>(sec + fmkv_tile_block_offset(D, t), is_v, t & 15, code, lane);
       uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, B, P)) + t;
 #pragma unroll
       for (int g = 0; g < NR; ++g)
-        if (lane == g) scales[(int64_t)g * P] = sc[g];
+        if (lane == g && (g & ss) == 0) scales[(int64_t)(g >> ss) * P] = sc[g];
       warp_unrotate<D>(v, sw, lane);
 #pragma unroll
       for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = v[i];
@@ -204,7 +204,7 @@ __device__ __forceinline__ bool compress_vector(const uint16_t (&x)[D / 32], uin
     uint32_t* words = (uint32_t*)sec;
     uint16_t* scales = (uint16_t*)(sec + fmkv_scales_offset(D, B, P));
     // group g = register g: coordinate lane of the group
-    warp_quantize_groups<NR, B>(v, q, rule, lane, words + fmkv_code_word_index(B, P, 0, 0, t), P, scales + t);
+    warp_quantize_groups<NR, B>(v, q, rule, ss, lane, words + fmkv_code_word_index(B, P, 0, 0, t), P, scales + t);
     warp_unrotate<D>(v, sw, lane);
 #pragma unroll
     for (int i = 0; i < NR; ++i) dst[lane + 32 * i] = v[i];
@@ -305,12 +305,12 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
       for (int i = 0; i < NR; ++i) x[i] = ring[lane + 32 * i];
     }
     if (pg < 0 || pg >= p.num_pages) continue;  // reported by the table check
-    uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, KB, VB, P, h, isv, FMKV_SCALE_GROUP);
+    uint8_t* sec = pages + (int64_t)pg * p.page_bytes + (int64_t)h * p.head_stride + (isv ? p.ksec_bytes : 0);
     float* dst = (isv ? dv : dk) + j * D;
     // K and V of one width share one copy of the code (the second warp's instruction fetches hit)
-    if (KB == VB) compress_vector<D, KB, P, F3>(x, sec, t, p.sw, F3 && isv ? p.vq : p.kq, p.rule, lane, dst, isv);
-    else if (isv) compress_vector<D, VB, P, F3>(x, sec, t, p.sw, p.vq, p.rule, lane, dst, isv);
-    else compress_vector<D, KB, P, F3>(x, sec, t, p.sw, p.kq, p.rule, lane, dst, isv);
+    if (KB == VB) compress_vector<D, KB, P, F3>(x, sec, t, p.sw, F3 && isv ? p.vq : p.kq, p.rule, p.ss, lane, dst, isv);
+    else if (isv) compress_vector<D, VB, P, F3>(x, sec, t, p.sw, p.vq, p.rule, p.ss, lane, dst, isv);
+    else compress_vector<D, KB, P, F3>(x, sec, t, p.sw, p.kq, p.rule, p.ss, lane, dst, isv);
   }
   FMKV_TRACE(p, 0, 3);
 

@@ -2,9 +2,13 @@
 // __fdiv_rn/__fsqrt_rn: no FMA contraction) and sums follow tree_sum32's order, so the bytes equal
 // the reference's (src/format/quantize_group.h, src/ref/quantize.cpp) bit for bit.
 //  * warp level (warp_rotate, warp_quantize_groups): one warp per head vector, lane l holds
-//    coordinates l + 32 r, so register r across the warp is scale group r.
-//  * thread level (thread_fwht, thread_quantize_group; used by append.cu): one thread owns 64
-//    coordinates, i.e. two whole groups; D/64 threads per vector. See thread_fwht for the mapping.
+//    coordinates l + 32 r, so register r across the warp is code group r.
+//  * thread level (thread_fwht, thread_square_sum + thread_group_codes, or thread_quantize_group; used by
+//    append.cu): one thread owns 64 coordinates, i.e. two whole code groups; D/64 threads per vector. See
+//    thread_fwht for the mapping.
+//  * scale group 64 (ss = fmkv_scale_shift = 1): code groups 2k and 2k + 1 share one scale, their tree sums
+//    added (FORMAT.md "Scale"): the warp quantizers add registers 2k and 2k + 1 (pair_group_sums); the
+//    thread quantizer the thread's two groups (d = 64) or the partner lane's (lane ^ 1, append.cu).
 #pragma once
 #include <array>
 #include <cmath>
@@ -218,12 +222,12 @@ __device__ __forceinline__ void half_warp_unrotate(float (&y)[D / 16], const Sig
 
 // Quantize all NR groups of a warp-held vector (y[g] = coordinate lane of group g) and write their
 // code words (planes; nibble words for 4 bits; the magnitude's nibble words and the sign plane for 5) and scales, bit-exact with the reference (FORMAT.md
-// 4-6): per group rms = sqrt(tree_sum(y^2) / 32) -> fp16 s0; codes of y / s0 against the midpoint
+// 4-6): per scale group rms = sqrt(tree_sum(y^2) / (32 << ss)) -> fp16 s0; codes of y / s0 against the midpoint
 // thresholds, found without a division by comparing |y| with group_thresholds (the equivalences of
 // thread_quantize_group); LSQ rescale tree_sum(y l) / tree_sum(l l) with y l = |y| mag[m]. The groups
 // run in lockstep: no branch and no per-lane table index, so their shuffle trees and the few divisions
 // (one sqrt, and for LSQ one division, per group) overlap; a zero scale is handled by selects.
-// Group g's words at words0 + g * BITS * P (stride P between words), its scale at scales0 + g * P.
+// Group g's words at words0 + g * BITS * P (stride P between words), its scale at scales0 + (g >> ss) * P.
 // y[g] becomes the dequantized value level(code) x scale.
 template <int NR>
 __device__ __forceinline__ void warp_tree_sum32_n(float (&t)[NR]) {
@@ -232,19 +236,29 @@ __device__ __forceinline__ void warp_tree_sum32_n(float (&t)[NR]) {
 #pragma unroll
     for (int g = 0; g < NR; ++g) t[g] = __fadd_rn(t[g], __shfl_xor_sync(kFull, t[g], m));
 }
+// Scale group 64: code groups 2k and 2k + 1 (registers of a warp quantizer) take the sum of their scale group,
+// group 2k's tree sum plus group 2k + 1's (quantize_scale_group_table's order; one addition commutes exactly).
+template <int NR>
+__device__ __forceinline__ void pair_group_sums(float (&t)[NR]) {
+#pragma unroll
+  for (int k = 0; k < NR / 2; ++k) t[2 * k] = t[2 * k + 1] = __fadd_rn(t[2 * k], t[2 * k + 1]);
+}
+// ss: the scale shift (0: a scale per code group; 1: scale group 64, group g's scale at row g >> 1, written by
+// the even group).
 template <int NR, int BITS>
-__device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], const QuantTables& q, int rule, int lane,
+__device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], const QuantTables& q, int rule, int ss, int lane,
                                                      uint32_t* words0, int64_t P, uint16_t* scales0) {
   float t[NR];
 #pragma unroll
   for (int g = 0; g < NR; ++g) t[g] = __fmul_rn(y[g], y[g]);
   warp_tree_sum32_n<NR>(t);
+  if (ss) pair_group_sums<NR>(t);
   float l[NR], num[NR], den[NR];
   uint16_t scale[NR];
   uint32_t sign[NR], m[NR];
 #pragma unroll
   for (int g = 0; g < NR; ++g) {
-    const uint16_t s0 = rms_scale(t[g]);
+    const uint16_t s0 = rms_scale(t[g], FMKV_GROUP_SIZE << ss);
     const bool nz = s0 != 0;  // warp-uniform; a zero scale: every code 0 (FORMAT.md 5.2)
     float T[(1 << (BITS - 1)) - 1];
     group_thresholds<BITS>(q, f16_bits_to_f32_hw(s0), T);
@@ -261,6 +275,10 @@ __device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], const Quant
   if (rule == FMKV_SCALE_LSQ) {
     warp_tree_sum32_n<NR>(num);
     warp_tree_sum32_n<NR>(den);
+    if (ss) {
+      pair_group_sums<NR>(num);
+      pair_group_sums<NR>(den);
+    }
 #pragma unroll
     for (int g = 0; g < NR; ++g)
       if (scale[g] != 0) scale[g] = lsq_scale(num[g], den[g]);
@@ -288,7 +306,7 @@ __device__ __forceinline__ void warp_quantize_groups(float (&y)[NR], const Quant
       const uint32_t out = lane == 0 ? wd[0] : lane == 1 ? wd[1] : lane == 2 ? wd[2] : lane == 3 ? wd[3] : wd[4];
       words0[(int64_t)g * BITS * P + lane * P] = out;
     }
-    if (lane == 31) scales0[(int64_t)g * P] = scale[g];
+    if (lane == 31 && (g & ss) == 0) scales0[(int64_t)(g >> ss) * P] = scale[g];
     y[g] = l[g] * f16_bits_to_f32_hw(scale[g]);  // l carries the sign (0 when the scale is 0)
   }
 }
@@ -372,10 +390,11 @@ __device__ __forceinline__ void thread_fwht(float (&r)[64], int lane) {
   }
 }
 
-// Quantize one group of 32 rotated values y[0..31] (FORMAT.md 4-6, src/format/quantize_group.h quantize_group):
-// returns the fp16 scale, w[0..BITS-1] the packed words (FORMAT.md section 6: planes for 2 / 3 bits, nibble
-// words for 4, the magnitude's nibble words and the sign plane for 5). Equivalences used (all exact):
-//  * tree_sum32(t) / 32 == t * 2^-5 (both the rounding of the same real number);
+// Quantize one group of 32 rotated values y[0..31] (FORMAT.md 4-6, src/format/quantize_group.h
+// quantize_scale_group_table): the fp16 scale and w[0..BITS-1], the packed words (FORMAT.md section 6: planes
+// for 2 / 3 bits, nibble words for 4, the magnitude's nibble words and the sign plane for 5). Equivalences
+// used (all exact):
+//  * sum / 32 == sum * 2^-5, sum / 64 == sum * 2^-6 (the rounding of the same real number);
 //  * code magnitude: fl(|y| / s) > t_i  <=>  |y| > T_i = RD(t_i*s + hulp_i*s). t_i has <= 13
 //    significant bits and an even significand (checked on the host), s is fp16 (<= 11 bits), so
 //    t_i*s and hulp_i*s are exact floats and __fadd_rd rounds their exact sum down; the rounding
@@ -392,12 +411,11 @@ __device__ __forceinline__ void thread_fwht(float (&r)[64], int lane) {
 // float): the group's thresholds from exact_threshold instead, the same compares after.
 // NIB (3 bits only): the codes as nibbles instead of planes, coordinate j at nibble fmkv_nibble_shift(j) of
 // word fmkv_nibble_word(j) (magnitude bits 0-1, sign bit 2): the input of the tile writers (tile_token_words).
-template <int BITS, bool LSQ, bool EXACT = false, bool NIB = false>
-__device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], const QuantTables& q,
-                                                         uint32_t (&w)[NIB ? 4 : BITS]) {
-  static_assert(!NIB || BITS == 3, "nibble output is for 3-bit codes");
-  constexpr int NW = NIB ? 4 : BITS;
-  constexpr int M = 1 << (BITS - 1);
+// The whole quantizer of one code group with its own scale (scale group 32) is thread_quantize_group; scale
+// group 64 composes its steps (append.cu quantize_store): thread_square_sum (the group's tree sum of y^2),
+// the scale from the scale group's sum, thread_group_codes (codes, and the LSQ tree sums num / den of
+// y l and l l), the LSQ scale from the scale group's num / den.
+__device__ __forceinline__ float thread_square_sum(const float (&y)[32]) {
   float s8[8];  // tree_sum32 after steps 16 and 8
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -409,8 +427,14 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
   for (int step = 4; step >= 1; step >>= 1)
 #pragma unroll
     for (int j = 0; j < step; ++j) s8[j] = __fadd_rn(s8[j], s8[j + step]);
-  const uint16_t s0 = rms_scale(s8[0]);
-  const float s0f = f16_bits_to_f32_hw(s0);
+  return s8[0];
+}
+template <int BITS, bool LSQ, bool EXACT = false, bool NIB = false>
+__device__ __forceinline__ void thread_group_codes(const float (&y)[32], const QuantTables& q, float s0f,
+                                                   uint32_t (&w)[NIB ? 4 : BITS], float& num, float& den) {
+  static_assert(!NIB || BITS == 3, "nibble output is for 3-bit codes");
+  constexpr int NW = NIB ? 4 : BITS;
+  constexpr int M = 1 << (BITS - 1);
   // The thresholds and the search below are the same as group_thresholds / search_magnitude, written
   // out: through the helpers ptxas scheduled compress's loop differently and the prefill ran 2-3%
   // slower (docs/history/cuda-quantize.md, f5c839f; as written, append.cu compiles to the same SASS as
@@ -489,7 +513,7 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
       }
     }
   }
-  uint16_t scale = s0;
+  num = den = 0.0f;
   if constexpr (LSQ) {
 #pragma unroll
     for (int step = 4; step >= 1; step >>= 1)
@@ -498,11 +522,22 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
         num8[j] = __fadd_rn(num8[j], num8[j + step]);
         den8[j] = __fadd_rn(den8[j], den8[j + step]);
       }
-    scale = lsq_scale(num8[0], den8[0]);
+    num = num8[0];
+    den = den8[0];
   }
+}
+// One code group with its own scale (scale group 32): returns the fp16 scale, w the packed words.
+template <int BITS, bool LSQ, bool EXACT = false, bool NIB = false>
+__device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], const QuantTables& q,
+                                                         uint32_t (&w)[NIB ? 4 : BITS]) {
+  const uint16_t s0 = rms_scale(thread_square_sum(y));
+  float num, den;
+  thread_group_codes<BITS, LSQ, EXACT, NIB>(y, q, f16_bits_to_f32_hw(s0), w, num, den);
+  uint16_t scale = s0;
+  if constexpr (LSQ) scale = lsq_scale(num, den);
   if (s0 == 0) {  // FORMAT.md 5.2: all codes 0, scale 0
 #pragma unroll
-    for (int b = 0; b < NW; ++b) w[b] = 0u;
+    for (int b = 0; b < (NIB ? 4 : BITS); ++b) w[b] = 0u;
     scale = 0;
   }
   return scale;

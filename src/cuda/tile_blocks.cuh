@@ -39,18 +39,20 @@ inline QuantTables tile_quantizer_tables(int table) {
 
 // Quantize the NR groups of one rotated vector held by a warp (y[g]: coordinate lane of group g) with a
 // 3-bit table q of format 3: code[g] (sign bit 2, magnitude bits 0-1), scale[g] (fp16 bits; uniform over the
-// warp). y[g] becomes the dequantized value level x scale. Every lane computes the same tree sums.
+// warp). y[g] becomes the dequantized value level x scale. Every lane computes the same tree sums. ss: the
+// scale shift (1: scale group 64, groups 2k and 2k + 1 get their scale group's scale, pair_group_sums).
 template <int NR>
-__device__ __forceinline__ void warp_quantize_exact(float (&y)[NR], const QuantTables& q, int rule, uint32_t (&code)[NR],
-                                                    uint16_t (&scale)[NR]) {
+__device__ __forceinline__ void warp_quantize_exact(float (&y)[NR], const QuantTables& q, int rule, int ss,
+                                                    uint32_t (&code)[NR], uint16_t (&scale)[NR]) {
   float t[NR];
 #pragma unroll
   for (int g = 0; g < NR; ++g) t[g] = __fmul_rn(y[g], y[g]);
   warp_tree_sum32_n<NR>(t);
+  if (ss) pair_group_sums<NR>(t);
   float l[NR], num[NR], den[NR];
 #pragma unroll
   for (int g = 0; g < NR; ++g) {
-    const uint16_t s0 = rms_scale(t[g]);
+    const uint16_t s0 = rms_scale(t[g], FMKV_GROUP_SIZE << ss);
     const bool nz = s0 != 0;  // warp-uniform; a zero scale: every code 0, scale 0 (FORMAT.md 5)
     const float u = nz ? __fdiv_rn(y[g], f16_bits_to_f32_hw(s0)) : 0.0f;
     const float a = fabsf(u);
@@ -66,6 +68,10 @@ __device__ __forceinline__ void warp_quantize_exact(float (&y)[NR], const QuantT
   if (rule == FMKV_SCALE_LSQ) {
     warp_tree_sum32_n<NR>(num);
     warp_tree_sum32_n<NR>(den);
+    if (ss) {
+      pair_group_sums<NR>(num);
+      pair_group_sums<NR>(den);
+    }
 #pragma unroll
     for (int g = 0; g < NR; ++g)
       if (scale[g] != 0) scale[g] = lsq_scale(num[g], den[g]);

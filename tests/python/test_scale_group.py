@@ -6,8 +6,9 @@
   poisoned first), hold quantize_vector(..., scale_group=64)'s scales, and attention (output NaN-poisoned before the
   call) is within 1e-5 of the float64 attention over the dequantized K/V (fmkv.reference) and differs from the
   default scale group's.
-* CUDA (skipped without a CUDA device and a CUDA build): append / attention refuse a scale_group 64 config naming it,
-  and leave the cache tensors unchanged.
+* CUDA (skipped without a CUDA device and a CUDA build): the CUDA kernels' appends write the reference's bytes,
+  attention and the fused step are within the CUDA bound (4e-3) of the float64 attention; a TorchCache on the device
+  holds the host cache's bytes.
 * fmkv.hf: FmkvCache / FmkvStaticCache(scale_group=64) decode the tiny model of hf_cases, every layer's config
   (width groups included) carries it, every fused output equals the reference attention over the recorded K/V.
 * fmkv.mlx: the host runtime stores scale group 64 bit-exactly; the GPU runtimes (Metal / MLX-CUDA kernels, whose kernel
@@ -218,41 +219,76 @@ def test_torch_cache_and_errors(backend, rng):
     assert torch.equal(pages, before)
 
 
-# ----------------------------------------------------------------------------------------------- CUDA: refused
+# ----------------------------------------------------------------------------------------------- CUDA
+CUDA_CASES = [  # k_bits, v_bits, head_dim, sink, window, scale_rule, format_version
+    (2, 2, 64, 0, 4, "lsq", 0),
+    (3, 3, 128, 2, 5, "rms", 3),
+    (4, 4, 128, 0, 0, "lsq", 2),
+]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda is not available (no CUDA device, or a "
-                    "CPU-only torch build): the 'cuda' backend's refusal of scale_group 64 is not exercised")
-def test_cuda_refuses_scale_group_64(rng):
+                    "CPU-only torch build): the 'cuda' backend's scale group 64 is not exercised")
+@pytest.mark.parametrize("case", CUDA_CASES, ids=lambda c: "k{}v{}d{}S{}W{}{}f{}".format(*c))
+def test_cuda_scale_group_64(rng, case):
+    """The CUDA kernels with scale group 64: two appends (random-byte pool, a page outside the table untouched) write
+    the reference's bytes; attention and the fused step are within the CUDA bound (4e-3) of
+    the float64 attention over the dequantized K/V; the fused step writes the separate ops' bytes."""
     if not fmkv.backends()["cuda"]["available"]:
         pytest.skip("the fmkv extension has no usable 'cuda' backend (built without CUDA)")
+    kb, vb, d, S, W, rule, fv = case
     dev = torch.device("cuda", torch.cuda.current_device())
-    config = _cfg(scale_group=SG, window_tokens=4)
+    seed, layer = int(rng.integers(0, 2**63)), int(rng.integers(0, 30))
+    config = _cfg(head_dim=d, num_kv_heads=2, k_bits=kb, v_bits=vb, sink_tokens=S, window_tokens=W, scale_rule=rule,
+                  seed=seed, format_version=fv, scale_group=SG)
+    fmkv.check_backend("cuda", config)
     cfg = torch_ops.config_to_list(config)
-    pages, fk, fv = (t.to(dev) for t in _tensors(config, 4, 1, 3))
-    k = torch.randn(20, 2, 64, device=dev)
-    q = torch.randn(1, 4, 64, device=dev)
-    b = tuple(t.to(dev) for t in _batch([0], [0], [20], [[1, 0, 2, 3]]))
-    before = [t.clone() for t in (pages, fk, fv)]
-    with pytest.raises(fmkv.FmkvError, match="scale_group 64 is not supported by the 'cuda' backend"):
-        torch_ops.append(pages, fk, fv, k, k, *b, cfg, 0)
-    b_att = tuple(t.to(dev) for t in _batch([0], [20], [1], [[1, 0, 2, 3]]))
-    with pytest.raises(fmkv.FmkvError, match="scale_group 64"):
-        torch_ops.attention(pages, fk, fv, q, *b_att, cfg, 0)
-    with pytest.raises(fmkv.FmkvError, match="scale_group 64"):
-        torch_ops.append_attention(pages, fk, fv, k[:1], k[:1], q, *b_att, cfg, 0)
-    fmkv.cuda_check()  # refused on the host: nothing reached the device
-    assert all(torch.equal(a, b) for a, b in zip((pages, fk, fv), before))
-    tc = torch_ops.TorchCache(config, 1, 4, 1, backend="cuda")
-    s = tc.add_sequence()
-    with pytest.raises(fmkv.FmkvError, match="scale_group 64"):
-        tc.append(0, s, k, k)
-    assert tc.length(0, s) == 0 and tc.free_pages == 4 and not tc.pages[0].any()
+    T, NQ = 45, 3
+    g = torch.Generator().manual_seed(seed % 2**62)
+    k = torch.randn(T, 2, d, generator=g) * (1 + torch.rand(d, generator=g) * 3)
+    v = torch.randn(T, 2, d, generator=g)
+    q = torch.randn(NQ, 6, d, generator=g)
+    ref = reference.attention(config, layer, k, v, q)
+    table = [[3, 0, 2, 1]]
+    want = None
+    for backend in ("ref", "cuda"):
+        on = dev if backend == "cuda" else torch.device("cpu")
+        pages, fk, fv16 = (t.to(on) for t in _tensors(config, 5, 1, seed % 1000))
+        untouched = pages[4].clone()
+        b1 = tuple(t.to(on) for t in _batch([0], [0], [20], table))
+        b2 = tuple(t.to(on) for t in _batch([0], [20], [T - 20], table))
+        torch.ops.fmkv.append(pages, fk, fv16, k[:20].to(on), v[:20].to(on), *b1, cfg, layer, backend)
+        torch.ops.fmkv.append(pages, fk, fv16, k[20:].to(on), v[20:].to(on), *b2, cfg, layer, backend)
+        assert torch.equal(pages[4], untouched)
+        got = tuple(t.cpu() for t in (pages, fk, fv16))
+        if want is None:
+            want = got
+            continue
+        fmkv.cuda_check()
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), "cuda pages differ from the reference's"
+        bq = tuple(t.to(dev) for t in _batch([0], [T], [NQ], table))
+        out = torch_ops.attention(pages, fk, fv16, q.to(dev), *bq, cfg, layer, 0.0, 0.0, "cuda")
+        fmkv.cuda_check()
+        assert torch.isfinite(out).all() and reference.rel_error(out.cpu().numpy(), ref) < 4e-3
+        p2, k2, v2 = (t.to(dev) for t in _tensors(config, 5, 1, seed % 1000))
+        bp = tuple(t.to(dev) for t in _batch([0], [0], [T - 1], table))
+        torch.ops.fmkv.append(p2, k2, v2, k[:T - 1].to(dev), v[:T - 1].to(dev), *bp, cfg, layer, "cuda")
+        bf = tuple(t.to(dev) for t in _batch([0], [T - 1], [1], table))
+        fused = torch_ops.append_attention(p2, k2, v2, k[T - 1:].to(dev), v[T - 1:].to(dev), q[-1:].to(dev), *bf, cfg,
+                                           layer, 0.0, 0.0, "cuda")
+        fmkv.cuda_check()
+        assert reference.rel_error(fused.cpu().numpy(), ref[-1:]) < 4e-3
+        assert all(torch.equal(a.cpu(), b) for a, b in zip((p2, k2, v2), want)), "the fused step's bytes differ"
+    # a TorchCache on the device: smaller than the default scale group's, the same values as the host cache
+    tc = torch_ops.TorchCache(config, 1, 8, 1, backend="cuda")
+    host = torch_ops.TorchCache(config, 1, 8, 1, backend="cpu")
+    assert tc.resident_bytes < torch_ops.TorchCache(_cfg(head_dim=d), 1, 8, 1, backend="cuda").resident_bytes
+    s, hs = tc.add_sequence(), host.add_sequence()
+    tc.append(0, s, k.to(dev), v.to(dev))
+    host.append(0, hs, k, v)
     tc.check()
-    # the default scale group runs on the same device
-    dflt = torch_ops.TorchCache(_cfg(window_tokens=4), 1, 4, 1, backend="cuda")
-    s = dflt.add_sequence()
-    dflt.append(0, s, k, k)
-    dflt.check()
-    assert dflt.length(0, s) == 20
+    assert torch.equal(tc.pages[0].cpu(), host.pages[0])
+    assert reference.rel_error(tc.attention(0, s, q.to(dev)).cpu().numpy(), host.attention(0, hs, q).numpy()) < 4e-3
 
 
 # ----------------------------------------------------------------------------------------------- fmkv.hf

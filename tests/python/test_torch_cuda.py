@@ -3,7 +3,8 @@
 Needs a CUDA device, a CUDA build of torch, and the extension built with the CUDA backend
 (``pip install . -C cmake.define.FMKV_CUDA=ON``); otherwise the whole file is skipped with the
 reason. Checks, against the CPU backend on the same inputs:
-* append writes the same page and fp16-region bytes (the format is bit-exact across backends);
+* append writes the same page and fp16-region bytes (the format is bit-exact across backends), for every code
+  width, formats 2 and 3 and both scale groups (32, 64);
 * attention is within 4e-3 relative (fp16 tensor-core arithmetic on the GPU);
 * mismatched device / backend combinations are errors naming the tensor and device, never copies;
 * device-detected errors (bad block-table entry, NaN input) surface at fmkv.cuda_check(), the op
@@ -113,11 +114,16 @@ CONFIGS = [
     dict(head_dim=64, num_kv_heads=4, k_bits=16, v_bits=3, page_size=16, sink_tokens=4),
     dict(head_dim=128, num_kv_heads=2, k_bits=5, v_bits=4, page_size=16, sink_tokens=2, window_tokens=8),
     dict(head_dim=64, num_kv_heads=2, k_bits=5, v_bits=5, page_size=32, scale_rule="rms"),
+    dict(head_dim=64, num_kv_heads=2, k_bits=4, v_bits=4, page_size=16, window_tokens=4, scale_group=64),
+    dict(head_dim=128, num_kv_heads=2, k_bits=3, v_bits=3, page_size=32, sink_tokens=2, format_version=3,
+         scale_group=64),
 ]
+FUSED_CONFIGS = CONFIGS[:3] + CONFIGS[-2:]  # the fused step: 2-, 3- and 4-bit codes, both scale groups and formats
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c['head_dim']}k{c['k_bits']}v{c['v_bits']}"
-                         f"s{c.get('sink_tokens', 0)}w{c.get('window_tokens', 0)}{c.get('scale_rule', '')}")
+                         f"s{c.get('sink_tokens', 0)}w{c.get('window_tokens', 0)}{c.get('scale_rule', '')}"
+                         f"f{c.get('format_version', 0)}g{c.get('scale_group', 0)}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_ops_match_cpu_backend(cfg, dtype, tgen):
     """Two sequences, two append calls each (ring flushes, permuted pages and slots): the CUDA op
@@ -148,8 +154,8 @@ def test_ops_match_cpu_backend(cfg, dtype, tgen):
     assert_cuda_matches_cpu(res)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: f"d{c['head_dim']}k{c['k_bits']}v{c['v_bits']}"
-                         f"w{c.get('window_tokens', 0)}")
+@pytest.mark.parametrize("cfg", FUSED_CONFIGS, ids=lambda c: f"d{c['head_dim']}k{c['k_bits']}v{c['v_bits']}"
+                         f"w{c.get('window_tokens', 0)}f{c.get('format_version', 0)}g{c.get('scale_group', 0)}")
 def test_append_attention_matches_cpu_backend(cfg, tgen):
     """The fused decode step on CUDA (one attention launch appends and attends) writes the CPU
     backend's bytes and matches its attention within 4e-3; captured in a CUDA graph it replays."""
