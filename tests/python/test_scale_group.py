@@ -282,7 +282,8 @@ def test_cuda_scale_group_64(rng, case):
     # a TorchCache on the device: smaller than the default scale group's, the same values as the host cache
     tc = torch_ops.TorchCache(config, 1, 8, 1, backend="cuda")
     host = torch_ops.TorchCache(config, 1, 8, 1, backend="cpu")
-    assert tc.resident_bytes < torch_ops.TorchCache(_cfg(head_dim=d), 1, 8, 1, backend="cuda").resident_bytes
+    default_sg = dataclasses.replace(config, scale_group=0)
+    assert tc.resident_bytes < torch_ops.TorchCache(default_sg, 1, 8, 1, backend="cuda").resident_bytes
     s, hs = tc.add_sequence(), host.add_sequence()
     tc.append(0, s, k.to(dev), v.to(dev))
     host.append(0, hs, k, v)
