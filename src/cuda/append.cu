@@ -218,14 +218,7 @@ __device__ __forceinline__ void quantize_pair(const float (&r)[64], const float 
       scale_group_sums(den);
     }
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      sc[b] = LSQ ? lsq_scale(num[b], den[b]) : s0[b];
-      if (s0[b] == 0) {  // FORMAT.md 5.2: all codes 0, scale 0
-#pragma unroll
-        for (int i = 0; i < (NIB ? 4 : BITS); ++i) w[b][i] = 0u;
-        sc[b] = 0;
-      }
-    }
+    for (int b = 0; b < 2; ++b) sc[b] = thread_group_scale<LSQ>(s0[b], num[b], den[b], w[b]);
   }
 }
 

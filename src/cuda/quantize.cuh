@@ -526,6 +526,19 @@ __device__ __forceinline__ void thread_group_codes(const float (&y)[32], const Q
     den = den8[0];
   }
 }
+// A code group's stored scale from its scale group's RMS scale s0 and (LSQ) sums num / den; a zero s0 codes
+// the group as zeros with scale 0 (FORMAT.md 5.2): w is cleared.
+template <bool LSQ, int NW>
+__device__ __forceinline__ uint16_t thread_group_scale(uint16_t s0, float num, float den, uint32_t (&w)[NW]) {
+  uint16_t scale = s0;
+  if constexpr (LSQ) scale = lsq_scale(num, den);
+  if (s0 == 0) {
+#pragma unroll
+    for (int b = 0; b < NW; ++b) w[b] = 0u;
+    scale = 0;
+  }
+  return scale;
+}
 // One code group with its own scale (scale group 32): returns the fp16 scale, w the packed words.
 template <int BITS, bool LSQ, bool EXACT = false, bool NIB = false>
 __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], const QuantTables& q,
@@ -533,14 +546,7 @@ __device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], 
   const uint16_t s0 = rms_scale(thread_square_sum(y));
   float num, den;
   thread_group_codes<BITS, LSQ, EXACT, NIB>(y, q, f16_bits_to_f32_hw(s0), w, num, den);
-  uint16_t scale = s0;
-  if constexpr (LSQ) scale = lsq_scale(num, den);
-  if (s0 == 0) {  // FORMAT.md 5.2: all codes 0, scale 0
-#pragma unroll
-    for (int b = 0; b < (NIB ? 4 : BITS); ++b) w[b] = 0u;
-    scale = 0;
-  }
-  return scale;
+  return thread_group_scale<LSQ>(s0, num, den, w);
 }
 
 }  // namespace cuda
