@@ -287,7 +287,14 @@ int main(int argc, char** argv) {
   // FMKV_BENCH_KV_HEADS: kv heads (default 8; q heads = 4 x kv heads), e.g. 1 for one GPU's share of a
   // tensor-parallel model (bench/cuda_bench.py --kv-heads-sweep)
   const char* kvh = std::getenv("FMKV_BENCH_KV_HEADS");
-  const int d = 128, H = kvh && std::atoi(kvh) > 0 ? std::atoi(kvh) : 8, HQ = 4 * H, P = 64;
+  // FMKV_BENCH_HEAD_DIM: head_dim of every case (64, 128 or 256; default 128)
+  const char* hdv = std::getenv("FMKV_BENCH_HEAD_DIM");
+  const int d = hdv ? std::atoi(hdv) : 128;
+  if (d != 64 && d != 128 && d != 256) {
+    std::fprintf(stderr, "FMKV_BENCH_HEAD_DIM=%s: expected 64, 128 or 256\n", hdv);
+    return 2;
+  }
+  const int H = kvh && std::atoi(kvh) > 0 ? std::atoi(kvh) : 8, HQ = 4 * H, P = 64;
   // FMKV_BENCH_Q_LEN: query rows per sequence (default 1; up to FMKV_FUSED_MAX_ROWS: speculative
   // verification), causal over the sequence's last q_len tokens; the decode step appends as many
   const char* qlv = std::getenv("FMKV_BENCH_Q_LEN");

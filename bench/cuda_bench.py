@@ -92,17 +92,17 @@ def sdpa_variant_us(B, ctx, layout, backend, HQ=32, H=8, d=128, l2_bytes=60 << 2
         torch.cuda.empty_cache()
 
 
-def sdpa_time_us(B, ctx, l2_bytes=60 << 20, log=None, HQ=32, H=8):
+def sdpa_time_us(B, ctx, l2_bytes=60 << 20, log=None, HQ=32, H=8, d=128):
     """Fastest of the SDPA formulations (every variant's time goes to `log`): (time_us, variant)."""
     best = (float("nan"), "failed")
     for name, layout, backend in SDPA_VARIANTS:
         try:
-            t = sdpa_variant_us(B, ctx, layout, backend, HQ=HQ, H=H, l2_bytes=l2_bytes)
+            t = sdpa_variant_us(B, ctx, layout, backend, HQ=HQ, H=H, d=d, l2_bytes=l2_bytes)
         except Exception as e:  # a backend that does not take these shapes
             t = float("nan")
             print("SDPA %s B=%d ctx=%d: %s" % (name, B, ctx, str(e).splitlines()[0][:120]), file=sys.stderr)
         if log is not None:
-            log.append(dict(batch=B, context=ctx, variant=name, time_us=None if t != t else round(t, 3)))
+            log.append(dict(batch=B, context=ctx, head_dim=d, variant=name, time_us=None if t != t else round(t, 3)))
         if t == t and not (best[0] <= t):
             best = (t, name)
     return best
@@ -194,7 +194,8 @@ def kv_heads_sweep(a):
             continue
         key = (r["kv_heads"], r["context"])
         if key not in sdpa:
-            sdpa[key] = sdpa_time_us(1, r["context"], l2_bytes=copy["l2_bytes"], HQ=r["q_heads"], H=r["kv_heads"])
+            sdpa[key] = sdpa_time_us(1, r["context"], l2_bytes=copy["l2_bytes"], HQ=r["q_heads"], H=r["kv_heads"],
+                                     d=r["head_dim"])
         bt, be = sdpa[key]
         out.append(decode_record(r, bt, be, copy["device"], a.commit, suite="cuda_kv_heads"))
     write_jsonl(os.path.join(a.out, "cuda_kv_heads.jsonl"), out)
@@ -241,7 +242,7 @@ def ragged(a):
     for r in recs:
         key = (r["batch"], r["context"])
         if key not in sdpa:
-            sdpa[key] = sdpa_time_us(r["batch"], r["context"], l2_bytes=copy["l2_bytes"])
+            sdpa[key] = sdpa_time_us(r["batch"], r["context"], l2_bytes=copy["l2_bytes"], d=r["head_dim"])
         bt, be = sdpa[key]
         rec = decode_record(r, bt, be, copy["device"], a.commit)
         rec.update(case=r["case"], lengths_spec=r["lengths_spec"])
@@ -314,12 +315,16 @@ def main():
                          "(4:4:64; default 32) (FMKV_BENCH_FORMATS of the binary; no window run); with --tag the files "
                          "are named cuda_decode_TAG.jsonl etc.")
     ap.add_argument("--tag", default=None, help="suffix of the output files (cuda_decode_TAG.jsonl, ...)")
+    ap.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=None,
+                    help="head_dim of every case (FMKV_BENCH_HEAD_DIM of the binary; default 128)")
     ap.add_argument("--format-version", type=int, choices=(2, 3), default=None,
                     help="the cache format version of every fmkv case (FMKV_BENCH_FORMAT_VERSION of the binary; "
                          "format 3 changes the 3-bit codes only)")
     a = ap.parse_args()
     if a.format_version:
         os.environ["FMKV_BENCH_FORMAT_VERSION"] = str(a.format_version)
+    if a.head_dim:
+        os.environ["FMKV_BENCH_HEAD_DIM"] = str(a.head_dim)
     if a.formats:
         os.environ["FMKV_BENCH_FORMATS"] = ";".join(f.replace(":", ",") for f in a.formats.split(","))
     sfx = "_" + a.tag if a.tag else ""
@@ -362,7 +367,7 @@ def main():
     sdpa, sdpa_log = {}, []
     for r in recs:
         if r["kind"] == "decode" and (r["batch"], r["context"]) not in sdpa:
-            sdpa[(r["batch"], r["context"])] = sdpa_time_us(r["batch"], r["context"], l2_bytes=copy["l2_bytes"],
+            sdpa[(r["batch"], r["context"])] = sdpa_time_us(r["batch"], r["context"], l2_bytes=copy["l2_bytes"], d=r["head_dim"],
                                                             log=sdpa_log)
     with open(os.path.join(a.out, "cuda_latency_sdpa.jsonl" if a.latency else "cuda_sdpa_variants%s.jsonl" % sfx), "w") as f:
         for r in sdpa_log:
@@ -434,10 +439,11 @@ def plot_decode(dec, copy_gbps, device, path):
             base.setdefault(r["context"], r["baseline_time_us"])
         xs = sorted(base)
         label = "torch SDPA fp16 (fastest of 8 formulations)"
-        ax.plot(xs, [2 * c * 8 * 128 * 2 / base[c] / 1e3 for c in xs], "s--", label=label)
+        d = b1[0]["head_dim"] if b1 else 128
+        ax.plot(xs, [2 * c * 8 * d * 2 / base[c] / 1e3 for c in xs], "s--", label=label)
         at.plot(xs, [base[c] for c in xs], "s--", label=label)
         ax.axhline(copy_gbps, color="gray", ls=":", label="D2D copy")
-        _context_axes((ax, at), "context (tokens), B=1, 32q/8kv heads, d=128", at)
+        _context_axes((ax, at), "context (tokens), B=1, 32q/8kv heads, d=%d" % d, at)
         ax.set_ylabel("GB/s (bytes that must move / time)")
         at.set_ylabel("time per decode call (µs, CUDA graph)")
         ax.set_title("decode attention on %s: bandwidth" % device)
