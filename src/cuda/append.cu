@@ -51,7 +51,6 @@ struct AppendParams {
   int64_t k_rs, k_hs, v_rs, v_hs, rows;
   int32_t d, H, kb, vb, P, lgP, S, W, R, rule;
   int32_t ss;  // scale shift, fmkv_scale_shift(scale_group): code group g's scale is row g >> ss of a section
-  int64_t head_stride, ksec_bytes;  // a kv head's K + V sections, its K section (bytes)
   // 16-byte paths: in16[isv] = fp16 input whose vectors all start 16-byte aligned; ring16 = the fp16
   // regions are 16-byte aligned; pages16 = the page pool is 16-byte aligned.
   int32_t in16[2], ring16, pages16;
@@ -136,7 +135,7 @@ __device__ __forceinline__ VecTask locate(const AppendParams& p, int64_t r, int3
   const int32_t pg = p.bt[(int64_t)s * p.bt_stride + (ci >> p.lgP)];
   if (pg < 0 || pg >= p.num_pages) return v;
   v.tok = (int32_t)(ci & (p.P - 1));
-  v.sec = p.pages + (int64_t)pg * p.page_bytes + (int64_t)h * p.head_stride + (isv ? p.ksec_bytes : 0);
+  v.sec = p.pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, p.kb, p.vb, p.P, h, isv, FMKV_GROUP_SIZE << p.ss);
   if (q >= c.len0) {
     const int64_t off = input_offset(p, c.row0 + (q - c.len0), h, isv);
     const int32_t dt = isv ? p.v_dtype : p.k_dtype;

@@ -274,8 +274,6 @@ void fill_layer_batch(Params& p, const fmkv_config& c, const fmkv_layer_cache& l
   p.R = fp16_slots(c);
   p.rule = c.scale_rule;
   p.ss = fmkv_scale_shift(c.scale_group);
-  p.head_stride = fmkv_head_stride_bytes(c.head_dim, c.k_bits, c.v_bits, c.page_size, c.scale_group);
-  p.ksec_bytes = fmkv_section_bytes(c.head_dim, c.k_bits, c.page_size, c.scale_group);
   p.sw = make_sign_words(c.seed, layer.layer, c.head_dim);
   p.err = error_word();
 }

@@ -317,6 +317,8 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
     throw Error(kUnsupported, "cuda attention: more than 65535 sequences or q heads in one call");
   AttnParams p{};
   fill_layer_batch(p, c, a.layer, a.batch);
+  p.head_stride = fmkv_head_stride_bytes(d, c.k_bits, c.v_bits, c.page_size, c.scale_group);
+  p.ksec_bytes = fmkv_section_bytes(d, c.k_bits, c.page_size, c.scale_group);
   p.q = a.q.data;
   p.q_dtype = a.q.dtype;
   p.q_rs = a.q.row_stride;

@@ -305,7 +305,7 @@ __device__ void fused_step(const AttnParams& p, int s, int h, int64_t len0, int6
       for (int i = 0; i < NR; ++i) x[i] = ring[lane + 32 * i];
     }
     if (pg < 0 || pg >= p.num_pages) continue;  // reported by the table check
-    uint8_t* sec = pages + (int64_t)pg * p.page_bytes + (int64_t)h * p.head_stride + (isv ? p.ksec_bytes : 0);
+    uint8_t* sec = pages + (int64_t)pg * p.page_bytes + fmkv_section_offset(D, KB, VB, P, h, isv, FMKV_GROUP_SIZE << p.ss);
     float* dst = (isv ? dv : dk) + j * D;
     // K and V of one width share one copy of the code (the second warp's instruction fetches hit)
     if (KB == VB) compress_vector<D, KB, P, F3>(x, sec, t, p.sw, F3 && isv ? p.vq : p.kq, p.rule, p.ss, lane, dst, isv);
