@@ -343,7 +343,14 @@ int main(int argc, char** argv) {
   if (quick) cases = {{1, 4096}, {1, 131072}, {64, 8192}};
   if (only) {
     cases = {{std::atoi(argv[2]), std::atoll(argv[3])}};
-    fmts = {{std::atoi(argv[4]), std::atoi(argv[5])}};
+    // FMKV_BENCH_SCALE_GROUP: the scale group of the --only / --trace case (32 or 64; default 32)
+    const char* sgv = std::getenv("FMKV_BENCH_SCALE_GROUP");
+    const int sg = sgv ? std::atoi(sgv) : 0;
+    if (sgv && sg != 32 && sg != 64) {
+      std::fprintf(stderr, "FMKV_BENCH_SCALE_GROUP=%s: expected 32 or 64\n", sgv);
+      return 2;
+    }
+    fmts = {{std::atoi(argv[4]), std::atoi(argv[5]), sg}};
   }
   if (window > 0 && !only) {  // --window W [ctx ...]: the contexts given, else 4k / 32k / 128k
     cases = {{1, 4096}, {1, 32768}, {1, 131072}};

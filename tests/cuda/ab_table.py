@@ -32,6 +32,10 @@ def cases(path):
             key += ("kv%d" % r["kv_heads"],)
         if r.get("q_len", 1) != 1:  # FMKV_BENCH_Q_LEN runs
             key += ("q%d" % r["q_len"],)
+        if r.get("head_dim", 128) != 128:  # FMKV_BENCH_HEAD_DIM runs
+            key += ("d%d" % r["head_dim"],)
+        if r.get("scale_group", 32) != 32:  # scale group 64 (FMKV_BENCH_SCALE_GROUP, --formats kb:vb:64)
+            key += ("g%d" % r["scale_group"],)
         if r.get("case") == "ragged":  # --ragged runs: context is the mean length
             key += ("ragged:" + r["lengths_spec"],)
         if r["kind"] == "decode":
