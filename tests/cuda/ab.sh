@@ -16,7 +16,9 @@
 # counts per case); without -c the set below (the cases of the 0c3fbe5-f2c759d A/Bs,
 # docs/history/cuda-occupancy.md). A round starts only while fewer than SECONDS (default 420) have passed
 # since the script started. AB_REUSE=1 keeps an existing
-# $AB_DIR/ab_NAME/fmkv_cuda_bench instead of building (a second call on a warm machine); AB_DIR: /tmp.
+# $AB_DIR/ab_NAME/fmkv_cuda_bench instead of building (a second call on a warm machine, or binaries built off the
+# device: -DCMAKE_CUDA_ARCHITECTURES=90-real leaves out the PTX, ~34 MB, ~11 MB as xz, so two fit one call's carry);
+# AB_DIR: /tmp.
 set -u
 ROUNDS=3 SECONDS_MAX=420 CASEFILE="" PRINT_CASES=""
 while getopts "r:t:c:p" o; do
