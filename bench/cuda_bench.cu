@@ -326,7 +326,7 @@ int main(int argc, char** argv) {
       if (end == std::string::npos) end = spec.size();
       int kb = 0, vb = 0, sg = 0;
       const int got = std::sscanf(spec.substr(at, end - at).c_str(), "%d,%d,%d", &kb, &vb, &sg);
-      if (got < 2 || (got == 3 && sg != 32 && sg != 64)) {
+      if (got < 2 || (got == 3 && (sg == 0 || !fmkv_scale_group_supported(sg)))) {
         std::fprintf(stderr, "FMKV_BENCH_FORMATS=%s: expected kb,vb[,sg];kb,vb[,sg];... (sg 32 or 64)\n", fe);
         return 2;
       }
@@ -346,7 +346,7 @@ int main(int argc, char** argv) {
     // FMKV_BENCH_SCALE_GROUP: the scale group of the --only / --trace case (32 or 64; default 32)
     const char* sgv = std::getenv("FMKV_BENCH_SCALE_GROUP");
     const int sg = sgv ? std::atoi(sgv) : 0;
-    if (sgv && sg != 32 && sg != 64) {
+    if (sgv && (sg == 0 || !fmkv_scale_group_supported(sg))) {
       std::fprintf(stderr, "FMKV_BENCH_SCALE_GROUP=%s: expected 32 or 64\n", sgv);
       return 2;
     }
