@@ -290,7 +290,7 @@ int main(int argc, char** argv) {
   // FMKV_BENCH_HEAD_DIM: head_dim of every case (64, 128 or 256; default 128)
   const char* hdv = std::getenv("FMKV_BENCH_HEAD_DIM");
   const int d = hdv ? std::atoi(hdv) : 128;
-  if (d != 64 && d != 128 && d != 256) {
+  if (!fmkv_head_dim_supported(d)) {
     std::fprintf(stderr, "FMKV_BENCH_HEAD_DIM=%s: expected 64, 128 or 256\n", hdv);
     return 2;
   }

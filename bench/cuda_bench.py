@@ -315,8 +315,9 @@ def main():
                          "(4:4:64; default 32) (FMKV_BENCH_FORMATS of the binary; no window run); with --tag the files "
                          "are named cuda_decode_TAG.jsonl etc.")
     ap.add_argument("--tag", default=None, help="suffix of the output files (cuda_decode_TAG.jsonl, ...)")
-    ap.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=None,
-                    help="head_dim of every case (FMKV_BENCH_HEAD_DIM of the binary; default 128)")
+    ap.add_argument("--head-dim", type=int, default=None,
+                    help="head_dim of every case (FMKV_BENCH_HEAD_DIM of the binary, which refuses one the format "
+                         "does not have; default 128)")
     ap.add_argument("--format-version", type=int, choices=(2, 3), default=None,
                     help="the cache format version of every fmkv case (FMKV_BENCH_FORMAT_VERSION of the binary; "
                          "format 3 changes the 3-bit codes only)")
