@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <dirent.h>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <string>
@@ -25,12 +27,28 @@ using fmkv::io::rd64;
 using fmkv::io::wr32;
 using fmkv::io::wr64;
 
-std::string tmpdir() {
-  static std::string d = [] {
+// One scratch directory per test process, removed with everything in it when the process exits (the
+// tests' snapshot files are ~0.5 MB each; a test run leaves nothing behind in /tmp).
+struct ScratchDir {
+  std::string path;
+  ScratchDir() {
     char t[] = "/tmp/fmkv_io_test_XXXXXX";
-    return std::string(mkdtemp(t));
-  }();
-  return d;
+    const char* p = mkdtemp(t);
+    if (p == nullptr) {
+      std::perror("fmkv_io_test: mkdtemp");
+      std::abort();
+    }
+    path = p;
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+std::string tmpdir() {
+  static ScratchDir d;
+  return d.path;
 }
 
 std::vector<uint8_t> read_file(const std::string& p) {
