@@ -5,6 +5,7 @@
 #include "harness.h"
 #include "ref/quantize.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 
@@ -499,6 +500,69 @@ TEST_P(Backends, CodeWidth5MatchesOrIsRefused) {
                                  std::to_string(c.format_version) + " sg " + std::to_string(c.scale_group);
         check_option_case(b, supported, c, {41, 0, 77}, {1, 2, 1}, 2 + n % 3, "code width 5 is not supported", what);
       }
+}
+
+// fmkv_backend_check_attention answers what the attention calls do: for every head_dim x K width x V width x format
+// version, either it accepts the config and the attention and fused step run within the backend's bound of the
+// reference, or it refuses with FMKV_ERR_UNSUPPORTED naming the pair, and both calls fail with the same status and
+// message and write nothing. Only CUDA may refuse a valid config, and only outside its default grid; bad arguments
+// (NULL, an invalid config, an unknown backend) are errors, not answers.
+TEST_P(Backends, AttentionCheckAgreesWithTheCalls) {
+  const fmkv_backend b = GetParam();
+  int n = 0, refused = 0;
+  for (int d : {64, 128, 256})
+    for (int kb : {2, 3, 4, 5, 16})
+      for (int vb : {2, 3, 4, 5})
+        for (int fv : {2, 3}) {
+          ++n;
+          fmkv_config c = config(d, kb, vb, 2, n % 2 ? 16 : 32, 0, n % 3 == 0 ? 16 : 0);
+          c.format_version = fv;
+          const std::string what = std::string(fmkv_backend_name(b)) + " d=" + std::to_string(d) + " k" +
+                                   std::to_string(kb) + "v" + std::to_string(vb) + " format " + std::to_string(fv);
+          const fmkv_status st = fmkv_backend_check_attention(b, &c);
+          const std::string msg = st == FMKV_OK ? "" : fmkv_last_error();
+          int64_t n1 = 0;
+          Scenario s = filled_scenario(c, {40}, {1}, FMKV_F16, &n1);
+          auto k1 = random_tensor(FMKV_F16, n1, 2, d, 3.0), v1 = random_tensor(FMKV_F16, n1, 2, d);
+          auto q1 = random_tensor(FMKV_F16, n1, 4, d);
+          const fmkv_tensor kt = make_tensor(k1.data(), FMKV_F16, n1, 2, d), vt = make_tensor(v1.data(), FMKV_F16, n1, 2, d);
+          const fmkv_tensor qt = make_tensor(q1.data(), FMKV_F16, n1, 4, d);
+          if (st == FMKV_OK) {
+            expect_matches_reference(b, s, kt, vt, qt, d, kb, vb, what);
+            continue;
+          }
+          ++refused;
+          EXPECT_EQ(st, FMKV_ERR_UNSUPPORTED) << what << ": " << msg;
+          EXPECT_EQ(b, FMKV_BACKEND_CUDA) << what << " refused: " << msg;
+          const bool tiled = fmkv_tiled_codes(fv, kb) || fmkv_tiled_codes(fv, vb);
+          EXPECT_FALSE(tiled ? in_default_cuda_grid_f3(d, kb, vb) : in_default_cuda_grid(d, kb, vb))
+              << what << ": in the default grid but refused: " << msg;
+          EXPECT_NE(msg.find("k" + std::to_string(kb) + "v" + std::to_string(vb)), std::string::npos) << msg;
+          // the calls, with a workspace of the plan's size: the same answer, nothing written
+          DeviceLayer L(b, s, s.pages, s.fp16_k, s.fp16_v, s.lens);
+          DeviceTensor k(b, kt), v(b, vt), q(b, qt);
+          DeviceOutput o(b, qt, FMKV_F32);
+          const int64_t ws = fmkv_attention_workspace_bytes(b, &c, qt.heads, qt.rows, s.seqs(), 0);
+          DeviceBuf work(b, (size_t)ws + 16);
+          EXPECT_EQ(fmkv_attention(b, &c, &L.lc, &L.bt, &q.t, nullptr, &o.t, work.p, (size_t)ws, nullptr), st) << what;
+          EXPECT_EQ(std::string(fmkv_last_error()), msg) << what;
+          EXPECT_EQ(fmkv_append_attention(b, &c, &L.lc, &L.bt, &k.t, &v.t, &q.t, nullptr, &o.t, work.p, (size_t)ws, nullptr),
+                    st) << what;
+          EXPECT_EQ(std::string(fmkv_last_error()), msg) << what;
+          check(fmkv_device_synchronize(b));
+          const LayerState after = L.state(s);
+          EXPECT_TRUE(after.pages == s.pages && after.fp16_k == s.fp16_k && after.fp16_v == s.fp16_v)
+              << what << ": a refused call wrote the cache";
+          for (float x : o.as_f32()) ASSERT_TRUE(std::isnan(x)) << what << ": a refused call wrote the output";
+        }
+  std::printf("[ note ] %s: %d of %d combinations refused by fmkv_backend_check_attention\n", fmkv_backend_name(b), refused, n);
+  fmkv_config c = config(128, 3, 3);
+  EXPECT_EQ(fmkv_backend_check_attention(b, nullptr), FMKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(fmkv_backend_check_attention((fmkv_backend)FMKV_BACKEND_COUNT, &c), FMKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fmkv_last_error()).find("unknown backend"), std::string::npos) << fmkv_last_error();
+  c.head_dim = 96;
+  EXPECT_EQ(fmkv_backend_check_attention(b, &c), FMKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fmkv_last_error()).find("head_dim"), std::string::npos) << fmkv_last_error();
 }
 
 INSTANTIATE_TEST_SUITE_P(All, Backends,

@@ -50,6 +50,12 @@ fmkv_status fmkv_config_validate(const fmkv_config* cfg);
  * scale group and code widths); otherwise the error every op of b would return for it (FMKV_ERR_UNSUPPORTED naming
  * the option and the backends that have it, FMKV_ERR_INVALID_ARGUMENT for an invalid config). */
 fmkv_status fmkv_backend_check_config(fmkv_backend b, const fmkv_config* cfg);
+/* FMKV_OK when fmkv_backend_check_config accepts (b, cfg) and b's decode attention (fmkv_attention,
+ * fmkv_attention_lse, fmkv_append_attention) has a kernel for cfg in this build; otherwise the error those calls
+ * would return (FMKV_ERR_UNSUPPORTED naming the (head_dim, K, V) combination and the compiled ones: a CUDA build
+ * compiles a grid of combinations, docs/ARCHITECTURE.md; every other backend has every combination). Appends do
+ * not depend on it. */
+fmkv_status fmkv_backend_check_attention(fmkv_backend b, const fmkv_config* cfg);
 /* Bytes of one page (one layer, all kv heads, K and V), or -1 on an invalid config. */
 int64_t fmkv_config_page_bytes(const fmkv_config* cfg);
 /* Bytes of the fp16 sink+window region of one sequence slot, K and V, one layer. */

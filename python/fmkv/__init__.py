@@ -31,6 +31,8 @@ __all__ = [
     "backends",
     "check_backend",
     "backend_supports",
+    "check_attention",
+    "attention_supported",
     "default_backend",
     "synchronize",
     "cuda_check",
@@ -68,6 +70,23 @@ def backend_supports(backend: str, config: "Config") -> bool:
     """Whether :func:`check_backend` accepts ``backend`` for ``config``."""
     try:
         check_backend(backend, config)
+        return True
+    except FmkvError:
+        return False
+
+
+def check_attention(backend: str, config: "Config") -> None:
+    """Raise :class:`FmkvError` when ``backend``'s decode attention (and fused decode step) cannot run caches of
+    ``config``: what :func:`check_backend` raises, or FMKV_ERR_UNSUPPORTED naming the (head_dim, K, V) combination when
+    this build has no kernel for it (a CUDA build compiles a grid of combinations; appends are not affected); the
+    error the attention ops would raise (``fmkv_backend_check_attention``)."""
+    _fmkv.backend_check_attention(backend, config._raw())
+
+
+def attention_supported(backend: str, config: "Config") -> bool:
+    """Whether :func:`check_attention` accepts ``backend`` for ``config``."""
+    try:
+        check_attention(backend, config)
         return True
     except FmkvError:
         return False
@@ -152,7 +171,7 @@ class Config:
     integer levels; docs/FORMAT.md; a backend that does not have it refuses it by name).
     scale_group: rotated coordinates per fp16 scale -- 0 (the default, ``fmkv.format.SCALE_GROUP``) or one of
     ``fmkv.format.SCALE_GROUPS`` (64: one scale per two code groups, e.g. 36 instead of 40 bytes per token per
-    head for k2v2 at head_dim 64); backends without it ('cuda', 'metal', the MLX GPU kernels) refuse it by name.
+    head for k2v2 at head_dim 64); every backend reads and writes both (:func:`check_backend`).
     """
 
     head_dim: int = 128

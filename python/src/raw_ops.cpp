@@ -263,6 +263,10 @@ void bind_raw_ops(nb::module_& m) {
   m.def("backend_check_config", [](const std::string& backend, const fmkv_config& c) {
     fmkv::check(fmkv_backend_check_config(backend_from_name(backend), &c));
   }, "backend"_a, "config"_a);
+  // Raises what the backend's attention ops would raise for caches of this config (fmkv_backend_check_attention).
+  m.def("backend_check_attention", [](const std::string& backend, const fmkv_config& c) {
+    fmkv::check(fmkv_backend_check_attention(backend_from_name(backend), &c));
+  }, "backend"_a, "config"_a);
   // Waits for the backend's device and raises the first error its kernels recorded since the last
   // call (CUDA: block-table entries, slots, lengths, NaN/Inf inputs; the failed op wrote nothing and
   // later fmkv CUDA ops were skipped). Reads the error word of the calling thread's current device.

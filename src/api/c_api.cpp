@@ -67,6 +67,13 @@ const BackendOps& backend_for(fmkv_backend b, const fmkv_config& cfg) {
   require_capability(b, ops, &BackendOps::max_code_bits, widest_code_bits(cfg), "code width", "code widths");
   return ops;
 }
+
+// backend_for(b, cfg), for a config whose decode attention (and fused step) b has in this build.
+const BackendOps& attention_backend_for(fmkv_backend b, const fmkv_config& cfg) {
+  const BackendOps& ops = backend_for(b, cfg);
+  if (ops.check_attention) ops.check_attention(cfg);
+  return ops;
+}
 }  // namespace
 
 extern "C" {
@@ -146,6 +153,13 @@ fmkv_status fmkv_backend_check_config(fmkv_backend b, const fmkv_config* c) {
   });
 }
 
+fmkv_status fmkv_backend_check_attention(fmkv_backend b, const fmkv_config* c) {
+  return guarded([&] {
+    require(c != nullptr, FMKV_ERR_INVALID_ARGUMENT, "config is NULL");
+    attention_backend_for(b, *c);
+  });
+}
+
 int64_t fmkv_config_page_bytes(const fmkv_config* c) {
   if (fmkv_config_validate(c) != FMKV_OK) return -1;
   return fmkv::page_bytes(*c);
@@ -175,7 +189,7 @@ fmkv_status fmkv_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_la
                            size_t workspace_bytes, void* stream) {
   return guarded([&] {
     require(cfg && layer && batch && q && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_attention: NULL argument");
-    const BackendOps& ops = backend_for(b, *cfg);
+    const BackendOps& ops = attention_backend_for(b, *cfg);
     fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f, 0};
     fmkv::AttentionArgs a{*cfg, *layer, *batch, *q, *out, o, workspace, workspace_bytes, stream};
     fmkv::validate_attention_shapes(a);
@@ -190,7 +204,7 @@ fmkv_status fmkv_attention_lse(fmkv_backend b, const fmkv_config* cfg, const fmk
                                void* stream) {
   return guarded([&] {
     require(cfg && layer && batch && q && out && lse, FMKV_ERR_INVALID_ARGUMENT, "fmkv_attention_lse: NULL argument");
-    const BackendOps& ops = backend_for(b, *cfg);
+    const BackendOps& ops = attention_backend_for(b, *cfg);
     require(ops.attention_lse, FMKV_ERR_UNSUPPORTED,
             [&] { return std::string("fmkv_attention_lse: the ") + fmkv_backend_name(b) +
                 " backend does not return the softmax log-denominator (supported: ref, cpu)"; });
@@ -209,7 +223,7 @@ fmkv_status fmkv_append_attention(fmkv_backend b, const fmkv_config* cfg, const 
                                   void* workspace, size_t workspace_bytes, void* stream) {
   return guarded([&] {
     require(cfg && layer && batch && k && v && q && out, FMKV_ERR_INVALID_ARGUMENT, "fmkv_append_attention: NULL argument");
-    const BackendOps& ops = backend_for(b, *cfg);
+    const BackendOps& ops = attention_backend_for(b, *cfg);
     fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f, 0};
     fmkv::AppendArgs ap{*cfg, *layer, *batch, *k, *v, stream};
     fmkv::validate_append_shapes(ap);

@@ -40,6 +40,9 @@ struct BackendOps {
   int32_t max_format_version;  // the newest format version (FORMAT.md section 1) its ops write and read
   int32_t max_scale_group;     // the largest fmkv_config.scale_group (FORMAT.md section 4) its ops write and read
   int32_t max_code_bits;       // the widest code (FORMAT.md section 6) of a quantized K or V side its ops write and read
+  // Decode attention (and the fused step) of a config the ops read and write: throws FMKV_ERR_UNSUPPORTED naming the
+  // combination when this build has no kernel for it (CUDA: the compiled grid); nullptr: every such config.
+  void (*check_attention)(const fmkv_config& cfg);
 };
 
 // The backend compiled into this build under id b; nullptr when b is not one (unknown or not compiled).

@@ -78,5 +78,6 @@ extern const BackendOps cpu_backend = {
     cpu::append, cpu::decode_attention,
     /*append_attention=*/nullptr, /*attention_workspace_bytes=*/nullptr,
     /*alloc=*/nullptr, /*free=*/nullptr, /*copy=*/nullptr, /*synchronize=*/nullptr, /*attention_lse=*/true,
-    /*max_format_version=*/3, /*max_scale_group=*/64, /*max_code_bits=*/5};
+    /*max_format_version=*/3, /*max_scale_group=*/64, /*max_code_bits=*/5,
+    /*check_attention=*/nullptr};
 }  // namespace fmkv

@@ -10,5 +10,6 @@ extern const BackendOps cuda_backend = {
     cuda::available, cuda::device_name,
     cuda::append, cuda::decode_attention, cuda::append_attention, cuda::attention_workspace_bytes,
     cuda::alloc, cuda::free, cuda::copy, cuda::synchronize, /*attention_lse=*/false,
-    /*max_format_version=*/3, /*max_scale_group=*/64, /*max_code_bits=*/FMKV_CUDA_CODE_BITS_MAX};
+    /*max_format_version=*/3, /*max_scale_group=*/64, /*max_code_bits=*/FMKV_CUDA_CODE_BITS_MAX,
+    cuda::check_attention};
 }  // namespace fmkv

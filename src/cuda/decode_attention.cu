@@ -285,19 +285,23 @@ int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64
   return workspace_for(max_rows, q_heads, cfg.head_dim, cap, balanced);
 }
 
+void check_attention(const fmkv_config& c) {
+  if (attn_kernel(c)) return;
+  const bool f3 = tiled_config(c);
+  throw Error(kUnsupported, "cuda attention: k" + std::to_string(c.k_bits) + "v" + std::to_string(c.v_bits) +
+                                " with head_dim " + std::to_string(c.head_dim) + (f3 ? " in format version 3" : "") +
+                                " is not compiled into this build (compiled: " + (f3 ? kAttnDefaultGridF3 : kAttnDefaultGrid) +
+                                "; configure with -DFMKV_CUDA_FULL_GRID=ON for every combination)");
+}
+
 namespace {
 // Attention (ap == nullptr) or the fused decode step (append ap's rows of k / v first).
 void launch(const AttentionArgs& a, const AppendArgs* ap) {
   const fmkv_config& c = a.cfg;
   if (a.batch.num_seqs == 0 || a.q.rows == 0) return;
   const int32_t d = c.head_dim, HQ = a.q.heads;
+  check_attention(c);
   const AttnFn fn = attn_kernel(c);
-  const bool f3 = tiled_config(c);
-  if (!fn)
-    throw Error(kUnsupported, "cuda attention: k" + std::to_string(c.k_bits) + "v" + std::to_string(c.v_bits) +
-                                  " with head_dim " + std::to_string(d) + (f3 ? " in format version 3" : "") +
-                                  " is not compiled into this build (compiled: " + (f3 ? kAttnDefaultGridF3 : kAttnDefaultGrid) +
-                                  "; configure with -DFMKV_CUDA_FULL_GRID=ON for every combination)");
   // a fused step with fp16 regions: a second sink/window CTA attends the tokens before the step
   const int32_t nraw = ap != nullptr && c.sink_tokens + c.window_tokens > 0 ? 2 : 1;
   // splits per (sequence, kv head) of the grid, and partial slots per query vector (cap >= ns: a balanced

@@ -292,6 +292,7 @@ extern const BackendOps metal_backend = {
     metal::alloc, metal::free, metal::copy, metal::synchronize, /*attention_lse=*/false,
     /*max_format_version=*/3,
     /*max_scale_group=*/64,  // kernel_core.h: a 64-coordinate scale group spans two registers; scale g >> shift
-    /*max_code_bits=*/5};    // kernel_core.h packs (fmkv_pack_group_lanes) and decodes codes of 2-5 bits
+    /*max_code_bits=*/5,     // kernel_core.h packs (fmkv_pack_group_lanes) and decodes codes of 2-5 bits
+    /*check_attention=*/nullptr};  // decode_attention.metal: one kernel reads every head_dim and width pair
 }  // namespace fmkv
 #endif  // __APPLE__

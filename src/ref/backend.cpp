@@ -12,6 +12,7 @@ extern const BackendOps ref_backend = {
     ref::append, ref::decode_attention,
     /*append_attention=*/nullptr, /*attention_workspace_bytes=*/nullptr,
     /*alloc=*/nullptr, /*free=*/nullptr, /*copy=*/nullptr, /*synchronize=*/nullptr, /*attention_lse=*/true,
-    /*max_format_version=*/3, /*max_scale_group=*/64, /*max_code_bits=*/FMKV_CODE_BITS_MAX};
+    /*max_format_version=*/3, /*max_scale_group=*/64, /*max_code_bits=*/FMKV_CODE_BITS_MAX,
+    /*check_attention=*/nullptr};
 
 }  // namespace fmkv

@@ -455,3 +455,85 @@ def test_plan_with_scale_group_64(tmp_path, monkeypatch):
     assert parse_config("k3v2-g64").bytes_per_token_per_head(64) == 44.0
     with pytest.raises(ValueError, match="scale group 48 is not supported"):
         parse_config("k3v3-g48")
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_allocation_within_backend_pairs_is_the_exact_optimum(trial):
+    """allocate(pairs=...) is the exact optimum over only those (k_bits, v_bits) pairs (a backend's compiled grid)."""
+    rng = np.random.default_rng()
+    km, vm, n, d, ctx = [2, 3, 4, 16], [2, 3, 4], 3, 64, 2048
+    sk = np.sort(rng.uniform(0, 1, (n, 4)), axis=1)[:, ::-1].copy()
+    sk[:, 3] = 0.0
+    sv = np.sort(rng.uniform(0, 1, (n, 3)), axis=1)[:, ::-1].copy()
+    every = [(kb, vb) for kb in km for vb in vm]
+    pairs = [every[i] for i in sorted(rng.choice(len(every), size=5, replace=False))]
+    budget = float(rng.uniform(50, 120))
+    got = PL.allocate(sk, sv, km, vm, d, budget, 0, ctx, pairs=pairs)
+    best = None
+    for combo in itertools.product(pairs, repeat=n):
+        q = sum(PL.side_bytes(d, kb) + PL.side_bytes(d, vb) for kb, vb in combo) / n
+        if q > budget + 1e-9:
+            continue
+        val = sum(sk[i, km.index(kb)] + sv[i, vm.index(vb)] for i, (kb, vb) in enumerate(combo))
+        best = val if best is None else min(best, val)
+    if best is None:
+        assert got is None
+        return
+    bits, pred, nbytes = got
+    assert set(bits) <= set(pairs) and nbytes <= budget + 1e-9
+    assert pred == pytest.approx(best, abs=1e-9)
+    assert PL.allocate(sk, sv, km, vm, d, budget, 0, ctx, pairs=[]) is None
+    names = {nm for nm, _ in PL.uniform_candidates(km, vm, [(0, 0)], d, 1000.0, ctx, pairs=pairs)}
+    assert names == {f"k{kb}v{vb}" for kb, vb in pairs}
+
+
+def test_attention_pairs_of_the_host_backends():
+    """The reference and CPU backends attend every pair of the menus; a backend that cannot run the head_dim at all
+    is an error, not an empty menu."""
+    km, vm = list(fmt.CODE_BITS) + [16], list(fmt.CODE_BITS)
+    for backend in ("ref", "cpu"):
+        ok, refused, why = PL.attention_pairs(backend, 64, km, vm)
+        assert ok == [(kb, vb) for kb in km for vb in vm] and refused == [] and why == ""
+    if not fmkv.backends()["metal"]["available"]:
+        with pytest.raises(ValueError, match="backend metal"):
+            PL.attention_pairs("metal", 64, km, vm)
+
+
+def test_plan_keeps_to_the_backend_pairs(tmp_path, monkeypatch, capsys):
+    """--backend: the plan and the uniform configs beside it use only the pairs whose attention the backend has (here
+    a CPU backend made to refuse every pair but k4v4, k3v3 and k2v2, as a CUDA build's grid refuses pairs); the plan
+    row names the backend and the refused pairs; a backend without a device is refused by name."""
+    from fmkv.eval import cli
+
+    argv = _tiny_plan_setup(tmp_path, monkeypatch)
+    real = fmkv.check_attention
+    grid = {(4, 4), (3, 3), (2, 2)}
+
+    def grid_only(backend, config):
+        real(backend, config)
+        if backend == "cpu" and (config.k_bits, config.v_bits) not in grid:
+            raise fmkv.FmkvError(f"cpu attention: k{config.k_bits}v{config.v_bits} is not compiled into this build")
+
+    monkeypatch.setattr(fmkv, "check_attention", grid_only)
+    out = tmp_path / "plan.jsonl"
+    assert cli.main(argv + ["--budgets", "60,90", "--windows", "0", "--backend", "cpu", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "backend cpu: planning with the 3 pairs" in err and "without k2v3" in err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    plans = [r for r in rows if r["suite"] == "plan"]
+    assert len(plans) == 2
+    for p in plans:
+        assert p["backend"] == "cpu" and {tuple(b) for b in p["layer_bits"]} <= grid
+        assert len(p["pairs_refused"]) == len(fmt.CODE_BITS) * (len(fmt.CODE_BITS) + 1) - 3
+        assert all(u.split("-")[0] in {"k4v4", "k3v3", "k2v2"} for u in p["uniform_compared"])
+    # the default on a CPU device: every pair ("any"), no refusals
+    monkeypatch.setattr(fmkv, "check_attention", real)
+    assert cli.main(argv + ["--budgets", "60", "--windows", "0", "--out", str(out)]) == 0
+    (p,) = [r for r in map(json.loads, out.read_text().splitlines()) if r["suite"] == "plan"]
+    assert p["backend"] == "any" and "pairs_refused" not in p
+    if not fmkv.backends()["metal"]["available"]:
+        assert cli.main(argv + ["--budgets", "60", "--backend", "metal", "--out", str(out)]) == 2
+        assert "--backend: backend metal" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--backend", "tpu"])
+    assert "invalid choice: 'tpu'" in capsys.readouterr().err

@@ -338,6 +338,28 @@ def cmd_plan(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     n_kv = int(getattr(model.config, "num_key_value_heads", 0) or model.config.num_attention_heads)
+    # the pairs the target backend's decode attention has (a CUDA build compiles a grid of them)
+    backend = a.backend or ("cuda" if str(a.device).startswith("cuda") else "any")
+    pairs, refused = None, []
+    if backend != "any":
+        try:
+            pairs, refused, why = PL.attention_pairs(backend, d, a.k_bits, a.v_bits, a.format_version, a.scale_group)
+        except ValueError as e:
+            if a.backend:
+                print(f"--backend: {e}", file=sys.stderr)
+                return 2
+            print(f"note: {e}; planning with every pair of the menus (--backend to choose)", file=sys.stderr)
+            backend = "any"
+        else:
+            if not pairs:
+                print(f"--backend {backend}: none of the menus' pairs has decode attention at head_dim {d} in this "
+                      f"build ({why})", file=sys.stderr)
+                return 2
+            if refused:
+                print(f"backend {backend}: planning with the {len(pairs)} pairs of the menus its decode attention has at "
+                      f"head_dim {d} ({', '.join(f'k{k}v{v}' for k, v in pairs)}); without "
+                      f"{', '.join(f'k{k}v{v}' for k, v in refused)} (--backend any plans with every pair)",
+                      file=sys.stderr)
     budgets = list(a.budgets or [60.0])
     if a.memory:
         budgets = [PL.budget_from_memory(m, a.context, n_layers, n_kv, a.batch) for m in a.memory]
@@ -419,11 +441,13 @@ def cmd_plan(a: argparse.Namespace) -> int:
         best = None
         for w in regions:
             r = PL.allocate(sens[(w, "k")], sens[(w, "v")], a.k_bits, a.v_bits, d, budget, w[0], amort,
-                            heads=units or 1, max_groups=a.max_groups, sinks=w[1], scale_group=a.scale_group)
+                            heads=units or 1, max_groups=a.max_groups, sinks=w[1], scale_group=a.scale_group,
+                            pairs=pairs)
             if r is not None and (best is None or r[1] < best[1]):
                 best = (r[0], r[1], r[2], w)
         if best is None:
-            print(f"budget {budget:.2f} B: no configuration of the menus fits", file=sys.stderr)
+            print(f"budget {budget:.2f} B: no configuration of the menus fits"
+                  + (f" (pairs of backend {backend})" if pairs is not None else ""), file=sys.stderr)
             continue
         bits, pred, nbytes, (w, sk) = best
         name = (f"plan-{budget:.4g}B" + ("-per-head" if units else "") + (f"-g{a.max_groups}" if a.max_groups else "")
@@ -435,7 +459,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         heads = [bits[i * units:(i + 1) * units] for i in range(n_layers)] if units else None
         checks[name] = PL.planned_quantizer(name, [] if units else bits, w, a.format_version, a.seed, head_bits=heads,
                                             key_offset=a.key_offset, sinks=sk, scale_group=a.scale_group)
-        uni = sorted(PL.uniform_candidates(a.k_bits, a.v_bits, regions, d, budget, amort, a.scale_group),
+        uni = sorted(PL.uniform_candidates(a.k_bits, a.v_bits, regions, d, budget, amort, a.scale_group, pairs),
                      key=lambda t: -t[1])
         uni = [u for u in uni if u[1] >= 0.8 * budget][:a.uniform_per_budget]
         uni = [u + ("-fmt3" if a.format_version == 3 else "") + ("-km" if a.key_offset else "") for u, _ in uni]
@@ -450,6 +474,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
             plan["key_offset"] = True
         if a.scale_group:
             plan["scale_group"] = a.scale_group
+        plan["backend"] = backend  # its decode attention has every pair of the plan ("any": not restricted)
+        if refused:
+            plan["pairs_refused"] = [list(p) for p in refused]
         if units:
             plan["head_bits"] = [[list(p) for p in layer] for layer in heads]
             plan["max_groups"] = a.max_groups or n_kv
@@ -576,6 +603,12 @@ def cmd_needle(a: argparse.Namespace) -> int:
     from .needle import run_needle
 
     return run_needle(a)
+
+
+def _backend_names() -> list:
+    import fmkv
+
+    return list(fmkv.backends())
 
 
 def _fmt_scale_groups() -> tuple:
@@ -730,6 +763,10 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--uniform-per-budget", type=_int_at_least(0), default=4,
                     help="uniform configs (largest that fit, >= 0.8 x budget) checked beside each plan")
     pn.add_argument("--device", default="cpu")
+    pn.add_argument("--backend", default=None, choices=["any"] + _backend_names(),
+                    help="plan only with the (k_bits, v_bits) pairs whose decode attention this fmkv backend has in "
+                         "this build (a CUDA build compiles a grid of pairs); default: the --device's (cuda on a CUDA "
+                         "device, every pair elsewhere); 'any': every pair of the menus")
     pn.add_argument("--threads", type=_int_at_least(0), default=0)
     pn.add_argument("--seed", type=_int_at_least(0), default=0)
     pn.add_argument("--commit", default="")

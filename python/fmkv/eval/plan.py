@@ -23,7 +23,9 @@ distinct pairs among a layer's heads (each is one more call per decode step); ``
 sensitivity rows of an earlier run instead of measuring them; ``--memory SIZE --context N [--batch B]`` turns a
 KV-cache size into the budget per token per kv head (fp16 windows then amortised over N tokens, and the plan's
 bytes stated at N; the check rows keep the evaluation's ``--ctx``); ``--plans FILE`` checks stored plans on the
-same held-out windows.
+same held-out windows. ``--backend NAME`` plans only with the (k_bits, v_bits) pairs whose decode attention that
+backend has in this build (:func:`attention_pairs`; a CUDA build compiles a grid of pairs); by default the backend of
+``--device`` (``cuda`` on a CUDA device; every pair elsewhere), ``any`` for every pair of the menus.
 """
 from __future__ import annotations
 
@@ -215,17 +217,45 @@ def side_bytes(d: int, bits: int, scale_group: int = 0) -> int:
     return int(fmkv.bytes_per_token_head(d, bits, scale_group))
 
 
+def attention_pairs(backend: str, d: int, k_menu: Sequence[int], v_menu: Sequence[int], format_version: int = 0,
+                    scale_group: int = 0) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]], str]:
+    """The (k_bits, v_bits) pairs of the menus whose decode attention ``backend`` runs at head_dim ``d`` in this build
+    (:func:`fmkv.check_attention`), the pairs it refuses, and the first refusal's message ('' when none). Raises
+    ValueError when the backend cannot run caches of this head_dim / format version / scale group at all (not
+    compiled, no device, an option it lacks)."""
+    import fmkv
+
+    def config(kb: int, vb: int) -> "fmkv.Config":
+        return fmkv.Config(head_dim=d, k_bits=kb, v_bits=vb, format_version=format_version, scale_group=scale_group)
+
+    try:
+        fmkv.check_backend(backend, config(min(v_menu), min(v_menu)))
+    except fmkv.FmkvError as e:
+        raise ValueError(f"backend {backend}: {e}") from None
+    ok, refused, why = [], [], ""
+    for kb in k_menu:
+        for vb in v_menu:
+            try:
+                fmkv.check_attention(backend, config(kb, vb))
+                ok.append((kb, vb))
+            except fmkv.FmkvError as e:
+                refused.append((kb, vb))
+                why = why or str(e)
+    return ok, refused, why
+
+
 def allocate(sens_k: np.ndarray, sens_v: np.ndarray, k_menu: Sequence[int], v_menu: Sequence[int], d: int,
              budget: float, window: int = 0, ctx: int = 2048, heads: int = 1,
-             max_groups: int = 0, sinks: int = 0,
-             scale_group: int = 0) -> Optional[Tuple[List[Tuple[int, int]], float, float]]:
+             max_groups: int = 0, sinks: int = 0, scale_group: int = 0,
+             pairs: Optional[Sequence[Tuple[int, int]]] = None) -> Optional[Tuple[List[Tuple[int, int]], float, float]]:
     """Exact minimum of sum_i sens_k[i, k_i] + sens_v[i, v_i] with mean bytes <= budget.
 
     sens_k [units, len(k_menu)], sens_v [units, len(v_menu)]: predicted KLD per choice (0 for fp16); a unit is a
     layer, or with ``heads`` > 1 a (layer, kv head), layer-major. ``max_groups`` (with heads > 1; 0: no limit): at
     most that many distinct (k_bits, v_bits) pairs among a layer's heads (each is a call per step: the decode-speed
     price of widths per head). ``window`` + ``sinks`` tokens are fp16 (4 d bytes each, amortised over ctx). Returns
-    (bits per unit, predicted KLD, bytes per token per head at ctx), or None when nothing fits."""
+    (bits per unit, predicted KLD, bytes per token per head at ctx), or None when nothing fits. ``pairs``: only these
+    (k_bits, v_bits) pairs (:func:`attention_pairs`); None: every pair of the menus."""
     n = sens_k.shape[0]
     window = int(window) + int(sinks)  # fp16 tokens
     if window >= ctx or n % max(1, heads):
@@ -235,7 +265,11 @@ def allocate(sens_k: np.ndarray, sens_v: np.ndarray, k_menu: Sequence[int], v_me
     cap = int(math.floor(q_max * n + 1e-9))
     if cap < 0:
         return None
-    choices = [(kb, vb, side_bytes(d, kb, scale_group) + side_bytes(d, vb, scale_group)) for kb in k_menu for vb in v_menu]
+    allowed = None if pairs is None else {(int(k), int(v)) for k, v in pairs}
+    choices = [(kb, vb, side_bytes(d, kb, scale_group) + side_bytes(d, vb, scale_group)) for kb in k_menu for vb in v_menu
+               if allowed is None or (kb, vb) in allowed]
+    if not choices:
+        return None
     value = np.array([[sens_k[u, list(k_menu).index(kb)] + sens_v[u, list(v_menu).index(vb)] for kb, vb, _ in choices]
                       for u in range(n)])
     if heads > 1 and 0 < max_groups < heads:
@@ -314,12 +348,14 @@ def _layer_options(value: np.ndarray, choices: Sequence[Tuple[int, int, int]], m
 
 
 def uniform_candidates(k_menu: Sequence[int], v_menu: Sequence[int], regions: Sequence[Tuple[int, int]], d: int,
-                       budget: float, ctx: int, scale_group: int = 0) -> List[Tuple[str, float]]:
-    """Uniform fmkv configs (every layer the same widths) of the menus and (window, sinks) regions that fit the
-    budget, with their bytes."""
+                       budget: float, ctx: int, scale_group: int = 0,
+                       pairs: Optional[Sequence[Tuple[int, int]]] = None) -> List[Tuple[str, float]]:
+    """Uniform fmkv configs (every layer the same widths) of the menus (only ``pairs`` when given) and (window, sinks)
+    regions that fit the budget, with their bytes."""
     out = []
+    allowed = None if pairs is None else {(int(k), int(v)) for k, v in pairs}
     for kb, vb, (w, sk) in itertools.product(k_menu, v_menu, regions):
-        if kb == 16 and vb == 16:
+        if kb == 16 and vb == 16 or (allowed is not None and (kb, vb) not in allowed):
             continue
         q = side_bytes(d, kb, scale_group) + side_bytes(d, vb, scale_group)
         f = w + sk
