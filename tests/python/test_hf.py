@@ -124,6 +124,33 @@ def test_layer_bits_and_format_version():
             cls(model.config, max_cache_len=64, layer_bits=[(4, 4), (3,), (3, 3), (3, 3)])
 
 
+def test_width_without_decode_kernel_fails_when_the_layer_allocates(monkeypatch):
+    """A layer whose (head_dim, K, V) has no decode-attention kernel on the cache's backend (a CUDA build compiles a
+    grid of pairs: fmkv.check_attention) is refused when it allocates, at the first forward, naming the layer and the
+    pair -- not at the first decode step after the prefill. Here the CPU backend is made to refuse k3v2."""
+    real = fmkv.check_attention
+
+    def no_k3v2(backend, config):
+        real(backend, config)
+        if (config.k_bits, config.v_bits) == (3, 2):
+            raise fmkv.FmkvError(f"{backend} attention: k3v2 with head_dim {config.head_dim} is not compiled into this build")
+
+    monkeypatch.setattr(fmkv, "check_attention", no_k3v2)
+    model = _model("llama")
+    ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(8))
+    plan = [(4, 4), (3, 3), (3, 2), (16, 4)]
+    for cls in (fhf.FmkvCache, fhf.FmkvStaticCache):
+        cache = cls(model.config, max_cache_len=64, layer_bits=plan)
+        with pytest.raises(fmkv.FmkvError, match=rf"{cls.__name__} layer 2: cpu attention: k3v2 with head_dim 64"):
+            with torch.no_grad():
+                model(ids, use_cache=True, **fhf.cache_kwargs(cache))
+        layers = cache.fmkv_layers
+        assert layers[2].pages is None and layers[3].pages is None  # nothing allocated at or after the refused layer
+    monkeypatch.setattr(fmkv, "check_attention", real)
+    cache = fhf.FmkvCache(model.config, max_cache_len=64, layer_bits=plan)
+    assert _gen(model, ids, 2, cache).shape == (2,)
+
+
 def test_attn_implementation_fmkv_at_load():
     cfg = transformers.LlamaConfig(**COMMON)
     model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="fmkv").eval()

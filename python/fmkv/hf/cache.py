@@ -46,7 +46,8 @@ from fmkv import format as _format
 from fmkv.key_offset import first_tokens_mean
 
 from .attention import use_fmkv_attention
-from .compat import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, FixedLayerOps, layer_types, text_config
+from .compat import (Cache, CacheLayerMixin, DynamicSlidingWindowLayer, FixedLayerOps, layer_types, require_attention,
+                     text_config)
 from .head_groups import HeadGroups, cache_widths, width_groups
 
 __all__ = ["FmkvCache", "FmkvLayer", "FmkvHeadGroupLayer", "DEFAULT_WINDOW_TOKENS", "layer_seed",
@@ -145,6 +146,7 @@ class FmkvLayer(FixedLayerOps, CacheLayerMixin):
                                   window_tokens=self.window_tokens, scale_rule=self.scale_rule,
                                   seed=layer_seed(self.seed, self.layer_idx), format_version=self.format_version,
                                   scale_group=self.scale_group)
+        require_attention(self.backend_name, self.config, f"FmkvCache layer {self.layer_idx}")
         self._cfg = torch_ops.config_to_list(self.config)
         pps = pages_per_sequence(self.max_cache_len, self.sink_tokens, self.page_size)
         R = self.sink_tokens + self.window_tokens

@@ -20,6 +20,19 @@ except ImportError:  # pragma: no cover
 CACHE_KWARG = "cache" if _ALL_CACHE_NAMES[0] == "cache" else "past_key_values"
 
 
+def require_attention(backend: str, config, what: str) -> None:
+    """Raise :class:`fmkv.FmkvError` (prefixed with ``what``, e.g. the layer) when ``backend``'s decode attention has
+    no kernel for ``config`` -- a CUDA build compiles a grid of (head_dim, K, V) pairs (``fmkv.check_attention``).
+    The caches ask it when a layer allocates, so a width outside the grid fails at the first forward, before that
+    layer writes anything, not at the first decode step after a long prefill."""
+    import fmkv
+
+    try:
+        fmkv.check_attention(backend, config)
+    except fmkv.FmkvError as e:
+        raise fmkv.FmkvError(f"{what}: {e}") from None
+
+
 def cache_kwargs(cache) -> Dict[str, Any]:
     """``{CACHE_KWARG: cache}``: pass a cache to generate() / forward() under this transformers' name."""
     return {CACHE_KWARG: cache}

@@ -44,7 +44,7 @@ from fmkv.key_offset import first_tokens_mean
 
 from .attention import use_fmkv_attention
 from .cache import DEFAULT_WINDOW_TOKENS, layer_seed, pages_per_sequence
-from .compat import Cache, CacheLayerMixin, FixedLayerOps, layer_types, text_config
+from .compat import Cache, CacheLayerMixin, FixedLayerOps, layer_types, require_attention, text_config
 from .head_groups import HeadGroups, cache_widths, width_groups
 
 try:
@@ -128,6 +128,7 @@ class FmkvStaticLayer(FixedLayerOps, CacheLayerMixin):
             dev = torch.device("cuda", torch.cuda.current_device())
         self.backend_name = torch_ops.backend_for_device(dev, self.backend, f"FmkvStaticCache layer {self.layer_idx}")
         self.config = self.make_config(h, d)
+        require_attention(self.backend_name, self.config, f"FmkvStaticCache layer {self.layer_idx}")
         self._cfg = torch_ops.config_to_list(self.config)
         self.device = dev
         self.dtype = key_states.dtype
