@@ -209,6 +209,40 @@ int cmd_info() {
     const fmkv_backend b = (fmkv_backend)bi;
     std::printf("%-8s %-10s %s\n", fmkv_backend_name(b), fmkv_backend_available(b) ? "yes" : "no", fmkv_backend_device(b));
   }
+  // Which (head_dim, K, V) the usable backends' decode attention has (fmkv_backend_check_attention; appends take
+  // every combination): "every" or the list per head_dim, for each format version whose 3-bit codes differ.
+  std::printf("decode attention (head_dim: K x V pairs; K %s, V %s):\n", fmkv::supported_code_bits_text(true).c_str(),
+              fmkv::supported_code_bits_text(false).c_str());
+  std::vector<int32_t> kw = fmkv::supported_code_bits();
+  kw.push_back(FMKV_FP16_BITS);
+  for (int bi = 0; bi < FMKV_BACKEND_COUNT; ++bi) {
+    const fmkv_backend b = (fmkv_backend)bi;
+    if (!fmkv_backend_available(b)) continue;
+    for (int32_t version = 1; version <= FMKV_FORMAT_VERSION_NEWEST; ++version) {
+      if (!fmkv_format_version_supported(version)) continue;
+      std::string pairs;
+      int all = 0, ok = 0;
+      for (int32_t d : fmkv::supported_head_dims()) {
+        std::string row;
+        for (int32_t kb : kw)
+          for (int32_t vb : fmkv::supported_code_bits()) {
+            fmkv_config c;
+            fmkv_config_default(&c);
+            c.head_dim = d;
+            c.k_bits = kb;
+            c.v_bits = vb;
+            c.format_version = version;
+            ++all;
+            if (fmkv_backend_check_attention(b, &c) != FMKV_OK) continue;
+            ++ok;
+            row += " k" + std::to_string(kb) + "v" + std::to_string(vb);
+          }
+        if (!row.empty()) pairs += (pairs.empty() ? "" : "; ") + std::to_string(d) + ":" + row;
+      }
+      std::printf("%-8s format v%d: %s\n", fmkv_backend_name(b), version,
+                  ok == all ? "every head_dim x K x V" : ok == 0 ? "none" : pairs.c_str());
+    }
+  }
   return kExitOk;
 }
 

@@ -168,6 +168,8 @@ TEST(Cli, UsageAndGoodCommands) {
   r = run({"info"});
   EXPECT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.out.find("backend"), std::string::npos);
+  // the decode-attention pairs of each usable backend (fmkv_backend_check_attention): the reference has them all
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(\nref +format v2: every head_dim x K x V\n)"))) << r.out;
   r = run({"capacity", "--preset", "llama-3-8b", "--memory=141GB", "--window", "64"});
   EXPECT_EQ(r.status, 0) << r.err;
   EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(k3v3 +28672 +57344 )"))) << r.out;
