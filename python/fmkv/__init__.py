@@ -66,13 +66,17 @@ def check_backend(backend: str, config: "Config") -> None:
     _fmkv.backend_check_config(backend, config._raw())
 
 
-def backend_supports(backend: str, config: "Config") -> bool:
-    """Whether :func:`check_backend` accepts ``backend`` for ``config``."""
+def _accepts(check, backend: str, config: "Config") -> bool:
     try:
-        check_backend(backend, config)
+        check(backend, config)
         return True
     except FmkvError:
         return False
+
+
+def backend_supports(backend: str, config: "Config") -> bool:
+    """Whether :func:`check_backend` accepts ``backend`` for ``config``."""
+    return _accepts(check_backend, backend, config)
 
 
 def check_attention(backend: str, config: "Config") -> None:
@@ -85,11 +89,7 @@ def check_attention(backend: str, config: "Config") -> None:
 
 def attention_supported(backend: str, config: "Config") -> bool:
     """Whether :func:`check_attention` accepts ``backend`` for ``config``."""
-    try:
-        check_attention(backend, config)
-        return True
-    except FmkvError:
-        return False
+    return _accepts(check_attention, backend, config)
 
 
 def default_backend() -> str:

@@ -494,9 +494,14 @@ def test_attention_pairs_of_the_host_backends():
     for backend in ("ref", "cpu"):
         ok, refused, why = PL.attention_pairs(backend, 64, km, vm)
         assert ok == [(kb, vb) for kb in km for vb in vm] and refused == [] and why == ""
+    c = fmkv.Config(head_dim=64, k_bits=5, v_bits=2, format_version=3, scale_group=64)
+    assert fmkv.attention_supported("cpu", c) and fmkv.attention_supported("ref", c)
+    with pytest.raises(fmkv.FmkvError, match="unknown backend"):
+        fmkv.check_attention("tpu", c)
     if not fmkv.backends()["metal"]["available"]:
         with pytest.raises(ValueError, match="backend metal"):
             PL.attention_pairs("metal", 64, km, vm)
+        assert not fmkv.attention_supported("metal", c)
 
 
 def test_plan_keeps_to_the_backend_pairs(tmp_path, monkeypatch, capsys):
