@@ -338,8 +338,18 @@ def cmd_plan(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     n_kv = int(getattr(model.config, "num_key_value_heads", 0) or model.config.num_attention_heads)
-    # the pairs the target backend's decode attention has (a CUDA build compiles a grid of them)
-    backend = a.backend or ("cuda" if str(a.device).startswith("cuda") else "any")
+    # the pairs the target backend's decode attention has (a CUDA build compiles a grid of them); by default the
+    # backend fmkv's torch ops use for --device
+    backend = a.backend
+    if backend is None:
+        from .. import FmkvError
+        from ..torch_ops import backend_for_device
+
+        try:
+            backend = backend_for_device(a.device, what="fmkv-eval plan")
+        except FmkvError as e:
+            print(f"note: {e}; planning with every pair of the menus (--backend to choose)", file=sys.stderr)
+            backend = "any"
     pairs, refused = None, []
     if backend != "any":
         try:
@@ -765,8 +775,8 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--device", default="cpu")
     pn.add_argument("--backend", default=None, choices=["any"] + _backend_names(),
                     help="plan only with the (k_bits, v_bits) pairs whose decode attention this fmkv backend has in "
-                         "this build (a CUDA build compiles a grid of pairs); default: the --device's (cuda on a CUDA "
-                         "device, every pair elsewhere); 'any': every pair of the menus")
+                         "this build (a CUDA build compiles a grid of pairs); default: the backend of --device (cuda "
+                         "on a CUDA device, cpu on the CPU: every pair); 'any': every pair of the menus")
     pn.add_argument("--threads", type=_int_at_least(0), default=0)
     pn.add_argument("--seed", type=_int_at_least(0), default=0)
     pn.add_argument("--commit", default="")

@@ -24,8 +24,9 @@ sensitivity rows of an earlier run instead of measuring them; ``--memory SIZE --
 KV-cache size into the budget per token per kv head (fp16 windows then amortised over N tokens, and the plan's
 bytes stated at N; the check rows keep the evaluation's ``--ctx``); ``--plans FILE`` checks stored plans on the
 same held-out windows. ``--backend NAME`` plans only with the (k_bits, v_bits) pairs whose decode attention that
-backend has in this build (:func:`attention_pairs`; a CUDA build compiles a grid of pairs); by default the backend of
-``--device`` (``cuda`` on a CUDA device; every pair elsewhere), ``any`` for every pair of the menus.
+backend has in this build (:func:`attention_pairs`; a CUDA build compiles a grid of pairs); by default the backend
+fmkv's torch ops use for ``--device`` (``cuda`` on a CUDA device; on the CPU the host backend, which has every pair),
+``any`` for every pair of the menus.
 """
 from __future__ import annotations
 
