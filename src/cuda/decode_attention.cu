@@ -300,8 +300,8 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   const fmkv_config& c = a.cfg;
   if (a.batch.num_seqs == 0 || a.q.rows == 0) return;
   const int32_t d = c.head_dim, HQ = a.q.heads;
-  check_attention(c);
   const AttnFn fn = attn_kernel(c);
+  if (!fn) check_attention(c);  // throws, naming the combination (the C API asked it before the call)
   // a fused step with fp16 regions: a second sink/window CTA attends the tokens before the step
   const int32_t nraw = ap != nullptr && c.sink_tokens + c.window_tokens > 0 ? 2 : 1;
   // splits per (sequence, kv head) of the grid, and partial slots per query vector (cap >= ns: a balanced
