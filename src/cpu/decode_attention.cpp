@@ -145,6 +145,8 @@ void decode_attention(const AttentionArgs& a) {
       } else if (c.k_bits != FMKV_FP16_BITS) codebook_table16(c.k_bits, codebook_table(version, c.k_bits, 0), job.tk);
       if (v_tiled) signed_table16(codebook_table(version, c.v_bits, 1), job.tv);
       else codebook_table16(c.v_bits, codebook_table(version, c.v_bits, 1), job.tv);
+      if (c.k_bits == 4) signed_table16_4bit(codebook_table(version, 4, 0), job.tk4);
+      if (c.v_bits == 4) signed_table16_4bit(codebook_table(version, 4, 1), job.tv4);
     }
     for (int64_t v0 = 0; v0 < x.nvec; v0 += kMaxTile) {
       const int R = (int)(x.nvec - v0 < kMaxTile ? x.nvec - v0 : kMaxTile);

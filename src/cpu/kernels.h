@@ -39,6 +39,8 @@ struct AttnJob {
   int64_t prefetch_tokens;  // software prefetch distance (multiple of 16; 0 = off)
   // Level tables: magnitudes as in QuantParams::mag16; for a tiled section the signed level of code i & 7.
   alignas(64) float tk[16], tv[16];
+  // 4-bit codes: the signed level of the whole nibble (sign in bit 3), for traits whose lut16 is one permute.
+  alignas(64) float tk4[16], tv4[16];
   // Tiled K (format 3): the same levels as integers, tk[i] = tk_int[i] * tk_step exactly (integer dot products).
   int8_t tk_int[16];
   float tk_step;

@@ -246,7 +246,10 @@ void make_int_query(const float* const* q, int32_t d, float step, IntQuery<R>& o
 // code words of N consecutive tokens (one contiguous load per word: planes for 2 / 3 bits, nibble
 // words for 4 bits, nibble words and the sign plane for 5 bits) with constant shifts, looked up in the
 // codebook (register permute; 5 bits: a 16-entry table, T::lut16), signed, and
-// fma'd with the broadcast rotated q[j]; per-group fp16 scales multiply the group partial sums.
+// fma'd with the broadcast rotated q[j] into two partial sums per query (even / odd j: two FMA dependency
+// chains, so that R = 3 queries still keep the FMA pipes busy); per-group fp16 scales multiply the group
+// sums. 4-bit codes on traits whose lut16 is one permute (T::kLut16: scalar, AVX-512) index a signed
+// 16-entry table with the whole nibble (job.tk4 / tv4), so no sign step.
 // Scores come out as one vector per query.
 // K (fp16, k_bits == 16): lane = coordinate, one dot product per token.
 // Softmax: online, per block (max, exp, sum) in registers.
@@ -269,7 +272,9 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
   const int d = job.d, G = d / 32, P = job.P, ssh = job.ssh;
   const LaneTables& lt = lane_tables();
   const typename T::Table tk = T::load_table(job.tk), tv = T::load_table(job.tv);
-  const typename T::Table16 tk16 = T::load_table16(job.tk), tv16 = T::load_table16(job.tv);  // 5-bit magnitudes
+  // 5-bit magnitudes; with T::kLut16 the signed 4-bit levels (no sign step)
+  const typename T::Table16 tk16 = T::load_table16(T::kLut16 && KB == 4 ? job.tk4 : job.tk);
+  const typename T::Table16 tv16 = T::load_table16(T::kLut16 && VB == 4 ? job.tv4 : job.tv);
   const float NEG_INF = -__builtin_inff();
   float m[R], l[R];
   for (int r = 0; r < R; ++r) m[r] = st[r].m, l[r] = st[r].l;
@@ -373,17 +378,17 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
       for (int g = 0; g < G; ++g) {
         I W[4];
         for (int w = 0; w < 4; ++w) W[w] = T::loadi(kw + 16 * (w * G + g));
-        F part[R];
-        for (int r = 0; r < R; ++r) part[r] = T::zero();
+        F part[2][R];
+        for (int r = 0; r < R; ++r) part[0][r] = part[1][r] = T::zero();
         const float* qg[R];
         for (int r = 0; r < R; ++r) qg[r] = q[r] + g * 32;
 #pragma GCC unroll 32
         for (int j = 0; j < 32; ++j) {
           const F lev = T::lut(tk, T::srl(W[j >> 3], 4 * (j & 7)));  // T::lut reads idx mod 8 or 16: 8-periodic table
-          for (int r = 0; r < R; ++r) part[r] = T::fmadd(T::set1(qg[r][j]), lev, part[r]);
+          for (int r = 0; r < R; ++r) part[j & 1][r] = T::fmadd(T::set1(qg[r][j]), lev, part[j & 1][r]);
         }
         const F sc = T::load_h(ksc + (int64_t)(g >> ssh) * P + t0);
-        for (int r = 0; r < R; ++r) s[r] = T::fmadd(part[r], sc, s[r]);
+        for (int r = 0; r < R; ++r) s[r] = T::fmadd(T::add(part[0][r], part[1][r]), sc, s[r]);
       }
     } else {
       for (int r = 0; r < R; ++r) s[r] = T::zero();
@@ -392,8 +397,8 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
       for (int g = 0; g < G; ++g) {
         I W[KB];
         for (int w = 0; w < KB; ++w) W[w] = T::loadi(kw + ((int64_t)g * KB + w) * P + t0);
-        F part[R];
-        for (int r = 0; r < R; ++r) part[r] = T::zero();
+        F part[2][R];
+        for (int r = 0; r < R; ++r) part[0][r] = part[1][r] = T::zero();
         const float* qg[R];
         for (int r = 0; r < R; ++r) qg[r] = q[r] + g * 32;
 #pragma GCC unroll 32
@@ -402,7 +407,9 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
           // 4 bits: code j is nibble j & 7 of word j >> 3. T::lut reads idx mod 16 (scalar, AVX-512) or
           // mod 8 (AVX2, NEON) and the 4-bit table has period 8, so the sign (nibble bit 3) and the
           // higher nibbles need no mask; the sign bit is shifted to bit 31 separately.
-          if constexpr (KB == 4) {
+          if constexpr (KB == 4 && T::kLut16) {  // the whole nibble indexes the signed table
+            lev = T::lut16(tk16, T::srl(W[fmkv_nibble_word(j)], fmkv_nibble_shift(j)));
+          } else if constexpr (KB == 4) {
             const I wj = W[fmkv_nibble_word(j)];
             lev = T::xor_sign(T::lut(tk, T::srl(wj, fmkv_nibble_shift(j))), T::sll(wj, 28 - fmkv_nibble_shift(j)));
           } else if constexpr (KB == 5) {  // the magnitude nibble (lut16 reads it mod 16), the sign plane
@@ -411,10 +418,10 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
             const I idx = KB == 2 ? T::srl(W[0], j) : T::srl(W[fmkv_field_word(j)], fmkv_field_shift(j));
             lev = T::xor_sign(T::lut(tk, idx), T::sll(W[KB - 1], 31 - j));
           }
-          for (int r = 0; r < R; ++r) part[r] = T::fmadd(T::set1(qg[r][j]), lev, part[r]);
+          for (int r = 0; r < R; ++r) part[j & 1][r] = T::fmadd(T::set1(qg[r][j]), lev, part[j & 1][r]);
         }
         const F sc = T::load_h(ksc + (int64_t)(g >> ssh) * P + t0);
-        for (int r = 0; r < R; ++r) s[r] = T::fmadd(part[r], sc, s[r]);
+        for (int r = 0; r < R; ++r) s[r] = T::fmadd(T::add(part[0][r], part[1][r]), sc, s[r]);
       }
     }
     // online softmax over the block
@@ -479,7 +486,8 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
             I w = T::set1i(wa[t]);
             if constexpr (N >= 8) w = T::blend_i_hbit(w, T::set1i(wb[t]), 4);
             F lev;
-            if constexpr (VB == 4) lev = T::xor_sign(T::lut(tv, T::srlv(w, sh_n)), T::sllv(w, sh_s));
+            if constexpr (VB == 4 && T::kLut16) lev = T::lut16(tv16, T::srlv(w, sh_n));
+            else if constexpr (VB == 4) lev = T::xor_sign(T::lut(tv, T::srlv(w, sh_n)), T::sllv(w, sh_s));
             else lev = T::xor_sign(T::lut16(tv16, T::srlv(w, sh_n)), T::sllv(T::set1i(wg[4 * P + t]), sh_s));
             for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
           }

@@ -16,6 +16,10 @@ void signed_table16(int table, float* mag16) {
   for (int i = 0; i < 16; ++i) mag16[i] = decode_level_table((uint32_t)(i & 7), 3, table);
 }
 
+void signed_table16_4bit(int table, float* lev16) {
+  for (int i = 0; i < 16; ++i) lev16[i] = decode_level_table((uint32_t)i, 4, table);
+}
+
 void signed_int_table16(int table, int8_t* lev16, float* step) {
   *step = f16_to_f32(codebook_step_f16(table));
   for (int i = 0; i < 16; ++i) lev16[i] = (int8_t)std::lrint(decode_level_table((uint32_t)(i & 7), 3, table) / *step);

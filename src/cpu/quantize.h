@@ -21,6 +21,9 @@ void codebook_table16(int32_t bits, int table, float* mag16);
 // attention tables of tiled sections, whose code nibbles carry another code's bit in bit 3).
 void signed_table16(int table, float* mag16);
 
+// lev16[i] = decode_level_table(i, 4, table): the signed levels of 4-bit codes (sign in bit 3).
+void signed_table16_4bit(int table, float* lev16);
+
 // The same levels as integers and their common step: lev16[i] * step == decode_level_table(i & 7, 3, table)
 // exactly (format 3's integer levels, codebook_int_level x codebook_step_f16).
 void signed_int_table16(int table, int8_t* lev16, float* step);

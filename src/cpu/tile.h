@@ -268,12 +268,56 @@ inline void tile_unpack_avx512(const uint8_t* block, int32_t G, uint32_t* out) {
     for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(out + 16 * (cb + j)), r[j]);
   }
 }
+// G = 2 (d = 64): the block (64 X words, 64 Y half-words) in 4 + 4 registers; the 16 x 8 word matrix is
+// transposed as two 8 x 8 matrices side by side: register row i holds matrix row i in its low 256 bits and
+// row 8 + i in its high 256 bits, with rows in K's token order (token i | token 8 + i) or V's (X | YH of
+// lane quad i). Lane quad p's 8 words are the 256-bit half p & 1 of register p >> 1.
+template <bool TokenRows>
+inline void tile_unpack_g2_avx512(const uint8_t* block, uint32_t* out) {
+  const uint32_t* X = (const uint32_t*)block;
+  const uint16_t* Y = (const uint16_t*)(block + 128 * 2);
+  __m512i x[4], yh[4];
+  for (int k = 0; k < 4; ++k) {
+    x[k] = _mm512_loadu_si512((const void*)(X + 16 * k));
+    const __m512i y = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(Y + 16 * k)));
+    __m512i h = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x22220000), _mm512_srli_epi32(x[k], 2), _mm512_slli_epi32(x[k], 13), 0xCA);
+    h = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x44440000), _mm512_slli_epi32(y, 15), h, 0xCA);
+    yh[k] = _mm512_ternarylogic_epi32(h, _mm512_set1_epi32(0x77770000), y, 0xEA);  // y | hole(x, y) << 16 (see above)
+  }
+  // _mm512_shuffle_i32x4 immediates taking half h of both sources: 0x44 (h = 0), 0xEE (h = 1).
+  __m512i r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) {
+    if (TokenRows) {  // tokens i and 8 + i: X (even i) or YH (odd i) of lane quads i >> 1 and (i >> 1) + 4
+      const int p = i >> 1;
+      const __m512i* src = (i & 1) ? yh : x;
+      r[i] = (p & 1) ? _mm512_shuffle_i32x4(src[p >> 1], src[(p >> 1) + 2], 0xEE) : _mm512_shuffle_i32x4(src[p >> 1], src[(p >> 1) + 2], 0x44);
+    } else {  // X and YH of lane quad i
+      r[i] = (i & 1) ? _mm512_shuffle_i32x4(x[i >> 1], yh[i >> 1], 0xEE) : _mm512_shuffle_i32x4(x[i >> 1], yh[i >> 1], 0x44);
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // Per 256-bit half: the low (high) 128-bit lanes of u[j] and u[4 + j] make column j (4 + j).
+  const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  for (int j = 0; j < 4; ++j) {
+    _mm512_storeu_si512((void*)(out + 16 * j), _mm512_permutex2var_epi64(u[j], lo, u[4 + j]));
+    _mm512_storeu_si512((void*)(out + 16 * (4 + j)), _mm512_permutex2var_epi64(u[j], hi, u[4 + j]));
+  }
+}
 inline void tile_unpack_k(const uint8_t* block, int32_t G, uint32_t* ks) {
-  if (G < 4) return tile_unpack_k_avx2(block, G, ks);
+  if (G == 2) return tile_unpack_g2_avx512<true>(block, ks);
   tile_unpack_avx512<true>(block, G, ks);
 }
 inline void tile_unpack_v(const uint8_t* block, int32_t G, uint32_t* vs) {
-  if (G < 4) return tile_unpack_v_avx2(block, G, vs);
+  if (G == 2) return tile_unpack_g2_avx512<false>(block, vs);
   tile_unpack_avx512<false>(block, G, vs);
 }
 #else
