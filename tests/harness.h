@@ -123,8 +123,10 @@ inline bool in_default_cuda_grid(int d, int kb, int vb) {
   return ((d == 64 || d == 128) && small) || (d == 256 && kb == vb && (kb == 3 || kb == 4));
 }
 
-// Format 3 (a 3-bit side in tile blocks): the default CUDA grid has k3v3 for every head_dim.
-inline bool in_default_cuda_grid_f3(int d, int kb, int vb) { return in_default_cuda_grid(d, kb, vb) && kb == 3 && vb == 3; }
+// Format 3 (a 3-bit side in tile blocks): the default CUDA grid has k3v3 for every head_dim and k16v3 (64/128).
+inline bool in_default_cuda_grid_f3(int d, int kb, int vb) {
+  return in_default_cuda_grid(d, kb, vb) && vb == 3 && (kb == 3 || kb == 16);
+}
 
 // True when e says that backend b (CUDA) lacks a combination outside the default grid (of format 3 when
 // f3): the caller skips it.

@@ -1128,16 +1128,17 @@ constexpr bool attn_compiled(int d, int kb, int vb) {
 }
 const char* const kAttnDefaultGrid =
     "k2v2, k3v3, k4v4, k4v2, k16v3, k5v4, k5v5 for head_dim 64/128 and k3v3, k4v4 for head_dim 256";
-// Format 3 (a side in tile blocks): a default build compiles k3v3 (every head_dim); the full grid every
+// Format 3 (a side in tile blocks): a default build compiles k3v3 (every head_dim) and k16v3 (head_dim 64/128:
+// the format-2 grid's pairs with a 3-bit side, so every default pair runs in both formats); the full grid every
 // combination with a tiled side.
 constexpr bool attn_compiled_f3(int d, int kb, int vb) {
 #ifdef FMKV_CUDA_FULL_GRID
   return attn_compiled(d, kb, vb) && (is_tiled_bits(kb) || is_tiled_bits(vb));
 #else
-  return attn_compiled(d, kb, vb) && kb == 3 && vb == 3;
+  return attn_compiled(d, kb, vb) && ((kb == 3 && vb == 3) || (kb == 16 && vb == 3));
 #endif
 }
-const char* const kAttnDefaultGridF3 = "k3v3 for head_dim 64/128/256";
+const char* const kAttnDefaultGridF3 = "k3v3 for head_dim 64/128/256 and k16v3 for head_dim 64/128";
 
 template <int D, int KB, int VB, bool F3>
 AttnFn attn_kernel_for_page(int page) {
