@@ -163,19 +163,36 @@ inline __m256i tile_yh8(__m256i x, __m256i y) {  // y | hole(x, y) << 16, 8 lane
       _mm256_and_si256(_mm256_srli_epi32(y, 1), _mm256_set1_epi32(0x4444)));
   return _mm256_or_si256(y, _mm256_slli_epi32(h, 16));
 }
-// r[0..7] (rows of 8 words) -> r[j] = column j.
-inline void tile_transpose8x8_epi32(__m256i* r) {
-  __m256i t[8], u[8];
+// The two in-lane stages of an 8 x 8 word transpose (per 128-bit lane, for 256- and 512-bit registers):
+// u[4 i + k], 128-bit lane l: rows 4 i .. 4 i + 3 of the lane's column k.
+inline __m256i unpack_lo32(__m256i a, __m256i b) { return _mm256_unpacklo_epi32(a, b); }
+inline __m256i unpack_hi32(__m256i a, __m256i b) { return _mm256_unpackhi_epi32(a, b); }
+inline __m256i unpack_lo64(__m256i a, __m256i b) { return _mm256_unpacklo_epi64(a, b); }
+inline __m256i unpack_hi64(__m256i a, __m256i b) { return _mm256_unpackhi_epi64(a, b); }
+#if defined(__AVX512F__)
+inline __m512i unpack_lo32(__m512i a, __m512i b) { return _mm512_unpacklo_epi32(a, b); }
+inline __m512i unpack_hi32(__m512i a, __m512i b) { return _mm512_unpackhi_epi32(a, b); }
+inline __m512i unpack_lo64(__m512i a, __m512i b) { return _mm512_unpacklo_epi64(a, b); }
+inline __m512i unpack_hi64(__m512i a, __m512i b) { return _mm512_unpackhi_epi64(a, b); }
+#endif
+template <class V>
+inline void tile_transpose8_in_lanes(const V* r, V* u) {
+  V t[8];
   for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i] = unpack_lo32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = unpack_hi32(r[2 * i], r[2 * i + 1]);
   }
   for (int i = 0; i < 2; ++i) {
-    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i] = unpack_lo64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = unpack_hi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = unpack_lo64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = unpack_hi64(t[4 * i + 1], t[4 * i + 3]);
   }
+}
+// r[0..7] (rows of 8 words) -> r[j] = column j.
+inline void tile_transpose8x8_epi32(__m256i* r) {
+  __m256i u[8];
+  tile_transpose8_in_lanes(r, u);
   for (int j = 0; j < 4; ++j) {
     r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
     r[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
@@ -285,7 +302,7 @@ inline void tile_unpack_g2_avx512(const uint8_t* block, uint32_t* out) {
     yh[k] = _mm512_ternarylogic_epi32(h, _mm512_set1_epi32(0x77770000), y, 0xEA);  // y | hole(x, y) << 16 (see above)
   }
   // _mm512_shuffle_i32x4 immediates taking half h of both sources: 0x44 (h = 0), 0xEE (h = 1).
-  __m512i r[8], t[8], u[8];
+  __m512i r[8], u[8];
   for (int i = 0; i < 8; ++i) {
     if (TokenRows) {  // tokens i and 8 + i: X (even i) or YH (odd i) of lane quads i >> 1 and (i >> 1) + 4
       const int p = i >> 1;
@@ -295,16 +312,7 @@ inline void tile_unpack_g2_avx512(const uint8_t* block, uint32_t* out) {
       r[i] = (i & 1) ? _mm512_shuffle_i32x4(x[i >> 1], yh[i >> 1], 0xEE) : _mm512_shuffle_i32x4(x[i >> 1], yh[i >> 1], 0x44);
     }
   }
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
+  tile_transpose8_in_lanes(r, u);
   // Per 256-bit half: the low (high) 128-bit lanes of u[j] and u[4 + j] make column j (4 + j).
   const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
   for (int j = 0; j < 4; ++j) {
