@@ -255,7 +255,8 @@ void make_int_query(const float* const* q, int32_t d, float step, IntQuery<R>& o
 // Softmax: online, per block (max, exp, sum) in registers.
 // V: lane = coordinate (lane order pi, see LaneTables). Per token: broadcast the code words (4 and 5 bits:
 // the block's one or two nibble words, blended; 5 bits also the sign plane), shift by per-lane constants, look up, fma into
-// accumulators with weight p * scale.
+// accumulators with weight p * scale; lanes u and u + 16 of a group share one token loop (one weight broadcast,
+// one sign-plane broadcast, and for tile blocks one scratch word serve both).
 // Tile blocks (format 3, 3-bit K: KT, V: VT; tile.h): at the first block of each 16-token tile the tile
 // block is unpacked into a scratch (tile_unpack_k / tile_unpack_v: K as 4 nibble words per token and
 // group, V as the X / YH words of a 4-token column per lane); K then runs the 4-bit loop on it (q in
@@ -453,25 +454,36 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
       const F sv = T::load_h(vsc + (int64_t)(g >> ssh) * P + t0);
       for (int r = 0; r < R; ++r) T::store(wbuf[r], T::select_valid(T::mul(p[r], sv), T::zero(), nany));
       const uint32_t* wg = vw + (int64_t)g * VB * P + t0;  // word w of token t: wg[w * P + t]
-      for (int hv = 0; hv < HV; ++hv) {
-        F A[R];
-        for (int r = 0; r < R; ++r) {  // rescale by the max correction (usually exactly 1)
-          A[r] = T::load(st[r].acc + g * 32 + hv * N);
-          if (corr[r] != 1.0f) A[r] = T::mul(A[r], T::set1(corr[r]));
-        }
-        const int u0 = hv * N;
+      // Lanes u and u + 16 of the group in one token loop (HP = 2 halves of N lanes: u0[0] = hv N, u0[1] = u0[0] +
+      // 16): one broadcast weight per query serves both, and tiled V reads both from one scratch word.
+      constexpr int HP = HV >= 2 ? 2 : 1;
+      for (int hv = 0; hv < HV / HP; ++hv) {
+        int u0[HP];
+        for (int h = 0; h < HP; ++h) u0[h] = hv * N + 16 * h;
+        F A[HP][R];
+        for (int h = 0; h < HP; ++h)
+          for (int r = 0; r < R; ++r) {  // rescale by the max correction (usually exactly 1)
+            A[h][r] = T::load(st[r].acc + g * 32 + u0[h]);
+            if (corr[r] != 1.0f) A[h][r] = T::mul(A[h][r], T::set1(corr[r]));
+          }
         if constexpr (VT) {
-          // Lanes u0 .. u0 + N - 1 of token t: words u0 & 15 .. of its column, its nibble u0 >> 4 (tile_v_word).
-          const int32_t t16 = t0 & 15;
-          const uint32_t* vc = vscr + (u0 & 15);
-          // (t16 is a multiple of N: for N >= 4 the shift depends on t only and unrolls to immediates)
+          // Lanes u0 .. u0 + N - 1 of token t: words u0 & 15 .. of its column, its nibble u0 >> 4 (tile_v_word):
+          // the same words for both halves, their nibbles 4 bits apart.
+          // (t16 is a multiple of N: 0 for N = 16, so the word offsets are constants; for N >= 4 the shift depends
+          // on t only and unrolls to immediates)
+          const int32_t t16 = N >= 16 ? 0 : t0 & 15;
+          const uint32_t* vc = vscr + (u0[0] & 15);
 #pragma GCC unroll 16
           for (int t = 0; t < N; ++t) {
             if (t >= nany) break;
-            const int sh = tile_v_shift(N >= 4 ? t : t16 + t) + 4 * (u0 >> 4);
-            const I idx = T::srl(T::loadi(vc + tile_v_word(t16 + t, g, G)), sh);
-            const F lev = T::lut(tv, idx);
-            for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
+            const int sh = tile_v_shift(N >= 4 ? t : t16 + t);
+            const I W = T::loadi(vc + tile_v_word(t16 + t, g, G));
+            F lev[HP];
+            for (int h = 0; h < HP; ++h) lev[h] = T::lut(tv, T::srl(W, sh + 4 * h));
+            for (int r = 0; r < R; ++r) {
+              const F w = T::set1(wbuf[r][t]);
+              for (int h = 0; h < HP; ++h) A[h][r] = T::fmadd(w, lev[h], A[h][r]);
+            }
           }
         } else if constexpr (VB == 4 || VB == 5) {
           // Nibble words (see LaneTables): lane u takes word nib_word[u], a single word for N <= 4,
@@ -479,29 +491,49 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
           // the others. Shift the lane's nibble to bits 0..3 (no mask: see K). 4 bits: the nibble's bit 3 is
           // the sign, shifted to bit 31; 5 bits: the nibble is the magnitude (lut16 reads it mod 16), the sign
           // comes from the sign plane (word 4) as for 2 and 3 bits.
-          const I sh_n = T::loadi(lt.nib_shift + u0), sh_s = T::loadi((VB == 4 ? lt.nib_sign_shl : lt.sign_shl) + u0);
-          const uint32_t* wa = wg + (int64_t)lt.nib_word[u0] * P;
-          const uint32_t* wb = wg + (int64_t)lt.nib_word[N >= 8 ? u0 + 4 : u0] * P;
+          I sh_n[HP], sh_s[HP];
+          const uint32_t *wa[HP], *wb[HP];
+          for (int h = 0; h < HP; ++h) {
+            sh_n[h] = T::loadi(lt.nib_shift + u0[h]);
+            sh_s[h] = T::loadi((VB == 4 ? lt.nib_sign_shl : lt.sign_shl) + u0[h]);
+            wa[h] = wg + (int64_t)lt.nib_word[u0[h]] * P;
+            wb[h] = wg + (int64_t)lt.nib_word[N >= 8 ? u0[h] + 4 : u0[h]] * P;
+          }
           for (int t = 0; t < nany; ++t) {
-            I w = T::set1i(wa[t]);
-            if constexpr (N >= 8) w = T::blend_i_hbit(w, T::set1i(wb[t]), 4);
-            F lev;
-            if constexpr (VB == 4 && T::kLut16) lev = T::lut16(tv16, T::srlv(w, sh_n));
-            else if constexpr (VB == 4) lev = T::xor_sign(T::lut(tv, T::srlv(w, sh_n)), T::sllv(w, sh_s));
-            else lev = T::xor_sign(T::lut16(tv16, T::srlv(w, sh_n)), T::sllv(T::set1i(wg[4 * P + t]), sh_s));
-            for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
+            F lev[HP];
+            for (int h = 0; h < HP; ++h) {
+              I w = T::set1i(wa[h][t]);
+              if constexpr (N >= 8) w = T::blend_i_hbit(w, T::set1i(wb[h][t]), 4);
+              if constexpr (VB == 4 && T::kLut16) lev[h] = T::lut16(tv16, T::srlv(w, sh_n[h]));
+              else if constexpr (VB == 4) lev[h] = T::xor_sign(T::lut(tv, T::srlv(w, sh_n[h])), T::sllv(w, sh_s[h]));
+              else lev[h] = T::xor_sign(T::lut16(tv16, T::srlv(w, sh_n[h])), T::sllv(T::set1i(wg[4 * P + t]), sh_s[h]));
+            }
+            for (int r = 0; r < R; ++r) {
+              const F w = T::set1(wbuf[r][t]);
+              for (int h = 0; h < HP; ++h) A[h][r] = T::fmadd(w, lev[h], A[h][r]);
+            }
           }
         } else {
-          const I sh_m = VB == 2 ? T::loadi(lt.pi_srl + u0) : T::loadi(lt.field_shift + u0);
-          const I sh_s = T::loadi(lt.sign_shl + u0);
-          const uint32_t* wm = VB == 2 ? wg : wg + (int64_t)(u0 >> 4) * P;
+          I sh_m[HP], sh_s[HP];
+          const uint32_t* wm[HP];
+          for (int h = 0; h < HP; ++h) {
+            sh_m[h] = VB == 2 ? T::loadi(lt.pi_srl + u0[h]) : T::loadi(lt.field_shift + u0[h]);
+            sh_s[h] = T::loadi(lt.sign_shl + u0[h]);
+            wm[h] = VB == 2 ? wg : wg + (int64_t)(u0[h] >> 4) * P;
+          }
           for (int t = 0; t < nany; ++t) {
-            const I idx = T::srlv(T::set1i(wm[t]), sh_m);
-            const F lev = T::xor_sign(T::lut(tv, idx), T::sllv(T::set1i(wg[(VB - 1) * P + t]), sh_s));
-            for (int r = 0; r < R; ++r) A[r] = T::fmadd(T::set1(wbuf[r][t]), lev, A[r]);
+            const I sw = T::set1i(wg[(VB - 1) * P + t]);  // the sign plane
+            F lev[HP];
+            for (int h = 0; h < HP; ++h)
+              lev[h] = T::xor_sign(T::lut(tv, T::srlv(T::set1i(wm[h][t]), sh_m[h])), T::sllv(sw, sh_s[h]));
+            for (int r = 0; r < R; ++r) {
+              const F w = T::set1(wbuf[r][t]);
+              for (int h = 0; h < HP; ++h) A[h][r] = T::fmadd(w, lev[h], A[h][r]);
+            }
           }
         }
-        for (int r = 0; r < R; ++r) T::store(st[r].acc + g * 32 + hv * N, A[r]);
+        for (int h = 0; h < HP; ++h)
+          for (int r = 0; r < R; ++r) T::store(st[r].acc + g * 32 + u0[h], A[h][r]);
       }
     }
   }
