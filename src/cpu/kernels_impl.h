@@ -500,13 +500,14 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
             wb[h] = wg + (int64_t)lt.nib_word[N >= 8 ? u0[h] + 4 : u0[h]] * P;
           }
           for (int t = 0; t < nany; ++t) {
+            const I sw = T::set1i(VB == 5 ? wg[4 * P + t] : 0u);  // 5 bits: the sign plane
             F lev[HP];
             for (int h = 0; h < HP; ++h) {
               I w = T::set1i(wa[h][t]);
               if constexpr (N >= 8) w = T::blend_i_hbit(w, T::set1i(wb[h][t]), 4);
               if constexpr (VB == 4 && T::kLut16) lev[h] = T::lut16(tv16, T::srlv(w, sh_n[h]));
               else if constexpr (VB == 4) lev[h] = T::xor_sign(T::lut(tv, T::srlv(w, sh_n[h])), T::sllv(w, sh_s[h]));
-              else lev[h] = T::xor_sign(T::lut16(tv16, T::srlv(w, sh_n[h])), T::sllv(T::set1i(wg[4 * P + t]), sh_s[h]));
+              else lev[h] = T::xor_sign(T::lut16(tv16, T::srlv(w, sh_n[h])), T::sllv(sw, sh_s[h]));
             }
             for (int r = 0; r < R; ++r) {
               const F w = T::set1(wbuf[r][t]);
