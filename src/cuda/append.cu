@@ -355,7 +355,7 @@ constexpr int kCompressWarps = 8, kCompressStages = 2;
 constexpr int kCompressSmem = kCompressWarps * kCompressStages * 256 * 16;
 
 // One kernel per (K width, V width, scale rule): KB a code width or 16 (K kept in fp16, copied), VB a code
-// width. A kernel holds at most two quantizers (one when KB == VB), so its hot loop stays in
+// width. A kernel holds at most two quantizers (one when KB == VB, except format 3's k3v3: one per side), so its hot loop stays in
 // the instruction cache (a runtime switch over all six was 175 KB of code: a one-token k4v2 append in a
 // CUDA-graph decode step took ~21 us through it, ~12 us now; docs/history/cuda-quantize.md, d6d8e90).
 // F3: format 3, whose 3-bit sides are written as tile blocks (quantize_store_tiled); compiled for the width
@@ -453,7 +453,13 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
       // one non-finite input makes every output non-finite (header comment); ring rows were checked
       // when they were appended. Reported after the quantization (no live values around the call).
       bad = !(fabsf(r8[0]) <= 3.402823466e38f) && t == 0 && vt.src && !(vt.src & 1u);
-      if constexpr (KB == VB) {
+      if constexpr (KB == VB && kTiled<VB, F3>) {
+        // Format 3's K and V 3-bit tables differ (qt3[side]): one quantizer per side, each reading its table as
+        // constants. With the side a runtime index every table read was an indexed constant load and the kernel
+        // spilled (ncu, H100: 165,952 local-memory requests per 32k-token chunk; docs/history/cuda-quantize.md).
+        if (isv) quantize_side<D, VB, LSQ, true>(p, r8, cn, vt, t, lane, 1);
+        else quantize_side<D, VB, LSQ, true>(p, r8, cn, vt, t, lane, 0);
+      } else if constexpr (KB == VB) {
         quantize_side<D, VB, LSQ, kTiled<VB, F3>>(p, r8, cn, vt, t, lane, isv);
       } else if (isv) {
         quantize_side<D, VB, LSQ, kTiled<VB, F3>>(p, r8, cn, vt, t, lane, 1);
