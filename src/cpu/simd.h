@@ -27,7 +27,7 @@ namespace {
 struct ScalarT {
   static constexpr int N = 1;
   static constexpr bool kIntDot = false;  // integer dot products for format 3's K (kernels_impl.h)
-  static constexpr bool kLut16 = true;  // lut16 is one permute: 4-bit codes read signed 16-entry tables (kernels_impl.h)
+  static constexpr bool kLut16 = true;  // lut16 is one permute, so 4-bit codes index signed 16-entry tables (kernels_impl.h)
   using F = float;
   using I = uint32_t;
   using Table = const float*;
@@ -90,7 +90,7 @@ struct ScalarT {
 struct Avx2T {
   static constexpr int N = 8;
   static constexpr bool kIntDot = false;  // integer dot products for format 3's K (kernels_impl.h)
-  static constexpr bool kLut16 = false;  // lut16 is one permute: 4-bit codes read signed 16-entry tables (kernels_impl.h)
+  static constexpr bool kLut16 = false;  // lut16 costs more than lut: 4-bit codes keep the sign step (kernels_impl.h)
   using F = __m256;
   using I = __m256i;
   using Table = __m256;
@@ -206,7 +206,7 @@ struct Avx2T {
 struct Avx512T {
   static constexpr int N = 16;
   static constexpr bool kIntDot = false;  // integer dot products for format 3's K (kernels_impl.h)
-  static constexpr bool kLut16 = true;  // lut16 is one permute: 4-bit codes read signed 16-entry tables (kernels_impl.h)
+  static constexpr bool kLut16 = true;  // lut16 is one permute, so 4-bit codes index signed 16-entry tables (kernels_impl.h)
   using F = __m512;
   using I = __m512i;
   using Table = __m512;
@@ -332,7 +332,7 @@ struct Avx512VnniT : Avx512T {
 struct NeonT {
   static constexpr int N = 4;
   static constexpr bool kIntDot = false;  // integer dot products for format 3's K (kernels_impl.h)
-  static constexpr bool kLut16 = false;  // lut16 is one permute: 4-bit codes read signed 16-entry tables (kernels_impl.h)
+  static constexpr bool kLut16 = false;  // lut16 costs more than lut: 4-bit codes keep the sign step (kernels_impl.h)
   using F = float32x4_t;
   using I = uint32x4_t;
   using Table = uint8x16x2_t;  // mag16[0..7] as bytes; indices are taken mod 8 (mag16 has period <= 8)
