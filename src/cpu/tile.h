@@ -238,6 +238,12 @@ inline void tile_unpack_v_avx2(const uint8_t* block, int32_t G, uint32_t* vs) {
   }
 }
 #if defined(__AVX512F__)
+// y | hole(x, y) << 16, 16 lanes: x bit 4 j + 3 -> 16 + 4 j, x bit 19 + 4 j -> 17 + 4 j, y bit 4 j + 3 -> 18 + 4 j
+inline __m512i tile_yh16(__m512i x, __m512i y) {
+  __m512i h = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x22220000), _mm512_srli_epi32(x, 2), _mm512_slli_epi32(x, 13), 0xCA);
+  h = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x44440000), _mm512_slli_epi32(y, 15), h, 0xCA);
+  return _mm512_ternarylogic_epi32(h, _mm512_set1_epi32(0x77770000), y, 0xEA);  // (h & m) | y
+}
 // r[0..15] (rows of 16 words) -> r[j] = column j.
 inline void tile_transpose16x16_epi32(__m512i* r) {
   __m512i t[16], u[16];
@@ -275,11 +281,8 @@ inline void tile_unpack_avx512(const uint8_t* block, int32_t G, uint32_t* out) {
     for (int p = 0; p < 8; ++p) {
       const __m512i x = _mm512_loadu_si512((const void*)(X + 4 * G * p + cb));
       const __m512i y = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(Y + 4 * G * p + cb)));
-      // y | hole(x, y) << 16: x bit 4 j + 3 -> 16 + 4 j, x bit 19 + 4 j -> 17 + 4 j, y bit 4 j + 3 -> 18 + 4 j
-      __m512i h = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x22220000), _mm512_srli_epi32(x, 2), _mm512_slli_epi32(x, 13), 0xCA);
-      h = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x44440000), _mm512_slli_epi32(y, 15), h, 0xCA);
       r[TokenRows ? 2 * p : p] = x;
-      r[TokenRows ? 2 * p + 1 : 8 + p] = _mm512_ternarylogic_epi32(h, _mm512_set1_epi32(0x77770000), y, 0xEA);  // (h & m) | y
+      r[TokenRows ? 2 * p + 1 : 8 + p] = tile_yh16(x, y);
     }
     tile_transpose16x16_epi32(r);
     for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(out + 16 * (cb + j)), r[j]);
@@ -297,9 +300,7 @@ inline void tile_unpack_g2_avx512(const uint8_t* block, uint32_t* out) {
   for (int k = 0; k < 4; ++k) {
     x[k] = _mm512_loadu_si512((const void*)(X + 16 * k));
     const __m512i y = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(Y + 16 * k)));
-    __m512i h = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x22220000), _mm512_srli_epi32(x[k], 2), _mm512_slli_epi32(x[k], 13), 0xCA);
-    h = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x44440000), _mm512_slli_epi32(y, 15), h, 0xCA);
-    yh[k] = _mm512_ternarylogic_epi32(h, _mm512_set1_epi32(0x77770000), y, 0xEA);  // y | hole(x, y) << 16 (see above)
+    yh[k] = tile_yh16(x[k], y);
   }
   // _mm512_shuffle_i32x4 immediates taking half h of both sources: 0x44 (h = 0), 0xEE (h = 1).
   __m512i r[8], u[8];
