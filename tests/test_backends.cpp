@@ -393,10 +393,16 @@ TEST_P(Backends, PrefillChunksBitExact) {
       {128, 2, 3, 2, 64, 0, 0, FMKV_SCALE_RMS, {3}, {261}, FMKV_F16},
       {128, 3, 4, 2, 32, 0, 0, FMKV_SCALE_LSQ, {0, 24}, {160, 72}, FMKV_BF16},
       {64, 3, 3, 1, 16, 0, 16, FMKV_SCALE_LSQ, {16}, {96}, FMKV_F32},
+      // the 4- and 5-bit quantizers with the LSQ rule (CUDA: their levels by a shared-memory lookup)
+      {128, 5, 4, 2, 64, 0, 0, FMKV_SCALE_LSQ, {0, 40}, {320, 200}, FMKV_F16},
+      {64, 4, 5, 2, 32, 0, 0, FMKV_SCALE_LSQ, {8}, {300}, FMKV_F16},
+      {256, 5, 5, 1, 64, 0, 16, FMKV_SCALE_LSQ, {0}, {150}, FMKV_BF16},
+      {128, 4, 4, 2, 64, 0, 0, FMKV_SCALE_LSQ, {3, 64}, {250, 129}, FMKV_F16},
   };
   for (int version : {2, 3}) {
     if (version > find_backend(b)->max_format_version) continue;
     for (const C& sh : cases) {
+      if ((sh.kb == 5 || sh.vb == 5) && find_backend(b)->max_code_bits < 5) continue;  // refused (CodeWidth5MatchesOrIsRefused)
       fmkv_config c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
       c.format_version = version;
       int64_t n1 = 0;

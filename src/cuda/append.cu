@@ -180,14 +180,14 @@ __device__ __forceinline__ uint64_t shfl64(uint64_t x, int src_lane) {
 // EXACT / NIB: thread_group_codes' (format 3's 3-bit tables, nibble output).
 template <int BITS, bool LSQ, int NT, int SS, bool EXACT, bool NIB>
 __device__ __forceinline__ void quantize_pair(const float (&r)[64], const float (&cn)[2], const QuantTables& qt,
-                                              uint32_t (&w)[2][NIB ? 4 : BITS], uint16_t (&sc)[2]) {
+                                              const float* smag, uint32_t (&w)[2][NIB ? 4 : BITS], uint16_t (&sc)[2]) {
   if constexpr (SS == 0) {
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       float y[32];
 #pragma unroll
       for (int k = 0; k < 32; ++k) y[k] = __fmul_rn(r[32 * b + k], cn[b]);
-      sc[b] = thread_quantize_group<BITS, LSQ, EXACT, NIB>(y, qt, w[b]);
+      sc[b] = thread_quantize_group<BITS, LSQ, EXACT, NIB>(y, qt, smag, w[b]);
     }
   } else {
     float y[2][32], ss[2], num[2], den[2];
@@ -210,7 +210,7 @@ __device__ __forceinline__ void quantize_pair(const float (&r)[64], const float 
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       s0[b] = rms_scale(ss[b], 2 * FMKV_GROUP_SIZE);
-      thread_group_codes<BITS, LSQ, EXACT, NIB>(y[b], qt, f16_bits_to_f32_hw(s0[b]), w[b], num[b], den[b]);
+      thread_group_codes<BITS, LSQ, EXACT, NIB>(y[b], qt, smag, f16_bits_to_f32_hw(s0[b]), w[b], num[b], den[b]);
     }
     if constexpr (LSQ) {
       scale_group_sums(num);
@@ -224,13 +224,13 @@ __device__ __forceinline__ void quantize_pair(const float (&r)[64], const float 
 // Quantize the thread's two groups and store them (code group g's scale at row g >> SS: the even group's
 // thread writes it).
 template <int BITS, bool LSQ, int NT, int SS>
-__device__ __forceinline__ void quantize_store(const float (&r)[64], const float (&cn)[2],
-                                               const QuantTables& qt, const VecTask& vt, int t, int P) {
+__device__ __forceinline__ void quantize_store(const float (&r)[64], const float (&cn)[2], const QuantTables& qt,
+                                               const float* smag, const VecTask& vt, int t, int P) {
   uint32_t* words = (uint32_t*)vt.sec + vt.tok;
   uint16_t* scales = (uint16_t*)(vt.sec + (int64_t)(2 * NT) * BITS * P * 4) + vt.tok;  // fmkv_scales_offset
   uint32_t w[2][BITS];
   uint16_t sc[2];
-  quantize_pair<BITS, LSQ, NT, SS, false, false>(r, cn, qt, w, sc);
+  quantize_pair<BITS, LSQ, NT, SS, false, false>(r, cn, qt, smag, w, sc);
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     const int g = t + NT * b;
@@ -255,7 +255,7 @@ __device__ __forceinline__ void quantize_store_tiled(const float (&r)[64], const
   uint16_t* scales = vt.sec ? (uint16_t*)(vt.sec + (int64_t)G * 3 * P * 4) + vt.tok : nullptr;  // fmkv_scales_offset
   uint32_t w[2][4];
   uint16_t sc[2];
-  quantize_pair<3, LSQ, NT, SS, true, true>(r, cn, qt, w, sc);
+  quantize_pair<3, LSQ, NT, SS, true, true>(r, cn, qt, nullptr, w, sc);
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     const int g = t + NT * b;
@@ -283,14 +283,14 @@ __device__ __forceinline__ void tiled_task(const AppendParams& p, const float (&
 // uniform over the launch, so each launch runs one of the two.
 template <int D, int BITS, bool LSQ, bool TILED>
 __device__ __forceinline__ void quantize_side(const AppendParams& p, const float (&r)[64], const float (&cn)[2],
-                                              const VecTask& vt, int t, int lane, int is_v) {
+                                              const float* smag, const VecTask& vt, int t, int lane, int is_v) {
   constexpr int NT = D / 64;
   if constexpr (TILED) {
     if (p.ss) tiled_task<D, LSQ, 1>(p, r, cn, vt, t, lane, is_v);
     else tiled_task<D, LSQ, 0>(p, r, cn, vt, t, lane, is_v);
   } else {
-    if (p.ss) quantize_store<BITS, LSQ, NT, 1>(r, cn, p.qt[BITS - 2], vt, t, p.P);
-    else quantize_store<BITS, LSQ, NT, 0>(r, cn, p.qt[BITS - 2], vt, t, p.P);
+    if (p.ss) quantize_store<BITS, LSQ, NT, 1>(r, cn, p.qt[BITS - 2], smag, vt, t, p.P);
+    else quantize_store<BITS, LSQ, NT, 0>(r, cn, p.qt[BITS - 2], smag, vt, t, p.P);
   }
 }
 
@@ -365,7 +365,14 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
   constexpr int NT = D / 64, VPW = 32 / NT, CPV = D / 8;
   extern __shared__ __align__(16) uint4 tiles[];  // [warp][stage][256]
   __shared__ uint4 s_mask[CPV];
+  // The code levels of K (row 0) and V (row 1) for the 4- and 5-bit quantizers' LSQ sums: one indexed shared load
+  // per value instead of a select tree over constants (whose values would take registers).
+  __shared__ float s_mag[2][kMaxMagnitudes];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x < 2 * kMaxMagnitudes) {
+    const int side = threadIdx.x / kMaxMagnitudes, m = threadIdx.x % kMaxMagnitudes, b = side ? VB : KB;
+    s_mag[side][m] = b >= 2 && b <= FMKV_CUDA_CODE_BITS_MAX ? p.qt[b - 2].mag[m] : 0.0f;
+  }
   uint4* wtiles = tiles + warp * kCompressStages * 256;
   const int t = lane % NT, vec = lane / NT;
   if (threadIdx.x < CPV) s_mask[threadIdx.x] = fwht_input_mask<D>(p.sw, threadIdx.x);
@@ -457,14 +464,14 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
         // Format 3's K and V 3-bit tables differ (qt3[side]): one quantizer per side, each reading its table as
         // constants. With the side a runtime index every table read was an indexed constant load and the kernel
         // spilled (ncu, H100: 165,952 local-memory requests per 32k-token chunk; docs/history/cuda-quantize.md).
-        if (isv) quantize_side<D, VB, LSQ, true>(p, r8, cn, vt, t, lane, 1);
-        else quantize_side<D, VB, LSQ, true>(p, r8, cn, vt, t, lane, 0);
+        if (isv) quantize_side<D, VB, LSQ, true>(p, r8, cn, s_mag[1], vt, t, lane, 1);
+        else quantize_side<D, VB, LSQ, true>(p, r8, cn, s_mag[0], vt, t, lane, 0);
       } else if constexpr (KB == VB) {
-        quantize_side<D, VB, LSQ, kTiled<VB, F3>>(p, r8, cn, vt, t, lane, isv);
+        quantize_side<D, VB, LSQ, kTiled<VB, F3>>(p, r8, cn, s_mag[0], vt, t, lane, isv);
       } else if (isv) {
-        quantize_side<D, VB, LSQ, kTiled<VB, F3>>(p, r8, cn, vt, t, lane, 1);
+        quantize_side<D, VB, LSQ, kTiled<VB, F3>>(p, r8, cn, s_mag[1], vt, t, lane, 1);
       } else if constexpr (KB != FMKV_FP16_BITS) {
-        quantize_side<D, KB, LSQ, kTiled<KB, F3>>(p, r8, cn, vt, t, lane, 0);
+        quantize_side<D, KB, LSQ, kTiled<KB, F3>>(p, r8, cn, s_mag[0], vt, t, lane, 0);
       }
     }
     if (bad) report_nonfinite_row(p, r, h, isv);

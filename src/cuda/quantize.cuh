@@ -88,9 +88,9 @@ __device__ __forceinline__ void group_thresholds(const QuantTables& q, float s, 
   for (int i = 0; i < (1 << (BITS - 1)) - 1; ++i) T[i] = __fadd_rd(__fmul_rn(q.thr[i], s), __fmul_rn(q.hulp[i], s));
 }
 
-// 5-bit codes: the thermometer count m over the 15 thresholds (binary search, bits c[0..3]) and mag[m], by
-// compares and select trees (no indexed load: T and q.mag stay in registers / the parameter bank).
-__device__ __forceinline__ float search_magnitude5(float a, const float* T, const QuantTables& q, bool (&c)[4]) {
+// 5-bit codes: the thermometer count m over the 15 thresholds T (ascending), by binary search (c = bits 0-3 of
+// m), with compares and selects only (no indexed load: T stays in registers).
+__device__ __forceinline__ void search_code5(float a, const float* T, bool (&c)[4]) {
   c[3] = a > T[7];
   c[2] = a > (c[3] ? T[11] : T[3]);
   c[1] = a > (c[2] ? (c[3] ? T[13] : T[5]) : (c[3] ? T[9] : T[1]));
@@ -98,6 +98,10 @@ __device__ __forceinline__ float search_magnitude5(float a, const float* T, cons
 #pragma unroll
   for (int k = 0; k < 4; ++k) u[k] = c[3] ? T[8 + 2 * k] : T[2 * k];  // T[8 c3 + 4 c2 + 2 c1], stepwise
   c[0] = a > (c[1] ? (c[2] ? u[3] : u[1]) : (c[2] ? u[2] : u[0]));
+}
+// ... and its level mag[m] by a select tree (the parameter bank's table, no indexed load); c = the bits of m.
+__device__ __forceinline__ float search_magnitude5(float a, const float* T, const QuantTables& q, bool (&c)[4]) {
+  search_code5(a, T, c);
   float r[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) r[k] = c[3] ? q.mag[8 + k] : q.mag[k];
@@ -406,7 +410,11 @@ __device__ __forceinline__ void thread_fwht(float (&r)[64], int lane) {
 //  * LSQ numerator terms y * level(code) == |y| * mag[m] for y != 0 (level has the sign of y); for
 //    y = +-0 the term is a zero of either sign, and the sum of these non-negative terms is positive
 //    (s0 != 0), so zero signs never reach the result.
-// Sums keep tree_sum32's pairs: t[j] + t[j+16] is formed as soon as both terms exist.
+// Sums keep tree_sum32's pairs, each formed as soon as both of its terms exist (the LSQ sums depth first: few
+// partial sums live next to the thread's 64 values and the thresholds).
+// smag (shared memory): the side's levels mag[m]; the 4- and 5-bit LSQ quantizers read a code's level there (one
+// indexed shared load) instead of selecting it among the table's constants, which took registers and made every
+// 5-bit LSQ kernel spill (docs/history/cuda-quantize.md, 2026-12-07: 5-bit prefill 1.34-1.48x).
 // EXACT (format 3's 3-bit tables, whose thresholds have up to 18 significant bits: t_i s is not exact in
 // float): the group's thresholds from exact_threshold instead, the same compares after.
 // NIB (3 bits only): the codes as nibbles instead of planes, coordinate j at nibble fmkv_nibble_shift(j) of
@@ -430,8 +438,9 @@ __device__ __forceinline__ float thread_square_sum(const float (&y)[32]) {
   return s8[0];
 }
 template <int BITS, bool LSQ, bool EXACT = false, bool NIB = false>
-__device__ __forceinline__ void thread_group_codes(const float (&y)[32], const QuantTables& q, float s0f,
-                                                   uint32_t (&w)[NIB ? 4 : BITS], float& num, float& den) {
+__device__ __forceinline__ void thread_group_codes(const float (&y)[32], const QuantTables& q, const float* smag,
+                                                   float s0f, uint32_t (&w)[NIB ? 4 : BITS], float& num,
+                                                   float& den) {
   static_assert(!NIB || BITS == 3, "nibble output is for 3-bit codes");
   constexpr int NW = NIB ? 4 : BITS;
   constexpr int M = 1 << (BITS - 1);
@@ -449,10 +458,12 @@ __device__ __forceinline__ void thread_group_codes(const float (&y)[32], const Q
   float num16[16], den16[16];
 #pragma unroll
   for (int jj = 0; jj < 32; ++jj) {
-    // visit j in the order 0, 16, 8, 24, 1, 17, 9, 25, ...: pairs of the tree combine at once
-    const int j = (jj >> 2) + 16 * (jj & 1) + 8 * ((jj >> 1) & 1);
+    // visit j in the order 0, 16, 8, 24, 4, 20, 12, 28, 2, ... (j & 7 bit-reversed): every pair of the tree
+    // combines as soon as both of its terms exist, so few partial sums are live at once
+    const int k = jj >> 2, i8 = (k & 1) << 2 | (k & 2) | (k >> 2);
+    const int j = i8 + 16 * (jj & 1) + 8 * ((jj >> 1) & 1);
     const float a = fabsf(y[j]);
-    float l;
+    float l = 0.0f;
     if constexpr (BITS == 2) {
       const bool c0 = a > T[0];
       l = c0 ? q.mag[1] : q.mag[0];
@@ -474,25 +485,23 @@ __device__ __forceinline__ void thread_group_codes(const float (&y)[32], const Q
       }
     } else if constexpr (BITS == 5) {
       bool c[4];
-      l = search_magnitude5(a, T, q, c);
+      search_code5(a, T, c);
       // nibble j & 7 of word j >> 3: the magnitude (bits 0-3); the sign in plane 4 (below)
       const int nw = fmkv_nibble_word(j), ns = fmkv_nibble_shift(j);
 #pragma unroll
       for (int b = 0; b < 4; ++b)
         if (c[b]) w[nw] |= 1u << (ns + b);
+      if constexpr (LSQ) l = smag[(w[nw] >> ns) & 15u];  // the level of the code just written
     } else {
       const bool c2 = a > T[3];
       const bool c1 = a > (c2 ? T[5] : T[1]);
       const bool c0 = a > (c2 ? (c1 ? T[6] : T[4]) : (c1 ? T[2] : T[0]));
-      const float q0 = c2 ? q.mag[4] : q.mag[0], q1 = c2 ? q.mag[5] : q.mag[1];
-      const float q2 = c2 ? q.mag[6] : q.mag[2], q3 = c2 ? q.mag[7] : q.mag[3];
-      const float r0 = c1 ? q2 : q0, r1 = c1 ? q3 : q1;
-      l = c0 ? r1 : r0;
       // nibble j & 7 of word j >> 3: magnitude bits 0-2, sign bit 3 (one predicated OR per bit)
       const int nw = fmkv_nibble_word(j), ns = fmkv_nibble_shift(j);
       if (c0) w[nw] |= 1u << ns;
       if (c1) w[nw] |= 2u << ns;
       if (c2) w[nw] |= 4u << ns;
+      if constexpr (LSQ) l = smag[(w[nw] >> ns) & 7u];  // the level of the code just written
       if (y[j] < 0.0f) w[nw] |= 8u << ns;
     }
     if (BITS != 4 && !NIB && y[j] < 0.0f) w[BITS - 1] |= 1u << j;
@@ -506,22 +515,27 @@ __device__ __forceinline__ void thread_group_codes(const float (&y)[32], const Q
       } else {
         num16[i16] = __fadd_rn(num16[i16], tn);
         den16[i16] = __fadd_rn(den16[i16], td);
-        if (jj & 2) {
-          num8[j & 7] = __fadd_rn(num16[j & 7], num16[(j & 7) + 8]);
-          den8[j & 7] = __fadd_rn(den16[j & 7], den16[(j & 7) + 8]);
+        if (jj & 2) {  // sum i8 of step 8, then the steps 4, 2, 1 that it completes (pairs (i, i + step), i < step)
+          num8[i8] = __fadd_rn(num16[i8], num16[i8 + 8]);
+          den8[i8] = __fadd_rn(den16[i8], den16[i8 + 8]);
+          if (i8 & 4) {
+            num8[i8 - 4] = __fadd_rn(num8[i8 - 4], num8[i8]);
+            den8[i8 - 4] = __fadd_rn(den8[i8 - 4], den8[i8]);
+            if (i8 & 2) {
+              num8[i8 - 6] = __fadd_rn(num8[i8 - 6], num8[i8 - 4]);
+              den8[i8 - 6] = __fadd_rn(den8[i8 - 6], den8[i8 - 4]);
+              if (i8 & 1) {
+                num8[0] = __fadd_rn(num8[0], num8[1]);
+                den8[0] = __fadd_rn(den8[0], den8[1]);
+              }
+            }
+          }
         }
       }
     }
   }
   num = den = 0.0f;
   if constexpr (LSQ) {
-#pragma unroll
-    for (int step = 4; step >= 1; step >>= 1)
-#pragma unroll
-      for (int j = 0; j < step; ++j) {
-        num8[j] = __fadd_rn(num8[j], num8[j + step]);
-        den8[j] = __fadd_rn(den8[j], den8[j + step]);
-      }
     num = num8[0];
     den = den8[0];
   }
@@ -541,11 +555,11 @@ __device__ __forceinline__ uint16_t thread_group_scale(uint16_t s0, float num, f
 }
 // One code group with its own scale (scale group 32): returns the fp16 scale, w the packed words.
 template <int BITS, bool LSQ, bool EXACT = false, bool NIB = false>
-__device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], const QuantTables& q,
+__device__ __forceinline__ uint16_t thread_quantize_group(const float (&y)[32], const QuantTables& q, const float* smag,
                                                          uint32_t (&w)[NIB ? 4 : BITS]) {
   const uint16_t s0 = rms_scale(thread_square_sum(y));
   float num, den;
-  thread_group_codes<BITS, LSQ, EXACT, NIB>(y, q, f16_bits_to_f32_hw(s0), w, num, den);
+  thread_group_codes<BITS, LSQ, EXACT, NIB>(y, q, smag, f16_bits_to_f32_hw(s0), w, num, den);
   return thread_group_scale<LSQ>(s0, num, den, w);
 }
 
