@@ -466,8 +466,8 @@ __global__ void __launch_bounds__(256, 2) compress(AppendParams p) {
         // spilled (ncu, H100: 165,952 local-memory requests per 32k-token chunk; docs/history/cuda-quantize.md).
         if (isv) quantize_side<D, VB, LSQ, true>(p, r8, cn, s_mag[1], vt, t, lane, 1);
         else quantize_side<D, VB, LSQ, true>(p, r8, cn, s_mag[0], vt, t, lane, 0);
-      } else if constexpr (KB == VB) {
-        quantize_side<D, VB, LSQ, kTiled<VB, F3>>(p, r8, cn, s_mag[0], vt, t, lane, isv);
+      } else if constexpr (KB == VB) {  // one width, one table: not tiled (the branch above)
+        quantize_side<D, VB, LSQ, false>(p, r8, cn, s_mag[0], vt, t, lane, isv);
       } else if (isv) {
         quantize_side<D, VB, LSQ, kTiled<VB, F3>>(p, r8, cn, s_mag[1], vt, t, lane, 1);
       } else if constexpr (KB != FMKV_FP16_BITS) {

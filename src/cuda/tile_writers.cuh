@@ -43,28 +43,39 @@ __device__ __forceinline__ void tile_token_words(int is_v, int t16, const uint32
   }
   // V: k = the token's mma k index, lanes 4 gID + tid; coordinates gID, gID + 8 (mma 0) and gID + 16, gID + 24
   const int k = (t16 & 1) == 0 ? t16 >> 1 : 8 + (t16 >> 1), tid = (k & 7) >> 1, h = k & 1;
+  const bool hole = k >= 8;
   // byte gID >> 1 of xe (gID even) / xo (odd): code(gID) | code(gID + 8) << 4; of ye / yo: code(gID + 16) | code(gID + 24) << 4
   const uint32_t xe = (cw[0] & 0x0F0F0F0Fu) | (cw[1] & 0x0F0F0F0Fu) << 4, xo = (cw[0] >> 4 & 0x0F0F0F0Fu) | (cw[1] & 0xF0F0F0F0u);
   const uint32_t ye = (cw[2] & 0x0F0F0F0Fu) | (cw[3] & 0x0F0F0F0Fu) << 4, yo = (cw[2] >> 4 & 0x0F0F0F0Fu) | (cw[3] & 0xF0F0F0F0u);
+  // The token's bytes of every gID of one parity at once (byte gID >> 1), then one permute per word and gID:
+  //  k < 8:  X byte h = the x byte (X nibbles 2h, 2h + 1, bits 0-2), Y byte h = the y byte (the same in Y);
+  //  k >= 8: X byte 2 + h = the x byte (X nibbles 4 + 2h, 5 + 2h) with the y byte's bits 1 / 5 in bits 3 / 7, X byte h
+  //          = its bits 0 / 4 in bits 3 / 7, Y byte h = its bits 2 / 6 in bits 3 / 7 (the holes of code(gID + 16),
+  //          code(gID + 24)).
+  // P (-> X byte h), Q (-> X byte 2 + h; 0 for k < 8) and R (-> Y byte h) of gID parity e (0 even, 1 odd):
+  uint32_t P[2], Q[2], R[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const uint32_t x = e ? xo : xe, y = e ? yo : ye;
+    P[e] = hole ? (y & 0x11111111u) << 3 : x;
+    Q[e] = hole ? x | (y & 0x22222222u) << 2 : 0u;
+    R[e] = hole ? (y & 0x44444444u) << 1 : y;
+  }
+  // permute selectors for byte b = gID >> 1: X takes P's byte b into byte h and Q's into byte 2 + h (the other two
+  // bytes masked off), Y takes R's byte b into byte h and zero bytes elsewhere
+  const uint32_t sx0 = 4u << (4 * (2 + h)), sxi = 1u << (4 * h) | 1u << (4 * (2 + h));
+  const uint32_t sy0 = 0x4444u - (4u << (4 * h)), syi = 1u << (4 * h);
+  const uint32_t xkeep = 0xffu << (8 * h) | 0xffu << (16 + 8 * h);
+  // the token's bits of the words (masks of the reductions): X nibbles 2h, 2h + 1 / Y nibbles 2h, 2h + 1 (bits 0-2),
+  // or X nibbles 4 + 2h, 5 + 2h (bits 0-2) and bit 3 of X nibbles 2h, 2h + 1, 4 + 2h, 5 + 2h / of Y nibbles 2h, 2h + 1
+  const uint32_t xm = hole ? 0x77u << (16 + 8 * h) | 0x88u << (8 * h) | 0x88u << (16 + 8 * h) : 0x77u << (8 * h);
+  const uint32_t ym = (hole ? 0x88u : 0x77u) << (8 * h);
 #pragma unroll
   for (int gid = 0; gid < 8; ++gid) {
-    const int lane = 4 * gid + tid;
-    const uint32_t sel = 0x4440u | (uint32_t)(gid >> 1);  // that byte alone, in byte 0
-    const uint32_t xbyte = __byte_perm(gid & 1 ? xo : xe, 0u, sel), ybyte = __byte_perm(gid & 1 ? yo : ye, 0u, sel);
-    uint32_t xm, xb, ym, yb;
-    if (k < 8) {  // X nibbles 2h, 2h + 1 and Y nibbles 2h, 2h + 1 (bits 0-2)
-      xm = 0x77u << (8 * h);
-      xb = xbyte << (8 * h);
-      ym = 0x77u << (8 * h);
-      yb = ybyte << (8 * h);
-    } else {  // X nibbles 4 + 2h, 5 + 2h; holes 2h (code(gID + 16)), 2h + 1 (code(gID + 24)): bits 3 and 7 of a byte
-      xm = 0x77u << (16 + 8 * h) | 0x88u << (8 * h) | 0x88u << (16 + 8 * h);
-      xb = xbyte << (16 + 8 * h) | (ybyte & 0x11u) << (3 + 8 * h) | (ybyte & 0x22u) << (2 + 16 + 8 * h);
-      ym = 0x88u << (8 * h);
-      yb = (ybyte & 0x44u) << (1 + 8 * h);
-    }
-    f(gid, kTileX, lane, xm, xb);
-    f(8 + gid, kTileY, lane, ym, yb);
+    const int e = gid & 1, bb = gid >> 1;
+    const uint32_t xb = __byte_perm(P[e], Q[e], sx0 + bb * sxi) & xkeep, yb = __byte_perm(R[e], 0u, sy0 + bb * syi);
+    f(gid, kTileX, 4 * gid + tid, xm, xb);
+    f(8 + gid, kTileY, 4 * gid + tid, ym, yb);
   }
 }
 
