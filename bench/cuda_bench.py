@@ -8,6 +8,7 @@ cuda_sdpa_variants.jsonl), merges, prints a table and writes docs/results/cuda_d
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results [--commit SHA] [--quick]
     python3 bench/cuda_bench.py --out docs/results --replot      # redraw the PNG from the committed JSON
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --quantize-only  # cuda_quantize.jsonl
+    ... --quantize-only --formats 5:4,5:5 --tag T  # those widths' rows, cuda_quantize_T.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --latency  # cuda_latency.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --kv-heads-sweep  # cuda_kv_heads.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --ragged  # cuda_decode_ragged.jsonl
@@ -143,17 +144,26 @@ def print_quantize(qua):
               fmt_name(r), r["context"], r["time_us"], r["gbps"], r["pct_copy_bw"], r["mtok_per_s"]))
 
 
-def quantize_only(a):
+def quantize_only(a, sfx=""):
     """--quantize-only: the prefill-chunk quantize timing of each format (binary --quant-only kb vb, which
-    measures the copy bandwidth in the same process); rewrites cuda_quantize.jsonl only."""
+    measures the copy bandwidth in the same process); rewrites cuda_quantize.jsonl only (cuda_quantize_TAG.jsonl
+    with --tag). The widths: --formats K:V,... (scale group 32), else k3v3, k4v4, k4v2."""
+    pairs = ((3, 3), (4, 4), (4, 2))
+    if a.formats:
+        pairs = []
+        for f in a.formats.split(","):
+            w = [int(x) for x in f.split(":")]
+            if len(w) != 2:
+                sys.exit("--quantize-only --formats: K:V pairs without a scale group (got %s)" % f)
+            pairs.append((w[0], w[1]))
     qua = []
-    for kb, vb in ((3, 3), (4, 4), (4, 2)):
+    for kb, vb in pairs:
         res = subprocess.run([a.bin, "--quant-only", str(kb), str(vb)], capture_output=True, text=True)
         sys.stderr.write(res.stderr)
         recs = [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
         copy = next(r for r in recs if r["kind"] == "copy")
         qua += [quantize_record(r, copy, copy["device"], a.commit) for r in recs if r["kind"] == "quantize"]
-    write_jsonl(os.path.join(a.out, "cuda_quantize.jsonl"), qua)
+    write_jsonl(os.path.join(a.out, "cuda_quantize%s.jsonl" % sfx), qua)
     print_quantize(qua)
 
 
@@ -340,7 +350,7 @@ def main():
         ap.error("--bin is required")
     os.makedirs(a.out, exist_ok=True)
     if a.quantize_only:
-        quantize_only(a)
+        quantize_only(a, sfx)
         return
     if a.ragged:
         ragged(a)
