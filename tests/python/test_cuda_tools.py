@@ -1,6 +1,7 @@
 """The device-side diagnostic scripts under tests/cuda run on ncu / cuobjdump / benchmark output; here they
 run on small synthetic inputs (ab.sh on stub benchmark binaries), so a format change breaks a test and not a
 device session."""
+import argparse
 import csv
 import importlib.util
 import io
@@ -191,6 +192,29 @@ def test_kv_heads_sweep_records_and_plot(tmp_path):
     png = tmp_path / "kv.png"
     cb.plot_kv_heads(recs, str(png))
     assert png.stat().st_size > 10000
+
+
+def test_quantize_only_widths_and_tag(tmp_path):
+    """bench/cuda_bench.py --quantize-only: --formats picks the widths the binary runs (--quant-only K V, each with
+    the copy bandwidth of its own process), --tag names the file, and a width triple is refused."""
+    spec = importlib.util.spec_from_file_location("cuda_bench", ROOT / "bench" / "cuda_bench.py")
+    cb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cb)
+    stub = tmp_path / "fmkv_cuda_bench"
+    stub.write_text("#!/bin/bash\n"
+                    "echo '{\"kind\":\"copy\",\"gbps\":2000.0,\"device\":\"stub GPU\"}'\n"
+                    "echo \"{\\\"kind\\\":\\\"quantize\\\",\\\"k_bits\\\":$2,\\\"v_bits\\\":$3,\\\"tokens\\\":32768,"
+                    "\\\"head_dim\\\":128,\\\"kv_heads\\\":8,\\\"page_size\\\":64,\\\"time_us\\\":100.0,"
+                    "\\\"bytes\\\":1e8,\\\"gbps\\\":1000.0,\\\"mtok_per_s\\\":300.0}\"\n")
+    stub.chmod(0o755)
+    a = argparse.Namespace(bin=str(stub), out=str(tmp_path), commit="abc1234", formats="5:4,3:3")
+    cb.quantize_only(a, "_t")
+    recs = [json.loads(l) for l in (tmp_path / "cuda_quantize_t.jsonl").read_text().splitlines()]
+    assert [(r["k_bits"], r["v_bits"]) for r in recs] == [(5, 4), (3, 3)]
+    assert recs[0]["pct_copy_bw"] == 50.0 and recs[0]["device"] == "stub GPU" and recs[0]["commit"] == "abc1234"
+    a.formats = "4:4:64"
+    with pytest.raises(SystemExit, match="without a scale group"):
+        cb.quantize_only(a, "_t")
 
 
 def test_ab_sh_runs_variants_patches_and_forced_settings(tmp_path):
