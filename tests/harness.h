@@ -272,6 +272,23 @@ inline std::vector<float> run_attention(fmkv_backend b, const Scenario& s, const
   return o.as_f32();
 }
 
+// run_attention through fmkv_attention_lse: the fp32 output and lse[row][q head] (the softmax log-denominators),
+// both poisoned with NaN before the call.
+inline std::pair<std::vector<float>, std::vector<float>> run_attention_lse(fmkv_backend b, const Scenario& s, const LayerState& st,
+                                                                           const fmkv_tensor& q_host,
+                                                                           fmkv_attention_opts opts = {0.0f, 0.0f, 0}) {
+  DeviceLayer L(b, s, st.pages, st.fp16_k, st.fp16_v, lengths_after(s));
+  DeviceTensor q(b, q_host);
+  DeviceOutput o(b, q_host, FMKV_F32);
+  const fmkv_tensor lse_shape = make_tensor(nullptr, FMKV_F32, q_host.rows, q_host.heads, 1);
+  DeviceOutput lse(b, lse_shape, FMKV_F32);
+  const int64_t ws = fmkv_attention_workspace_bytes(b, &s.cfg, q_host.heads, q_host.rows, s.seqs(), opts.max_seq_len);
+  DeviceBuf work(b, (size_t)ws + 16);
+  check(fmkv_attention_lse(b, &s.cfg, &L.lc, &L.bt, &q.t, &opts, &o.t, &lse.t, work.p, (size_t)ws, nullptr));
+  check(fmkv_device_synchronize(b));
+  return {o.as_f32(), lse.as_f32()};
+}
+
 // The fused decode step on backend b: appends k/v (s.rows per sequence after s.lens tokens) and
 // attends q over the result in one fmkv_append_attention call. Returns the new layer state and the
 // fp32 output (poisoned with NaN before the call).

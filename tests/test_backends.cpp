@@ -150,6 +150,73 @@ TEST_P(Backends, AttentionMatchesReference) {
     }
 }
 
+// fmkv_attention_lse on every backend that has it (BackendOps::attention_lse): the output is fmkv_attention's bit
+// for bit, and lse (log sum exp of the scaled, softcapped scores) is the float64 reference's within the backend's
+// attention bound, |lse - ref| <= 2 x attention_rel_error x (1 + |ref|) -- the shards a context-parallel merge
+// weights by exp(lse) then carry that relative error. Every shape of the attention test (sinks and windows,
+// several query rows, ragged batches whose long sequences get the balanced plan's extra splits, more than 64
+// splits, softcap at d = 256), plus a refused call (an lse tensor of the wrong rows) that writes nothing.
+TEST_P(Backends, AttentionLseMatchesReference) {
+  const fmkv_backend b = GetParam();
+  const BackendOps* ops = find_backend(b);
+  if (!ops->attention_lse) GTEST_SKIP() << fmkv_backend_name(b) << " does not return the lse (BackendOps::attention_lse)";
+  const double tol = 2.0 * ops->attention_rel_error;
+  double worst = 0.0;
+  int index = 0, run = 0;
+  for (const Shape& sh : shapes()) {
+    const int bound_mode = index++ % 3;  // opts.max_seq_len: 0, the exact longest length, or 100 more
+    fmkv_config c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
+    Scenario s = make_scenario(c, sh.lens, sh.rows);
+    Scenario fill = s;
+    fill.lens.assign(s.lens.size(), 0);
+    int64_t n = 0, nq = 0;
+    for (size_t i = 0; i < s.lens.size(); ++i) { fill.rows[i] = s.lens[i] + s.rows[i]; n += fill.rows[i]; nq += s.rows[i]; }
+    auto kb = random_tensor(sh.in, n, c.num_kv_heads, c.head_dim, 3.0), vb = random_tensor(sh.in, n, c.num_kv_heads, c.head_dim);
+    LayerState st = run_append(FMKV_BACKEND_REF, fill, make_tensor(kb.data(), sh.in, n, c.num_kv_heads, c.head_dim),
+                               make_tensor(vb.data(), sh.in, n, c.num_kv_heads, c.head_dim));
+    const int32_t HQ = sh.kv_heads * sh.group;
+    auto qb = random_tensor(sh.in, nq, HQ, c.head_dim, 2.0);
+    fmkv_tensor q = make_tensor(qb.data(), sh.in, nq, HQ, c.head_dim);
+    fmkv_attention_opts o{0.0f, sh.d == 256 ? 20.0f : 0.0f, 0};
+    if (bound_mode > 0) o.max_seq_len = max_length_after(s) + (bound_mode == 2 ? 100 : 0);
+    std::pair<std::vector<float>, std::vector<float>> got;
+    try {
+      got = run_attention_lse(b, s, st, q, o);
+    } catch (const fmkv::Error& e) {
+      if (cuda_combination_not_compiled(b, e, sh.d, sh.kb, sh.vb)) continue;
+      throw;
+    }
+    ++run;
+    const auto want = run_attention_lse(FMKV_BACKEND_REF, s, st, q, o);
+    const std::string what = std::string(fmkv_backend_name(b)) + " d=" + std::to_string(sh.d) + " k" + std::to_string(sh.kb) +
+                             "v" + std::to_string(sh.vb) + " max_seq_len " + std::to_string(o.max_seq_len);
+    EXPECT_TRUE(got.first == run_attention(b, s, st, q, FMKV_F32, o)) << what << ": output differs from fmkv_attention's";
+    ASSERT_EQ(got.second.size(), want.second.size());
+    for (size_t i = 0; i < want.second.size(); ++i) {
+      const double e = std::fabs((double)got.second[i] - want.second[i]) / (1.0 + std::fabs((double)want.second[i]));
+      worst = std::max(worst, std::isnan(e) ? INFINITY : e);
+      EXPECT_LE(e, tol) << what << " lse[" << i << "] = " << got.second[i] << ", reference " << want.second[i];
+    }
+    // a refused call (lse of the wrong rows): an error naming lse, output and lse untouched
+    if (index == 1) {
+      DeviceLayer L(b, s, st.pages, st.fp16_k, st.fp16_v, lengths_after(s));
+      DeviceTensor qd(b, q);
+      DeviceOutput od(b, q, FMKV_F32), ld(b, make_tensor(nullptr, FMKV_F32, nq + 1, HQ, 1), FMKV_F32);
+      const int64_t ws = fmkv_attention_workspace_bytes(b, &c, HQ, nq, s.seqs(), o.max_seq_len);
+      DeviceBuf work(b, (size_t)ws + 16);
+      EXPECT_EQ(fmkv_attention_lse(b, &c, &L.lc, &L.bt, &qd.t, &o, &od.t, &ld.t, work.p, (size_t)ws, nullptr),
+                FMKV_ERR_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(fmkv_last_error()).find("lse"), std::string::npos) << fmkv_last_error();
+      check(fmkv_device_synchronize(b));
+      for (float x : od.as_f32()) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
+      for (float x : ld.as_f32()) ASSERT_TRUE(std::isnan(x)) << "lse written by a refused call";
+    }
+  }
+  EXPECT_GT(run, 0);
+  std::printf("[ note ] %s lse: %d shapes, worst |lse - ref| / (1 + |ref|) = %.3g (bound %.3g)\n", fmkv_backend_name(b), run,
+              worst, tol);
+}
+
 // fmkv_append_attention == fmkv_append then fmkv_attention: pages and fp16 regions bit-exact with
 // the reference append, output within the backend's attention bound of the float64 reference.
 // Decode (1 row), speculative (several rows), windows sliding over page boundaries, sinks, a new

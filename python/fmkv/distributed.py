@@ -17,8 +17,9 @@ are the same everywhere): ``append`` keeps the rows the rank owns, after the who
 on every rank, so that an error is raised on all ranks and no rank has changed its shard.
 
 The shards are host caches (``ref`` / ``cpu`` backends): with the gloo backend the collective runs on
-CPU tensors; with NCCL the partials travel as CUDA tensors of the current device. Attention on CUDA caches
-needs ``fmkv_attention_lse`` on the CUDA backend, which it does not provide yet (it refuses the call).
+CPU tensors; with NCCL the partials travel as CUDA tensors of the current device. The C API's
+``fmkv_attention_lse`` also runs on the CUDA backend (the same output bits as ``fmkv_attention``); shards held in
+device memory would need a device-memory cache here, which this module does not have.
 """
 from __future__ import annotations
 

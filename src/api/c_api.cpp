@@ -205,9 +205,14 @@ fmkv_status fmkv_attention_lse(fmkv_backend b, const fmkv_config* cfg, const fmk
   return guarded([&] {
     require(cfg && layer && batch && q && out && lse, FMKV_ERR_INVALID_ARGUMENT, "fmkv_attention_lse: NULL argument");
     const BackendOps& ops = attention_backend_for(b, *cfg);
-    require(ops.attention_lse, FMKV_ERR_UNSUPPORTED,
-            [&] { return std::string("fmkv_attention_lse: the ") + fmkv_backend_name(b) +
-                " backend does not return the softmax log-denominator (supported: ref, cpu)"; });
+    require(ops.attention_lse, FMKV_ERR_UNSUPPORTED, [&] {
+      std::string which;  // the compiled backends that do
+      for (int i = 0; i < FMKV_BACKEND_COUNT; ++i)
+        if (const BackendOps* o = fmkv::find_backend((fmkv_backend)i); o && o->attention_lse)
+          which += (which.empty() ? "" : ", ") + std::string(fmkv_backend_name((fmkv_backend)i));
+      return std::string("fmkv_attention_lse: the ") + fmkv_backend_name(b) +
+             " backend does not return the softmax log-denominator (in this build: " + which + ")";
+    });
     fmkv_attention_opts o = opts ? *opts : fmkv_attention_opts{0.0f, 0.0f, 0};
     fmkv::AttentionArgs a{*cfg, *layer, *batch, *q, *out, o, workspace, workspace_bytes, stream, *lse};
     fmkv::validate_attention_shapes(a);

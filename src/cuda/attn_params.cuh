@@ -23,6 +23,8 @@ struct AttnParams {
   void* out;
   int32_t o_dtype;
   int64_t o_rs, o_hs;
+  float* lse;  // fmkv_attention_lse: the merge writes log(sum exp(score)) of (row, q head) at lse[row l_rs + hq l_hs]; else null
+  int64_t l_rs, l_hs;
   int32_t H, HQ, gq, P, S, W, R;
   int32_t ss;  // scale shift, fmkv_scale_shift(scale_group): code group g's scale is row g >> ss of a section
   float sm_scale, softcap;

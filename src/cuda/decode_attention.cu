@@ -28,7 +28,7 @@ namespace {
 // partials (all of them without the wide variant) are requested with every other load of the kernel
 // (error word included) before the first is used -- one L2 round trip -- then the weighted slices are
 // summed in shared memory (one barrier; the wide variant by 8-row groups first, a second one) and thread
-// c < D stores coordinate c. Partials from KE x SL on (wide): requested once the weights are known, only
+// c < D stores coordinate c (thread 0 also the row's log-denominator M + log L when the call asks for it). Partials from KE x SL on (wide): requested once the weights are known, only
 // where the weight is non-zero and up to the last such partial, so a short sequence (its splits >= 64
 // empty) costs no second round trip.
 constexpr int kMergeThreads = 256;  // up to 64 splits
@@ -169,6 +169,7 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
     __syncthreads();
   }
   FMKV_TRACE(p, 1, 3);
+  if (p.lse != nullptr && t == 0) p.lse[row * p.l_rs + hq * p.l_hs] = M + logf(L);  // -inf: no visible token
   if (t >= D) return;
   float o = 0.0f;
   if constexpr (kWide) {
@@ -332,6 +333,9 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   p.o_dtype = a.out.dtype;
   p.o_rs = a.out.row_stride;
   p.o_hs = a.out.head_stride;
+  p.lse = ap == nullptr ? (float*)a.lse.data : nullptr;  // (the fused step has no lse)
+  p.l_rs = a.lse.row_stride;
+  p.l_hs = a.lse.head_stride;
   p.HQ = HQ;
   p.gq = HQ / c.num_kv_heads;
   p.sm_scale = a.opts.softmax_scale > 0 ? a.opts.softmax_scale : 1.0f / sqrtf((float)d);
