@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -361,6 +361,22 @@ class TorchCache:
                   softcap: float = 0.0) -> Tensor:
         """Attention of the last ``q.shape[0]`` tokens of ``s`` (already appended; causal) over
         ``layer``; q [query_tokens, q_heads, head_dim] on the cache's device. Returns a tensor like q."""
+        return self._attend(torch.ops.fmkv.attention, layer, s, q, softmax_scale, softcap)
+
+    def attention_lse(self, layer: int, s: int, q: Tensor, softmax_scale: Optional[float] = None,
+                      softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+        """:meth:`attention` (the same output, bit for bit) and lse, float32 [query_tokens, q_heads]: the natural
+        log of each row's softmax denominator (``torch.ops.fmkv.attention_lse``), what a merge of partial
+        attentions over disjoint token sets weights them by (:func:`fmkv.distributed.merge_partials`).
+
+        With ``key_offset=True`` the pages hold the keys minus their mean mu, which shifts every score of a row
+        by q . mu x softmax_scale: the returned lse adds that back (float32), so it is the log-denominator of
+        the keys as appended. With a softcap the offset cannot be taken back out of the capped scores: that
+        combination raises FmkvError."""
+        return self._attend(torch.ops.fmkv.attention_lse, layer, s, q, softmax_scale, softcap, lse=True)
+
+    def _attend(self, op, layer: int, s: int, q: Tensor, softmax_scale: Optional[float], softcap: float,
+                lse: bool = False):
         layer, s = self._layer(layer), self._seq_index(s)
         if softmax_scale is not None:
             softmax_scale = _args.real("softmax_scale", softmax_scale)
@@ -377,11 +393,21 @@ class TorchCache:
             if n > length:
                 raise _args.error(f"q has {n} query rows but sequence {s} holds only {length} tokens in layer "
                                   f"{layer} (append first)")
+            mu = self._key_mu.get((layer, s)) if lse and self.key_offset else None
+            if mu is not None and softcap > 0:
+                raise _args.error("attention_lse: a key_offset cache's log-denominator with softcap > 0 is not "
+                                  "defined (the key offset cannot be taken out of softcapped scores)")
             # the host mirror knows the length: the call is planned for it (max_seq_len)
-            return torch.ops.fmkv.attention(self.pages[layer], self.fp16_k[layer], self.fp16_v[layer], q,
-                                            self._slots[s:s + 1], self._lens_dev[layer, s:s + 1],
-                                            self._row_offsets(n), self._bt[s:s + 1], self._cfg, layer,
-                                            float(softmax_scale or 0.0), softcap, self.backend, max(length, 1))
+            res = op(self.pages[layer], self.fp16_k[layer], self.fp16_v[layer], q, self._slots[s:s + 1],
+                     self._lens_dev[layer, s:s + 1], self._row_offsets(n), self._bt[s:s + 1], self._cfg, layer,
+                     float(softmax_scale or 0.0), softcap, self.backend, max(length, 1))
+        if mu is None:
+            return res
+        out, lse_t = res  # every score of (row, q head h) is shifted by q . mu[h // group] x scale
+        H, d = self.config.num_kv_heads, self.config.head_dim
+        scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+        qmu = (q.float().reshape(n, H, -1, d) * mu.float().reshape(1, H, 1, d)).sum(-1).reshape(n, -1)
+        return out, lse_t + scale * qmu
 
     def check(self) -> None:
         """Wait for the device and raise the first error fmkv's kernels recorded there since the last

@@ -1,4 +1,5 @@
-"""torch.library custom ops over fmkv: ``torch.ops.fmkv.append``, ``torch.ops.fmkv.attention`` and the
+"""torch.library custom ops over fmkv: ``torch.ops.fmkv.append``, ``torch.ops.fmkv.attention`` (and
+``torch.ops.fmkv.attention_lse``: the same output and each row's softmax log-denominator) and the
 fused decode step ``torch.ops.fmkv.append_attention`` (append the new tokens' K/V and attend their
 queries in one call; on CUDA one attention launch instead of an append and an attention).
 
@@ -52,7 +53,7 @@ Importing this module registers the ops (it needs torch; fmkv itself does not).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 try:
     import torch
@@ -284,6 +285,39 @@ def _attention_fake(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, bloc
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
+def _attention_lse_impl(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor, slots: Tensor, seq_lens: Tensor,
+                        row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int,
+                        softmax_scale: float = 0.0, softcap: float = 0.0, backend: str = "",
+                        max_seq_len: int = 0) -> Tuple[Tensor, Tensor]:
+    """torch.ops.fmkv.attention_lse (see :func:`attention_lse`)."""
+    dev = _check_device("attention_lse", False, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
+                        seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
+    _check_float("attention_lse", q=q)
+    b = backend_for_device(dev, backend, "fmkv::attention_lse")
+    raw = _raw_config(config)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if dev.type != "cuda":
+        _fmkv.attention_raw(b, raw, layer, pages, fp16_k, fp16_v, slots, seq_lens, row_offsets, block_table,
+                            q.detach(), out, softmax_scale, softcap, max_seq_len=max_seq_len, lse=lse)
+        return out, lse
+    with _on_device(dev):
+        ws, stream = _workspace_and_stream(dev, b, raw, q, slots, max_seq_len)
+        _fmkv.attention_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots), _dl(seq_lens),
+                            _dl(row_offsets), _dl(block_table), _dl(_dense_last(q.detach())), _dl(out),
+                            softmax_scale, softcap, ws, stream, max_seq_len, _dl(lse))
+    return out, lse
+
+
+def _attention_lse_fake(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, block_table, config, layer,
+                        softmax_scale=0.0, softcap=0.0, backend="", max_seq_len=0):
+    _check_device("attention_lse", True, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
+                  seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
+    _check_float("attention_lse", q=q)
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
+
+
 def _append_attention_impl(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v: Tensor, q: Tensor,
                            slots: Tensor, seq_lens: Tensor, row_offsets: Tensor, block_table: Tensor,
                            config: List[int], layer: int, softmax_scale: float = 0.0, softcap: float = 0.0,
@@ -335,6 +369,10 @@ _OPS = {
     "attention": ("attention(Tensor pages, Tensor fp16_k, Tensor fp16_v, Tensor q, Tensor slots, Tensor seq_lens, "
                   "Tensor row_offsets, Tensor block_table, SymInt[] config, SymInt layer, float softmax_scale=0., "
                   "float softcap=0., str backend=\"\", SymInt max_seq_len=0) -> Tensor", _attention_impl, _attention_fake),
+    "attention_lse": ("attention_lse(Tensor pages, Tensor fp16_k, Tensor fp16_v, Tensor q, Tensor slots, "
+                      "Tensor seq_lens, Tensor row_offsets, Tensor block_table, SymInt[] config, SymInt layer, "
+                      "float softmax_scale=0., float softcap=0., str backend=\"\", SymInt max_seq_len=0) "
+                      "-> (Tensor, Tensor)", _attention_lse_impl, _attention_lse_fake),
     "append_attention": ("append_attention(Tensor(a0!) pages, Tensor(a1!) fp16_k, Tensor(a2!) fp16_v, Tensor k, "
                          "Tensor v, Tensor q, Tensor slots, Tensor seq_lens, Tensor row_offsets, Tensor block_table, "
                          "SymInt[] config, SymInt layer, float softmax_scale=0., float softcap=0., "
@@ -391,6 +429,21 @@ def attention(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor, slots: T
                 softmax_scale, softcap, max_seq_len)
     return torch.ops.fmkv.attention(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, block_table, config,
                                     layer, softmax_scale, softcap, backend, max_seq_len)
+
+
+def attention_lse(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor, slots: Tensor, seq_lens: Tensor,
+                  row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int, softmax_scale: float = 0.0,
+                  softcap: float = 0.0, backend: str = "", max_seq_len: int = 0) -> Tuple[Tensor, Tensor]:
+    """``torch.ops.fmkv.attention_lse``: :func:`attention` (the same output, bit for bit) and ``lse``, float32
+    [rows, q_heads]: the natural log of each row's softmax denominator, log sum exp of the scaled (and
+    softcapped) scores over the tokens the row sees (``fmkv_attention_lse``). Attention over disjoint token sets
+    merges from their (out, lse) pairs with weights exp(lse_i - log sum_j exp(lse_j))
+    (:func:`fmkv.distributed.merge_partials`)."""
+    _check_call("attention_lse", dict(pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
+                                      seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table),
+                config, layer, backend, softmax_scale, softcap, max_seq_len)
+    return torch.ops.fmkv.attention_lse(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, block_table, config,
+                                        layer, softmax_scale, softcap, backend, max_seq_len)
 
 
 def append_attention(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v: Tensor, q: Tensor, slots: Tensor,

@@ -134,7 +134,7 @@ void raw_append(const std::string& backend, const fmkv_config& cfg, int64_t laye
 // The attention-side arguments shared by attention_raw and append_attention_raw: q, out (shape and
 // dtype of q), options, the optional workspace; resolved for host or device memory.
 struct RawAttention {
-  fmkv_tensor q{}, out{};
+  fmkv_tensor q{}, out{}, lse{};  // lse.data == nullptr: not asked (fmkv_attention)
   fmkv_attention_opts opts{};
   void* ws = nullptr;
   size_t ws_bytes = 0;
@@ -143,7 +143,7 @@ struct RawAttention {
 
 void raw_attention_args(RawAttention& r, bool cuda, int32_t num_seqs, const AnyArray& q, const MutArray& out,
                         double softmax_scale, double softcap, const std::optional<MutArray>& workspace,
-                        int64_t max_seq_len) {
+                        int64_t max_seq_len, const std::optional<MutArray>& lse = std::nullopt) {
   const fmkv_dtype odt = float_dtype("out", AnyArray(out));
   if (!(softmax_scale >= 0) || !std::isfinite(softmax_scale)) fail("softmax_scale must be finite and >= 0 (0 means 1/sqrt(head_dim))");
   if (!(softcap >= 0) || !std::isfinite(softcap)) fail("softcap must be finite and >= 0 (0 disables it)");
@@ -166,6 +166,14 @@ void raw_attention_args(RawAttention& r, bool cuda, int32_t num_seqs, const AnyA
     fail("out: shape " + shape_str(AnyArray(out)) + " must equal q's shape " + shape_str(q));
   require_contiguous("out", out);
   r.out = fmkv::make_tensor(out.data(), odt, r.q.rows, r.q.heads, r.q.dim);
+  if (lse) {  // float32 [query_tokens, q_heads]
+    if (!is_dtype(lse->dtype(), nb::dlpack::dtype_code::Float, 32))
+      fail("lse: dtype " + dtype_name(lse->dtype()) + " is not supported (expected float32)");
+    if (lse->ndim() != 2 || (int64_t)lse->shape(0) != r.q.rows || (int64_t)lse->shape(1) != r.q.heads)
+      fail("lse: shape " + shape_str(AnyArray(*lse)) + " must be [query_tokens, q_heads] of q's shape " + shape_str(q));
+    require_contiguous("lse", *lse);
+    r.lse = fmkv::make_tensor(lse->data(), FMKV_F32, r.q.rows, r.q.heads, 1);
+  }
   if (cuda && r.q.rows > 0 && num_seqs > 0 && !r.ws)
     fail("workspace: the cuda backend needs a workspace tensor (uint8, on q's device) of "
          "attention_workspace_bytes('cuda', config, q_heads, rows, num_seqs, max_seq_len) bytes");
@@ -177,7 +185,8 @@ void attention_call(const std::string& backend, const fmkv_config& cfg, int64_t 
                     const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
                     const AnyArray& row_offsets, const AnyArray& block_table, const std::pair<AnyArray, AnyArray>* kv,
                     const AnyArray& q, const MutArray& out, double softmax_scale, double softcap,
-                    const std::optional<MutArray>& workspace, uintptr_t stream, int64_t max_seq_len) {
+                    const std::optional<MutArray>& workspace, uintptr_t stream, int64_t max_seq_len,
+                    const std::optional<MutArray>& lse = std::nullopt) {
   const fmkv_backend b = backend_from_name(backend);
   DeviceCheck dev(b);
   check_layer_devices(dev, pages, fk, fv, slots, seq_lens, row_offsets, block_table);
@@ -187,16 +196,18 @@ void attention_call(const std::string& backend, const fmkv_config& cfg, int64_t 
   }
   dev("q", q);
   dev("out", out);
+  if (lse) dev("lse", *lse);
   if (workspace) dev("workspace", *workspace);
   RawLayer L = raw_layer(cfg, layer_index, pages, fk, fv);
   RawBatch B;
   raw_batch(B, dev.cuda(), slots, seq_lens, row_offsets, block_table);
   RawAttention A;
-  raw_attention_args(A, dev.cuda(), B.b.num_seqs, q, out, softmax_scale, softcap, workspace, max_seq_len);
+  raw_attention_args(A, dev.cuda(), B.b.num_seqs, q, out, softmax_scale, softcap, workspace, max_seq_len, lse);
   void* st = dev.cuda() ? stream_ptr(stream) : nullptr;
   if (!kv) {
     nb::gil_scoped_release nogil;
-    fmkv::check(fmkv_attention(b, &cfg, &L.lc, &B.b, &A.q, &A.opts, &A.out, A.ws, A.ws_bytes, st));
+    if (A.lse.data) fmkv::check(fmkv_attention_lse(b, &cfg, &L.lc, &B.b, &A.q, &A.opts, &A.out, &A.lse, A.ws, A.ws_bytes, st));
+    else fmkv::check(fmkv_attention(b, &cfg, &L.lc, &B.b, &A.q, &A.opts, &A.out, A.ws, A.ws_bytes, st));
     return;
   }
   HostTensor kh, vh;
@@ -218,9 +229,9 @@ void raw_attention(const std::string& backend, const fmkv_config& cfg, int64_t l
                    const MutArray& fk, const MutArray& fv, const AnyArray& slots, const AnyArray& seq_lens,
                    const AnyArray& row_offsets, const AnyArray& block_table, const AnyArray& q, const MutArray& out,
                    double softmax_scale, double softcap, std::optional<MutArray> workspace, uintptr_t stream,
-                   int64_t max_seq_len) {
+                   int64_t max_seq_len, std::optional<MutArray> lse) {
   attention_call(backend, cfg, layer_index, pages, fk, fv, slots, seq_lens, row_offsets, block_table, nullptr, q, out,
-                 softmax_scale, softcap, workspace, stream, max_seq_len);
+                 softmax_scale, softcap, workspace, stream, max_seq_len, lse);
 }
 
 void raw_append_attention(const std::string& backend, const fmkv_config& cfg, int64_t layer_index, const MutArray& pages,
@@ -242,7 +253,8 @@ void bind_raw_ops(nb::module_& m) {
         "seq_lens"_a, "row_offsets"_a, "block_table"_a, "k"_a, "v"_a, "stream"_a = (uintptr_t)0);
   m.def("attention_raw", &raw_attention, "backend"_a, "config"_a, "layer"_a, "pages"_a, "fp16_k"_a, "fp16_v"_a,
         "slots"_a, "seq_lens"_a, "row_offsets"_a, "block_table"_a, "q"_a, "out"_a, "softmax_scale"_a = 0.0,
-        "softcap"_a = 0.0, "workspace"_a = nb::none(), "stream"_a = (uintptr_t)0, "max_seq_len"_a = 0);
+        "softcap"_a = 0.0, "workspace"_a = nb::none(), "stream"_a = (uintptr_t)0, "max_seq_len"_a = 0,
+        "lse"_a = nb::none());  // lse: float32 [query_tokens, q_heads], written (fmkv_attention_lse) when given
   m.def("append_attention_raw", &raw_append_attention, "backend"_a, "config"_a, "layer"_a, "pages"_a, "fp16_k"_a,
         "fp16_v"_a, "slots"_a, "seq_lens"_a, "row_offsets"_a, "block_table"_a, "k"_a, "v"_a, "q"_a, "out"_a,
         "softmax_scale"_a = 0.0, "softcap"_a = 0.0, "workspace"_a = nb::none(), "stream"_a = (uintptr_t)0,

@@ -238,6 +238,29 @@ def test_torch_cache_on_cuda(tgen):
     assert tc.free_pages == 12 - len(tc.block_table(seqs[1][0]))
 
 
+@pytest.mark.parametrize("kv,window,key_offset", [((3, 3), 0, False), ((4, 4), 16, False), ((3, 3), 0, True)])
+def test_attention_lse_on_cuda(kv, window, key_offset, tgen):
+    # fmkv_attention_lse on CUDA: the output is fmkv::attention's bit for bit, lse is the CPU backend's within
+    # 2 x the attention bound (|lse - cpu| <= 2 TOL (1 + |cpu|)); a long sequence (many splits merged), 5 rows
+    config = fmkv.Config(head_dim=128, num_kv_heads=2, k_bits=kv[0], v_bits=kv[1], page_size=64, sink_tokens=4,
+                         window_tokens=window)
+    tc = torch_ops.TorchCache(config, 1, 80, 1, device="cuda", key_offset=key_offset)
+    host = torch_ops.TorchCache(config, 1, 80, 1, key_offset=key_offset)
+    s, hs = tc.add_sequence(), host.add_sequence()
+    k, v = torch.randn(5000, 2, 128, generator=tgen) + 1.0, torch.randn(5000, 2, 128, generator=tgen)
+    tc.append(0, s, k.to(DEV), v.to(DEV))
+    host.append(0, hs, k, v)
+    q = 2 * torch.randn(5, 8, 128, generator=tgen)
+    out, lse = tc.attention_lse(0, s, q.to(DEV))
+    assert lse.device == DEV and lse.dtype == torch.float32 and lse.shape == (5, 8)
+    assert torch.equal(out, tc.attention(0, s, q.to(DEV)))
+    h_out, h_lse = host.attention_lse(0, hs, q)
+    assert reference.rel_error(out.cpu().numpy(), h_out.numpy()) < TOL
+    err = (lse.cpu() - h_lse).abs() / (1 + h_lse.abs())
+    assert float(err.max()) <= 2 * TOL, float(err.max())
+    fmkv.cuda_check()
+
+
 def test_torch_cache_device_error_marks_changed_sequences_failed(tgen):
     """The CUDA contract of TorchCache (docs/RELIABILITY.md): a NaN in K is detected on the device,
     surfaces at tc.check(); every sequence changed since the previous check is then marked failed

@@ -338,3 +338,77 @@ def test_torch_cache_key_offset(tgen):
     assert a.key_mu(0, 1) is None and a.length(0, 1) == 0  # the refused first append left no offset
     a.remove_sequence(0)
     assert a.key_mu(0, 0) is None and b.key_mu(0, 0) is None
+
+
+def reference_lse(config, layer, k, v, q, softmax_scale=None, softcap=0.0):
+    """float64 log sum exp of the scaled (softcapped) scores over the stored keys, [R, q_heads] (causal)."""
+    kf = reference.stored_values(config, layer, k, is_v=False)
+    qf = reference.to_float32(q).astype(np.float64)
+    T, H, d = kf.shape
+    R, HQ, _ = qf.shape
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
+    out = np.empty((R, HQ))
+    for hq in range(HQ):
+        s = (qf[:, hq, :] @ kf[:, hq // (HQ // H), :].T) * scale
+        if softcap > 0:
+            s = softcap * np.tanh(s / softcap)
+        s = np.where(np.arange(T)[None, :] <= (T - R + np.arange(R))[:, None], s, -np.inf)
+        m = s.max(axis=1)
+        out[:, hq] = m + np.log(np.exp(s - m[:, None]).sum(axis=1))
+    return out
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (4, 0.0), (3, 30.0)])
+def test_attention_lse(backend, tgen, window, softcap):
+    config = fmkv.Config(head_dim=64, num_kv_heads=2, page_size=16, sink_tokens=2, window_tokens=window, seed=5)
+    tc = torch_ops.TorchCache(config, 1, 8, 1, backend=backend)
+    s = tc.add_sequence()
+    k, v = torch.randn(70, 2, 64, generator=tgen), torch.randn(70, 2, 64, generator=tgen)
+    tc.append(0, s, k, v)
+    q = 2 * torch.randn(3, 8, 64, generator=tgen)
+    out, lse = tc.attention_lse(0, s, q, softcap=softcap)
+    assert torch.equal(out, tc.attention(0, s, q, softcap=softcap))  # fmkv::attention's output, bit for bit
+    assert lse.dtype == torch.float32 and lse.shape == (3, 8) and lse.device == q.device
+    ref = reference_lse(config, 0, k, v, q, softcap=softcap)
+    assert np.all(np.abs(lse.numpy() - ref) <= 2e-5 * (1 + np.abs(ref)))
+    # the numpy Cache over the same bytes: the same float32 lse
+    cache = fmkv.Cache(config, 1, 8, 1, backend=backend)
+    cs = cache.add_sequence()
+    cache.append(0, cs, k.numpy(), v.numpy())
+    c_out, c_lse = cache.attention_lse(0, cs, q.numpy(), softcap=softcap)
+    assert np.array_equal(c_lse, lse.numpy()) and np.array_equal(c_out, out.numpy())
+    # the op on its own, opcheck, fake tensors
+    app, att = opcheck_args(config, tgen, backend)
+    o2, l2 = torch.ops.fmkv.attention_lse(*att)
+    assert torch.equal(o2, torch.ops.fmkv.attention(*att)) and l2.shape == att[3].shape[:2]
+    torch.library.opcheck(torch.ops.fmkv.attention_lse.default, att)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in att]
+        fake[3] = torch.empty(5, 4, 64, dtype=torch.bfloat16)
+        fo, fl = torch.ops.fmkv.attention_lse(*fake)
+        assert fo.shape == (5, 4, 64) and fo.dtype == torch.bfloat16 and fl.shape == (5, 4) and fl.dtype == torch.float32
+    bad = list(att)
+    bad[3] = att[3].double()
+    with pytest.raises(fmkv.FmkvError, match=r"fmkv::attention_lse: q: dtype torch.float64 is not supported"):
+        torch.ops.fmkv.attention_lse(*bad)
+
+
+def test_attention_lse_with_key_offset(tgen):
+    # the pages hold k - mu: the lse adds q . mu x scale back, so it is the keys' own (as appended)
+    config = fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=4, v_bits=4, page_size=16, seed=9)
+    tc = torch_ops.TorchCache(config, 1, 8, 1, backend="ref", key_offset=True)
+    s = tc.add_sequence()
+    k = torch.randn(50, 2, 64, generator=tgen) + 3 * torch.randn(1, 2, 64, generator=tgen)  # a large mean
+    v = torch.randn(50, 2, 64, generator=tgen)
+    tc.append(0, s, k, v)
+    mu = tc.key_mu(0, s)
+    q = torch.randn(1, 6, 64, generator=tgen)
+    out, lse = tc.attention_lse(0, s, q, softmax_scale=0.2)
+    assert torch.equal(out, tc.attention(0, s, q, softmax_scale=0.2))
+    kc = (k - mu.float()).half().float()  # what the append stored before rotating and quantizing
+    ref = reference_lse(config, 0, kc, v, q, softmax_scale=0.2)
+    qmu = (q.double().reshape(1, 2, 3, 64) * mu.double().reshape(1, 2, 1, 64)).sum(-1).reshape(1, 6).numpy()
+    assert np.all(np.abs(lse.numpy() - (ref + 0.2 * qmu)) <= 2e-5 * (1 + np.abs(ref + 0.2 * qmu)))
+    with pytest.raises(fmkv.FmkvError, match=r"key_offset cache's log-denominator with softcap"):
+        tc.attention_lse(0, s, q, softcap=30.0)
