@@ -14,6 +14,18 @@ from __future__ import annotations
 KEY_OFFSET_TOKENS = 128  # tokens of each sequence's first chunk that the offset averages
 
 
+def check_softcap(softcap) -> None:
+    """Raise FmkvError for a softcap with the key offset: a softcap (``cap * tanh(score / cap)``) is applied to the
+    scores before softmax, so the shift q . mu no longer cancels -- attention over the offset keys would differ
+    from the model's. (Models with attention-logit softcapping, e.g. Gemma 2: use ``key_offset=False``.)"""
+    if softcap:
+        from . import _args
+
+        raise _args.error(f"key_offset=True with softcap={float(softcap)}: softmax ignores the key offset only without "
+                          "a softcap (the cap is applied to the shifted scores); use key_offset=False for this model",
+                          "UNSUPPORTED")
+
+
 def first_tokens_mean(keys, start: int = 0, count: int = KEY_OFFSET_TOKENS):
     """[b, h, n, d] keys (a torch tensor or an MLX array) -> [b, h, 1, d] float32 of the same library: the mean of
     tokens start .. start + min(count, KEY_OFFSET_TOKENS) - 1 (fewer when the chunk is shorter) of the keys rounded

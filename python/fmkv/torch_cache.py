@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import Config, FmkvError, _args, _fmkv
-from .key_offset import first_tokens_mean
+from .key_offset import check_softcap, first_tokens_mean
 from .torch_ops import _FLOAT_DTYPES, backend_for_device, config_to_list, cuda_check
 
 __all__ = ["TorchCache"]
@@ -67,7 +67,8 @@ class TorchCache:
     ``key_offset=True``: each (layer, sequence)'s keys are stored minus their mean over its first 128 tokens
     (fmkv.key_offset), fixed by its first append (kept only once that append succeeded; cleared by
     :meth:`reset_sequence` / :meth:`remove_sequence`). Softmax ignores the offset: attention is unchanged up to
-    quantization, which sees centred keys.
+    quantization, which sees centred keys. Not with a softcap (the cap acts on the shifted scores): attention with
+    ``softcap > 0`` on such a cache raises FmkvError.
     """
 
     def __init__(self, config: Config, num_layers: int, num_pages: int, max_seqs: int, backend: Optional[str] = None,
@@ -371,8 +372,7 @@ class TorchCache:
 
         With ``key_offset=True`` the pages hold the keys minus their mean mu, which shifts every score of a row
         by q . mu x softmax_scale: the returned lse adds that back (float32), so it is the log-denominator of
-        the keys as appended. With a softcap the offset cannot be taken back out of the capped scores: that
-        combination raises FmkvError."""
+        the keys as appended."""
         return self._attend(torch.ops.fmkv.attention_lse, layer, s, q, softmax_scale, softcap, lse=True)
 
     def _attend(self, op, layer: int, s: int, q: Tensor, softmax_scale: Optional[float], softcap: float,
@@ -385,6 +385,8 @@ class TorchCache:
         softcap = _args.real("softcap", softcap)
         if softcap < 0:
             raise _args.error("softcap must be finite and >= 0 (0 disables it)")
+        if self.key_offset:
+            check_softcap(softcap)
         n = self._rows("q", q, None)
         if q.shape[1] < self.config.num_kv_heads or q.shape[1] % self.config.num_kv_heads:
             raise _args.error(f"q: {int(q.shape[1])} heads is not a multiple of num_kv_heads={self.config.num_kv_heads}")
@@ -394,9 +396,6 @@ class TorchCache:
                 raise _args.error(f"q has {n} query rows but sequence {s} holds only {length} tokens in layer "
                                   f"{layer} (append first)")
             mu = self._key_mu.get((layer, s)) if lse and self.key_offset else None
-            if mu is not None and softcap > 0:
-                raise _args.error("attention_lse: a key_offset cache's log-denominator with softcap > 0 is not "
-                                  "defined (the key offset cannot be taken out of softcapped scores)")
             # the host mirror knows the length: the call is planned for it (max_seq_len)
             res = op(self.pages[layer], self.fp16_k[layer], self.fp16_v[layer], q, self._slots[s:s + 1],
                      self._lens_dev[layer, s:s + 1], self._row_offsets(n), self._bt[s:s + 1], self._cfg, layer,

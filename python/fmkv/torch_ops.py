@@ -13,7 +13,7 @@ implementations that only compute output metadata):
 * a batch of sequences: ``slots`` int32 [n], ``seq_lens`` int64 [n], ``row_offsets`` int64 [n+1],
   ``block_table`` int32 [n, stride] (see include/fmkv/params.h, fmkv_batch);
 * ``config``: :func:`config_to_list` of an :class:`fmkv.Config` (its ``CONFIG_INTS`` = 11 ints, the scale group
-  last: a scale group the backend does not have -- 64 on 'cuda' -- is refused by name, nothing written).
+  last: a scale group the backend does not have is refused by name, nothing written; every backend has 32 and 64).
 
 **Devices.** All tensors of one call live on one device, and the backend follows it: CPU tensors
 run on the host backend (``'cpu'`` when compiled, else ``'ref'``), CUDA tensors on the ``'cuda'``

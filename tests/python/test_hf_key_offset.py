@@ -10,6 +10,7 @@ Checked on the CPU (tiny random-weight Llama, 3 kv heads):
   padded sequence's offset is the mean of its real tokens only; the 128-token cap;
 * FmkvStaticCache == FmkvCache (tokens and bytes); a compiled static decode step == the eager one;
 * a refused first chunk (NaN) leaves no offset behind; reset() clears it.
+* a model that softcaps its attention logits (tiny Gemma 2) is refused with the offset (it does not cancel).
 On CUDA: a captured decode step with the offset replays the eager tokens.
 """
 import pytest
@@ -226,3 +227,29 @@ def test_cuda_graph_capture_with_key_offset_replays_eager_tokens():
         decode_runs_agree(model, lambda: fhf.FmkvStaticCache(model.config, max_cache_len=48, window_tokens=0,
                                                              key_offset=True, **kw),
                           _ids(2, 19, 16).to("cuda"), 6, ("eager", "cuda_graph"), lambda layer: [layer.key_mu.clone()])
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_softcapped_model_refuses_the_offset(static):
+    # Gemma 2 caps its attention logits (cap * tanh(s / cap)): the offset's shift q . mu no longer cancels, so a cache
+    # with key_offset=True refuses the model's first attention call naming the softcap; without the offset it runs
+    # (FmkvCache)
+    cfg = transformers.Gemma2Config(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, attn_logit_softcapping=50.0,
+                                    sliding_window=4096, layer_types=["full_attention"] * 2, query_pre_attn_scalar=64)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    ids = _ids(1, 12, 3)
+
+    def make(key_offset):
+        if static:
+            return fhf.FmkvStaticCache(model.config, max_cache_len=64, window_tokens=0, key_offset=key_offset)
+        return fhf.FmkvCache(model.config, window_tokens=0, key_offset=key_offset)
+
+    with torch.no_grad():
+        with pytest.raises(fmkv.FmkvError, match=r"key_offset=True with softcap=50.0"):
+            model.generate(ids, max_new_tokens=3, do_sample=False, **fhf.cache_kwargs(make(True)))
+        if not static:  # (FmkvStaticCache reads Gemma 2's eager mask as padding between tokens, offset or not)
+            out = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                                 **fhf.cache_kwargs(make(False)))
+            assert out.shape == (1, 15)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .compat import text_config
+from ..key_offset import check_softcap
 
 __all__ = ["ATTN_NAME", "fmkv_attention", "register", "use_fmkv_attention"]
 
@@ -51,13 +52,16 @@ def fmkv_attention(module, query, key, value, attention_mask, scaling=None, drop
     FmkvCache or FmkvStaticCache (decode / chunks with a past), the fallback implementation for
     everything else (and for a first chunk attended at full precision)."""
     static = getattr(key, "_fmkv_static", None)
+    tag = getattr(key, "_fmkv_layer", None)
+    owner = static if static is not None else tag[0] if tag is not None else None
+    if owner is not None and owner.key_offset:
+        check_softcap(softcap)  # the offset cancels in softmax only without a softcap
     if static is not None:
         out = static.attention(query, key, value, attention_mask, scaling, softcap)
         if out is not None:
             return out, None
         return _fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                          softcap=softcap, **kwargs)
-    tag = getattr(key, "_fmkv_layer", None)
     if tag is None:
         return _fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                          softcap=softcap, **kwargs)

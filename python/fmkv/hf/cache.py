@@ -24,8 +24,9 @@
   a layer with several pairs is one layer per pair over its heads, fmkv.hf.head_groups), ``scale_rule`` ('lsq' default, or 'rms'), rotation ``seed``, ``format_version``
   (0: the library's default; 3: format 3's 3-bit codes), ``scale_group`` (rotated coordinates per fp16 scale:
   0 = the default ``fmkv.format.SCALE_GROUP``, or one of ``fmkv.format.SCALE_GROUPS``; 64 saves 2 bytes per 64
-  coordinates of each token and head, on the host backends 'ref' / 'cpu' -- 'cuda' refuses it), ``key_offset`` (keys minus their mean over each
-  sequence's first 128 tokens, fixed by the first chunk: softmax ignores it, the codes see centred keys;
+  coordinates of each token and head; every backend has it), ``key_offset`` (keys minus their mean over each
+  sequence's first 128 tokens, fixed by the first chunk: softmax ignores it, the codes see centred keys; refused for a
+  model that softcaps its attention logits, where it would not cancel;
   fmkv.key_offset), ``backend`` (default: the device's), ``device``.
 * The host keeps each layer's length (a Python int: it plans each CUDA call for the actual length),
   so a step is not capturable in a CUDA graph; fmkv.hf.FmkvStaticCache is the graph-capturable form.

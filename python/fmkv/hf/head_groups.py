@@ -80,6 +80,11 @@ class HeadGroups:
         """The width groups' layers, in group order."""
         return [p for p, _ in self.parts]
 
+    @property
+    def key_offset(self) -> bool:
+        """Whether the groups store keys minus their offset (the cache's ``key_offset``: all groups alike)."""
+        return any(layer.key_offset for layer in self.layers)
+
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()

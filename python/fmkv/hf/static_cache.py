@@ -478,7 +478,7 @@ class FmkvStaticCache(Cache):
     whose decode step is capturable in one CUDA graph (module docstring). Options as FmkvCache's;
     ``batch_size`` + ``device`` allocate at construction (``dtype``: of transformers' sliding-window
     layers, default the config's; fmkv layers store uint8 pages and fp16 regions). ``scale_group`` as FmkvCache's
-    (64 on the host backends only: 'cuda' refuses it at the first append)."""
+    (32 or 64 on every backend)."""
 
     def __init__(self, config, max_cache_len: int, k_bits: int = 3, v_bits: int = 3, page_size: int = 64,
                  sink_tokens: int = 0, window_tokens: int = DEFAULT_WINDOW_TOKENS, boundary_layers: int = 0,
