@@ -28,9 +28,9 @@ namespace {
 // partials (all of them without the wide variant) are requested with every other load of the kernel
 // (error word included) before the first is used -- one L2 round trip -- then the weighted slices are
 // summed in shared memory (one barrier; the wide variant by 8-row groups first, a second one) and thread
-// c < D stores coordinate c (thread 0 also the row's log-denominator M + log L when the call asks for it). Partials from KE x SL on (wide): requested once the weights are known, only
-// where the weight is non-zero and up to the last such partial, so a short sequence (its splits >= 64
-// empty) costs no second round trip.
+// c < D stores coordinate c (thread 0 also the row's log-denominator M + log L when the call asks for it).
+// Partials from KE x SL on (wide): requested once the weights are known, only where the weight is non-zero
+// and up to the last such partial, so a short sequence (its splits >= 64 empty) costs no second round trip.
 constexpr int kMergeThreads = 256;  // up to 64 splits
 constexpr int merge_threads_wide(int d) { return d > 128 ? 512 : 1024; }
 template <int D, int NT>
