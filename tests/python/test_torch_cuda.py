@@ -6,6 +6,7 @@ reason. Checks, against the CPU backend on the same inputs:
 * append writes the same page and fp16-region bytes (the format is bit-exact across backends), for every code
   width, formats 2 and 3 and both scale groups (32, 64);
 * attention is within 4e-3 relative (fp16 tensor-core arithmetic on the GPU);
+* attention_lse returns attention's output bit for bit and an lse within 2 x 4e-3 x (1 + |lse|) of the CPU's;
 * mismatched device / backend combinations are errors naming the tensor and device, never copies;
 * device-detected errors (bad block-table entry, NaN input) surface at fmkv.cuda_check(), the op
   itself does not synchronise and leaves the visible cache unchanged (a failed append may have
