@@ -111,27 +111,49 @@ TEST_P(Backends, AppendBitExact) {
   }
 }
 
+// An attention case of shape sh: its cache filled by the reference (fresh random K / V), query rows q (scale
+// q_scale) and options -- softcap 20 at d = 256, opts.max_seq_len by bound_mode: 0 (none), the exact longest
+// length, or 100 more.
+struct AttentionCase {
+  fmkv_config c;
+  Scenario s;
+  LayerState st;
+  std::vector<uint8_t> qb;
+  fmkv_tensor q;
+  fmkv_attention_opts o;
+  int32_t HQ;
+  int64_t nq = 0;
+  AttentionCase(const AttentionCase&) = delete;  // q points into qb
+  AttentionCase& operator=(const AttentionCase&) = delete;
+  AttentionCase(const Shape& sh, int bound_mode, double q_scale) {
+    c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
+    s = make_scenario(c, sh.lens, sh.rows);
+    Scenario fill = s;
+    fill.lens.assign(s.lens.size(), 0);
+    int64_t n = 0;
+    for (size_t i = 0; i < s.lens.size(); ++i) { fill.rows[i] = s.lens[i] + s.rows[i]; n += fill.rows[i]; nq += s.rows[i]; }
+    auto kb = random_tensor(sh.in, n, c.num_kv_heads, c.head_dim, 3.0), vb = random_tensor(sh.in, n, c.num_kv_heads, c.head_dim);
+    st = run_append(FMKV_BACKEND_REF, fill, make_tensor(kb.data(), sh.in, n, c.num_kv_heads, c.head_dim),
+                    make_tensor(vb.data(), sh.in, n, c.num_kv_heads, c.head_dim));
+    HQ = sh.kv_heads * sh.group;
+    qb = random_tensor(sh.in, nq, HQ, c.head_dim, q_scale);
+    q = make_tensor(qb.data(), sh.in, nq, HQ, c.head_dim);
+    o = fmkv_attention_opts{0.0f, sh.d == 256 ? 20.0f : 0.0f, 0};
+    if (bound_mode > 0) o.max_seq_len = max_length_after(s) + (bound_mode == 2 ? 100 : 0);
+  }
+};
+
 TEST_P(Backends, AttentionMatchesReference) {
   const fmkv_backend b = GetParam();
   int index = 0;
   for (const Shape& sh : shapes())
     for (fmkv_dtype out : {FMKV_F32, FMKV_F16, FMKV_BF16}) {
       if (out != FMKV_F32 && sh.kb != 3) continue;
-      const int bound_mode = index++ % 3;  // opts.max_seq_len: 0, the exact longest length, or 100 more
-      fmkv_config c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
-      Scenario s = make_scenario(c, sh.lens, sh.rows);
-      Scenario fill = s;
-      fill.lens.assign(s.lens.size(), 0);
-      int64_t n = 0, nq = 0;
-      for (size_t i = 0; i < s.lens.size(); ++i) { fill.rows[i] = s.lens[i] + s.rows[i]; n += fill.rows[i]; nq += s.rows[i]; }
-      auto kb = random_tensor(sh.in, n, c.num_kv_heads, c.head_dim, 3.0), vb = random_tensor(sh.in, n, c.num_kv_heads, c.head_dim);
-      LayerState st = run_append(FMKV_BACKEND_REF, fill, make_tensor(kb.data(), sh.in, n, c.num_kv_heads, c.head_dim),
-                                 make_tensor(vb.data(), sh.in, n, c.num_kv_heads, c.head_dim));
-      int32_t HQ = sh.kv_heads * sh.group;
-      auto qb = random_tensor(sh.in, nq, HQ, c.head_dim, 1.0);
-      fmkv_tensor q = make_tensor(qb.data(), sh.in, nq, HQ, c.head_dim);
-      fmkv_attention_opts o{0.0f, sh.d == 256 ? 20.0f : 0.0f, 0};
-      if (bound_mode > 0) o.max_seq_len = max_length_after(s) + (bound_mode == 2 ? 100 : 0);
+      const AttentionCase ac(sh, index++ % 3, 1.0);
+      const Scenario& s = ac.s;
+      const LayerState& st = ac.st;
+      const fmkv_tensor& q = ac.q;
+      const fmkv_attention_opts& o = ac.o;
       auto want = run_attention(FMKV_BACKEND_REF, s, st, q, FMKV_F32, o);
       std::vector<float> got;
       try {
@@ -164,21 +186,14 @@ TEST_P(Backends, AttentionLseMatchesReference) {
   double worst = 0.0;
   int index = 0, run = 0;
   for (const Shape& sh : shapes()) {
-    const int bound_mode = index++ % 3;  // opts.max_seq_len: 0, the exact longest length, or 100 more
-    fmkv_config c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
-    Scenario s = make_scenario(c, sh.lens, sh.rows);
-    Scenario fill = s;
-    fill.lens.assign(s.lens.size(), 0);
-    int64_t n = 0, nq = 0;
-    for (size_t i = 0; i < s.lens.size(); ++i) { fill.rows[i] = s.lens[i] + s.rows[i]; n += fill.rows[i]; nq += s.rows[i]; }
-    auto kb = random_tensor(sh.in, n, c.num_kv_heads, c.head_dim, 3.0), vb = random_tensor(sh.in, n, c.num_kv_heads, c.head_dim);
-    LayerState st = run_append(FMKV_BACKEND_REF, fill, make_tensor(kb.data(), sh.in, n, c.num_kv_heads, c.head_dim),
-                               make_tensor(vb.data(), sh.in, n, c.num_kv_heads, c.head_dim));
-    const int32_t HQ = sh.kv_heads * sh.group;
-    auto qb = random_tensor(sh.in, nq, HQ, c.head_dim, 2.0);
-    fmkv_tensor q = make_tensor(qb.data(), sh.in, nq, HQ, c.head_dim);
-    fmkv_attention_opts o{0.0f, sh.d == 256 ? 20.0f : 0.0f, 0};
-    if (bound_mode > 0) o.max_seq_len = max_length_after(s) + (bound_mode == 2 ? 100 : 0);
+    const AttentionCase ac(sh, index++ % 3, 2.0);
+    const fmkv_config& c = ac.c;
+    const Scenario& s = ac.s;
+    const LayerState& st = ac.st;
+    const fmkv_tensor& q = ac.q;
+    const fmkv_attention_opts& o = ac.o;
+    const int32_t HQ = ac.HQ;
+    const int64_t nq = ac.nq;
     std::pair<std::vector<float>, std::vector<float>> got;
     try {
       got = run_attention_lse(b, s, st, q, o);

@@ -254,34 +254,43 @@ def _append_fake(pages, fp16_k, fp16_v, k, v, slots, seq_lens, row_offsets, bloc
     return None
 
 
-def _attention_impl(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor, slots: Tensor, seq_lens: Tensor,
-                    row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int,
-                    softmax_scale: float = 0.0, softcap: float = 0.0, backend: str = "",
-                    max_seq_len: int = 0) -> Tensor:
-    """torch.ops.fmkv.attention (see :func:`attention`)."""
-    dev = _check_device("attention", False, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
+def _attend(op: str, pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor, slots: Tensor, seq_lens: Tensor,
+            row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int, softmax_scale: float,
+            softcap: float, backend: str, max_seq_len: int, lse: Optional[Tensor] = None) -> Tensor:
+    """The body of torch.ops.fmkv.attention / attention_lse (``op``): the output like q; ``lse`` [rows, q_heads]
+    float32, when given, is written too (fmkv_attention_lse)."""
+    dev = _check_device(op, False, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
                         seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
-    _check_float("attention", q=q)
-    b = backend_for_device(dev, backend, "fmkv::attention")
+    _check_float(op, q=q)
+    b = backend_for_device(dev, backend, f"fmkv::{op}")
     raw = _raw_config(config)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if dev.type != "cuda":
         _fmkv.attention_raw(b, raw, layer, pages, fp16_k, fp16_v, slots, seq_lens, row_offsets, block_table,
-                            q.detach(), out, softmax_scale, softcap, max_seq_len=max_seq_len)
+                            q.detach(), out, softmax_scale, softcap, max_seq_len=max_seq_len, lse=lse)
         return out
     with _on_device(dev):
         ws, stream = _workspace_and_stream(dev, b, raw, q, slots, max_seq_len)
         _fmkv.attention_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots), _dl(seq_lens),
                             _dl(row_offsets), _dl(block_table), _dl(_dense_last(q.detach())), _dl(out),
-                            softmax_scale, softcap, ws, stream, max_seq_len)
+                            softmax_scale, softcap, ws, stream, max_seq_len, None if lse is None else _dl(lse))
     return out
 
 
+def _attention_impl(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor, slots: Tensor, seq_lens: Tensor,
+                    row_offsets: Tensor, block_table: Tensor, config: List[int], layer: int,
+                    softmax_scale: float = 0.0, softcap: float = 0.0, backend: str = "",
+                    max_seq_len: int = 0) -> Tensor:
+    """torch.ops.fmkv.attention (see :func:`attention`)."""
+    return _attend("attention", pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, block_table, config, layer,
+                   softmax_scale, softcap, backend, max_seq_len)
+
+
 def _attention_fake(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, block_table, config, layer,
-                    softmax_scale=0.0, softcap=0.0, backend="", max_seq_len=0):
-    _check_device("attention", True, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
+                    softmax_scale=0.0, softcap=0.0, backend="", max_seq_len=0, op="attention"):
+    _check_device(op, True, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
                   seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
-    _check_float("attention", q=q)
+    _check_float(op, q=q)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -290,32 +299,17 @@ def _attention_lse_impl(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, q: Tensor
                         softmax_scale: float = 0.0, softcap: float = 0.0, backend: str = "",
                         max_seq_len: int = 0) -> Tuple[Tensor, Tensor]:
     """torch.ops.fmkv.attention_lse (see :func:`attention_lse`)."""
-    dev = _check_device("attention_lse", False, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
-                        seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
-    _check_float("attention_lse", q=q)
-    b = backend_for_device(dev, backend, "fmkv::attention_lse")
-    raw = _raw_config(config)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    if dev.type != "cuda":
-        _fmkv.attention_raw(b, raw, layer, pages, fp16_k, fp16_v, slots, seq_lens, row_offsets, block_table,
-                            q.detach(), out, softmax_scale, softcap, max_seq_len=max_seq_len, lse=lse)
-        return out, lse
-    with _on_device(dev):
-        ws, stream = _workspace_and_stream(dev, b, raw, q, slots, max_seq_len)
-        _fmkv.attention_raw(b, raw, layer, _dl(pages), _dl(fp16_k), _dl(fp16_v), _dl(slots), _dl(seq_lens),
-                            _dl(row_offsets), _dl(block_table), _dl(_dense_last(q.detach())), _dl(out),
-                            softmax_scale, softcap, ws, stream, max_seq_len, _dl(lse))
+    out = _attend("attention_lse", pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, block_table, config, layer,
+                  softmax_scale, softcap, backend, max_seq_len, lse)
     return out, lse
 
 
 def _attention_lse_fake(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, block_table, config, layer,
                         softmax_scale=0.0, softcap=0.0, backend="", max_seq_len=0):
-    _check_device("attention_lse", True, pages=pages, fp16_k=fp16_k, fp16_v=fp16_v, q=q, slots=slots,
-                  seq_lens=seq_lens, row_offsets=row_offsets, block_table=block_table)
-    _check_float("attention_lse", q=q)
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
+    out = _attention_fake(pages, fp16_k, fp16_v, q, slots, seq_lens, row_offsets, block_table, config, layer,
+                          softmax_scale, softcap, backend, max_seq_len, op="attention_lse")
+    return out, torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
 
 
 def _append_attention_impl(pages: Tensor, fp16_k: Tensor, fp16_v: Tensor, k: Tensor, v: Tensor, q: Tensor,
