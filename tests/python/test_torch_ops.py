@@ -176,6 +176,13 @@ def test_raw_binding_device_checks(tgen):
             fmkv._fmkv.attention_raw("cuda", raw, 0, *args, out)
     with pytest.raises(fmkv.FmkvError, match=r"backend 'metal' is not supported by the raw ops"):
         fmkv._fmkv.attention_raw("metal", raw, 0, *args, out)
+    # the lse tensor (fmkv_attention_lse): float32 [rows, q heads], refused by name before anything is written
+    for lse, msg in ((torch.zeros(2, 4, dtype=torch.float64), r"lse: dtype float64 is not supported \(expected float32\)"),
+                     (torch.zeros(2, 3), r"lse: shape \(2, 3\) must be \[query_tokens, q_heads\]")):
+        out.fill_(7.0)
+        with pytest.raises(fmkv.FmkvError, match=msg):
+            fmkv._fmkv.attention_raw("ref", raw, 0, *att[:3], *att[4:8], att[3], out, lse=lse)
+        assert bool((out == 7.0).all()) and bool((lse == 0).all())
     # host backends need no workspace: 0 bytes
     assert torch_ops.attention_workspace_bytes(config, 4, 2, 1, backend="cpu") == 0
     assert fmkv._fmkv.attention_workspace_bytes("ref", raw, 4, 2, 1, 0) == 0
