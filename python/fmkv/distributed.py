@@ -16,10 +16,12 @@ Every rank calls every method with the same arguments (the model is replicated; 
 are the same everywhere): ``append`` keeps the rows the rank owns, after the whole input has been checked
 on every rank, so that an error is raised on all ranks and no rank has changed its shard.
 
-The shards are host caches (``ref`` / ``cpu`` backends): with the gloo backend the collective runs on
-CPU tensors; with NCCL the partials travel as CUDA tensors of the current device. The C API's
-``fmkv_attention_lse`` also runs on the CUDA backend (the same output bits as ``fmkv_attention``); shards held in
-device memory would need a device-memory cache here, which this module does not have.
+Shards: without ``device`` each rank's shard is a host :class:`fmkv.Cache` (``ref`` / ``cpu`` backends;
+K/V/Q as numpy arrays, results as numpy arrays). With ``device`` (a torch device: ``"cuda:R"`` for rank R's GPU, or
+``"cpu"``) it is a :class:`fmkv.TorchCache` on that device (K/V/Q as torch tensors on it, results as float32
+tensors on it; ``TorchCache.attention_lse`` gives the partials on any backend that has ``fmkv_attention_lse``:
+ref, cpu, cuda), and the partials are merged on that device. The collectives run on CPU tensors with gloo and
+on CUDA tensors of the current device with NCCL (a host shard's partials are copied there and back).
 """
 from __future__ import annotations
 
@@ -33,32 +35,51 @@ from . import Cache, Config, _args
 _FP16_LIMIT = 65520.0  # values rounding beyond float16 (fmkv's input rule)
 
 
-def merge_partials(outs: Sequence[np.ndarray], lses: Sequence[np.ndarray]) -> np.ndarray:
+def _is_torch(x: Any) -> bool:
+    t = type(x)
+    return t.__module__.startswith("torch") and t.__name__ in ("Tensor", "Parameter")
+
+
+def merge_partials(outs: Sequence[Any], lses: Sequence[Any]) -> Any:
     """Attention over the union of disjoint token sets from each set's ``(out, lse)``.
 
     outs[i]: [rows, heads, head_dim], lses[i]: [rows, heads] (``-inf`` for an empty set, whose out is
     ignored). Returns float32 ``sum_i w_i out_i`` with ``w_i = exp(lse_i - log sum_j exp(lse_j))``,
-    accumulated in float64 in the order given (deterministic). Raises FmkvError when a row has no
+    accumulated in float64 in the order given (deterministic). numpy arrays give a numpy array; torch
+    tensors (all on one device) a tensor on that device, computed there. Raises FmkvError when a row has no
     tokens in any set.
     """
     if len(outs) == 0 or len(outs) != len(lses):
         raise _args.error(f"merge_partials: {len(outs)} outputs and {len(lses)} lse arrays (need the same, >= 1)")
-    o = [np.asarray(x, dtype=np.float64) for x in outs]
-    s = [np.asarray(x, dtype=np.float64) for x in lses]
+    if _is_torch(outs[0]):
+        import torch as xp
+
+        if not all(_is_torch(x) and x.device == outs[0].device for x in (*outs, *lses)):
+            raise _args.error(f"merge_partials: every out and lse must be a torch tensor on {outs[0].device} "
+                              f"(as the first out)")
+        o, s = [x.to(xp.float64) for x in outs], [x.to(xp.float64) for x in lses]
+        f32 = xp.float32
+    else:
+        xp = np
+        o, s = [np.asarray(x, dtype=np.float64) for x in outs], [np.asarray(x, dtype=np.float64) for x in lses]
+        f32 = np.float32
     for x, y in zip(o, s):
-        if x.ndim != 3 or y.shape != x.shape[:2] or x.shape != o[0].shape:
-            raise _args.error(f"merge_partials: out {x.shape} and lse {y.shape} do not match "
-                              f"[rows, heads, head_dim] / [rows, heads] of the first {o[0].shape}")
-    m = np.max(np.stack(s), axis=0)
-    if not np.all(np.isfinite(m)):
+        if x.ndim != 3 or tuple(y.shape) != tuple(x.shape[:2]) or x.shape != o[0].shape:
+            raise _args.error(f"merge_partials: out {tuple(x.shape)} and lse {tuple(y.shape)} do not match "
+                              f"[rows, heads, head_dim] / [rows, heads] of the first {tuple(o[0].shape)}")
+    m = s[0]
+    for y in s[1:]:
+        m = xp.maximum(m, y)
+    if not bool(xp.isfinite(m).all()):
         raise _args.error("merge_partials: a query row has no visible token in any partial (every lse is -inf)")
-    num = np.zeros(o[0].shape)
-    den = np.zeros(s[0].shape)
+    num = xp.zeros_like(o[0])
+    den = xp.zeros_like(s[0])
     for x, y in zip(o, s):
-        w = np.exp(y - m)  # exp(-inf) = 0: an empty partial adds nothing
-        den += w
-        num += w[..., None] * np.where(np.isfinite(y)[..., None], x, 0.0)
-    return (num / den[..., None]).astype(np.float32)
+        w = xp.exp(y - m)  # exp(-inf) = 0: an empty partial adds nothing
+        den = den + w
+        num = num + w[..., None] * xp.where(xp.isfinite(y)[..., None], x, xp.zeros_like(x))
+    res = num / den[..., None]
+    return res.to(f32) if xp is not np else res.astype(f32)
 
 
 class ContextParallelCache:
@@ -66,12 +87,15 @@ class ContextParallelCache:
 
     config: the cache's fmkv.Config (its sink tokens live on rank 0, its window on the last rank).
     shard_tokens: positions per rank; the capacity is ``world * shard_tokens`` tokens (an append past it
-    is refused on every rank before anything is written). backend: the shards' fmkv backend (default as
-    fmkv.Cache). group: a torch.distributed process group (default: the world).
+    is refused on every rank before anything is written). backend: the shards' fmkv backend (default: as
+    fmkv.Cache, or the device's as fmkv.TorchCache). group: a torch.distributed process group (default: the
+    world). device: None for host shards (numpy in and out), else the torch device of this rank's
+    :class:`fmkv.TorchCache` shard (torch tensors on it in and out).
     """
 
     def __init__(self, config: Config, num_layers: int, shard_tokens: int, backend: Optional[str] = None,
-                 group: Any = None):
+                 group: Any = None, device: Any = None):
+        import torch
         import torch.distributed as dist
 
         if not isinstance(config, Config):
@@ -89,14 +113,26 @@ class ContextParallelCache:
         self._local_config = dataclasses.replace(config, sink_tokens=config.sink_tokens if first else 0,
                                                  window_tokens=config.window_tokens if last else 0)
         pages = -(-self.shard_tokens // config.page_size) + 1
-        self._cache = Cache(self._local_config, self.num_layers, pages, 1, backend)
+        self._nccl = dist.get_backend(group) == "nccl"
+        if self._nccl and not torch.cuda.is_available():
+            raise _args.error("ContextParallelCache: the process group is NCCL but torch sees no CUDA device",
+                              "UNSUPPORTED")
+        if device is None:
+            self.device = None
+            self._cache: Any = Cache(self._local_config, self.num_layers, pages, 1, backend)
+        else:
+            from .torch_cache import TorchCache
+
+            self._cache = TorchCache(self._local_config, self.num_layers, pages, 1, backend, device=device)
+            self.device = self._cache.device
+        # the collectives' tensors: CUDA (the current device) for NCCL, else the CPU
+        self._comm = torch.device("cuda", torch.cuda.current_device()) if self._nccl else torch.device("cpu")
         self._seq = self._cache.add_sequence()
         self._lengths = [0] * self.num_layers  # global tokens per layer (the same on every rank)
-        self._nccl = dist.get_backend(group) == "nccl"
 
     @property
-    def local_cache(self) -> Cache:
-        """This rank's shard."""
+    def local_cache(self) -> Any:
+        """This rank's shard (an fmkv.Cache, or an fmkv.TorchCache with ``device``)."""
         return self._cache
 
     @property
@@ -114,21 +150,21 @@ class ContextParallelCache:
         return (min(start, n), min(start + self.shard_tokens, n))
 
     def append(self, layer: int, k: Any, v: Any) -> None:
-        """Append token rows k, v ([tokens, num_kv_heads, head_dim], the same on every rank) to ``layer``;
-        the rank keeps those whose positions it owns. All-or-nothing on every rank: the whole input is
-        checked first (shape, finiteness, the fp16 range, the capacity)."""
+        """Append token rows k, v ([tokens, num_kv_heads, head_dim], the same on every rank; torch tensors on
+        the shard's device with ``device``) to ``layer``; the rank keeps those whose positions it owns.
+        All-or-nothing on every rank: the whole input is checked first (shape, finiteness, the fp16 range, the
+        capacity; every rank reaches the same verdict on the same input)."""
         layer = self._layer(layer)
         c = self.config
-        k, v = np.asarray(k), np.asarray(v)
+        k, v = self._rows_in("k", k), self._rows_in("v", v)
         want = (c.num_kv_heads, c.head_dim)
-        if k.ndim != 3 or v.shape != k.shape or k.shape[1:] != want:
-            raise _args.error(f"append: k {k.shape} and v {v.shape} must both be [tokens, {want[0]}, {want[1]}]")
+        if k.ndim != 3 or tuple(v.shape) != tuple(k.shape) or tuple(k.shape[1:]) != want:
+            raise _args.error(f"append: k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
+                              f"[tokens, {want[0]}, {want[1]}]")
         for name, x in (("k", k), ("v", v)):
-            if x.dtype.kind != "f":
-                raise _args.type_error(name, "a floating-point array", x)
-            if x.size and not (np.all(np.isfinite(x)) and np.max(np.abs(x.astype(np.float64))) < _FP16_LIMIT):
+            if not self._finite_fp16(x):
                 raise _args.error(f"append: {name} holds NaN, Inf or values beyond the float16 range", "NON_FINITE")
-        n0, rows = self._lengths[layer], k.shape[0]
+        n0, rows = self._lengths[layer], int(k.shape[0])
         if n0 + rows > self.capacity:
             raise _args.error(f"append: {n0} + {rows} tokens exceed the capacity {self.capacity} "
                               f"({self.world} ranks x shard_tokens {self.shard_tokens})", "OUT_OF_RANGE")
@@ -147,56 +183,105 @@ class ContextParallelCache:
                               "this cache is no longer consistent across ranks", "INTERNAL")
         self._lengths[layer] = n0 + rows
 
-    def attention(self, layer: int, q: Any, softmax_scale: Optional[float] = None,
-                  softcap: float = 0.0) -> np.ndarray:
+    def attention(self, layer: int, q: Any, softmax_scale: Optional[float] = None, softcap: float = 0.0) -> Any:
         """Decode attention of one query row q ([1, q_heads, head_dim], the same on every rank: the newest
-        token, already appended) over every rank's shard; the merged float32 [1, q_heads, head_dim], the
-        same bits on every rank."""
+        token, already appended) over every rank's shard; the merged float32 [1, q_heads, head_dim] (numpy, or
+        a tensor on the shard's device with ``device``), the same bits on every rank."""
         out, lse = self.local_partial(layer, q, softmax_scale, softcap)
         outs, lses = self.gather_partials(out, lse)
         return merge_partials(outs, lses)
 
     def local_partial(self, layer: int, q: Any, softmax_scale: Optional[float] = None,
-                      softcap: float = 0.0) -> Tuple[np.ndarray, np.ndarray]:
-        """This rank's (out, lse) for one query row (zeros and -inf when the rank holds no token yet)."""
+                      softcap: float = 0.0) -> Tuple[Any, Any]:
+        """This rank's (out, lse) for one query row, float32 (zeros and -inf when the rank holds no token
+        yet). With ``device`` the query is taken in float32, so the partial output is not rounded to q's
+        dtype before the merge."""
         layer = self._layer(layer)
-        q = np.asarray(q)
+        q = self._rows_in("q", q)
         c = self.config
         if q.ndim != 3 or q.shape[0] != 1 or q.shape[2] != c.head_dim or q.shape[1] % c.num_kv_heads:
-            raise _args.error(f"attention: q {q.shape} must be [1, q_heads, {c.head_dim}] (one decode row; q_heads a "
-                              f"multiple of {c.num_kv_heads})")
+            raise _args.error(f"attention: q {tuple(q.shape)} must be [1, q_heads, {c.head_dim}] (one decode row; "
+                              f"q_heads a multiple of {c.num_kv_heads})")
         if self._lengths[layer] == 0:
             raise _args.error("attention: the layer holds no token")
         lo, hi = self.local_range(layer)
-        if hi == lo:
-            return (np.zeros(q.shape, np.float32), np.full(q.shape[:2], -np.inf, np.float32))
-        return self._cache.attention_lse(layer, self._seq, q, softmax_scale, softcap)
-
-    def gather_partials(self, out: np.ndarray, lse: np.ndarray) -> Tuple[List[np.ndarray], List[np.ndarray]]:
-        """Every rank's (out, lse), in rank order (one all_gather of the packed float32 partials)."""
+        if self.device is None:
+            if hi == lo:
+                return (np.zeros(q.shape, np.float32), np.full(q.shape[:2], -np.inf, np.float32))
+            return self._cache.attention_lse(layer, self._seq, q, softmax_scale, softcap)
         import torch
 
-        packed = torch.from_numpy(np.concatenate([out.reshape(-1), lse.reshape(-1)]).astype(np.float32))
-        if self._nccl:
-            packed = packed.cuda()
+        if hi == lo:
+            return (torch.zeros(tuple(q.shape), dtype=torch.float32, device=self.device),
+                    torch.full(tuple(q.shape[:2]), -float("inf"), dtype=torch.float32, device=self.device))
+        return self._cache.attention_lse(layer, self._seq, q.float(), softmax_scale, softcap)
+
+    def gather_partials(self, out: Any, lse: Any) -> Tuple[List[Any], List[Any]]:
+        """Every rank's (out, lse), in rank order (one all_gather of the packed float32 partials), as numpy
+        arrays for host shards, tensors on the shard's device with ``device``."""
+        import torch
+
+        if self.device is None:
+            packed = torch.from_numpy(np.concatenate([np.asarray(out, np.float32).reshape(-1),
+                                                      np.asarray(lse, np.float32).reshape(-1)]))
+        else:
+            packed = torch.cat([out.reshape(-1).float(), lse.reshape(-1).float()])
+        packed = packed.to(self._comm)
         parts = [torch.empty_like(packed) for _ in range(self.world)]
         self._dist.all_gather(parts, packed, group=self._group)
-        n = out.size
-        outs = [p.cpu().numpy()[:n].reshape(out.shape) for p in parts]
-        lses = [p.cpu().numpy()[n:].reshape(lse.shape) for p in parts]
-        return outs, lses
+        n, shape_o, shape_l = int(np.prod(tuple(out.shape))), tuple(out.shape), tuple(lse.shape)
+        if self.device is None:
+            host = [p.cpu().numpy() for p in parts]
+            return [h[:n].reshape(shape_o) for h in host], [h[n:].reshape(shape_l) for h in host]
+        parts = [p.to(self.device) for p in parts]
+        return [p[:n].reshape(shape_o) for p in parts], [p[n:].reshape(shape_l) for p in parts]
 
     # ------------------------------------------------------------------------------------------------
     def _layer(self, layer: int) -> int:
         return _args.integer("layer", layer, 0, self.num_layers - 1, "OUT_OF_RANGE")
 
+    def check(self) -> None:
+        """Wait for every rank's shard and raise on every rank if any of them recorded an error
+        (:meth:`fmkv.TorchCache.check`: CUDA's device-detected errors surface there, not at the call; host
+        shards raise at the call and have nothing to find). One all_reduce of a flag."""
+        failed = 0
+        if self.device is not None:
+            try:
+                self._cache.check()
+            except Exception:
+                failed = 1
+                self._agree(failed)
+                raise
+        if self._agree(failed):
+            raise _args.error("check: another rank's shard recorded a device error (see that rank's error)", "BACKEND")
+
+    def _rows_in(self, name: str, x: Any) -> Any:
+        """x as this cache takes it: a numpy array for host shards, a float torch tensor on the shard's device."""
+        if self.device is None:
+            x = np.asarray(x)
+            if x.dtype.kind != "f":
+                raise _args.type_error(name, "a floating-point array", x)
+            return x
+        import torch
+
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise _args.type_error(name, f"a floating-point torch.Tensor on {self.device}", x)
+        if x.device != self.device:
+            raise _args.error(f"{name} is on device '{x.device}' but this rank's shard is on '{self.device}' "
+                              f"(fmkv never copies between devices)")
+        return x
+
+    def _finite_fp16(self, x: Any) -> bool:
+        """Every value finite and inside the float16 range (one device reduction and one read with ``device``)."""
+        if self.device is None:
+            return x.size == 0 or bool(np.all(np.isfinite(x)) and np.max(np.abs(x.astype(np.float64))) < _FP16_LIMIT)
+        return x.numel() == 0 or bool(x.abs().double().max() < _FP16_LIMIT)  # a NaN maximum compares false
+
     def _agree(self, failed: int) -> int:
         """All ranks learn whether any rank failed (one all_reduce of a flag)."""
         import torch
 
-        flag = torch.tensor([failed], dtype=torch.int32)
-        if self._nccl:
-            flag = flag.cuda()
+        flag = torch.tensor([failed], dtype=torch.int32, device=self._comm)
         self._dist.all_reduce(flag, op=self._dist.ReduceOp.MAX, group=self._group)
         return int(flag.item())
 

@@ -1,4 +1,5 @@
-"""fmkv.distributed on CPU processes (gloo): a sequence sharded over 2 and 4 ranks by token range.
+"""fmkv.distributed on CPU processes (gloo): a sequence sharded over 2 and 4 ranks by token range, in host
+shards (fmkv.Cache, numpy) and in torch shards (fmkv.TorchCache on the CPU device, torch tensors).
 
 Each rank is a separate process (tests/python/distributed_worker.py; the data: distributed_case.py).
 Checked: every rank returns the same bits; they equal merge_partials of the gathered partials in this
@@ -21,12 +22,12 @@ torch = pytest.importorskip("torch", reason="fmkv.distributed runs over torch.di
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_ranks(tmp_path, world, backend):
-    store = tmp_path / "store"
-    outs = [tmp_path / f"rank{r}.npz" for r in range(world)]
+def run_ranks(tmp_path, world, backend, shards="host", pg="gloo"):
+    store = tmp_path / f"store_{shards}_{world}"
+    outs = [tmp_path / f"rank{r}_{shards}_{world}.npz" for r in range(world)]
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""), FMKV_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "distributed_worker.py"), str(r), str(world), str(store),
-                               str(outs[r]), backend], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               str(outs[r]), backend, shards, pg], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     logs = []
     for p in procs:
@@ -58,16 +59,19 @@ def one_cache_outputs(backend):
     return np.stack(out)
 
 
+@pytest.mark.parametrize("shards", ["host", "cpu"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_context_parallel_matches_one_cache(tmp_path, world):
+def test_context_parallel_matches_one_cache(tmp_path, world, shards):
     backend = fmkv.default_backend()
-    ranks = run_ranks(tmp_path, world, backend)
+    ranks = run_ranks(tmp_path, world, backend, shards)
     merged = ranks[0]["merged"]
     for r in ranks[1:]:
         assert np.array_equal(r["merged"], merged), "ranks returned different bits"
         assert np.array_equal(r["p_lse"], ranks[0]["p_lse"]) and np.array_equal(r["p_out"], ranks[0]["p_out"])
-    # a single-process merge of the same partials: bit for bit
-    here = np.stack([fd.merge_partials(list(o), list(l)) for o, l in zip(ranks[0]["p_out"], ranks[0]["p_lse"])])
+    # a single-process merge of the same partials (numpy for host shards, torch for torch shards): bit for bit
+    arr = (lambda x: x) if shards == "host" else torch.from_numpy
+    here = np.stack([np.asarray(fd.merge_partials([arr(x) for x in o], [arr(x) for x in l]))
+                     for o, l in zip(ranks[0]["p_out"], ranks[0]["p_lse"])])
     assert np.array_equal(here, merged)
     # one cache with the whole sequence: within the attention bound (each partial is fmkv attention over a
     # part of the same stored tokens)
@@ -90,6 +94,62 @@ def test_context_parallel_matches_one_cache(tmp_path, world):
     last_layer0 = merged[(CASE["steps"] - 1) * CASE["layers"]]
     for r in ranks:
         assert np.array_equal(r["after"], last_layer0)
+
+
+def test_torch_shards_match_host_shards(tmp_path):
+    """TorchCache shards on the CPU give the host shards' partials bit for bit (the same backend and pages); the
+    two merges (numpy, torch) agree to float32 rounding."""
+    backend = fmkv.default_backend()
+    host, tens = run_ranks(tmp_path, 2, backend, "host"), run_ranks(tmp_path, 2, backend, "cpu")
+    assert np.array_equal(host[0]["p_out"], tens[0]["p_out"]) and np.array_equal(host[0]["p_lse"], tens[0]["p_lse"])
+    np.testing.assert_allclose(tens[0]["merged"], host[0]["merged"], rtol=1e-6, atol=1e-7)
+    assert list(host[0]["errors"]) == list(tens[0]["errors"])
+
+
+def _cuda_ready():
+    return torch.cuda.is_available() and fmkv.backends()["cuda"]["available"]
+
+
+needs_cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device, a CUDA torch and the extension built "
+                                "with the CUDA backend (pip install . -C cmake.define.FMKV_CUDA=ON)")
+CUDA_TOL = 4e-3  # CUDA attention's bound (docs/ARCHITECTURE.md, op x backend matrix)
+
+
+@needs_cuda
+@pytest.mark.parametrize("world,pg", [(2, "gloo"), (1, "nccl")])
+def test_context_parallel_cuda_shards(tmp_path, world, pg):
+    """TorchCache shards on this GPU (the 'cuda' backend): 2 gloo ranks sharing it, and one NCCL rank (NCCL
+    refuses two ranks on one GPU; the multi-GPU runs are a device benchmark's). Ranks agree bit for bit, a
+    single-process merge of the gathered partials on the GPU gives the same bits, and the result is within the
+    CUDA attention bound of one host cache."""
+    dev = f"cuda:{torch.cuda.current_device()}"
+    ranks = run_ranks(tmp_path, world, "cuda", dev, pg)
+    merged = ranks[0]["merged"]
+    for r in ranks[1:]:
+        assert np.array_equal(r["merged"], merged) and np.array_equal(r["p_out"], ranks[0]["p_out"])
+    here = np.stack([fd.merge_partials([torch.from_numpy(x).to(dev) for x in o],
+                                       [torch.from_numpy(x).to(dev) for x in l]).cpu().numpy()
+                     for o, l in zip(ranks[0]["p_out"], ranks[0]["p_lse"])])
+    assert np.array_equal(here, merged)
+    ref = one_cache_outputs(fmkv.default_backend())
+    err = np.linalg.norm((merged - ref).reshape(len(ref), -1), axis=1) / np.linalg.norm(ref.reshape(len(ref), -1), axis=1)
+    assert err.max() < CUDA_TOL, err
+    assert list(ranks[0]["errors"]) == ["nan: NON_FINITE", "shape: INVALID_ARGUMENT", "capacity: OUT_OF_RANGE",
+                                        "two rows: INVALID_ARGUMENT", "layer: OUT_OF_RANGE"]
+
+
+def test_merge_partials_torch_matches_numpy():
+    rng = np.random.default_rng(2)
+    outs = [rng.standard_normal((1, 8, 64)).astype(np.float32) for _ in range(3)]
+    lses = [rng.standard_normal((1, 8)).astype(np.float32) * 4 for _ in range(3)]
+    lses[1][0, 3] = -np.inf  # one empty part in one row: its NaN output is ignored
+    outs[1][0, 3] = np.nan
+    a = fd.merge_partials(outs, lses)
+    b = fd.merge_partials([torch.from_numpy(x) for x in outs], [torch.from_numpy(x) for x in lses])
+    assert isinstance(b, torch.Tensor) and b.dtype == torch.float32 and np.isfinite(b.numpy()).all()
+    np.testing.assert_allclose(b.numpy(), a, rtol=1e-6, atol=1e-7)
+    with pytest.raises(fmkv.FmkvError, match="torch tensor"):
+        fd.merge_partials([torch.from_numpy(outs[0]), outs[1]], [torch.from_numpy(lses[0]), torch.from_numpy(lses[1])])
 
 
 def test_merge_partials_rules():
