@@ -98,7 +98,7 @@ void attention_metal(Layer& L, const std::vector<int64_t>& lens, const std::vect
   std::vector<float> ws((size_t)fmkv::metal::attention_workspace_floats(p), NAN);
   emu_kernels::AttentionBuffers b{L.pages.data(), L.fk.data(), L.fv.data(),   qbytes.data(), lens.data(),
                                   offs.data(),    L.table.data(), L.slots.data(), ws.data(),  out.data(),
-                                  status};
+                                  status,         nullptr};
   const uint64_t seed = g_rng();
   emu_kernels::attention_partial(p, b, {fmkv::metal::attention_partial_groups(p), (uint32_t)simdgroups * 32, order, seed});
   emu_kernels::attention_merge(p, b, {fmkv::metal::attention_merge_groups(p, merge_simdgroups),
@@ -464,18 +464,21 @@ void run_error_cases() {
 
 // The parameter blocks must have the layout python/fmkv/mlx/kernels.py packs (no implicit padding).
 void run_layout_case() {
-  bool ok = sizeof(fmkv_metal_append_params) == 136 && sizeof(fmkv_metal_attention_params) == 168 &&
+  bool ok = sizeof(fmkv_metal_append_params) == 136 && sizeof(fmkv_metal_attention_params) == 184 &&
             offsetof(fmkv_metal_append_params, seed) == 32 && offsetof(fmkv_metal_append_params, page_bytes) == 120 &&
             offsetof(fmkv_metal_append_params, format_version) == 128 &&
             offsetof(fmkv_metal_append_params, scale_group) == 132 &&
             offsetof(fmkv_metal_attention_params, softmax_scale) == 120 &&
             offsetof(fmkv_metal_attention_params, format_version) == 148 &&
             offsetof(fmkv_metal_attention_params, page_bytes) == 152 &&
-            offsetof(fmkv_metal_attention_params, scale_group) == 160;
+            offsetof(fmkv_metal_attention_params, scale_group) == 160 &&
+            offsetof(fmkv_metal_attention_params, has_lse) == 164 &&
+            offsetof(fmkv_metal_attention_params, lse_row_stride) == 168 &&
+            offsetof(fmkv_metal_attention_params, lse_head_stride) == 176;
   char d[128];
   snprintf(d, sizeof d, "sizeof append %zu, attention %zu", sizeof(fmkv_metal_append_params),
            sizeof(fmkv_metal_attention_params));
-  report(ok, "parameter block layout (136 / 168 bytes, natural alignment, no padding)", d, 0.0);
+  report(ok, "parameter block layout (136 / 184 bytes, natural alignment, no padding)", d, 0.0);
 }
 
 // Parameter blocks of a fixed configuration as hex, for tests/metal/run.sh to compare with
