@@ -77,8 +77,8 @@ fmkv_status fmkv_attention(fmkv_backend b, const fmkv_config* cfg, const fmkv_la
  * the natural log of the softmax denominator, log sum_p exp(s_p) over the row's visible tokens, with the
  * scores s_p scaled (and softcapped) as the softmax sees them. Attention over a union of disjoint token
  * sets is then sum_i w_i out_i with w_i = exp(lse_i - log sum_j exp(lse_j)) (how a context-parallel
- * cache merges the shards of one sequence). Backends: ref, cpu and cuda (the output is fmkv_attention's, bit for
- * bit); others fail with FMKV_ERR_UNSUPPORTED naming the ones that have it. */
+ * cache merges the shards of one sequence). Backends: ref, cpu, cuda and metal (the output is fmkv_attention's, bit
+ * for bit); a backend without it fails with FMKV_ERR_UNSUPPORTED naming the ones that have it. */
 fmkv_status fmkv_attention_lse(fmkv_backend b, const fmkv_config* cfg, const fmkv_layer_cache* layer,
                                const fmkv_batch* batch, const fmkv_tensor* q, const fmkv_attention_opts* opts,
                                fmkv_tensor* out, fmkv_tensor* lse, void* workspace, size_t workspace_bytes,

@@ -59,6 +59,7 @@ typedef long fmkv_i64;
 #define FMKV_BALLOT(pred) ((fmkv_u32)(static_cast<simd_vote::vote_t>(simd_ballot((bool)(pred))) & 0xffffffffu))
 #define FMKV_TG_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define FMKV_EXP(x) precise::exp(x)
+#define FMKV_LOG(x) precise::log(x)
 #define FMKV_TANH(x) precise::tanh(x)
 // a * b rounded to float32, never fused with a following add (contraction is off, see above).
 #define FMKV_MUL_RN(a, b) ((a) * (b))
@@ -94,6 +95,7 @@ typedef int64_t fmkv_i64;
 #define FMKV_BALLOT(pred) ((fmkv_u32)__ballot_sync(0xffffffffu, (int)(pred)))
 #define FMKV_TG_BARRIER() __syncthreads()
 #define FMKV_EXP(x) expf(x)
+#define FMKV_LOG(x) logf(x)
 #define FMKV_TANH(x) tanhf(x)
 // a * b rounded to float32 and never contracted into an FMA: nvcc and NVRTC contract a*b + c by
 // default (-fmad=true; MLX's NVRTC call passes no option to turn it off), __fmul_rn is exempt.

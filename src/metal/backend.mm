@@ -271,6 +271,7 @@ void decode_attention(const AttentionArgs& a) {
     else bind(c, enc, a.workspace, 9);
     bind(c, enc, a.out.data, 10);
     [enc setBuffer:status offset:0 atIndex:11];
+    bind(c, enc, a.lse.data, 12);  // fmkv_attention_lse (p.has_lse); the dummy buffer otherwise
     [enc dispatchThreadgroups:MTLSizeMake(attention_partial_groups(p), 1, 1)
         threadsPerThreadgroup:MTLSizeMake(kAttentionSimdgroups * 32, 1, 1)];
     [enc setComputePipelineState:c.merge];
@@ -289,7 +290,8 @@ extern const BackendOps metal_backend = {
     metal::available, metal::device_name,
     metal::append, metal::decode_attention,
     /*append_attention=*/nullptr, metal::attention_workspace_bytes,
-    metal::alloc, metal::free, metal::copy, metal::synchronize, /*attention_lse=*/false,
+    metal::alloc, metal::free, metal::copy, metal::synchronize,
+    /*attention_lse=*/true,  // the merge kernel writes M + log L (kernel_core.h fmkv_attention_merge_spec)
     /*max_format_version=*/3,
     /*max_scale_group=*/64,  // kernel_core.h: a 64-coordinate scale group spans two registers; scale g >> shift
     /*max_code_bits=*/5,     // kernel_core.h packs (fmkv_pack_group_lanes) and decodes codes of 2-5 bits

@@ -2,7 +2,8 @@
 // via the block table, q_len 1..16 causal, fp16 sink/window regions, k16 pages, softcap.
 // Split-K: pass 1 (fmkv_attention_partial) writes one partial softmax state per (query, key
 // split, SIMD group) into the workspace; pass 2 (fmkv_attention_merge) merges them, normalises
-// and rotates the output back. Thin wrappers over src/metal/kernel_core.h.
+// and rotates the output back (for fmkv_attention_lse it also writes the softmax log-denominator).
+// Thin wrappers over src/metal/kernel_core.h.
 #include "../format/portability.h"
 #include "params_msl.h"
 #include "kernel_core.h"
@@ -32,16 +33,18 @@ kernel void fmkv_attention_partial(device const fmkv_metal_attention_params& p [
 }
 
 // Pass 2. Threadgroup size: a multiple of 32; grid: ceil(items / simdgroups) threadgroups with
-// items = num_seqs * kv_heads * tiles * FMKV_METAL_QTILE.
+// items = num_seqs * kv_heads * tiles * FMKV_METAL_QTILE. lse: written only when p.has_lse != 0
+// (fmkv_attention_lse); otherwise any buffer may be bound there.
 kernel void fmkv_attention_merge(device const fmkv_metal_attention_params& p [[buffer(0)]],
                                  device const fmkv_i64* row_offsets [[buffer(6)]],
                                  device const float* ws [[buffer(9)]],
                                  device fmkv_u8* out [[buffer(10)]],
                                  device fmkv_u32* status [[buffer(11)]],
+                                 device float* lse [[buffer(12)]],
                                  uint tg [[threadgroup_position_in_grid]],
                                  uint sg [[simdgroup_index_in_threadgroup]],
                                  uint nsg [[simdgroups_per_threadgroup]],
                                  uint lane [[thread_index_in_simdgroup]],
                                  uint threads [[threads_per_threadgroup]]) {
-  fmkv_attention_merge_impl(p, row_offsets, ws, out, status, tg, sg, nsg, lane, threads);
+  fmkv_attention_merge_impl(p, row_offsets, ws, out, lse, status, tg, sg, nsg, lane, threads);
 }

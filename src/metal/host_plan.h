@@ -102,6 +102,9 @@ inline fmkv_metal_attention_params attention_params(const AttentionArgs& a, int3
   p.format_version = c.format_version;
   p.page_bytes = page_bytes(c);
   p.scale_group = c.scale_group;
+  p.has_lse = a.lse.data != nullptr;  // fmkv_attention_lse: the merge writes M + log L of (row, q head)
+  p.lse_row_stride = a.lse.data ? a.lse.row_stride : 0;
+  p.lse_head_stride = a.lse.data ? a.lse.head_stride : 0;
   return p;
 }
 

@@ -534,12 +534,15 @@ FMKV_INLINE void fmkv_attention_partial_impl(
 }
 
 // decode attention, pass 2: one SIMD group per query item merges its `parts` partial states,
-// normalises, rotates back and stores out[row][hq] in the output dtype. Needs full SIMD groups.
+// normalises, rotates back and stores out[row][hq] in the output dtype. With p.has_lse, lane 0 also
+// stores lse[row][hq] = mx + log(lsum), the natural log of the softmax denominator (the partial states'
+// m are scaled scores and FMKV_EXP is exp: natural-log units), of exactly the mx and lsum the output
+// is divided by (fmkv_attention_lse). Needs full SIMD groups.
 FMKV_INLINE void fmkv_attention_merge_spec(FMKV_DEVICE const fmkv_metal_attention_params& p,
                                            FMKV_DEVICE const fmkv_i64* row_offsets, FMKV_DEVICE const float* ws,
-                                           FMKV_DEVICE fmkv_u8* out, FMKV_DEVICE fmkv_u32* status, fmkv_u32 tg,
-                                           fmkv_u32 sg, fmkv_u32 nsg, fmkv_u32 lane, fmkv_u32 threads,
-                                           const fmkv_i32 D) {
+                                           FMKV_DEVICE fmkv_u8* out, FMKV_DEVICE float* lse,
+                                           FMKV_DEVICE fmkv_u32* status, fmkv_u32 tg, fmkv_u32 sg, fmkv_u32 nsg,
+                                           fmkv_u32 lane, fmkv_u32 threads, const fmkv_i32 D) {
   if ((threads & 31u) != 0u || D != p.head_dim) {
     status[1] = FMKV_METAL_ERR_LAUNCH;
     return;
@@ -569,19 +572,22 @@ FMKV_INLINE void fmkv_attention_merge_spec(FMKV_DEVICE const fmkv_metal_attentio
     for (int g = 0; g < G; ++g) o[g] = o[g] + a[g * 32 + lane] * w;
   }
   for (int g = 0; g < G; ++g) o[g] = o[g] / lsum;
+  const fmkv_i64 row = row0 + qi / group;
+  const fmkv_i32 hq = h * group + (fmkv_i32)(qi % group);
+  if (p.has_lse != 0 && lane == 0u)
+    lse[row * p.lse_row_stride + (fmkv_i64)hq * p.lse_head_stride] = mx + FMKV_LOG(lsum);
   fmkv_u64 sw[4];
   fmkv::rotation_sign_words(p.seed, p.layer, d, sw);
   fmkv_unrotate_lanes(o, G, sw, fmkv_rotation_norm(d), lane);
-  const fmkv_i64 row = row0 + qi / group;
-  const fmkv_i32 hq = h * group + (fmkv_i32)(qi % group);
   for (int g = 0; g < G; ++g)
     fmkv_store_f32(out, p.out_dtype, row * p.out_row_stride + (fmkv_i64)hq * p.out_head_stride + g * 32 + lane, o[g]);
 }
 FMKV_INLINE void fmkv_attention_merge_impl(FMKV_DEVICE const fmkv_metal_attention_params& p,
                                            FMKV_DEVICE const fmkv_i64* row_offsets, FMKV_DEVICE const float* ws,
-                                           FMKV_DEVICE fmkv_u8* out, FMKV_DEVICE fmkv_u32* status, fmkv_u32 tg,
-                                           fmkv_u32 sg, fmkv_u32 nsg, fmkv_u32 lane, fmkv_u32 threads) {
-  fmkv_attention_merge_spec(p, row_offsets, ws, out, status, tg, sg, nsg, lane, threads, p.head_dim);
+                                           FMKV_DEVICE fmkv_u8* out, FMKV_DEVICE float* lse,
+                                           FMKV_DEVICE fmkv_u32* status, fmkv_u32 tg, fmkv_u32 sg, fmkv_u32 nsg,
+                                           fmkv_u32 lane, fmkv_u32 threads) {
+  fmkv_attention_merge_spec(p, row_offsets, ws, out, lse, status, tg, sg, nsg, lane, threads, p.head_dim);
 }
 
 #endif  // FMKV_METAL_KERNEL_CORE_H

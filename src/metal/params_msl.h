@@ -45,7 +45,8 @@ struct fmkv_metal_append_params {
 
 // decode attention, pass 1 (partial) and pass 2 (merge). Buffers: 0 params, 1 pages, 2 fp16_k,
 // 3 fp16_v, 4 q (bytes, q_dtype), 5 seq_lens, 6 row_offsets, 7 block_table, 8 slots,
-// 9 workspace (float), 10 out (bytes, out_dtype; merge only), 11 status (uint).
+// 9 workspace (float), 10 out (bytes, out_dtype; merge only), 11 status (uint),
+// 12 lse (float; merge only, written when has_lse != 0: fmkv_attention_lse).
 struct fmkv_metal_attention_params {
   fmkv_i32 head_dim, num_kv_heads, k_bits, v_bits;
   fmkv_i32 page_size, sink_tokens, window_tokens, scale_rule;
@@ -65,7 +66,9 @@ struct fmkv_metal_attention_params {
   fmkv_i32 parts;                // partial states per query = num_splits * simdgroups per threadgroup
   fmkv_i32 format_version;       // fmkv_config.format_version as given (0 = FMKV_FORMAT_VERSION)
   fmkv_i64 page_bytes;
-  fmkv_i32 scale_group, reserved;  // fmkv_config.scale_group as given (0 = FMKV_SCALE_GROUP, 32 or 64)
+  fmkv_i32 scale_group;            // fmkv_config.scale_group as given (0 = FMKV_SCALE_GROUP, 32 or 64)
+  fmkv_i32 has_lse;                // 1: the merge writes lse[row * lse_row_stride + hq * lse_head_stride] (buffer 12)
+  fmkv_i64 lse_row_stride, lse_head_stride;  // element strides of the f32 lse tensor (fmkv_attention_lse)
 };
 
 #endif  // FMKV_METAL_PARAMS_MSL_H

@@ -32,7 +32,7 @@ __global__ void fmkv_core_attention_partial(const fmkv_metal_attention_params* p
 }
 
 __global__ void fmkv_core_attention_merge(const fmkv_metal_attention_params* p, const fmkv_i64* row_offsets,
-                                          const float* ws, fmkv_u8* out, fmkv_u32* status) {
-  fmkv_attention_merge_impl(*p, row_offsets, ws, out, status, blockIdx.x, threadIdx.x / 32, blockDim.x / 32,
+                                          const float* ws, fmkv_u8* out, float* lse, fmkv_u32* status) {
+  fmkv_attention_merge_impl(*p, row_offsets, ws, out, lse, status, blockIdx.x, threadIdx.x / 32, blockDim.x / 32,
                             threadIdx.x % 32, blockDim.x);
 }

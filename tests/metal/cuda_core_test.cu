@@ -169,7 +169,7 @@ __global__ void k_attention_partial(fmkv_metal_attention_params p, const fmkv_u8
 }
 __global__ void k_attention_merge(fmkv_metal_attention_params p, const fmkv_i64* row_offsets, const float* ws,
                                   fmkv_u8* out, fmkv_u32* status) {
-  fmkv_attention_merge_impl(p, row_offsets, ws, out, status, blockIdx.x, threadIdx.x / 32, blockDim.x / 32,
+  fmkv_attention_merge_impl(p, row_offsets, ws, out, nullptr, status, blockIdx.x, threadIdx.x / 32, blockDim.x / 32,
                             threadIdx.x % 32, blockDim.x);
 }
 

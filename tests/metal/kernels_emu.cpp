@@ -30,7 +30,7 @@ void attention_partial(const fmkv_metal_attention_params& p, const AttentionBuff
 
 void attention_merge(const fmkv_metal_attention_params& p, const AttentionBuffers& b, const Launch& l) {
   emu::dispatch(l.groups, l.threads, l.order, l.seed, [&](const emu::ThreadIds& t) {
-    fmkv_attention_merge(p, b.row_offsets, b.ws, b.out, b.status, t.group, t.simdgroup, t.simdgroups, t.lane,
+    fmkv_attention_merge(p, b.row_offsets, b.ws, b.out, b.status, b.lse, t.group, t.simdgroup, t.simdgroups, t.lane,
                          t.threads);
   });
 }

@@ -27,6 +27,7 @@ struct AttentionBuffers {
   float* ws;
   uint8_t* out;
   uint32_t* status;  // [2]
+  float* lse;        // fmkv_attention_lse (params.has_lse); nullptr: not requested
 };
 struct Launch {
   uint32_t groups, threads;

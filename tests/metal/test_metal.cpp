@@ -5,7 +5,9 @@
 //     and fiber schedule orders, multi-call appends, sink/window rings, every code width of the format
 //     (FMKV_CODE_BITS_MIN..FMKV_CODE_BITS_MAX) and k16, format versions 2 and 3, scale groups 32 and 64;
 //   * decode attention: outputs (poisoned with NaN first, workspace too) within the stated relative
-//     error (||out - ref|| / ||ref||, as tests/test_backends.cpp) of the float64 reference;
+//     error (||out - ref|| / ||ref||, as tests/test_backends.cpp) of the float64 reference; the same
+//     cases with lse (fmkv_attention_lse: lse poisoned, within 2 x that bound of the reference's lse,
+//     output bits equal to the call without lse);
 //   * kernel-side error reporting (block table out of range, bad threadgroup size);
 //   * the golden vectors of tests/golden (v2, v3, v3_scale_group64, v3_code_width5) reproduced.
 // Prints one line per case and a final "N passed, M failed"; exit status 1 on any failure.
@@ -81,11 +83,13 @@ void append_both(Layer& ref, Layer& met, const std::vector<int64_t>& lens, const
 }
 
 // Decode attention with the emulated Metal kernels (lens include the query rows; q_heads query heads);
-// out (out_dt) and the workspace are poisoned with NaN first.
+// out (out_dt) and the workspace are poisoned with NaN first. lse (fmkv_attention_lse): nullptr, or f32
+// [rows][q_heads] at element strides (lse_rs, lse_hs), left as the caller poisoned it except where written.
 void attention_metal(Layer& L, const std::vector<int64_t>& lens, const std::vector<int64_t>& offs,
                      std::vector<uint8_t>& qbytes, fmkv_dtype q_dt, int32_t q_heads, fmkv_dtype out_dt,
                      const fmkv_attention_opts& opts, int simdgroups, int splits, int merge_simdgroups, Order order,
-                     std::vector<uint8_t>& out, uint32_t status[2]) {
+                     std::vector<uint8_t>& out, uint32_t status[2], float* lse = nullptr, int64_t lse_rs = 0,
+                     int64_t lse_hs = 0) {
   const fmkv_config& c = L.cfg;
   const int64_t nrows = offs.back();
   const int d = c.head_dim;
@@ -93,12 +97,13 @@ void attention_metal(Layer& L, const std::vector<int64_t>& lens, const std::vect
   fmkv_tensor q = fmkv::make_tensor(qbytes.data(), q_dt, nrows, q_heads, d);
   fmkv_tensor o = fmkv::make_tensor(out.data(), out_dt, nrows, q_heads, d);
   fmkv_batch bt{L.seqs(), L.slots.data(), lens.data(), offs.data(), L.table.data(), L.stride};
-  fmkv::AttentionArgs a{c, L.cache(), bt, q, o, opts, nullptr, 0, nullptr};
+  const fmkv_tensor lt{lse, FMKV_F32, nrows, q_heads, 1, lse_rs, lse_hs};
+  fmkv::AttentionArgs a{c, L.cache(), bt, q, o, opts, nullptr, 0, nullptr, lt};
   const fmkv_metal_attention_params p = fmkv::metal::attention_params(a, simdgroups, splits);
   std::vector<float> ws((size_t)fmkv::metal::attention_workspace_floats(p), NAN);
   emu_kernels::AttentionBuffers b{L.pages.data(), L.fk.data(), L.fv.data(),   qbytes.data(), lens.data(),
                                   offs.data(),    L.table.data(), L.slots.data(), ws.data(),  out.data(),
-                                  status};
+                                  status,         lse};
   const uint64_t seed = g_rng();
   emu_kernels::attention_partial(p, b, {fmkv::metal::attention_partial_groups(p), (uint32_t)simdgroups * 32, order, seed});
   emu_kernels::attention_merge(p, b, {fmkv::metal::attention_merge_groups(p, merge_simdgroups),
@@ -195,6 +200,43 @@ void run_attention_case(const AttentionCase& ac) {
            ac.out_dt == FMKV_F32 ? "f32" : ac.out_dt == FMKV_F16 ? "f16" : "bf16", ac.scale, ac.softcap, ac.simdgroups,
            ac.splits, ac.merge_simdgroups, order_name(ac.order));
   report(err <= tol && !status[0] && !status[1], name, detail,
+         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+
+  // fmkv_attention_lse on the same inputs: lse (poisoned with NaN: an element the merge does not write fails)
+  // within 2 x the attention bound of the float64 reference's, |lse - ref| / (1 + |ref|) (as
+  // Backends.AttentionLseMatchesReference), and the output bits equal to the call without lse above. Every
+  // other case stores lse head-major ([q heads][rows]), so the kernel's strides are exercised too.
+  t0 = std::chrono::steady_clock::now();
+  static int lse_cases = 0;
+  const bool head_major = lse_cases++ % 2 == 1;
+  std::vector<float> lse_ref((size_t)nrows * HQ, NAN), lse_met((size_t)nrows * HQ, NAN);
+  std::vector<uint8_t> out_ref2(nout * out_es, 0xFF), out_lse;
+  fmkv_tensor oref2 = fmkv::make_tensor(out_ref2.data(), ac.out_dt, nrows, HQ, d);
+  fmkv_tensor lref = fmkv::make_tensor(lse_ref.data(), FMKV_F32, nrows, HQ, 1);
+  fmkv::check(fmkv_attention_lse(FMKV_BACKEND_REF, &c, &lc, &bt, &q, &opts, &oref2, &lref, nullptr, 0, nullptr));
+  const int64_t lrs = head_major ? 1 : HQ, lhs = head_major ? nrows : 1;
+  uint32_t lstatus[2] = {0, 0};
+  attention_metal(L, ac.lens, offs, qbytes, ac.q_dt, HQ, ac.out_dt, opts, ac.simdgroups, ac.splits,
+                  ac.merge_simdgroups, ac.order, out_lse, lstatus, lse_met.data(), lrs, lhs);
+  const double lse_tol = 2.0 * 1e-5;  // 2 x the stated attention bound (backend.mm attention_rel_error)
+  double worst = 0.0;
+  std::string lerr;
+  for (int64_t r = 0; r < nrows; ++r)
+    for (int32_t hq = 0; hq < HQ; ++hq) {
+      const double got = lse_met[(size_t)(r * lrs + hq * lhs)], want = lse_ref[(size_t)(r * HQ + hq)];
+      const double e = std::fabs(got - want) / (1.0 + std::fabs(want));
+      worst = std::max(worst, std::isnan(e) ? INFINITY : e);
+      if (lerr.empty() && !(e <= lse_tol)) {
+        snprintf(buf, sizeof buf, "lse[%lld][%d] = %.9g, reference %.9g; ", (long long)r, hq, got, want);
+        lerr = buf;
+      }
+    }
+  if (out_lse != out_met) lerr += "output bits differ from the call without lse; ";
+  if (lstatus[0] || lstatus[1])
+    lerr += "kernel status " + std::to_string(lstatus[0]) + "/" + std::to_string(lstatus[1]) + "; ";
+  snprintf(buf, sizeof buf, "worst |lse - ref| / (1 + |ref|) %.3g (bound %.0e)", worst, lse_tol);
+  report(lerr.empty(), std::string("lse ") + name + (head_major ? " lse head-major" : ""),
+         lerr.empty() ? std::string(buf) + ", output bits equal" : lerr + buf,
          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
@@ -464,18 +506,21 @@ void run_error_cases() {
 
 // The parameter blocks must have the layout python/fmkv/mlx/kernels.py packs (no implicit padding).
 void run_layout_case() {
-  bool ok = sizeof(fmkv_metal_append_params) == 136 && sizeof(fmkv_metal_attention_params) == 168 &&
+  bool ok = sizeof(fmkv_metal_append_params) == 136 && sizeof(fmkv_metal_attention_params) == 184 &&
             offsetof(fmkv_metal_append_params, seed) == 32 && offsetof(fmkv_metal_append_params, page_bytes) == 120 &&
             offsetof(fmkv_metal_append_params, format_version) == 128 &&
             offsetof(fmkv_metal_append_params, scale_group) == 132 &&
             offsetof(fmkv_metal_attention_params, softmax_scale) == 120 &&
             offsetof(fmkv_metal_attention_params, format_version) == 148 &&
             offsetof(fmkv_metal_attention_params, page_bytes) == 152 &&
-            offsetof(fmkv_metal_attention_params, scale_group) == 160;
+            offsetof(fmkv_metal_attention_params, scale_group) == 160 &&
+            offsetof(fmkv_metal_attention_params, has_lse) == 164 &&
+            offsetof(fmkv_metal_attention_params, lse_row_stride) == 168 &&
+            offsetof(fmkv_metal_attention_params, lse_head_stride) == 176;
   char d[128];
   snprintf(d, sizeof d, "sizeof append %zu, attention %zu", sizeof(fmkv_metal_append_params),
            sizeof(fmkv_metal_attention_params));
-  report(ok, "parameter block layout (136 / 168 bytes, natural alignment, no padding)", d, 0.0);
+  report(ok, "parameter block layout (136 / 184 bytes, natural alignment, no padding)", d, 0.0);
 }
 
 // Parameter blocks of a fixed configuration as hex, for tests/metal/run.sh to compare with

@@ -179,8 +179,9 @@ def pack_attention_params(cfg: dict, page_bytes: int, num_pages: int, num_slots:
                           q_strides: Tuple[int, int], out_dtype: str, out_strides: Tuple[int, int],
                           max_rows: int, max_len: int, softmax_scale: float, softcap: float,
                           simdgroups: int, splits: int) -> bytes:
-    """struct fmkv_metal_attention_params (as host_plan.h attention_params fills it). ``max_len``:
-    an upper bound of the sequence lengths the block serves (key splits cover [0, splits * split_len))."""
+    """struct fmkv_metal_attention_params (as host_plan.h attention_params fills it for fmkv_attention:
+    no lse, has_lse = 0). ``max_len``: an upper bound of the sequence lengths the block serves (key splits
+    cover [0, splits * split_len))."""
     group = q_heads // cfg["num_kv_heads"]
     splits = max(1, int(splits))
     v = _config_fields(cfg)
@@ -190,7 +191,8 @@ def pack_attention_params(cfg: dict, page_bytes: int, num_pages: int, num_slots:
              max_rows=max_rows, out_row_stride=out_strides[0], out_head_stride=out_strides[1],
              softmax_scale=softmax_scale if softmax_scale > 0 else 1.0 / math.sqrt(cfg["head_dim"]),
              softcap=softcap, tiles=max(1, -(-max_rows * group // define("FMKV_METAL_QTILE"))), num_splits=splits,
-             split_len=-(-max(1, max_len) // splits), parts=splits * simdgroups, page_bytes=page_bytes, reserved=0)
+             split_len=-(-max(1, max_len) // splits), parts=splits * simdgroups, page_bytes=page_bytes,
+             has_lse=0, lse_row_stride=0, lse_head_stride=0)  # the MLX merge body passes no lse buffer
     return _pack("fmkv_metal_attention_params", v)
 
 
@@ -262,7 +264,7 @@ KERNELS: Dict[str, Tuple[List[str], List[str], List[str], str]] = {
         ["out"],
         ["FMKV_D"],
         f"  fmkv_attention_merge_spec(*(const {_D} fmkv_metal_attention_params*)params,\n"
-        f"      (const {_D} fmkv_i64*)row_offsets, (const {_D} float*)ws, ({_D} fmkv_u8*)out,\n"
+        f"      (const {_D} fmkv_i64*)row_offsets, (const {_D} float*)ws, ({_D} fmkv_u8*)out, ({_D} float*)0,\n"
         f"      const_cast<{_D} fmkv_u32*>((const {_D} fmkv_u32*)status),\n"
         "      {ids}, FMKV_D);\n"),
 }
