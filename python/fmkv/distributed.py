@@ -125,8 +125,13 @@ class ContextParallelCache:
 
             self._cache = TorchCache(self._local_config, self.num_layers, pages, 1, backend, device=device)
             self.device = self._cache.device
-        # the collectives' tensors: CUDA (the current device) for NCCL, else the CPU
-        self._comm = torch.device("cuda", torch.cuda.current_device()) if self._nccl else torch.device("cpu")
+        # the collectives' tensors: for NCCL the shard's GPU (else the current one), for gloo the CPU
+        if not self._nccl:
+            self._comm = torch.device("cpu")
+        elif self.device is not None and self.device.type == "cuda":
+            self._comm = self.device
+        else:
+            self._comm = torch.device("cuda", torch.cuda.current_device())
         self._seq = self._cache.add_sequence()
         self._lengths = [0] * self.num_layers  # global tokens per layer (the same on every rank)
 
