@@ -280,7 +280,7 @@ class ContextParallelCache:
         """Every value finite and inside the float16 range (one device reduction and one read with ``device``)."""
         if self.device is None:
             return x.size == 0 or bool(np.all(np.isfinite(x)) and np.max(np.abs(x.astype(np.float64))) < _FP16_LIMIT)
-        return x.numel() == 0 or bool(x.abs().double().max() < _FP16_LIMIT)  # a NaN maximum compares false
+        return x.numel() == 0 or float(x.abs().max()) < _FP16_LIMIT  # exact in x's dtype; a NaN maximum compares false
 
     def _agree(self, failed: int) -> int:
         """All ranks learn whether any rank failed (one all_reduce of a flag)."""
