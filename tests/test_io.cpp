@@ -772,6 +772,31 @@ TEST(IoReject, GeometryMismatch) {
   Snapshot snap = Snapshot::load_memory(f.img.data(), f.img.size());
   EXPECT_THROW(restore(hc, snap), Error);
   EXPECT_EQ(hc.free_pages(), 32);
+  // ... and so is one whose format version or scale group differs (format 2 and 3 pages of k3 can be the same size:
+  // their bytes would have been copied as they are).
+  EXPECT_EQ(fmkv_snapshot_check_config(snap.get(), &f.cfg), FMKV_OK);
+  fmkv_config resolved = f.cfg;  // 0 and the default it stands for are the same config
+  resolved.format_version = fmkv_resolved_format_version(f.cfg.format_version);
+  resolved.scale_group = fmkv_resolved_scale_group(f.cfg.scale_group);
+  EXPECT_EQ(fmkv_snapshot_check_config(snap.get(), &resolved), FMKV_OK);
+  for (const char* field : {"format_version", "scale_group"}) {
+    fmkv_config o2 = resolved;
+    if (std::string(field) == "format_version") o2.format_version = resolved.format_version == 3 ? 2 : 3;
+    else o2.scale_group = resolved.scale_group == 64 ? 32 : 64;
+    ASSERT_EQ(fmkv_config_validate(&o2), FMKV_OK) << field;
+    EXPECT_EQ(fmkv_snapshot_check_config(snap.get(), &o2), FMKV_ERR_INVALID_ARGUMENT) << field;
+    EXPECT_NE(std::string(fmkv_last_error()).find(field), std::string::npos) << fmkv_last_error();
+    HostCache h2(o2, 2, 32, 2);
+    try {
+      restore(h2, snap);
+      ADD_FAILURE() << "a snapshot restored into a cache of another " << field;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(h2.free_pages(), 32);
+    EXPECT_EQ(h2.add_sequence(), 0);
+  }
+  EXPECT_EQ(fmkv_snapshot_check_config(nullptr, &f.cfg), FMKV_ERR_INVALID_ARGUMENT);
   HostCache small(f.cfg, 2, 2, 2);
   EXPECT_THROW(restore(small, snap, 0), Error);  // needs more pages than free
   EXPECT_EQ(small.free_pages(), 2);

@@ -103,6 +103,10 @@ typedef struct fmkv_snapshot_sequence {
 } fmkv_snapshot_sequence;
 
 fmkv_status fmkv_snapshot_get_info(const fmkv_snapshot* s, fmkv_snapshot_info* info);
+/* FMKV_OK when the snapshot's config equals `expect` in every field (seed too; format_version and scale_group
+ * compared as resolved, 0 meaning the default), else FMKV_ERR_INVALID_ARGUMENT naming each field that differs:
+ * the check fmkv_load_options.expect_config makes at load, for a snapshot loaded without it. */
+fmkv_status fmkv_snapshot_check_config(const fmkv_snapshot* s, const fmkv_config* expect);
 /* Layer i of the snapshot (writable host storage, num_slots = num_seqs, `layer` = the saved
  * rotation-sign index), valid until fmkv_snapshot_free. */
 fmkv_status fmkv_snapshot_layer(const fmkv_snapshot* s, int32_t i, fmkv_layer_cache* layer);

@@ -123,11 +123,8 @@ inline std::vector<uint8_t> save_memory(HostCache& cache, int32_t seq, int64_t n
 inline int32_t restore(HostCache& cache, const Snapshot& snap, int32_t file_seq = 0) {
   const fmkv_snapshot_info info = snap.info();
   const fmkv_config& c = cache.config();
-  const fmkv_config& f = info.config;
-  if (f.head_dim != c.head_dim || f.num_kv_heads != c.num_kv_heads || f.k_bits != c.k_bits || f.v_bits != c.v_bits ||
-      f.page_size != c.page_size || f.sink_tokens != c.sink_tokens || f.window_tokens != c.window_tokens ||
-      f.scale_rule != c.scale_rule || f.seed != c.seed)
-    throw Error(FMKV_ERR_INVALID_ARGUMENT, "restore: the snapshot's config differs from the cache's (geometry or seed)");
+  if (fmkv_snapshot_check_config(snap.get(), &c) != FMKV_OK)  // every field, as a load's expect_config
+    throw Error(FMKV_ERR_INVALID_ARGUMENT, std::string("restore: ") + fmkv_last_error());
   if (info.num_layers != cache.num_layers())
     throw Error(FMKV_ERR_INVALID_ARGUMENT, "restore: the snapshot has " + std::to_string(info.num_layers) +
                                                " layers, the cache " + std::to_string(cache.num_layers()));

@@ -514,6 +514,14 @@ fmkv_status fmkv_load(const char* path, const fmkv_load_options* opts, fmkv_snap
 
 void fmkv_snapshot_free(fmkv_snapshot* s) { delete s; }
 
+fmkv_status fmkv_snapshot_check_config(const fmkv_snapshot* s, const fmkv_config* expect) {
+  return guarded_io([&] {
+    if (!s || !expect) fail(fmkv::kInvalidArgument, "fmkv_snapshot_check_config: NULL argument");
+    const std::string d = cfg_diff(s->cfg, *expect);
+    if (!d.empty()) fail(fmkv::kInvalidArgument, "snapshot: config mismatch: file has " + d);
+  });
+}
+
 fmkv_status fmkv_snapshot_get_info(const fmkv_snapshot* s, fmkv_snapshot_info* info) {
   return guarded_io([&] {
     if (!s || !info) fail(fmkv::kInvalidArgument, "fmkv_snapshot_get_info: NULL argument");
