@@ -105,16 +105,22 @@ inline void save(const std::string& path, HostCache& cache, const std::vector<in
 inline void save(const std::string& path, HostCache& cache, int32_t seq, int64_t num_tokens = -1, uint32_t flags = 0) {
   save(path, cache, std::vector<int32_t>{seq}, num_tokens, flags);
 }
-inline std::vector<uint8_t> save_memory(HostCache& cache, int32_t seq, int64_t num_tokens = -1, uint32_t flags = 0) {
+inline std::vector<uint8_t> save_memory(HostCache& cache, const std::vector<int32_t>& seqs, int64_t num_tokens = -1,
+                                        uint32_t flags = 0) {
   std::vector<fmkv_layer_cache> layers = detail::host_layers(cache);
-  std::vector<int64_t> lens;
-  fmkv_save_sequence ss = detail::host_sequence(cache, seq, num_tokens, lens);
+  std::vector<std::vector<int64_t>> lens(seqs.size());
+  std::vector<fmkv_save_sequence> ss;
+  for (size_t i = 0; i < seqs.size(); ++i) ss.push_back(detail::host_sequence(cache, seqs[i], num_tokens, lens[i]));
   void* data = nullptr;
   size_t size = 0;
-  check(fmkv_save_memory(&cache.config(), cache.num_layers(), layers.data(), 1, &ss, flags, &data, &size));
+  check(fmkv_save_memory(&cache.config(), cache.num_layers(), layers.data(), (int32_t)ss.size(), ss.data(), flags, &data,
+                         &size));
   std::vector<uint8_t> out(static_cast<uint8_t*>(data), static_cast<uint8_t*>(data) + size);
   fmkv_buffer_free(data);
   return out;
+}
+inline std::vector<uint8_t> save_memory(HostCache& cache, int32_t seq, int64_t num_tokens = -1, uint32_t flags = 0) {
+  return save_memory(cache, std::vector<int32_t>{seq}, num_tokens, flags);
 }
 
 // Restore sequence `file_seq` of a snapshot as a new sequence of `cache` (same config, seed and

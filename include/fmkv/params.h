@@ -36,7 +36,7 @@ typedef struct fmkv_config {
   uint64_t seed;         /* rotation seed (with the layer index) */
   int32_t format_version; /* 0 (= FMKV_FORMAT_VERSION, 2), 2 or 3 (3-bit codes in tile blocks; FORMAT.md) */
   int32_t scale_group;    /* rotated coordinates per fp16 scale: 0 (= FMKV_SCALE_GROUP, 32), 32 or 64 (FORMAT.md
-                             section 4; 64 at head_dim 64 is one scale per vector); 64: the ref and cpu backends */
+                             section 4; 64 at head_dim 64 is one scale per vector); every backend has both */
 } fmkv_config;
 
 /* One layer's storage. pages: num_pages * fmkv_page_bytes(); fp16_k / fp16_v: sink + window

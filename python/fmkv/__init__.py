@@ -41,6 +41,8 @@ __all__ = [
     "bytes_per_token_head",
     "quantize_vector",
     "dequantize_vector",
+    "Snapshot",
+    "SnapshotSequence",
 ]
 
 __version__: str = _fmkv.version()
@@ -199,6 +201,14 @@ class Config:
                 raise _args.error(f"{f} must be {what}, got {v!r}")
             object.__setattr__(self, f, int(v))
         _fmkv.config_validate(self._raw())
+
+    @classmethod
+    def _from_raw(cls, c: "_fmkv.RawConfig") -> "Config":
+        """The Config of a RawConfig (the inverse of _raw)."""
+        rule = {v: k for k, v in _SCALE_RULES.items()}[c.scale_rule]
+        return cls(head_dim=c.head_dim, num_kv_heads=c.num_kv_heads, k_bits=c.k_bits, v_bits=c.v_bits,
+                   page_size=c.page_size, sink_tokens=c.sink_tokens, window_tokens=c.window_tokens, scale_rule=rule,
+                   seed=c.seed, format_version=c.format_version, scale_group=c.scale_group)
 
     def _raw(self) -> "_fmkv.RawConfig":
         c = _fmkv.RawConfig()
@@ -399,3 +409,51 @@ class Cache:
         return self._impl.attention_lse(_layer(layer), _seq(seq), _as_array(q, np.float32),
                                         None if softmax_scale is None else _args.real("softmax_scale", softmax_scale, False),
                                         _args.real("softcap", softcap, False))
+
+    # ---- snapshots (fmkv.snapshot, docs/FILE-FORMAT.md) ------------------------------------------
+    def save(self, path: Any, seqs: Any, num_tokens: int = -1, allow_dequantized: bool = False) -> None:
+        """Save sequences ``seqs`` (an id or a list; file sequence i is seqs[i]) to the snapshot file ``path``,
+        written atomically (a temporary file renamed over it). ``num_tokens``: a prefix of that many tokens of each
+        (-1: every cached token). See :mod:`fmkv.snapshot` for ``allow_dequantized``."""
+        from .snapshot import seq_list, source_of
+
+        kind, p = source_of(path)
+        if kind != "path":
+            raise _args.type_error("path", "a path (str or os.PathLike)", path)
+        self._impl.save(p, seq_list(seqs), _args.integer("num_tokens", num_tokens, -1), bool(allow_dequantized))
+
+    def save_bytes(self, seqs: Any, num_tokens: int = -1, allow_dequantized: bool = False) -> bytes:
+        """:meth:`save` into bytes (the same file image)."""
+        from .snapshot import seq_list
+
+        return self._impl.save(None, seq_list(seqs), _args.integer("num_tokens", num_tokens, -1), bool(allow_dequantized))
+
+    def restore(self, source: Any, file_seq: int = 0) -> int:
+        """Copy sequence ``file_seq`` of a snapshot (a file path, mapped; or bytes) in as a new sequence; returns
+        its id. The snapshot's config (every field) and layer count must equal this cache's; it needs a free
+        sequence slot and the sequence's pages. On error nothing changes."""
+        from .snapshot import source_of
+
+        kind, src = source_of(source)
+        fs = _args.integer("file_seq", file_seq, 0, _args.INT32_MAX, "OUT_OF_RANGE")
+        return self._impl.restore_file(src, fs) if kind == "path" else self._impl.restore_bytes(src, fs)
+
+    @classmethod
+    def from_snapshot(cls, source: Any, backend: Optional[str] = None, extra_pages: int = 0,
+                      extra_seqs: int = 0) -> "Cache":
+        """A new cache with the snapshot's config and layer count holding every sequence of it (ids 0, 1, ...
+        in file order), with ``extra_pages`` free pages per layer and ``extra_seqs`` free sequence slots for what
+        comes next."""
+        from .snapshot import Snapshot, source_of
+
+        kind, src = source_of(source)
+        snap = Snapshot.load(src)
+        cache = cls(snap.config, snap.num_layers, sum(len(q.block_table) for q in snap.sequences) +
+                    _args.integer("extra_pages", extra_pages, 0, _args.INT32_MAX),
+                    snap.num_seqs + _args.integer("extra_seqs", extra_seqs, 0, _args.INT32_MAX), backend)
+        for i in range(snap.num_seqs):
+            cache.restore(src, i)
+        return cache
+
+
+from .snapshot import Snapshot, SnapshotSequence  # noqa: E402  (after Config and Cache, which it uses)

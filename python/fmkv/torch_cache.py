@@ -10,6 +10,7 @@ import contextlib
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -231,13 +232,16 @@ class TorchCache:
     def add_sequence(self) -> int:
         """Claim a free sequence slot (length 0 in every layer); returns its id."""
         with self._lock:
-            for s in range(len(self._tables)):
-                if self._lens[0][s] < 0 and s not in self._writing:
-                    self._lens_dev[:, s].zero_()
-                    for lens in self._lens:
-                        lens[s] = 0
-                    self._tables[s] = []
-                    return s
+            return self._claim_slot()
+
+    def _claim_slot(self) -> int:  # under the lock
+        for s in range(len(self._tables)):
+            if self._lens[0][s] < 0 and s not in self._writing:
+                self._lens_dev[:, s].zero_()
+                for lens in self._lens:
+                    lens[s] = 0
+                self._tables[s] = []
+                return s
         raise _args.error(f"TorchCache: all {len(self._tables)} sequence slots are in use", "OUT_OF_RANGE")
 
     def key_mu(self, layer: int, s: int) -> Optional[Tensor]:
@@ -407,6 +411,107 @@ class TorchCache:
         scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
         qmu = (q.float().reshape(n, H, -1, d) * mu.float().reshape(1, H, 1, d)).sum(-1).reshape(n, -1)
         return out, lse_t + scale * qmu
+
+    # ---- snapshots (fmkv.snapshot, docs/FILE-FORMAT.md) ------------------------------------------
+    def save(self, path: Any, seqs: Any, num_tokens: int = -1, allow_dequantized: bool = False) -> None:
+        """Save sequences ``seqs`` (an id or a list) to the snapshot file ``path`` (written atomically): the same
+        file :meth:`fmkv.Cache.save` writes for the same tokens. The sequences' pages and fp16 rows are copied to
+        host memory first (on CUDA after :meth:`check`: a pending device error is raised, not saved).
+        ``num_tokens``: a prefix (-1: every cached token)."""
+        from .snapshot import source_of
+
+        kind, p = source_of(path)
+        if kind != "path":
+            raise _args.type_error("path", "a path (str or os.PathLike)", path)
+        self._save(p, seqs, num_tokens, allow_dequantized)
+
+    def save_bytes(self, seqs: Any, num_tokens: int = -1, allow_dequantized: bool = False) -> bytes:
+        """:meth:`save` into bytes (the same file image)."""
+        return self._save(None, seqs, num_tokens, allow_dequantized)
+
+    def _save(self, path: Optional[str], seqs: Any, num_tokens: Any, allow_dequantized: bool) -> Optional[bytes]:
+        from .snapshot import save_arrays, seq_list
+
+        seqs = seq_list(seqs)
+        num_tokens = _args.integer("num_tokens", num_tokens, -1)
+        if self.key_offset:
+            raise _args.error("TorchCache.save: a key_offset cache's key means are not part of the snapshot format",
+                              "UNSUPPORTED")
+        if len(set(seqs)) != len(seqs):
+            raise _args.error(f"save: sequence ids {seqs} repeat")
+        if self.device.type == "cuda":
+            self.check()
+        with contextlib.ExitStack() as readers:  # no append may change them while their bytes are copied
+            for s in seqs:
+                readers.enter_context(self._reader(s))
+            with self._lock:
+                tables = [list(self._tables[s]) for s in seqs]
+                lens = [[self._lens[layer][s] for layer in range(self.num_layers)] for s in seqs]
+            flat = [p for t in tables for p in t]
+            index = torch.tensor(flat, dtype=torch.int64, device=self.device)
+            slots = torch.tensor(seqs, dtype=torch.int64, device=self.device)
+            fp16 = self.config.sink_tokens + self.config.window_tokens > 0
+            layers = []
+            for layer in range(self.num_layers):
+                pages = self.pages[layer].index_select(0, index).cpu().numpy()
+                fk = self.fp16_k[layer].index_select(0, slots).cpu().numpy() if fp16 else None
+                fv = self.fp16_v[layer].index_select(0, slots).cpu().numpy() if fp16 else None
+                layers.append((layer, pages, fk, fv))
+        records, start = [], 0
+        for i, (t, ln) in enumerate(zip(tables, lens)):
+            records.append((i, ln, num_tokens, list(range(start, start + len(t)))))
+            start += len(t)
+        return save_arrays(path, self.config, layers, records, allow_dequantized)
+
+    def restore(self, source: Any, file_seq: int = 0) -> int:
+        """Copy sequence ``file_seq`` of a snapshot (a file path, mapped; or bytes) in as a new sequence on this
+        cache's device; returns its id. The snapshot's config (every field) and layer count must equal this
+        cache's; it needs a free sequence slot and the sequence's pages. On error nothing changes."""
+        from .snapshot import Snapshot
+
+        if self.key_offset:
+            raise _args.error("TorchCache.restore: a key_offset cache's key means are not part of the snapshot format",
+                              "UNSUPPORTED")
+        snap = Snapshot.load(source, expect_config=self.config, expect_num_layers=self.num_layers)
+        fs = _args.integer("file_seq", file_seq, 0, _args.INT32_MAX, "OUT_OF_RANGE")
+        if fs >= snap.num_seqs:
+            raise _args.error(f"restore: file_seq {fs} outside the snapshot's {snap.num_seqs} sequences", "OUT_OF_RANGE")
+        q = snap.sequence(fs)
+        for layer in range(self.num_layers):
+            if snap.layer(layer)[0] != layer:
+                raise _args.error(f"restore: snapshot layer {layer} was saved as rotation layer {snap.layer(layer)[0]}")
+        with self._lock:  # the slot and the pages, claimed together (a new sequence nobody else writes)
+            if len(q.block_table) > len(self._free):
+                raise _args.error(f"TorchCache: out of pages ({len(self._free)} free, the snapshot's sequence needs "
+                                  f"{len(q.block_table)})", "OUT_OF_RANGE")
+            s = self._claim_slot()
+            self._writing.add(s)
+            new = [self._free.pop() for _ in q.block_table]
+            self._tables[s] = list(new)
+        try:
+            src_index = np.asarray(q.block_table, dtype=np.int64)
+            dst_index = torch.tensor(new, dtype=torch.int64, device=self.device)
+            for layer in range(self.num_layers):
+                _, pages, fk, fv = snap.layer(layer)
+                if len(new):
+                    self.pages[layer].index_copy_(0, dst_index, torch.from_numpy(pages[src_index]).to(self.device))
+                if fk is not None:
+                    self.fp16_k[layer][s].copy_(torch.from_numpy(fk[q.slot].copy()))
+                    self.fp16_v[layer][s].copy_(torch.from_numpy(fv[q.slot].copy()))
+            self._store_table(s, 0, new)
+            self._lens_dev[:, s].fill_(q.num_tokens)
+        except BaseException:
+            with self._lock:
+                self._release(s)
+                for lens in self._lens:
+                    lens[s] = -1
+                self._writing.discard(s)
+            raise
+        with self._lock:
+            for lens in self._lens:
+                lens[s] = q.num_tokens
+            self._writing.discard(s)
+        return s
 
     def check(self) -> None:
         """Wait for the device and raise the first error fmkv's kernels recorded there since the last

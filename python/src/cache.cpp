@@ -10,6 +10,7 @@
 
 #include "bindings.h"
 #include "convert.h"
+#include "fmkv/io.hpp"
 
 namespace fmkv_py {
 namespace {
@@ -121,6 +122,47 @@ class Cache {
     return nb::make_tuple(numpy_array(std::move(out), {rows, heads, dim}), numpy_array(std::move(lse), {rows, heads}));
   }
 
+  // Snapshots (include/fmkv/io.hpp): sequences `seqs` (their first num_tokens tokens, -1 = all) to `path`
+  // (atomically), or to bytes when path is None.
+  nb::object save(nb::object path, const std::vector<int64_t>& seqs, int64_t num_tokens, bool allow_dequantized) {
+    if (seqs.empty()) fail("save: no sequence given");
+    if (num_tokens < -1) fail("save: num_tokens must be >= 0, or -1 for every cached token");
+    std::vector<int32_t> s32;
+    for (int64_t s : seqs) s32.push_back(seq(s));
+    const uint32_t flags = allow_dequantized ? FMKV_SAVE_ALLOW_DEQUANTIZED : 0u;
+    const bool to_file = !path.is_none();
+    const std::string p = to_file ? nb::cast<std::string>(path) : std::string();
+    std::vector<uint8_t> bytes;
+    {
+      nb::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> g(mu_);
+      if (to_file) fmkv::save(p, cache_, s32, num_tokens, flags);
+      else bytes = fmkv::save_memory(cache_, s32, num_tokens, flags);
+    }
+    if (to_file) return nb::none();
+    return nb::bytes((const char*)bytes.data(), bytes.size());
+  }
+
+  // Sequence file_seq of a snapshot file (mapped, checked against this cache's config and layer count) or of
+  // snapshot bytes, copied in as a new sequence; its id. Nothing changes on error.
+  int32_t restore_file(const std::string& path, int64_t file_seq) {
+    const int32_t fs = narrow_i32("file_seq", file_seq);
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> g(mu_);
+    return fmkv::restore(cache_, path, fs);
+  }
+  int32_t restore_bytes(nb::bytes data, int64_t file_seq) {
+    const int32_t fs = narrow_i32("file_seq", file_seq);
+    fmkv_load_options o;
+    fmkv_load_options_default(&o);
+    o.expect_config = &cache_.config();
+    o.expect_num_layers = cache_.num_layers();
+    const fmkv::Snapshot snap = fmkv::Snapshot::load_memory(data.c_str(), data.size(), &o);
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> g(mu_);
+    return fmkv::restore(cache_, snap, fs);
+  }
+
  private:
   HostTensor query_tensor(const AnyArray& q) const {
     const fmkv_config& c = cache_.config();
@@ -185,7 +227,10 @@ void bind_cache(nb::module_& m) {
       .def("attention", &Cache::attention, "layer"_a, "seq"_a, "q"_a, "softmax_scale"_a = nb::none(),
            "softcap"_a = 0.0, "out_dtype"_a = "float32")
       .def("attention_lse", &Cache::attention_lse, "layer"_a, "seq"_a, "q"_a, "softmax_scale"_a = nb::none(),
-           "softcap"_a = 0.0);
+           "softcap"_a = 0.0)
+      .def("save", &Cache::save, "path"_a.none(), "seqs"_a, "num_tokens"_a, "allow_dequantized"_a)
+      .def("restore_file", &Cache::restore_file, "path"_a, "file_seq"_a)
+      .def("restore_bytes", &Cache::restore_bytes, "data"_a, "file_seq"_a);
 }
 
 }  // namespace fmkv_py

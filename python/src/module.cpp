@@ -16,7 +16,8 @@
 // Files: module.cpp (this: the module and its version / backend queries), errors.cpp (FmkvError),
 // convert.{h,cpp} (argument conversion: dtypes, shapes, fp16 rounding, host views), device.{h,cpp}
 // (device and placement checks of the raw ops), format.cpp (config sizes, codebooks, quantize_vector),
-// raw_ops.cpp (append_raw / attention_raw / append_attention_raw, synchronize), cache.cpp (Cache).
+// raw_ops.cpp (append_raw / attention_raw / append_attention_raw, synchronize), cache.cpp (Cache), snapshot.cpp
+// (RawSnapshot: loaded snapshots as numpy views; saving host arrays).
 #include <nanobind/stl/string.h>
 
 #include <string>
@@ -46,4 +47,5 @@ NB_MODULE(_fmkv, m) {
   fmkv_py::bind_format(m);
   fmkv_py::bind_raw_ops(m);
   fmkv_py::bind_cache(m);
+  fmkv_py::bind_snapshot(m);
 }

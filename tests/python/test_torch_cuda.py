@@ -565,3 +565,30 @@ def test_fmkvcache_fp16_model_on_cuda():
     cache.check()
     assert out.logits.dtype == torch.float16 and torch.isfinite(out.logits).all()
     assert cache.fmkv_layers[0].lens.tolist() == [31, 31]
+
+
+@pytest.mark.parametrize("fv", [2, 3])
+def test_snapshot_of_a_cuda_cache(tmp_path, tgen, fv):
+    """A CUDA TorchCache saves the bytes a CPU TorchCache saves for the same tokens (bit-exact pages), restores a
+    file on the GPU, and the restored sequence attends within the CUDA bound of the CPU's."""
+    config = fmkv.Config(head_dim=128, num_kv_heads=2, k_bits=3, v_bits=3, page_size=16, sink_tokens=4,
+                         window_tokens=16, format_version=fv)
+    gpu = torch_ops.TorchCache(config, 2, 40, 2, device="cuda")
+    host = torch_ops.TorchCache(config, 2, 40, 2)
+    sg, sh = gpu.add_sequence(), host.add_sequence()
+    for layer in range(2):
+        k = torch.randn(150, 2, 128, generator=tgen) * 2
+        v = torch.randn(150, 2, 128, generator=tgen)
+        gpu.append(layer, sg, k.to(DEV), v.to(DEV))
+        host.append(layer, sh, k, v)
+    path = tmp_path / "gpu.fmkv"
+    gpu.save(path, sg)
+    assert path.read_bytes() == host.save_bytes(sh)
+    s2 = gpu.restore(path)
+    q = torch.randn(1, 8, 128, generator=tgen)
+    for layer in range(2):
+        a = gpu.attention(layer, s2, q.to(DEV)).cpu()
+        b = host.attention(layer, sh, q)
+        assert torch.equal(a, gpu.attention(layer, sg, q.to(DEV)).cpu())
+        assert float((a - b).norm() / b.norm()) < TOL
+    gpu.check()
