@@ -1,5 +1,6 @@
 // The fmkv command on bad command lines: a table of arguments with the exit status and the message
-// each must give (status 2, the usage line on stderr, nothing on stdout), and a few good ones.
+// each must give (status 2, the usage line on stderr, nothing on stdout), a few good ones, and `inspect` on a
+// snapshot file the test writes (then corrupts).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,7 +12,10 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <random>
 #include <vector>
+
+#include "fmkv/io.hpp"
 
 namespace {
 
@@ -139,6 +143,9 @@ const std::vector<Bad>& bad_table() {
       {{"spec", "--head-dims"}, R"(option --head-dims needs a value)"},
       {capacity({"--memory", "1GB", "--memory=2GB"}), R"(option --memory given twice)"},
       {{"frobnicate"}, R"(unknown command 'frobnicate')"},
+      {{"inspect"}, R"(inspect needs a snapshot FILE)"},
+      {{"inspect", "--x"}, R"(inspect needs a snapshot FILE)"},
+      {{"inspect", "a.fmkv", "--x", "1"}, R"(unknown option --x for 'inspect' \(it takes no options\))"},
   };
   return t;
 }
@@ -185,6 +192,47 @@ TEST(Cli, UsageAndGoodCommands) {
   r = run({"demo", "--context", "64", "--formats", "k3v3,k16v2", "--backend", "ref"});
   EXPECT_EQ(r.status, 0) << r.err;
   EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(\nk16v2 +)"))) << r.out;
+}
+
+TEST(Cli, InspectSnapshot) {
+  char dir[] = "/tmp/fmkv-cli-snap.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/p.fmkv";
+  fmkv_config c;
+  fmkv_config_default(&c);
+  c.head_dim = 64;
+  c.num_kv_heads = 2;
+  c.page_size = 16;
+  c.window_tokens = 16;
+  fmkv::HostCache hc(c, 2, 16, 2);
+  const int32_t s = hc.add_sequence();
+  std::mt19937 g(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(70 * 2 * 64), v(k.size());
+  for (int32_t layer = 0; layer < 2; ++layer) {
+    for (size_t i = 0; i < k.size(); ++i) k[i] = nd(g), v[i] = nd(g);
+    hc.append(FMKV_BACKEND_REF, layer, s, fmkv::make_tensor(k.data(), FMKV_F32, 70, 2, 64),
+              fmkv::make_tensor(v.data(), FMKV_F32, 70, 2, 64));
+  }
+  fmkv::save(path, hc, s);
+  Result r = run({"inspect", path});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("checksums and geometry valid"), std::string::npos) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(head_dim 64, kv heads 2, k3v3, page 16 tokens)"))) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(layers: 2, 4 pages each)"))) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(\n0 +70 +4 +0\n)"))) << r.out;  // 54 compressed tokens: 4 pages
+  std::string bytes = slurp(path);
+  bytes[bytes.size() / 2] ^= 0x20;
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  r = run({"inspect", path});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.out, "");
+  EXPECT_NE(r.err.find("checksum"), std::string::npos) << r.err;
+  r = run({"inspect", std::string(dir) + "/missing.fmkv"});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("missing.fmkv"), std::string::npos) << r.err;
+  std::remove(path.c_str());
+  rmdir(dir);
 }
 
 }  // namespace
