@@ -9,7 +9,10 @@ with the fields of BENCHMARKS.md ("baseline" = the faster torch dtype; the fp32 
 Usage: python3 bench/cpu_bench.py [--bin build-cpu/bench/cpu_bench] [--contexts 4096,32768,131072]
        [--format-versions 2,3] [--scale-groups 32,64] [--isas best,avx512,avx2] [--out docs/results] [--quick]
 Each (ISA, format version) pair is one run of the binary (FMKV_CPU_ISA selects the kernel set; "best" is
-the library's own choice); rows carry `format_version` and `isa`. torch SDPA is timed once per shape.
+the library's own choice); rows carry `format_version` and `isa`. torch SDPA is timed once per shape and round.
+--rounds N repeats the whole measurement N times, fmkv and SDPA in turn (a shared machine drifts between the two):
+each row then carries the medians of the rounds' times and the median of the per-round ratios (`speedup`), with
+`speedup_min` / `speedup_max` and `rounds`.
 Threads: both sides use all cores (FMKV_NUM_THREADS / torch.set_num_threads override).
 """
 import argparse
@@ -89,7 +92,10 @@ def main():
     ap.add_argument("--scale-groups", default="32", help="the caches' scale groups (32, 64), one binary run each")
     ap.add_argument("--replot", nargs=2, metavar=("JSONL", "PNG"), help="only redraw PNG from a cpu_decode.jsonl")
     ap.add_argument("--isas", default="best", help="CPU kernel sets (FMKV_CPU_ISA): best, avx512vnni, avx512, avx2, scalar, neon")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat fmkv and SDPA in turn; medians of the rounds")
     a = ap.parse_args()
+    if not 1 <= a.rounds <= 100:
+        sys.exit("--rounds must be in [1, 100]")
     if a.replot:
         with open(a.replot[0]) as f:
             plot([json.loads(l) for l in f if l.strip()], a.replot[1])
@@ -102,56 +108,80 @@ def main():
     for isa in isas:
         if isa not in ("best", "avx512vnni", "avx512", "avx2", "scalar", "neon"):
             sys.exit("--isas: unknown kernel set %r (best, avx512vnni, avx512, avx2, scalar, neon)" % isa)
-    decode, quant, infos, seen = [], [], [], set()
-    for isa in isas:
-        for fv, sg in itertools.product(versions, sgs):
-            cmd = ([binp, "--contexts", a.contexts, "--format-version", str(fv), "--scale-group", str(sg)]
-                   + (["--reps", "3"] if a.quick else []))
-            env = dict(os.environ)
-            env.pop("FMKV_CPU_ISA", None)
-            if isa != "best":
-                env["FMKV_CPU_ISA"] = isa
-            print("running", ("FMKV_CPU_ISA=%s " % isa if isa != "best" else "") + " ".join(cmd), flush=True)
-            lines = [json.loads(l) for l in subprocess.check_output(cmd, text=True, env=env).splitlines()
-                     if l.startswith("{")]
-            info = next(l for l in lines if l["op"] == "info")
-            got = info["device"].split("(")[-1].split(",")[0]  # "AMD EPYC (avx2, 2 threads)" -> avx2
-            if isa != "best" and got != isa:
-                print("  (%s is not available here: the library ran %s; skipped)" % (isa, got))
-                continue
-            if (got, fv, sg) in seen:
-                print("  (%s, format %d, scale group %d already measured; skipped)" % (got, fv, sg))
-                continue
-            seen.add((got, fv, sg))
-            info_end = next((l for l in lines if l["op"] == "info_end"), {})
-            info["loadavg_start_end"] = [info.get("loadavg"), info_end.get("loadavg")]
-            infos.append(info)
-            for l in lines:
-                l["isa"], l["device"] = got, info["device"]
-                l["loadavg_start_end"] = info["loadavg_start_end"]
-            decode += [l for l in lines if l["op"] == "decode_attention"]
-            quant += [l for l in lines if l["op"].startswith("quantize_append")]
-    if not infos:
-        sys.exit("no requested kernel set ran")
+
+    def one_round():
+        decode, quant, infos, seen = [], [], [], set()
+        for isa in isas:
+            for fv, sg in itertools.product(versions, sgs):
+                cmd = ([binp, "--contexts", a.contexts, "--format-version", str(fv), "--scale-group", str(sg)]
+                       + (["--reps", "3"] if a.quick else []))
+                env = dict(os.environ)
+                env.pop("FMKV_CPU_ISA", None)
+                if isa != "best":
+                    env["FMKV_CPU_ISA"] = isa
+                print("running", ("FMKV_CPU_ISA=%s " % isa if isa != "best" else "") + " ".join(cmd), flush=True)
+                lines = [json.loads(l) for l in subprocess.check_output(cmd, text=True, env=env).splitlines()
+                         if l.startswith("{")]
+                info = next(l for l in lines if l["op"] == "info")
+                got = info["device"].split("(")[-1].split(",")[0]  # "AMD EPYC (avx2, 2 threads)" -> avx2
+                if isa != "best" and got != isa:
+                    print("  (%s is not available here: the library ran %s; skipped)" % (isa, got))
+                    continue
+                if (got, fv, sg) in seen:
+                    print("  (%s, format %d, scale group %d already measured; skipped)" % (got, fv, sg))
+                    continue
+                seen.add((got, fv, sg))
+                info_end = next((l for l in lines if l["op"] == "info_end"), {})
+                info["loadavg_start_end"] = [info.get("loadavg"), info_end.get("loadavg")]
+                infos.append(info)
+                for l in lines:
+                    l["isa"], l["device"] = got, info["device"]
+                    l["loadavg_start_end"] = info["loadavg_start_end"]
+                decode += [l for l in lines if l["op"] == "decode_attention"]
+                quant += [l for l in lines if l["op"].startswith("quantize_append")]
+        if not infos:
+            sys.exit("no requested kernel set ran")
+        shapes = sorted({(l["q_heads"], l["kv_heads"], l["head_dim"], l["context"]) for l in decode})
+        tt, tver = torch_times(shapes, threads, a.quick)
+        return decode, quant, infos, tt, tver
+
+    rounds = [one_round() for _ in range(a.rounds)]
+    decode, quant, infos, tt, tver = rounds[0]
     info = infos[0]
-    load = [i["loadavg_start_end"] for i in infos]
+    load = [i["loadavg_start_end"] for r in rounds for i in r[2]]
     device, rev = info["device"].split(" (")[0], commit()
 
-    shapes = sorted({(l["q_heads"], l["kv_heads"], l["head_dim"], l["context"]) for l in decode})
-    tt, tver = torch_times(shapes, threads, a.quick)
+    def key(l):
+        return (l["isa"], l["format_version"], l.get("scale_group", 32), l["q_heads"], l["kv_heads"], l["head_dim"],
+                l["context"], l["k_bits"], l["v_bits"])
 
+    med = statistics.median
     rows_d, rows_q = [], []
     for l in decode:
-        t = tt[(l["q_heads"], l["kv_heads"], l["head_dim"], l["context"])]
-        best = "bf16" if t["bf16"][0] < t["fp32"][0] else "fp32"
+        shape = (l["q_heads"], l["kv_heads"], l["head_dim"], l["context"])
+        per = []  # this case in every round: (fmkv time, its round's SDPA times)
+        for dec, _, _, tt_r, _ in rounds:
+            same = [x for x in dec if key(x) == key(l)]
+            if same:
+                per.append((same[0], tt_r[shape]))
+        fm = med([x["time_us"] for x, _ in per])
+        t32, t16 = med([t["fp32"][0] for _, t in per]), med([t["bf16"][0] for _, t in per])
+        best = "bf16" if t16 < t32 else "fp32"
+        ratios = [min(t["fp32"][0], t["bf16"][0]) / x["time_us"] for x, t in per]
+        t = tt[shape]
         r = {k: l.get(k) for k in FIELDS}
+        r.update(time_us=round(fm, 1), gbps=round(med([x["gbps"] for x, _ in per]), 3),
+                 pct_copy_bw=round(med([x["pct_copy_bw"] for x, _ in per]), 2),
+                 copy_gbps=round(med([x["copy_gbps"] for x, _ in per]), 2))
         r.update(suite="cpu_decode", backend="cpu", device=l["device"], commit=rev, format_version=l["format_version"], scale_group=l.get("scale_group", 32),
                  isa=l["isa"],
-                 baseline="torch_sdpa_%s_%s" % (best, t[best][1]), baseline_time_us=round(t[best][0], 1),
-                 speedup=round(t[best][0] / l["time_us"], 3))
-        r.update(threads=l["threads"], torch_version=tver, torch_fp32_time_us=round(t["fp32"][0], 1),
-                 torch_bf16_time_us=round(t["bf16"][0], 1), speedup_vs_fp32=round(t["fp32"][0] / l["time_us"], 3),
+                 baseline="torch_sdpa_%s_%s" % (best, t[best][1]), baseline_time_us=round(min(t32, t16), 1),
+                 speedup=round(med(ratios), 3))
+        r.update(threads=l["threads"], torch_version=tver, torch_fp32_time_us=round(t32, 1),
+                 torch_bf16_time_us=round(t16, 1), speedup_vs_fp32=round(med([t["fp32"][0] / x["time_us"] for x, t in per]), 3),
                  cpu_us=l.get("cpu_us"), loadavg_start_end=l["loadavg_start_end"])
+        if a.rounds > 1:
+            r.update(rounds=len(per), speedup_min=round(min(ratios), 3), speedup_max=round(max(ratios), 3))
         rows_d.append(r)
     for l in quant:
         r = {k: l.get(k) for k in FIELDS}
@@ -172,13 +202,15 @@ def main():
 
     print("\ndevice: %s   copy bandwidth (read+write, per run): %s GB/s   torch %s, %d threads   load avg %s" %
           (device, ", ".join("%.2f" % i["copy_gbps"] for i in infos), tver, threads, load))
-    print("%-12s %-6s %-3s %-3s %-5s %7s %10s %8s %7s %10s %10s %8s %8s" %
-          ("shape", "isa", "fv", "sg", "fmt", "ctx", "fmkv_us", "GB/s", "%copy", "sdpa32_us", "sdpa16_us", "x_fp32", "x_best"))
+    print("%-12s %-6s %-3s %-3s %-5s %7s %10s %8s %7s %10s %10s %8s %8s%s" %
+          ("shape", "isa", "fv", "sg", "fmt", "ctx", "fmkv_us", "GB/s", "%copy", "sdpa32_us", "sdpa16_us", "x_fp32", "x_best",
+           "  x_best range (%d rounds)" % a.rounds if a.rounds > 1 else ""))
     for r in rows_d:
-        print("%-12s %-6s %-3d %-3d %-5s %7d %10.1f %8.2f %7.1f %10.1f %10.1f %8.2f %8.2f" %
+        print("%-12s %-6s %-3d %-3d %-5s %7d %10.1f %8.2f %7.1f %10.1f %10.1f %8.2f %8.2f%s" %
               ("%dq/%dkv d%d" % (r["q_heads"], r["kv_heads"], r["head_dim"]), r["isa"], r["format_version"], r["scale_group"],
                "k%dv%d" % (r["k_bits"], r["v_bits"]), r["context"], r["time_us"], r["gbps"], r["pct_copy_bw"],
-               r["torch_fp32_time_us"], r["torch_bf16_time_us"], r["speedup_vs_fp32"], r["speedup"]))
+               r["torch_fp32_time_us"], r["torch_bf16_time_us"], r["speedup_vs_fp32"], r["speedup"],
+               "  %.2f-%.2f" % (r["speedup_min"], r["speedup_max"]) if "speedup_min" in r else ""))
     print("\n%-20s %-6s %-3s %-3s %-5s %10s %8s %10s" % ("quantize (4096 tok)", "isa", "fv", "sg", "fmt", "time_us", "GB/s",
                                                         "GB/s/core"))
     for r in rows_q:
