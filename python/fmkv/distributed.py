@@ -21,7 +21,9 @@ K/V/Q as numpy arrays, results as numpy arrays). With ``device`` (a torch device
 ``"cpu"``) it is a :class:`fmkv.TorchCache` on that device (K/V/Q as torch tensors on it, results as float32
 tensors on it; ``TorchCache.attention_lse`` gives the partials on any backend that has ``fmkv_attention_lse``:
 ref, cpu, cuda), and the partials are merged on that device. The collectives run on CPU tensors with gloo and
-on CUDA tensors of the current device with NCCL (a host shard's partials are copied there and back).
+on CUDA tensors with NCCL: the shard's GPU, or the current device for host and CPU shards (whose partials are
+copied there and back). With CUDA shards a device-detected error surfaces at :meth:`ContextParallelCache.check`
+(on every rank), as for fmkv.TorchCache.
 """
 from __future__ import annotations
 
