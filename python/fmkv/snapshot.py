@@ -140,4 +140,6 @@ def save_arrays(path: Optional[str], config: Any, layers: Sequence[tuple], seqs:
     """Save host arrays (what a device cache stages its pages in): layers [(rotation layer, pages uint8 [n,
     page_bytes], fp16_k, fp16_v float16 [slots, heads, sink + window, head_dim] or None)], seqs [(slot, per-layer
     lengths, num_tokens (-1: all), block table)]; to ``path`` (atomically) or to bytes when path is None."""
-    return _fmkv.snapshot_save_arrays(path, config._raw(), list(layers), list(seqs), bool(allow_dequantized))
+    dense = [(rl, np.ascontiguousarray(p), None if fk is None else np.ascontiguousarray(fk),
+              None if fv is None else np.ascontiguousarray(fv)) for rl, p, fk, fv in layers]
+    return _fmkv.snapshot_save_arrays(path, config._raw(), dense, list(seqs), bool(allow_dequantized))

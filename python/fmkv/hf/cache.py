@@ -212,7 +212,7 @@ class FmkvLayer(FixedLayerOps, CacheLayerMixin):
         if self.key_offset:  # the first chunk fixes the offset; it is kept only once that chunk is stored
             if self.key_mu is None:
                 new_mu = first_tokens_mean(key_states).to(key_states.dtype)
-            keys = key_states - (new_mu if new_mu is not None else self.key_mu.to(key_states.dtype))
+            keys = key_states - (new_mu if new_mu is not None else self.key_mu.to(key_states.device, key_states.dtype))
         k_rows, v_rows = self._rows(keys), self._rows(value_states)
         if self.fused and self.length > 0 and n <= torch_ops.FUSED_MAX_ROWS:
             self._pending = (k_rows, v_rows, n)  # appended by attention() in the same call (fused step)
@@ -407,6 +407,9 @@ class FmkvCache(Cache):
                                                                                    q_heads // kv_heads))
         super().__init__(layers=layers)
         self._max_cache_len = int(max_cache_len)
+        self.layer_widths = [tuple(w) for w in widths]  # (k_bits, v_bits) of each layer (the widest group's)
+        head_dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // q_heads)
+        self.geometry = dict(num_layers=n, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)  # what save records
         self.options = dict(k_bits=k_bits, v_bits=v_bits, page_size=page_size, sink_tokens=sink_tokens,
                             window_tokens=window_tokens, boundary_layers=boundary_layers,
                             scale_rule=scale_rule, seed=seed, prefill=prefill, backend=backend,
@@ -415,6 +418,21 @@ class FmkvCache(Cache):
                             head_bits=heads, key_offset=bool(key_offset), scale_group=scale_group)
         if set_attention:
             use_fmkv_attention(config)
+
+    def save(self, path: Any) -> None:
+        """Write this cache (options, tokens of every fmkv layer) to the directory ``path`` (fmkv.hf.persist):
+        snapshot files of docs/FILE-FORMAT.md, one per fmkv layer, and a manifest; replaced whole if it exists."""
+        from .persist import save_cache
+
+        save_cache(self, path)
+
+    @classmethod
+    def load(cls, path: Any, config: Any, device: Any = None, set_attention: bool = True) -> "FmkvCache":
+        """A cache for the model ``config`` holding what :meth:`save` wrote to ``path``, with the saved options
+        (``device=`` overrides where the storage goes; default: where it was, CUDA on the current device)."""
+        from .persist import load_cache
+
+        return load_cache(cls, path, config, device, set_attention)
 
     @property
     def max_cache_len(self) -> int:

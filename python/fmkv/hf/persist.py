@@ -1,0 +1,194 @@
+"""Saving an :class:`FmkvCache` to a directory and loading it back (prompt caching across processes).
+
+    cache.save("prompt_cache")                                  # after a prefill (or any step)
+    cache = fmkv.hf.FmkvCache.load("prompt_cache", model.config)  # the same options, the same tokens
+    out = model.generate(more_ids, **fmkv.hf.cache_kwargs(cache), max_new_tokens=32)
+
+The directory holds ``fmkv_cache.json`` (the cache's options, the model geometry, each fmkv layer's length, batch,
+dtype and storage device) and one snapshot file per fmkv layer, width groups included (``layer_NNN.fmkv``, the
+format of docs/FILE-FORMAT.md: each batch row is a sequence; a layer's config, its seed included, is checked when it
+is loaded), plus ``layer_NNN.key_mu.pt`` for ``key_offset`` caches (the keys' means, which the snapshot format does
+not hold). It is written into a temporary directory renamed over the target when complete. Loading builds a new
+cache with the saved options (``device=`` overrides where the storage goes) and restores every layer before it
+returns; a directory of another model geometry, or a damaged file, raises ``fmkv.FmkvError`` naming it.
+
+Not saved: transformers' fp16 sliding-window layers (a model with ``sliding_attention`` layers holding tokens is
+refused by ``save``), and a fused step's kept K/V (``save`` appends it first).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+import fmkv
+from fmkv.snapshot import Snapshot, save_arrays
+
+MANIFEST = "fmkv_cache.json"
+KIND = "fmkv.hf.FmkvCache"
+VERSION = 1
+
+
+def _layer_file(k: int) -> str:
+    return f"layer_{k:03d}.fmkv"
+
+
+def save_cache(cache: Any, path: Any) -> None:
+    """Write ``cache`` (an FmkvCache) to the directory ``path`` (created; an existing one is replaced whole)."""
+    from .cache import FmkvHeadGroupLayer, FmkvLayer
+
+    path = os.fspath(path)
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, (FmkvLayer, FmkvHeadGroupLayer)) and getattr(layer, "is_initialized", False):
+            raise fmkv.FmkvError(f"FmkvCache.save: layer {i} is an fp16 {type(layer).__name__} holding tokens; "
+                                 f"saving it is not supported")
+    cache.check()  # appends a kept fused-step chunk; on CUDA raises a pending device error instead of saving it
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise fmkv.FmkvError(f"FmkvCache.save: the directory {parent!r} does not exist")
+    tmp = tempfile.mkdtemp(prefix=".fmkv_cache.", dir=parent)
+    try:
+        entries = []
+        for k, layer in enumerate(cache.fmkv_layers):
+            e: Dict[str, Any] = dict(layer_idx=layer.layer_idx, k_bits=layer.k_bits, v_bits=layer.v_bits,
+                                     initialized=layer.pages is not None)
+            if layer.pages is not None:
+                e.update(file=_layer_file(k), length=int(layer.length), batch=int(layer.batch),
+                         dtype=str(layer.dtype).replace("torch.", ""), storage=layer.storage_device.type,
+                         kv_heads=layer.config.num_kv_heads, head_dim=layer.config.head_dim)
+                _save_layer(layer, os.path.join(tmp, e["file"]))
+                if layer.key_mu is not None:
+                    e["key_mu"] = f"layer_{k:03d}.key_mu.pt"
+                    torch.save(layer.key_mu.detach().cpu(), os.path.join(tmp, e["key_mu"]))
+            entries.append(e)
+        manifest = dict(kind=KIND, version=VERSION, fmkv_version=fmkv.__version__, max_cache_len=cache.max_cache_len,
+                        num_layers=len(cache.layers), model=cache.geometry, options=saved_options(cache),
+                        fmkv_layers=entries)
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        if os.path.lexists(path):
+            if not os.path.isdir(path) or not os.path.exists(os.path.join(path, MANIFEST)):
+                raise fmkv.FmkvError(f"FmkvCache.save: {path!r} exists and is not a saved FmkvCache (not replaced)")
+            old = path + ".old." + os.path.basename(tmp)
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def saved_options(cache: Any) -> Dict[str, Any]:
+    """The constructor options that rebuild ``cache``: its widths as ``layer_bits`` (one pair per layer) unless it has
+    ``head_bits``, so that the boundary-layer options need not be repeated."""
+    opts = dict(cache.options)
+    if opts.get("head_bits") is None:
+        opts.update(layer_bits=[list(w) for w in cache.layer_widths], boundary_layers=0)
+    return opts
+
+
+def _save_layer(layer: Any, file: str) -> None:
+    """One FmkvLayer's batch rows as the sequences of one snapshot (its pages gathered into host memory)."""
+    c = layer.config
+    comp = max(0, layer.length - c.sink_tokens - c.window_tokens)
+    n = -(-comp // c.page_size)  # pages each row holds
+    pages = layer.pages.view(layer.batch, layer.pages_per_seq, -1)[:, :n].reshape(layer.batch * n, -1)
+    fp16 = c.sink_tokens + c.window_tokens > 0
+    arrays = [(0, pages.cpu().numpy(), layer.fp16_k.cpu().numpy() if fp16 else None,
+               layer.fp16_v.cpu().numpy() if fp16 else None)]
+    seqs = [(r, [int(layer.length)], -1, list(range(r * n, (r + 1) * n))) for r in range(layer.batch)]
+    save_arrays(file, c, arrays, seqs, False)
+
+
+def load_cache(cls: Any, path: Any, config: Any, device: Any = None, set_attention: bool = True) -> Any:
+    """A new ``cls`` (FmkvCache) for the model ``config`` with the options and tokens saved in ``path``."""
+    path = os.fspath(path)
+    mf = os.path.join(path, MANIFEST)
+    try:
+        with open(mf) as f:
+            m = json.load(f)
+    except FileNotFoundError:
+        raise fmkv.FmkvError(f"FmkvCache.load: {mf!r} not found (not a directory written by FmkvCache.save)") from None
+    except (OSError, ValueError) as e:
+        raise fmkv.FmkvError(f"FmkvCache.load: {mf!r} cannot be read ({e})") from None
+    if not isinstance(m, dict) or m.get("kind") != KIND or m.get("version") != VERSION:
+        raise fmkv.FmkvError(f"FmkvCache.load: {mf!r} is not a version-{VERSION} {KIND} manifest")
+    opts = dict(m["options"])
+    if device is not None:
+        opts["device"] = str(device)
+    from .compat import layer_types, text_config
+
+    n = len(layer_types(text_config(config)))
+    if n != m["num_layers"]:
+        raise fmkv.FmkvError(f"FmkvCache.load: the model has {n} layers, the saved cache {m['num_layers']}")
+    try:
+        cache = cls(config, max_cache_len=m["max_cache_len"], set_attention=set_attention, **opts)
+    except ValueError as e:  # FmkvError included
+        raise fmkv.FmkvError(f"FmkvCache.load: the saved options do not fit this model ({e})") from None
+    for key, want in m["model"].items():
+        if cache.geometry.get(key) != want:
+            raise fmkv.FmkvError(f"FmkvCache.load: the model has {key} = {cache.geometry.get(key)}, the saved cache "
+                                 f"{want}")
+    if len(cache.layers) != m["num_layers"] or len(cache.fmkv_layers) != len(m["fmkv_layers"]):
+        raise fmkv.FmkvError(f"FmkvCache.load: the model has {len(cache.layers)} layers ({len(cache.fmkv_layers)} fmkv "
+                             f"layers), the saved cache {m['num_layers']} ({len(m['fmkv_layers'])})")
+    for layer, e in zip(cache.fmkv_layers, m["fmkv_layers"]):
+        if (layer.layer_idx, layer.k_bits, layer.v_bits) != (e["layer_idx"], e["k_bits"], e["v_bits"]):
+            raise fmkv.FmkvError(f"FmkvCache.load: fmkv layer {layer.layer_idx} k{layer.k_bits}v{layer.v_bits} does not "
+                                 f"match the saved layer {e['layer_idx']} k{e['k_bits']}v{e['v_bits']}")
+        if e["initialized"]:
+            _load_layer(layer, path, e, device)
+    for layer in cache.layers:  # width-group layers are initialised once their groups are
+        parts = getattr(layer, "layers", None)
+        if parts and all(p.pages is not None for p in parts):
+            layer.is_initialized = True
+    return cache
+
+
+def _load_layer(layer: Any, path: str, e: Dict[str, Any], device: Any) -> None:
+    dtype = getattr(torch, e["dtype"])
+    if device is not None:
+        dev = torch.device(device)
+    elif e["storage"] == "cuda":
+        if not torch.cuda.is_available():
+            raise fmkv.FmkvError("FmkvCache.load: the cache was saved from CUDA storage and torch sees no CUDA device "
+                                 "(pass device='cpu' to load it into host memory)")
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    b, h, d = e["batch"], e["kv_heads"], e["head_dim"]
+    empty = torch.empty(b, h, 0, d, dtype=dtype, device=dev)
+    layer.lazy_initialization(empty, empty)  # allocates the pools and fixes the config for this geometry
+    snap = Snapshot.load(os.path.join(path, e["file"]), expect_config=layer.config, expect_num_layers=1)
+    if snap.num_seqs != b:
+        raise fmkv.FmkvError(f"FmkvCache.load: {e['file']} holds {snap.num_seqs} sequences for a batch of {b}")
+    c = layer.config
+    _, pages, fk, fv = snap.layer(0)
+    pps = layer.pages_per_seq
+    for r in range(b):
+        q = snap.sequence(r)
+        if q.num_tokens != e["length"] or len(q.block_table) > pps:
+            raise fmkv.FmkvError(f"FmkvCache.load: {e['file']} sequence {r} holds {q.num_tokens} tokens in "
+                                 f"{len(q.block_table)} pages (expected {e['length']} in at most {pps})")
+        if q.block_table:
+            src = torch.from_numpy(pages[np.asarray(q.block_table, dtype=np.int64)])
+            layer.pages[r * pps:r * pps + len(q.block_table)].copy_(src)
+        if fk is not None:
+            layer.fp16_k[r].copy_(torch.from_numpy(fk[q.slot].copy()))
+            layer.fp16_v[r].copy_(torch.from_numpy(fv[q.slot].copy()))
+    if c.sink_tokens + c.window_tokens == 0 and fk is not None:
+        raise fmkv.FmkvError(f"FmkvCache.load: {e['file']} has fp16 regions the layer's config does not")
+    layer.lens.fill_(e["length"])
+    layer.length = int(e["length"])
+    if e.get("key_mu"):
+        layer.key_mu = torch.load(os.path.join(path, e["key_mu"]), map_location=layer.storage_device).to(dtype)
+    elif layer.key_offset and layer.length > 0:
+        raise fmkv.FmkvError(f"FmkvCache.load: fmkv layer {layer.layer_idx} uses key_offset but its key means were not "
+                             f"saved")
