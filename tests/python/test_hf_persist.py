@@ -2,7 +2,7 @@
 in a new cache, continues a greedy decode exactly as the original (tokens, logits and storage bit for bit, on the
 CPU), for plain widths, boundary layers, widths per kv head and the key offset; refused loads (another model
 geometry, a damaged layer file, a missing manifest) raise fmkv.FmkvError naming the problem; a failed save leaves
-the target as it was."""
+the target as it was; a model with fp16 sliding-window layers (Gemma 3) round-trips too."""
 import json
 import os
 
@@ -110,18 +110,19 @@ def test_refused_loads_and_saves(tmp_path):
     assert sorted(p for p in os.listdir(tmp_path) if p.startswith(".fmkv_cache")) == []
 
 
-def test_sliding_layers_with_tokens_are_refused(tmp_path):
-    cfg = transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 2, "num_attention_heads": 6,
-                                            "num_key_value_heads": 3}, sliding_window=16, query_pre_attn_scalar=64,
-                                        layer_types=["sliding_attention", "full_attention"])
+def test_sliding_window_layers_are_saved_too(tmp_path):
+    """Gemma 3 geometry (sliding + full layers): the fp16 sliding-window layers' K/V travel with the fmkv layers, and
+    the loaded cache continues the decode bit for bit."""
+    cfg = transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, sliding_window=16,
+                                        query_pre_attn_scalar=64, layer_types=["sliding_attention", "full_attention"] * 2)
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(cfg).eval()
-    cache = fhf.FmkvCache(model.config, max_cache_len=128)
-    with torch.no_grad():
-        model(token_ids(1, 20, seed=1), use_cache=True, **fhf.cache_kwargs(cache))
-    with pytest.raises(fmkv.FmkvError, match="sliding|fp16"):
-        cache.save(tmp_path / "g")
-    assert not (tmp_path / "g").exists()
+    cache = fhf.FmkvCache(model.config, max_cache_len=128, window_tokens=8)
+    tok, pos = prefill_and_steps(model, cache, token_ids(1, 40, seed=1), 2)
+    cache.save(tmp_path / "g")
+    loaded = fhf.FmkvCache.load(tmp_path / "g", model.config)
+    assert loaded.get_seq_length() == 42
+    assert torch.equal(continue_decode(model, cache, tok, pos, 3), continue_decode(model, loaded, tok, pos, 3))
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and fmkv.backends()["cuda"]["available"]),

@@ -8,12 +8,11 @@ The directory holds ``fmkv_cache.json`` (the cache's options, the model geometry
 dtype and storage device) and one snapshot file per fmkv layer, width groups included (``layer_NNN.fmkv``, the
 format of docs/FILE-FORMAT.md: each batch row is a sequence; a layer's config, its seed included, is checked when it
 is loaded), plus ``layer_NNN.key_mu.pt`` for ``key_offset`` caches (the keys' means, which the snapshot format does
-not hold). It is written into a temporary directory renamed over the target when complete. Loading builds a new
+not hold) and ``sliding_NNN.pt`` for transformers' fp16 sliding-window layers (their window of K/V). It is written into a temporary directory renamed over the target when complete. Loading builds a new
 cache with the saved options (``device=`` overrides where the storage goes) and restores every layer before it
 returns; a directory of another model geometry, or a damaged file, raises ``fmkv.FmkvError`` naming it.
 
-Not saved: transformers' fp16 sliding-window layers (a model with ``sliding_attention`` layers holding tokens is
-refused by ``save``), and a fused step's kept K/V (``save`` appends it first).
+A fused step's kept K/V is appended before the save (``check``).
 """
 from __future__ import annotations
 
@@ -43,10 +42,6 @@ def save_cache(cache: Any, path: Any) -> None:
     from .cache import FmkvHeadGroupLayer, FmkvLayer
 
     path = os.fspath(path)
-    for i, layer in enumerate(cache.layers):
-        if not isinstance(layer, (FmkvLayer, FmkvHeadGroupLayer)) and getattr(layer, "is_initialized", False):
-            raise fmkv.FmkvError(f"FmkvCache.save: layer {i} is an fp16 {type(layer).__name__} holding tokens; "
-                                 f"saving it is not supported")
     cache.check()  # appends a kept fused-step chunk; on CUDA raises a pending device error instead of saving it
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
@@ -66,9 +61,19 @@ def save_cache(cache: Any, path: Any) -> None:
                     e["key_mu"] = f"layer_{k:03d}.key_mu.pt"
                     torch.save(layer.key_mu.detach().cpu(), os.path.join(tmp, e["key_mu"]))
             entries.append(e)
+        sliding = []  # transformers' fp16 sliding-window layers: their window of K/V as tensors
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, (FmkvLayer, FmkvHeadGroupLayer)):
+                continue
+            e = dict(layer_idx=i, initialized=bool(getattr(layer, "is_initialized", False)))
+            if e["initialized"]:
+                e.update(file=f"sliding_{i:03d}.pt", length=int(layer.cumulative_length), storage=layer.keys.device.type)
+                torch.save(dict(keys=layer.keys.detach().cpu(), values=layer.values.detach().cpu()),
+                           os.path.join(tmp, e["file"]))
+            sliding.append(e)
         manifest = dict(kind=KIND, version=VERSION, fmkv_version=fmkv.__version__, max_cache_len=cache.max_cache_len,
                         num_layers=len(cache.layers), model=cache.geometry, options=saved_options(cache),
-                        fmkv_layers=entries)
+                        fmkv_layers=entries, sliding_layers=sliding)
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
         if os.path.lexists(path):
@@ -145,6 +150,18 @@ def load_cache(cls: Any, path: Any, config: Any, device: Any = None, set_attenti
                                  f"match the saved layer {e['layer_idx']} k{e['k_bits']}v{e['v_bits']}")
         if e["initialized"]:
             _load_layer(layer, path, e, device)
+    from .cache import FmkvHeadGroupLayer, FmkvLayer
+
+    plain = [(i, layer) for i, layer in enumerate(cache.layers) if not isinstance(layer, (FmkvLayer, FmkvHeadGroupLayer))]
+    if [i for i, _ in plain] != [e["layer_idx"] for e in m["sliding_layers"]]:
+        raise fmkv.FmkvError("FmkvCache.load: the model's sliding-window layers are not the saved cache's")
+    for (i, layer), e in zip(plain, m["sliding_layers"]):
+        if e["initialized"]:
+            kv = torch.load(os.path.join(path, e["file"]), map_location="cpu")
+            dev = _storage_device(device, e["storage"])
+            layer.lazy_initialization(kv["keys"].to(dev), kv["values"].to(dev))
+            layer.keys, layer.values = kv["keys"].to(dev), kv["values"].to(dev)
+            layer.cumulative_length = int(e["length"])
     for layer in cache.layers:  # width-group layers are initialised once their groups are
         parts = getattr(layer, "layers", None)
         if parts and all(p.pages is not None for p in parts):
@@ -152,17 +169,21 @@ def load_cache(cls: Any, path: Any, config: Any, device: Any = None, set_attenti
     return cache
 
 
-def _load_layer(layer: Any, path: str, e: Dict[str, Any], device: Any) -> None:
-    dtype = getattr(torch, e["dtype"])
+def _storage_device(device: Any, saved: str) -> "torch.device":
+    """``device`` if given, else where the layer was saved from (CUDA: the current device)."""
     if device is not None:
-        dev = torch.device(device)
-    elif e["storage"] == "cuda":
+        return torch.device(device)
+    if saved == "cuda":
         if not torch.cuda.is_available():
             raise fmkv.FmkvError("FmkvCache.load: the cache was saved from CUDA storage and torch sees no CUDA device "
                                  "(pass device='cpu' to load it into host memory)")
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _load_layer(layer: Any, path: str, e: Dict[str, Any], device: Any) -> None:
+    dtype = getattr(torch, e["dtype"])
+    dev = _storage_device(device, e["storage"])
     b, h, d = e["batch"], e["kv_heads"], e["head_dim"]
     empty = torch.empty(b, h, 0, d, dtype=dtype, device=dev)
     layer.lazy_initialization(empty, empty)  # allocates the pools and fixes the config for this geometry
