@@ -9,6 +9,17 @@ import pytest
 import fmkv
 
 
+def import_hf():
+    """(torch, transformers, fmkv, fmkv.hf) for the fmkv.hf tests, or the calling test module skipped with the reason."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    try:
+        import fmkv.hf as fhf
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"fmkv.hf unavailable with this transformers: {e}", allow_module_level=True)
+    return torch, transformers, fmkv, fhf
+
+
 def host_backends():
     """'ref' always; 'cpu' only when the SIMD backend is compiled into this build."""
     names = ["ref"]

@@ -8,13 +8,9 @@ dequantize-then-attend evaluation path (fmkv.eval) to float32 rounding.
 """
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
-transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-fmkv = pytest.importorskip("fmkv", reason="the fmkv binding is not installed")
-try:
-    import fmkv.hf as fhf
-except ImportError as e:  # pragma: no cover
-    pytest.skip(f"fmkv.hf unavailable with this transformers: {e}", allow_module_level=True)
+from conftest import import_hf  # noqa: E402
+
+torch, transformers, fmkv, fhf = import_hf()
 
 COMMON = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
               num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,

@@ -12,13 +12,9 @@ Checked on the CPU (tiny random-weight Llama, 3 kv heads so that a layer can hol
 """
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
-transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-fmkv = pytest.importorskip("fmkv", reason="the fmkv binding is not installed")
-try:
-    import fmkv.hf as fhf
-except ImportError as e:  # pragma: no cover
-    pytest.skip(f"fmkv.hf unavailable with this transformers: {e}", allow_module_level=True)
+from conftest import import_hf  # noqa: E402
+
+torch, transformers, fmkv, fhf = import_hf()
 
 from hf_cases import CUDA_HEAD_BITS, HEAD_BITS  # noqa: E402
 from hf_cases import decode_runs_agree, storage as _bytes, token_ids as _ids, tiny_model as _model  # noqa: E402

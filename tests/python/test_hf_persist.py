@@ -8,13 +8,9 @@ import os
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
-transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-fmkv = pytest.importorskip("fmkv", reason="the fmkv binding is not installed")
-try:
-    import fmkv.hf as fhf
-except ImportError as e:  # pragma: no cover
-    pytest.skip(f"fmkv.hf unavailable with this transformers: {e}", allow_module_level=True)
+from conftest import import_hf  # noqa: E402
+
+torch, transformers, fmkv, fhf = import_hf()
 
 from hf_cases import COMMON, HEAD_BITS, storage, tiny_model, token_ids  # noqa: E402
 
