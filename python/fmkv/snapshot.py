@@ -5,7 +5,7 @@ docs/FILE-FORMAT.md's; the C API is include/fmkv/io.h, which every number and ch
     cache.save(path, [s])                # fmkv.Cache or fmkv.TorchCache: every cached token of s
     cache.save(path, [s], num_tokens=n)  # a prefix of n tokens
     s2 = cache.restore(path)             # a new sequence, in a cache of the same config and layer count
-    c = fmkv.Cache.from_snapshot(path)   # a new host cache holding every sequence of the file
+    c = fmkv.Cache.from_snapshot(path)   # a new host cache holding every sequence of the file (TorchCache too)
     snap = fmkv.Snapshot.load(path)      # the file's config, sequences and layers (numpy views)
 
 A file is checked whole (magic, versions, checksums, sizes, geometry, block tables) before anything is

@@ -513,6 +513,22 @@ class TorchCache:
             self._writing.discard(s)
         return s
 
+    @classmethod
+    def from_snapshot(cls, source: Any, backend: Optional[str] = None, device=None, extra_pages: int = 0,
+                      extra_seqs: int = 0) -> "TorchCache":
+        """A new cache on ``device`` with the snapshot's config and layer count holding every sequence of it (ids 0,
+        1, ... in file order), with ``extra_pages`` free pages per layer and ``extra_seqs`` free sequence slots."""
+        from .snapshot import Snapshot, source_of
+
+        kind, src = source_of(source)
+        snap = Snapshot.load(src)
+        pages = sum(len(q.block_table) for q in snap.sequences)
+        cache = cls(snap.config, snap.num_layers, pages + _args.integer("extra_pages", extra_pages, 0, _args.INT32_MAX),
+                    snap.num_seqs + _args.integer("extra_seqs", extra_seqs, 0, _args.INT32_MAX), backend, device)
+        for i in range(snap.num_seqs):
+            cache.restore(src, i)
+        return cache
+
     def check(self) -> None:
         """Wait for the device and raise the first error fmkv's kernels recorded there since the last
         check (CUDA; see the class notes): the sequences appended to since then are marked failed

@@ -219,6 +219,18 @@ def test_torch_cache_same_bytes_and_cross_restore(tmp_path):
             assert np.array_equal(t.attention(layer, tr, torch.from_numpy(q)).numpy(), c.attention(layer, ids[0], q))
 
 
+def test_torch_cache_from_snapshot(tmp_path):
+    from fmkv.torch_cache import TorchCache
+
+    rng = np.random.default_rng(9)
+    cfg = fmkv.Config(**CONFIGS[1])
+    c, ids, _ = filled(cfg, [70, 33], rng)
+    c.save(tmp_path / "two.fmkv", ids)
+    t = TorchCache.from_snapshot(tmp_path / "two.fmkv", extra_pages=2, extra_seqs=1)
+    assert t.free_pages == 2 and t.config == fmkv.Snapshot.load(tmp_path / "two.fmkv").config
+    assert t.save_bytes([0, 1]) == (tmp_path / "two.fmkv").read_bytes() and t.add_sequence() == 2
+
+
 def test_torch_cache_refusals_change_nothing():
     from fmkv.torch_cache import TorchCache
 
