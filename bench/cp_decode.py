@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Context-parallel decode (suite ``cp_decode``, shared/BENCHMARKS.md): one sequence of ``gpus x tokens_per_gpu``
 tokens sharded by token range over the ranks (fmkv.distributed.ContextParallelCache with device shards:
-fmkv.TorchCache on each rank's GPU, NCCL), Llama-3-8B geometry by default (32 q / 8 kv heads, d = 128, 32 layers),
+fmkv.torch_ops.TorchCache on each rank's GPU, NCCL), Llama-3-8B geometry by default (32 q / 8 kv heads, d = 128, 32 layers),
 k3v3 in format 3.
 
     torchrun --nproc-per-node N bench/cp_decode.py --out docs/results/cp_decode.jsonl --commit SHA

@@ -18,12 +18,12 @@ on every rank, so that an error is raised on all ranks and no rank has changed i
 
 Shards: without ``device`` each rank's shard is a host :class:`fmkv.Cache` (``ref`` / ``cpu`` backends;
 K/V/Q as numpy arrays, results as numpy arrays). With ``device`` (a torch device: ``"cuda:R"`` for rank R's GPU, or
-``"cpu"``) it is a :class:`fmkv.TorchCache` on that device (K/V/Q as torch tensors on it, results as float32
+``"cpu"``) it is a :class:`fmkv.torch_ops.TorchCache` on that device (K/V/Q as torch tensors on it, results as float32
 tensors on it; ``TorchCache.attention_lse`` gives the partials on any backend that has ``fmkv_attention_lse``:
 ref, cpu, cuda), and the partials are merged on that device. The collectives run on CPU tensors with gloo and
 on CUDA tensors with NCCL: the shard's GPU, or the current device for host and CPU shards (whose partials are
 copied there and back). With CUDA shards a device-detected error surfaces at :meth:`ContextParallelCache.check`
-(on every rank), as for fmkv.TorchCache.
+(on every rank), as for fmkv.torch_ops.TorchCache.
 """
 from __future__ import annotations
 
@@ -90,9 +90,9 @@ class ContextParallelCache:
     config: the cache's fmkv.Config (its sink tokens live on rank 0, its window on the last rank).
     shard_tokens: positions per rank; the capacity is ``world * shard_tokens`` tokens (an append past it
     is refused on every rank before anything is written). backend: the shards' fmkv backend (default: as
-    fmkv.Cache, or the device's as fmkv.TorchCache). group: a torch.distributed process group (default: the
+    fmkv.Cache, or the device's as fmkv.torch_ops.TorchCache). group: a torch.distributed process group (default: the
     world). device: None for host shards (numpy in and out), else the torch device of this rank's
-    :class:`fmkv.TorchCache` shard (torch tensors on it in and out).
+    :class:`fmkv.torch_ops.TorchCache` shard (torch tensors on it in and out).
     """
 
     def __init__(self, config: Config, num_layers: int, shard_tokens: int, backend: Optional[str] = None,
@@ -139,7 +139,7 @@ class ContextParallelCache:
 
     @property
     def local_cache(self) -> Any:
-        """This rank's shard (an fmkv.Cache, or an fmkv.TorchCache with ``device``)."""
+        """This rank's shard (an fmkv.Cache, or an fmkv.torch_ops.TorchCache with ``device``)."""
         return self._cache
 
     @property
@@ -249,7 +249,7 @@ class ContextParallelCache:
 
     def check(self) -> None:
         """Wait for every rank's shard and raise on every rank if any of them recorded an error
-        (:meth:`fmkv.TorchCache.check`: CUDA's device-detected errors surface there, not at the call; host
+        (:meth:`fmkv.torch_ops.TorchCache.check`: CUDA's device-detected errors surface there, not at the call; host
         shards raise at the call and have nothing to find). One all_reduce of a flag."""
         failed = 0
         if self.device is not None:

@@ -2,7 +2,7 @@
 bytes) and restored into a cache -- prompt and prefix caching across processes. The file is
 docs/FILE-FORMAT.md's; the C API is include/fmkv/io.h, which every number and check here goes through.
 
-    cache.save(path, [s])                # fmkv.Cache or fmkv.TorchCache: every cached token of s
+    cache.save(path, [s])                # fmkv.Cache or fmkv.torch_ops.TorchCache: every cached token of s
     cache.save(path, [s], num_tokens=n)  # a prefix of n tokens
     s2 = cache.restore(path)             # a new sequence, in a cache of the same config and layer count
     c = fmkv.Cache.from_snapshot(path)   # a new host cache holding every sequence of the file (TorchCache too)

@@ -1,5 +1,5 @@
 """One rank of tests/python/test_distributed.py (run as a script: rank world store_file out_file backend shards
-[process_group_backend]; shards "host" (fmkv.Cache shards, numpy) or a torch device (fmkv.TorchCache shards on it,
+[process_group_backend]; shards "host" (fmkv.Cache shards, numpy) or a torch device (fmkv.torch_ops.TorchCache shards on it,
 torch tensors); the process group gloo unless named (nccl)).
 
 Fills a ContextParallelCache (2 layers, prefill in chunks that cross shard boundaries, then decode steps:

@@ -1,5 +1,5 @@
 """fmkv.distributed on CPU processes (gloo): a sequence sharded over 2 and 4 ranks by token range, in host
-shards (fmkv.Cache, numpy) and in torch shards (fmkv.TorchCache on the CPU device, torch tensors).
+shards (fmkv.Cache, numpy) and in torch shards (fmkv.torch_ops.TorchCache on the CPU device, torch tensors).
 
 Each rank is a separate process (tests/python/distributed_worker.py; the data: distributed_case.py).
 Checked: every rank returns the same bits; they equal merge_partials of the gathered partials in this

@@ -1,4 +1,4 @@
-"""Snapshots from Python (fmkv.snapshot over include/fmkv/io.h): fmkv.Cache and fmkv.TorchCache save sequences
+"""Snapshots from Python (fmkv.snapshot over include/fmkv/io.h): fmkv.Cache and fmkv.torch_ops.TorchCache save sequences
 to files or bytes and restore them; fmkv.Snapshot reads a file's config, sequences and layers.
 
 Checked on fresh random data: a restored sequence attends bit for bit like the original (formats 2 and 3, scale
