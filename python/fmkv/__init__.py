@@ -415,12 +415,10 @@ class Cache:
         """Save sequences ``seqs`` (an id or a list; file sequence i is seqs[i]) to the snapshot file ``path``,
         written atomically (a temporary file renamed over it). ``num_tokens``: a prefix of that many tokens of each
         (-1: every cached token). See :mod:`fmkv.snapshot` for ``allow_dequantized``."""
-        from .snapshot import seq_list, source_of
+        from .snapshot import path_of, seq_list
 
-        kind, p = source_of(path)
-        if kind != "path":
-            raise _args.type_error("path", "a path (str or os.PathLike)", path)
-        self._impl.save(p, seq_list(seqs), _args.integer("num_tokens", num_tokens, -1), bool(allow_dequantized))
+        self._impl.save(path_of(path), seq_list(seqs), _args.integer("num_tokens", num_tokens, -1),
+                        bool(allow_dequantized))
 
     def save_bytes(self, seqs: Any, num_tokens: int = -1, allow_dequantized: bool = False) -> bytes:
         """:meth:`save` into bytes (the same file image)."""
@@ -444,16 +442,9 @@ class Cache:
         """A new cache with the snapshot's config and layer count holding every sequence of it (ids 0, 1, ...
         in file order), with ``extra_pages`` free pages per layer and ``extra_seqs`` free sequence slots for what
         comes next."""
-        from .snapshot import Snapshot, source_of
+        from .snapshot import filled_from
 
-        kind, src = source_of(source)
-        snap = Snapshot.load(src)
-        cache = cls(snap.config, snap.num_layers, sum(len(q.block_table) for q in snap.sequences) +
-                    _args.integer("extra_pages", extra_pages, 0, _args.INT32_MAX),
-                    snap.num_seqs + _args.integer("extra_seqs", extra_seqs, 0, _args.INT32_MAX), backend)
-        for i in range(snap.num_seqs):
-            cache.restore(src, i)
-        return cache
+        return filled_from(source, lambda c, n, p, s: cls(c, n, p, s, backend), extra_pages, extra_seqs)
 
 
 from .snapshot import Snapshot, SnapshotSequence  # noqa: E402  (after Config and Cache, which it uses)

@@ -45,6 +45,27 @@ def source_of(source: Any) -> Tuple[str, Any]:
     raise _args.type_error("source", "a path (str, os.PathLike) or bytes-like snapshot", source)
 
 
+def path_of(path: Any) -> str:
+    """A save target: a path-like as str; FmkvTypeError otherwise."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise _args.type_error("path", "a path (str or os.PathLike)", path)
+    return os.fspath(path)
+
+
+def filled_from(source: Any, make: Any, extra_pages: int, extra_seqs: int) -> Any:
+    """A new cache ``make(config, num_layers, num_pages, max_seqs)`` holding every sequence of the snapshot ``source``
+    (ids 0, 1, ... in file order), with ``extra_pages`` free pages per layer and ``extra_seqs`` free slots."""
+    kind, src = source_of(source)
+    snap = Snapshot.load(src)
+    pages = sum(len(q.block_table) for q in snap.sequences) + _args.integer("extra_pages", extra_pages, 0,
+                                                                           _args.INT32_MAX)
+    cache = make(snap.config, snap.num_layers, pages,
+                 snap.num_seqs + _args.integer("extra_seqs", extra_seqs, 0, _args.INT32_MAX))
+    for i in range(snap.num_seqs):
+        cache.restore(src, i)
+    return cache
+
+
 def seq_list(seqs: Any) -> List[int]:
     """One sequence id or a sequence of them, as a non-empty list of ints."""
     items = [seqs] if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool) else list(seqs)

@@ -418,12 +418,9 @@ class TorchCache:
         file :meth:`fmkv.Cache.save` writes for the same tokens. The sequences' pages and fp16 rows are copied to
         host memory first (on CUDA after :meth:`check`: a pending device error is raised, not saved).
         ``num_tokens``: a prefix (-1: every cached token)."""
-        from .snapshot import source_of
+        from .snapshot import path_of
 
-        kind, p = source_of(path)
-        if kind != "path":
-            raise _args.type_error("path", "a path (str or os.PathLike)", path)
-        self._save(p, seqs, num_tokens, allow_dequantized)
+        self._save(path_of(path), seqs, num_tokens, allow_dequantized)
 
     def save_bytes(self, seqs: Any, num_tokens: int = -1, allow_dequantized: bool = False) -> bytes:
         """:meth:`save` into bytes (the same file image)."""
@@ -518,16 +515,9 @@ class TorchCache:
                       extra_seqs: int = 0) -> "TorchCache":
         """A new cache on ``device`` with the snapshot's config and layer count holding every sequence of it (ids 0,
         1, ... in file order), with ``extra_pages`` free pages per layer and ``extra_seqs`` free sequence slots."""
-        from .snapshot import Snapshot, source_of
+        from .snapshot import filled_from
 
-        kind, src = source_of(source)
-        snap = Snapshot.load(src)
-        pages = sum(len(q.block_table) for q in snap.sequences)
-        cache = cls(snap.config, snap.num_layers, pages + _args.integer("extra_pages", extra_pages, 0, _args.INT32_MAX),
-                    snap.num_seqs + _args.integer("extra_seqs", extra_seqs, 0, _args.INT32_MAX), backend, device)
-        for i in range(snap.num_seqs):
-            cache.restore(src, i)
-        return cache
+        return filled_from(source, lambda c, n, p, s: cls(c, n, p, s, backend, device), extra_pages, extra_seqs)
 
     def check(self) -> None:
         """Wait for the device and raise the first error fmkv's kernels recorded there since the last
