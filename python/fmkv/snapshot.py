@@ -55,7 +55,7 @@ def path_of(path: Any) -> str:
 def filled_from(source: Any, make: Any, extra_pages: int, extra_seqs: int) -> Any:
     """A new cache ``make(config, num_layers, num_pages, max_seqs)`` holding every sequence of the snapshot ``source``
     (ids 0, 1, ... in file order), with ``extra_pages`` free pages per layer and ``extra_seqs`` free slots."""
-    kind, src = source_of(source)
+    _, src = source_of(source)
     snap = Snapshot.load(src)
     pages = sum(len(q.block_table) for q in snap.sequences) + _args.integer("extra_pages", extra_pages, 0,
                                                                            _args.INT32_MAX)
@@ -68,7 +68,12 @@ def filled_from(source: Any, make: Any, extra_pages: int, extra_seqs: int) -> An
 
 def seq_list(seqs: Any) -> List[int]:
     """One sequence id or a sequence of them, as a non-empty list of ints."""
-    items = [seqs] if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool) else list(seqs)
+    if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
+        items = [seqs]
+    elif isinstance(seqs, (list, tuple, range, np.ndarray)):
+        items = list(seqs)
+    else:
+        raise _args.type_error("seqs", "a sequence id or a list of them", seqs)
     if not items:
         raise _args.error("save: no sequence given")
     return [_args.index("seq", s, "sequence") for s in items]

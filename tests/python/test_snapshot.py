@@ -180,6 +180,9 @@ def test_refused_files_and_arguments(tmp_path):
                        (lambda: c.save(b"x", ids), "path")):
         with pytest.raises(fmkv.FmkvError, match=what):
             call()
+    for bad in (True, 1.5, "0", None):
+        with pytest.raises(fmkv.FmkvTypeError, match="seqs"):
+            c.save_bytes(bad)
     # a failed save leaves no file behind; the directory must exist
     with pytest.raises(fmkv.FmkvError):
         c.save(tmp_path / "no" / "such" / "dir.fmkv", ids)
