@@ -7,7 +7,7 @@ CASE = dict(layers=2, chunks=[37, 100, 64, 49], steps=3, capacity=280, seed=5)
 
 
 def case_data():
-    cfg = fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=3, v_bits=4, page_size=16, sink_tokens=4, window_tokens=16,
+    cfg = fmkv.Config(head_dim=64, num_kv_heads=2, k_bits=4, v_bits=2, page_size=16, sink_tokens=4, window_tokens=16,
                       seed=3)
     n = sum(CASE["chunks"]) + CASE["steps"]
     rng = np.random.default_rng(CASE["seed"])

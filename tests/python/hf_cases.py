@@ -1,6 +1,6 @@
-"""Shared cases of the fmkv.hf tests with widths per kv head and the key offset (test_hf_head_bits.py,
-test_hf_key_offset.py): a tiny random-weight Llama with 3 kv heads (so that a layer can hold three width groups),
-its per-head widths, token ids, and a layer's storage as tensors to compare."""
+"""Shared cases of the fmkv.hf tests (test_hf_head_bits.py, test_hf_key_offset.py, test_hf_persist.py,
+test_hf_static.py): a tiny random-weight Llama with 3 kv heads (so that a layer can hold three width groups), its
+per-head widths, token ids (left-padded rows too), and a layer's storage as tensors to compare."""
 import torch
 import transformers
 
@@ -22,6 +22,17 @@ def tiny_model():
 
 def token_ids(b, n, seed):
     return torch.randint(0, COMMON["vocab_size"], (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def left_pad(prompts, device="cpu", pad=0):
+    """Token id rows of different lengths, left-padded to the longest (generate()'s layout), and their mask."""
+    n = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), n), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), n, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p):] = p
+        mask[i, n - len(p):] = 1
+    return ids.to(device), mask.to(device)
 
 
 def storage(layer):

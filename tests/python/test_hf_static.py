@@ -28,6 +28,7 @@ from conftest import import_hf  # noqa: E402
 torch, transformers, fmkv, fhf = import_hf()
 
 from conftest import cuda_graph_tokens  # noqa: E402
+from hf_cases import left_pad  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode
 
 COMMON = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -66,16 +67,6 @@ def _ids(b, n, seed, device="cpu"):
 
 def _layer_bytes(layer):
     return [t.clone() for t in (layer.pages, layer.fp16_k, layer.fp16_v, layer.lens)]
-
-
-def _left_pad(prompts, device="cpu", pad=0):
-    n = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), n), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), n, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, n - len(p):] = p
-        mask[i, n - len(p):] = 1
-    return ids.to(device), mask.to(device)
 
 
 class HostSyncDetector(TorchDispatchMode):
@@ -146,7 +137,7 @@ def test_left_padded_batch_matches_each_prompt_alone():
     model = _model()
     full = _ids(1, 20, 2)[0]
     prompts = [full, _ids(1, 13, 3)[0], _ids(1, 5, 4)[0]]
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts)
     kw = dict(k_bits=4, v_bits=4, window_tokens=8, page_size=16)
     st = fhf.FmkvStaticCache(model.config, max_cache_len=48, **kw)
     out = _gen(model, ids, 10, st, attention_mask=mask, pad_token_id=0)
@@ -200,7 +191,7 @@ def _decode(step, tok, pos, n):
 def _compile_tokens(backend, device="cpu", mode=None, n=6):
     """Eager and compiled decode from the same prefill (left-padded batch of 2): tokens and cache bytes."""
     model = _model(device=device)
-    ids, mask = _left_pad([_ids(1, 17, 6)[0], _ids(1, 11, 7)[0]], device=device)
+    ids, mask = left_pad([_ids(1, 17, 6)[0], _ids(1, 11, 7)[0]], device=device)
     runs = []
     for compiled in (False, True):
         cache = fhf.FmkvStaticCache(model.config, max_cache_len=40, k_bits=4, v_bits=4, window_tokens=8,
@@ -237,7 +228,7 @@ def test_transformers_compiled_generation_uses_the_cache():
     """generate() with a compile_config compiles the decode forward for this (compileable) cache and
     gives the eager generate()'s tokens (prompts of different lengths, left-padded)."""
     model = _model()
-    ids, mask = _left_pad([_ids(1, 15, 8)[0], _ids(1, 9, 9)[0]])
+    ids, mask = left_pad([_ids(1, 15, 8)[0], _ids(1, 9, 9)[0]])
     kw = dict(k_bits=4, v_bits=4, window_tokens=8, page_size=16)
     eager = _gen(model, ids, 6, fhf.FmkvStaticCache(model.config, max_cache_len=32, **kw), attention_mask=mask,
                  pad_token_id=0, disable_compile=True)
@@ -258,7 +249,7 @@ def test_decode_step_makes_no_host_sync(masked, no_tolist):
     one reads nothing either)."""
     model = _model()
     if masked:
-        ids, mask = _left_pad([_ids(1, 14, 10)[0], _ids(1, 6, 11)[0]])
+        ids, mask = left_pad([_ids(1, 14, 10)[0], _ids(1, 6, 11)[0]])
     else:
         ids, mask = _ids(2, 14, 10), None
     cache = fhf.FmkvStaticCache(model.config, max_cache_len=32, k_bits=3, v_bits=3, window_tokens=4, page_size=16)
@@ -370,7 +361,7 @@ def test_cuda_graph_capture_replays_eager_tokens():
     """An eager decode step (model forward + argmax + feedback) captured in one torch.cuda.CUDAGraph:
     replays give the eager steps' tokens and cache bytes; replays run with the sync debug mode on."""
     model = _model(device="cuda")
-    ids, mask = _left_pad([_ids(1, 19, 16)[0], _ids(1, 12, 17)[0]], device="cuda")
+    ids, mask = left_pad([_ids(1, 19, 16)[0], _ids(1, 12, 17)[0]], device="cuda")
     n = 8
     runs = []
     for captured in (False, True):
@@ -406,7 +397,7 @@ def test_cuda_transformers_compiled_generation():
     from torch._dynamo.utils import counters
 
     model = _model(device="cuda")
-    ids, mask = _left_pad([_ids(1, 21, 18)[0], _ids(1, 8, 19)[0]], device="cuda")
+    ids, mask = left_pad([_ids(1, 21, 18)[0], _ids(1, 8, 19)[0]], device="cuda")
     kw = dict(k_bits=4, v_bits=4, window_tokens=8)
     eager = _gen(model, ids, 8, fhf.FmkvStaticCache(model.config, max_cache_len=40, **kw), attention_mask=mask,
                  pad_token_id=0, disable_compile=True)

@@ -30,6 +30,9 @@ The layout of transformers' StaticCache with fmkv storage:
 * A sequence longer than ``max_cache_len`` is an error (on CUDA raised by ``check()``). No beam search,
   cropping or batch reordering. ``reset()`` empties the cache for the next batch of the same size
   (keep the object: a compiled or captured step is bound to its tensors).
+* ``save(dir)`` / ``FmkvStaticCache.load(dir, model.config)``: the cache written to a directory and read back
+  into a new one, allocated at once with the saved batch size, each sequence's tokens and the timeline as they
+  were (fmkv.hf.persist; prompt caching across processes).
 """
 from __future__ import annotations
 
@@ -509,6 +512,10 @@ class FmkvStaticCache(Cache):
                 i, parts, len(heads[i]), int(text.num_attention_heads) // len(heads[i])))
         super().__init__(layers=layers)
         self._max_cache_len = int(max_cache_len)
+        self.layer_widths = [tuple(w) for w in widths]  # (k_bits, v_bits) of each layer (the widest group's)
+        kv_heads, head_dim = _kv_shape(text)
+        self.geometry = dict(num_layers=n, q_heads=int(text.num_attention_heads), kv_heads=kv_heads,
+                             head_dim=head_dim)  # what save records
         self.options = dict(k_bits=k_bits, v_bits=v_bits, page_size=page_size, sink_tokens=sink_tokens,
                             window_tokens=window_tokens, boundary_layers=boundary_layers,
                             boundary_k_bits=boundary_k_bits, boundary_v_bits=boundary_v_bits,
@@ -520,11 +527,28 @@ class FmkvStaticCache(Cache):
         if batch_size is not None:
             if device is None:
                 raise ValueError("FmkvStaticCache: batch_size= allocates at construction and needs device=")
-            kv_heads, head_dim = _kv_shape(text)
             dtype = dtype or getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or torch.float32
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
             self.early_initialization(int(batch_size), kv_heads, head_dim, dtype, torch.device(device))
+
+    def save(self, path) -> None:
+        """Write this cache (options, batch size, every sequence's tokens in every layer, the timeline) to the
+        directory ``path`` (fmkv.hf.persist): snapshot files of docs/FILE-FORMAT.md, one per fmkv layer, and a
+        manifest; replaced whole if it exists."""
+        from .persist import save_cache
+
+        save_cache(self, path)
+
+    @classmethod
+    def load(cls, path, config, device=None, set_attention: bool = True) -> "FmkvStaticCache":
+        """A cache for the model ``config`` holding what :meth:`save` wrote to ``path``: the saved options and
+        batch size, allocated at once on ``device`` (default: where it was saved from, CUDA on the current device),
+        every sequence's tokens and the timeline restored, so that decoding (eager, compiled or captured) goes on
+        from where the saved cache stood."""
+        from .persist import load_cache
+
+        return load_cache(cls, path, config, device, set_attention)
 
     @property
     def max_cache_len(self) -> int:
