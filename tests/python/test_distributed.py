@@ -164,6 +164,17 @@ def test_merge_partials_rules():
     assert np.array_equal(fd.merge_partials([a, np.full_like(b, np.nan)], [la, empty]), a)  # an empty part is ignored
     with pytest.raises(fmkv.FmkvError, match="no visible token"):
         fd.merge_partials([a, b], [empty, empty])
+    for x in ([a, b], [torch.from_numpy(a), torch.from_numpy(b)]):  # check=False: no host-side test, the row is NaN
+        lx = [empty, la.copy()] if isinstance(x[0], np.ndarray) else [torch.from_numpy(empty), torch.from_numpy(la.copy())]
+        lx[1][1, 2] = -np.inf
+        got = np.asarray(fd.merge_partials(x, lx, check=False))
+        assert np.isnan(got[1, 2]).all() and np.isfinite(np.delete(got.reshape(6, 8), 5, axis=0)).all()
+        assert np.array_equal(np.delete(got.reshape(6, 8), 5, axis=0), np.delete(b.reshape(6, 8), 5, axis=0))
+    many = [rng.standard_normal((2, 3, 8)).astype(np.float32) for _ in range(5)]  # five sets, in one call
+    lmany = [rng.standard_normal((2, 3)).astype(np.float32) * 3 for _ in range(5)]
+    w = [np.exp(x.astype(np.float64)) for x in lmany]
+    expect = sum(wi[..., None] * x for wi, x in zip(w, many)) / sum(w)[..., None]
+    assert np.allclose(fd.merge_partials(many, lmany), expect, rtol=1e-6, atol=1e-7)
     with pytest.raises(fmkv.FmkvError, match="do not match"):
         fd.merge_partials([a, b[:1]], [la, lb[:1]])
     with pytest.raises(fmkv.FmkvError):
