@@ -91,7 +91,7 @@ def main():
     ap.add_argument("--format-versions", default="2,3", help="fmkv format versions, one binary run each")
     ap.add_argument("--scale-groups", default="32", help="the caches' scale groups (32, 64), one binary run each")
     ap.add_argument("--replot", nargs=2, metavar=("JSONL", "PNG"), help="only redraw PNG from a cpu_decode.jsonl")
-    ap.add_argument("--isas", default="best", help="CPU kernel sets (FMKV_CPU_ISA): best, avx512vnni, avx512, avx2, scalar, neon")
+    ap.add_argument("--isas", default="best", help="CPU kernel sets (FMKV_CPU_ISA): best, avx512vnni, avx512, avx2vnni, avx2, scalar, neon")
     ap.add_argument("--rounds", type=int, default=1, help="repeat fmkv and SDPA in turn; medians of the rounds")
     a = ap.parse_args()
     if not 1 <= a.rounds <= 100:
@@ -106,8 +106,8 @@ def main():
     sgs = [int(v) for v in a.scale_groups.split(",")]
     isas = a.isas.split(",")
     for isa in isas:
-        if isa not in ("best", "avx512vnni", "avx512", "avx2", "scalar", "neon"):
-            sys.exit("--isas: unknown kernel set %r (best, avx512vnni, avx512, avx2, scalar, neon)" % isa)
+        if isa not in ("best", "avx512vnni", "avx512", "avx2vnni", "avx2", "scalar", "neon"):
+            sys.exit("--isas: unknown kernel set %r (best, avx512vnni, avx512, avx2vnni, avx2, scalar, neon)" % isa)
 
     def one_round():
         decode, quant, infos, seen = [], [], [], set()

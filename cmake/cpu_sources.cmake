@@ -10,8 +10,10 @@ set(FMKV_CPU_SOURCES
   src/cpu/backend.cpp
   src/cpu/kernels_scalar.cpp)
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
-  list(APPEND FMKV_CPU_SOURCES src/cpu/kernels_avx2.cpp src/cpu/kernels_avx512.cpp src/cpu/kernels_avx512vnni.cpp)
+  list(APPEND FMKV_CPU_SOURCES src/cpu/kernels_avx2.cpp src/cpu/kernels_avx2vnni.cpp src/cpu/kernels_avx512.cpp
+       src/cpu/kernels_avx512vnni.cpp)
   set_source_files_properties(src/cpu/kernels_avx2.cpp PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma;-mf16c")
+  set_source_files_properties(src/cpu/kernels_avx2vnni.cpp PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma;-mf16c;-mavxvnni")
   set_source_files_properties(src/cpu/kernels_avx512.cpp PROPERTIES COMPILE_OPTIONS "-mavx512f;-mavx2;-mfma;-mf16c")
   set_source_files_properties(src/cpu/kernels_avx512vnni.cpp PROPERTIES COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vnni;-mavx2;-mfma;-mf16c")
   set_source_files_properties(src/cpu/backend.cpp PROPERTIES COMPILE_DEFINITIONS "FMKV_CPU_HAVE_AVX512=1")

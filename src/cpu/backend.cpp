@@ -24,8 +24,10 @@ const Kernels& select_kernels() {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
   const bool vnni = avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  const bool avx2vnni = avx2 && __builtin_cpu_supports("avxvnni");
   if (want == "scalar") return kernels_scalar();
   if (want == "avx2" && avx2) return kernels_avx2();
+  if (want == "avx2vnni" && avx2vnni) return kernels_avx2vnni();
   if (want == "avx512vnni" && vnni) return kernels_avx512vnni();
   if (avx512) return kernels_avx512();
   if (avx2) return kernels_avx2();

@@ -71,13 +71,14 @@ struct Kernels {
 const Kernels& kernels_scalar();
 #if defined(__x86_64__)
 const Kernels& kernels_avx2();
+const Kernels& kernels_avx2vnni();
 const Kernels& kernels_avx512();
 const Kernels& kernels_avx512vnni();
 #endif
 #if defined(__aarch64__) && defined(__ARM_NEON)
 const Kernels& kernels_neon();
 #endif
-// The kernels used by the backend: best supported ISA, or FMKV_CPU_ISA=scalar|avx2|avx512|avx512vnni|neon.
+// The kernels used by the backend: best supported ISA, or FMKV_CPU_ISA=scalar|avx2|avx2vnni|avx512|avx512vnni|neon.
 const Kernels& kernels();
 
 }  // namespace fmkv::cpu

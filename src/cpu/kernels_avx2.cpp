@@ -1,6 +1,13 @@
 // AVX2 + FMA + F16C kernels (N = 8). Compiled with -mavx2 -mfma -mf16c (cmake/cpu_sources.cmake);
-// used only when the CPU reports these features.
+// used only when the CPU reports these features. kernels_avx2vnni.cpp compiles this same file with AVX-VNNI
+// and the traits Avx2VnniT (format 3's K scored with integer dot products).
 #include "kernels_impl.h"
+
+#ifndef FMKV_AVX2_ENTRY  // this file itself: the AVX2 set
+#define FMKV_AVX2_ENTRY kernels_avx2
+#define FMKV_AVX2_NAME "avx2"
+#define FMKV_AVX2_TRAITS Avx2T
+#endif
 
 namespace fmkv::cpu {
 namespace {
@@ -21,8 +28,9 @@ void to_f16_avx2(const void* src, int32_t dtype, int32_t n, uint16_t* dst) {
 }
 }  // namespace
 
-const Kernels& kernels_avx2() {
-  static const Kernels k{"avx2", 8, quantize_dispatch<Avx2T>, to_f16_avx2, attend_dispatch<Avx2T>, attend_fp16_t<Avx2T>, unpermute_acc};
+const Kernels& FMKV_AVX2_ENTRY() {
+  using T = FMKV_AVX2_TRAITS;
+  static const Kernels k{FMKV_AVX2_NAME, 8, quantize_dispatch<T>, to_f16_avx2, attend_dispatch<T>, attend_fp16_t<T>, unpermute_acc};
   return k;
 }
 }  // namespace fmkv::cpu

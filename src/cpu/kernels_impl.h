@@ -262,7 +262,7 @@ void make_int_query(const float* const* q, int32_t d, float step, IntQuery<R>& o
 // group, V as the X / YH words of a 4-token column per lane); K then runs the 4-bit loop on it (q in
 // tile_k_query_order), V shifts the token's nibbles of its column into place (lanes in tile_v_coord order). The
 // tables are signed and 8-periodic (job.tk / job.tv), so no sign step and no mask of the nibbles' bit 3. With
-// integer dot products (T::kIntDot: the avx512vnni set) K's nibble words become u8 levels by byte permutes and
+// integer dot products (T::kIntDot: the avx512vnni and avx2vnni sets) K's nibble words become u8 levels by byte permutes and
 // each of the query's three int8 parts takes 4 coordinates per vpdpbusd (IntQuery; exact int32 sums).
 // Nothing is dequantized to memory; each page is read once for all R queries.
 template <class T, int KB, int VB, int R, bool KT, bool VT>
@@ -349,7 +349,7 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
       // Nibble words as in the KT branch below; per word, its low and high nibbles (scratch coordinates
       // 8 w + {0, 2, 4, 6} and 8 w + {1, 3, 5, 7}) become u8 levels by one byte permute each, and every
       // query part takes them in one vpdpbusd per 4 coordinates (IntQuery).
-      static_assert(!IK || N == 16, "the integer K path runs on 16-lane blocks (one 16-token tile)");
+      static_assert(!IK || N == 8 || N == 16, "the integer K path runs on 8- or 16-lane blocks of a 16-token tile");
       for (int r = 0; r < R; ++r) s[r] = T::zero();
       const uint32_t* kw = kscr + (t0 & 15);
       const uint16_t* ksc = (const uint16_t*)(ksec + fmkv_scales_offset(d, KB, P));

@@ -201,6 +201,25 @@ struct Avx2T {
 };
 #endif
 
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__AVXVNNI__) && !defined(__AVX512F__)
+// ---- AVX2 with AVX-VNNI (N = 8): Avx2T plus the byte operations of the integer K path ------------------
+// Format 3's 3-bit K (tile blocks) is scored with the VEX-encoded vpdpbusd on int8 levels (kernels_impl.h, as
+// Avx512VnniT at 8 lanes); everything else is Avx2T's.
+struct Avx2VnniT : Avx2T {
+  static constexpr bool kIntDot = true;
+  static I set1_i32(int32_t x) { return _mm256_set1_epi32(x); }
+  static I and_i(I a, I b) { return _mm256_and_si256(a, b); }
+  static I add_i(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I table_u8(const uint8_t* t16) {  // 16 bytes, repeated in each 128-bit lane
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)t16));
+  }
+  static I lut_u8(I table, I idx) { return _mm256_shuffle_epi8(table, idx); }  // idx bytes < 16
+  // acc + sum over the 4 bytes of each 32-bit lane of u8(a) * s8(b)
+  static I dot_u8s8(I acc, I a, I b) { return _mm256_dpbusd_avx_epi32(acc, a, b); }
+  static F cvt_f(I x) { return _mm256_cvtepi32_ps(x); }
+};
+#endif
+
 #if defined(__x86_64__) && defined(__AVX512F__)
 // ---- AVX-512F (N = 16) ---------------------------------------------------------------------
 struct Avx512T {
