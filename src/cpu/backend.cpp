@@ -1,9 +1,10 @@
 // The CPU backend in the backend registry: identity, run-time ISA selection and its table.
-//   FMKV_CPU_ISA=scalar|avx2|avx512|avx512vnni|neon forces a kernel set (an unsupported request falls back to
-//   the default one; NEON is the default on AArch64); FMKV_NUM_THREADS sets the pool size (thread_pool.h).
-//   The default on x86 is avx512, else avx2. avx512vnni (format 3's K scored with vpdpbusd) is opt-in: it
-//   measured 1.05x the avx512 set on a Zen 4 core (within the run-to-run spread) and 0.83x / 0.91x at d = 128,
-//   32k / 128k tokens on a Xeon (docs/history/cpu-decode.md).
+//   FMKV_CPU_ISA=scalar|avx2|avx2vnni|avx512|avx512vnni|neon forces a kernel set (an unsupported request falls back
+//   to the default one; NEON is the default on AArch64); FMKV_NUM_THREADS sets the pool size (thread_pool.h).
+//   The default on x86 is avx512, else avx2. avx512vnni and avx2vnni (format 3's K scored with vpdpbusd) are
+//   opt-in: avx512vnni measured 1.05x the avx512 set on a Zen 4 core (within the run-to-run spread) and 0.83x /
+//   0.91x at d = 128, 32k / 128k tokens on a Xeon; avx2vnni 0.87-0.88x the avx2 set at d = 128 on the Zen 4
+//   (docs/history/cpu-decode.md).
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
