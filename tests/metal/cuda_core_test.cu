@@ -13,7 +13,8 @@
 //   * whole kernels: quantize-append (pages and fp16 regions bit-exact against fmkv_append with
 //     FMKV_BACKEND_REF, state poisoned first, several block sizes, multi-call, sink/window, k16),
 //     decode attention partial + merge (within the emulator test's relative error bounds of the
-//     reference), kernel-side error reporting.
+//     reference), the same with lse (fmkv_attention_lse: NaN-poisoned lse within 2 x the f32 bound of the
+//     reference's, output bits equal to the call without lse, row- or head-major), kernel-side error reporting.
 // Prints one line per case and "N passed, M failed"; exit status 1 on any failure, 2 on a CUDA
 // error. Fresh inputs every run (the seed is printed; FMKV_METAL_SEED=<n> repeats a run).
 // Build (tests/cuda/build_gpu1.sh has the exact command): nvcc -std=c++17 -arch=sm_90 -fmad=false
@@ -168,8 +169,8 @@ __global__ void k_attention_partial(fmkv_metal_attention_params p, const fmkv_u8
                               blockDim.x);
 }
 __global__ void k_attention_merge(fmkv_metal_attention_params p, const fmkv_i64* row_offsets, const float* ws,
-                                  fmkv_u8* out, fmkv_u32* status) {
-  fmkv_attention_merge_impl(p, row_offsets, ws, out, nullptr, status, blockIdx.x, threadIdx.x / 32, blockDim.x / 32,
+                                  fmkv_u8* out, float* lse, fmkv_u32* status) {
+  fmkv_attention_merge_impl(p, row_offsets, ws, out, lse, status, blockIdx.x, threadIdx.x / 32, blockDim.x / 32,
                             threadIdx.x % 32, blockDim.x);
 }
 
@@ -293,6 +294,48 @@ struct AttentionCase {
   int simdgroups, splits, merge_simdgroups;
 };
 
+// Decode attention with the kernel core's CUDA kernels (the query rows' lens included; q_heads query heads); out
+// and the workspace are poisoned with NaN first. lse (fmkv_attention_lse): empty, or f32 [rows][q_heads] at element
+// strides (lse_rs, lse_hs), downloaded into lse after the merge (poisoned with NaN before it).
+void attention_cuda(const Layer& L, const std::vector<int64_t>& lens, const std::vector<int64_t>& offs,
+                    const std::vector<uint8_t>& qbytes, fmkv_dtype q_dt, int32_t q_heads, fmkv_dtype out_dt,
+                    const fmkv_attention_opts& opts, int simdgroups, int splits, int merge_simdgroups,
+                    std::vector<uint8_t>& out, std::vector<uint32_t>& status, std::vector<float>* lse = nullptr,
+                    int64_t lse_rs = 0, int64_t lse_hs = 0) {
+  const fmkv_config& c = L.cfg;
+  const int64_t nrows = offs.back();
+  const int d = c.head_dim;
+  out.assign((size_t)nrows * q_heads * d * (out_dt == FMKV_F32 ? 4 : 2), 0xFF);  // NaN
+  std::vector<uint8_t> qcopy = qbytes;
+  fmkv_tensor q = fmkv::make_tensor(qcopy.data(), q_dt, nrows, q_heads, d);
+  fmkv_tensor o = fmkv::make_tensor(out.data(), out_dt, nrows, q_heads, d);
+  Layer Lc = L;
+  fmkv_batch bt{Lc.seqs(), Lc.slots.data(), lens.data(), offs.data(), Lc.table.data(), Lc.stride};
+  if (lse) lse->assign((size_t)nrows * q_heads, NAN);
+  const fmkv_tensor lt{lse ? lse->data() : nullptr, FMKV_F32, nrows, q_heads, 1, lse_rs, lse_hs};
+  fmkv::AttentionArgs a{c, Lc.cache(), bt, q, o, opts, nullptr, 0, nullptr, lt};
+  const fmkv_metal_attention_params p = fmkv::metal::attention_params(a, simdgroups, splits);
+  Dev<uint8_t> pages(L.pages), dq(qbytes), dout(out);
+  Dev<uint16_t> fk(L.fk), fv(L.fv);
+  Dev<int64_t> dl(lens), doff(offs);
+  Dev<int32_t> table(L.table), slots(L.slots);
+  Dev<float> ws((size_t)fmkv::metal::attention_workspace_floats(p));
+  ws.fill(0xFF);  // NaN poison
+  std::vector<float> lse_init(lse ? lse->size() : 1, NAN);
+  Dev<float> dlse(lse_init);
+  Dev<uint32_t> st(2);
+  st.fill(0);
+  k_attention_partial<<<fmkv::metal::attention_partial_groups(p), simdgroups * 32>>>(
+      p, pages.p, fk.p, fv.p, dq.p, (const fmkv_i64*)dl.p, (const fmkv_i64*)doff.p, table.p, slots.p, ws.p, st.p);
+  CK_LAUNCH();
+  k_attention_merge<<<fmkv::metal::attention_merge_groups(p, merge_simdgroups), merge_simdgroups * 32>>>(
+      p, (const fmkv_i64*)doff.p, ws.p, dout.p, lse ? dlse.p : nullptr, st.p);
+  CK_LAUNCH();
+  out = dout.download();
+  status = st.download();
+  if (lse) *lse = dlse.download();
+}
+
 void run_attention_case(const AttentionCase& ac) {
   auto t0 = std::chrono::steady_clock::now();
   const fmkv_config& c = ac.cfg;
@@ -314,32 +357,16 @@ void run_attention_case(const AttentionCase& ac) {
   auto qbytes = random_tensor(ac.q_dt, nrows, HQ, d);
   fmkv_tensor q = fmkv::make_tensor(qbytes.data(), ac.q_dt, nrows, HQ, d);
   const size_t out_es = ac.out_dt == FMKV_F32 ? 4 : 2, nout = (size_t)nrows * HQ * d;
-  std::vector<uint8_t> out_ref(nout * out_es, 0xFF), out_met(nout * out_es, 0xFF);
+  std::vector<uint8_t> out_ref(nout * out_es, 0xFF), out_met;
   fmkv_tensor oref = fmkv::make_tensor(out_ref.data(), ac.out_dt, nrows, HQ, d);
-  fmkv_tensor omet = fmkv::make_tensor(out_met.data(), ac.out_dt, nrows, HQ, d);
   fmkv_batch bt{L.seqs(), L.slots.data(), ac.lens.data(), offs.data(), L.table.data(), L.stride};
   fmkv_layer_cache lc = L.cache();
   fmkv_attention_opts opts{ac.scale, ac.softcap, 0};
   fmkv::check(fmkv_attention(FMKV_BACKEND_REF, &c, &lc, &bt, &q, &opts, &oref, nullptr, 0, nullptr));
 
-  fmkv::AttentionArgs a{c, lc, bt, q, omet, opts, nullptr, 0, nullptr};
-  const fmkv_metal_attention_params p = fmkv::metal::attention_params(a, ac.simdgroups, ac.splits);
-  Dev<uint8_t> pages(L.pages), dq(qbytes), dout(out_met);
-  Dev<uint16_t> fk(L.fk), fv(L.fv);
-  Dev<int64_t> dl(ac.lens), doff(offs);
-  Dev<int32_t> table(L.table), slots(L.slots);
-  Dev<float> ws((size_t)fmkv::metal::attention_workspace_floats(p));
-  ws.fill(0xFF);  // NaN poison
-  Dev<uint32_t> st(2);
-  st.fill(0);
-  k_attention_partial<<<fmkv::metal::attention_partial_groups(p), ac.simdgroups * 32>>>(
-      p, pages.p, fk.p, fv.p, dq.p, (const fmkv_i64*)dl.p, (const fmkv_i64*)doff.p, table.p, slots.p, ws.p, st.p);
-  CK_LAUNCH();
-  k_attention_merge<<<fmkv::metal::attention_merge_groups(p, ac.merge_simdgroups), ac.merge_simdgroups * 32>>>(
-      p, (const fmkv_i64*)doff.p, ws.p, dout.p, st.p);
-  CK_LAUNCH();
-  out_met = dout.download();
-  auto status = st.download();
+  std::vector<uint32_t> status;
+  attention_cuda(L, ac.lens, offs, qbytes, ac.q_dt, HQ, ac.out_dt, opts, ac.simdgroups, ac.splits,
+                 ac.merge_simdgroups, out_met, status);
   const double tol = ac.out_dt == FMKV_F32 ? 1e-5 : ac.out_dt == FMKV_F16 ? 2e-3 : 1.2e-2;
   const double err = rel_error(as_floats(out_met, ac.out_dt, nout), as_floats(out_ref, ac.out_dt, nout));
   char buf[160];
@@ -352,6 +379,41 @@ void run_attention_case(const AttentionCase& ac) {
            config_name(c).c_str(), ac.group, (long long)maxq, dt_name(ac.q_dt), dt_name(ac.out_dt), ac.scale,
            ac.softcap, ac.simdgroups, ac.splits, ac.merge_simdgroups);
   report(err <= tol && !status[0] && !status[1], name, detail, since(t0));
+
+  // fmkv_attention_lse on the same inputs (as tests/metal/test_metal.cpp's emulator cases): lse (NaN-poisoned: an
+  // element the merge does not write fails) within 2 x the f32 attention bound of the float64 reference's,
+  // |lse - ref| / (1 + |ref|), and the output bits equal to the call without lse; every other case head-major.
+  t0 = std::chrono::steady_clock::now();
+  static int lse_cases = 0;
+  const bool head_major = lse_cases++ % 2 == 1;
+  std::vector<float> lse_ref((size_t)nrows * HQ, NAN), lse_met;
+  std::vector<uint8_t> out_ref2(nout * out_es, 0xFF), out_lse;
+  fmkv_tensor oref2 = fmkv::make_tensor(out_ref2.data(), ac.out_dt, nrows, HQ, d);
+  fmkv_tensor lref = fmkv::make_tensor(lse_ref.data(), FMKV_F32, nrows, HQ, 1);
+  fmkv::check(fmkv_attention_lse(FMKV_BACKEND_REF, &c, &lc, &bt, &q, &opts, &oref2, &lref, nullptr, 0, nullptr));
+  const int64_t lrs = head_major ? 1 : HQ, lhs = head_major ? nrows : 1;
+  std::vector<uint32_t> lstatus;
+  attention_cuda(L, ac.lens, offs, qbytes, ac.q_dt, HQ, ac.out_dt, opts, ac.simdgroups, ac.splits,
+                 ac.merge_simdgroups, out_lse, lstatus, &lse_met, lrs, lhs);
+  const double lse_tol = 2.0 * 1e-5;
+  double worst = 0.0;
+  std::string lerr;
+  for (int64_t r = 0; r < nrows; ++r)
+    for (int32_t hq = 0; hq < HQ; ++hq) {
+      const double got = lse_met[(size_t)(r * lrs + hq * lhs)], want = lse_ref[(size_t)(r * HQ + hq)];
+      const double e = std::fabs(got - want) / (1.0 + std::fabs(want));
+      worst = std::max(worst, std::isnan(e) ? INFINITY : e);
+      if (lerr.empty() && !(e <= lse_tol)) {
+        snprintf(buf, sizeof buf, "lse[%lld][%d] = %.9g, reference %.9g; ", (long long)r, hq, got, want);
+        lerr = buf;
+      }
+    }
+  if (out_lse != out_met) lerr += "output bits differ from the call without lse; ";
+  if (lstatus[0] || lstatus[1])
+    lerr += "kernel status " + std::to_string(lstatus[0]) + "/" + std::to_string(lstatus[1]) + "; ";
+  snprintf(buf, sizeof buf, "worst |lse - ref| / (1 + |ref|) %.3g (bound %.0e)", worst, lse_tol);
+  report(lerr.empty(), std::string("lse ") + name + (head_major ? " lse head-major" : ""),
+         lerr.empty() ? std::string(buf) + ", output bits equal" : lerr + buf, since(t0));
 }
 
 // Per-SIMD-group primitives, bit for bit, on adversarial inputs (as test_metal.cpp run_core_case).
