@@ -397,17 +397,7 @@ void run_attention_case(const AttentionCase& ac) {
                  ac.merge_simdgroups, out_lse, lstatus, &lse_met, lrs, lhs);
   const double lse_tol = 2.0 * 1e-5;
   double worst = 0.0;
-  std::string lerr;
-  for (int64_t r = 0; r < nrows; ++r)
-    for (int32_t hq = 0; hq < HQ; ++hq) {
-      const double got = lse_met[(size_t)(r * lrs + hq * lhs)], want = lse_ref[(size_t)(r * HQ + hq)];
-      const double e = std::fabs(got - want) / (1.0 + std::fabs(want));
-      worst = std::max(worst, std::isnan(e) ? INFINITY : e);
-      if (lerr.empty() && !(e <= lse_tol)) {
-        snprintf(buf, sizeof buf, "lse[%lld][%d] = %.9g, reference %.9g; ", (long long)r, hq, got, want);
-        lerr = buf;
-      }
-    }
+  std::string lerr = lse_mismatch(lse_met, lse_ref, nrows, HQ, lrs, lhs, lse_tol, worst);
   if (out_lse != out_met) lerr += "output bits differ from the call without lse; ";
   if (lstatus[0] || lstatus[1])
     lerr += "kernel status " + std::to_string(lstatus[0]) + "/" + std::to_string(lstatus[1]) + "; ";

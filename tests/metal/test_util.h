@@ -29,6 +29,27 @@ inline void report(bool ok, const std::string& name, const std::string& detail, 
   fflush(stdout);
 }
 
+// fmkv_attention_lse checks of the Metal kernel tests (the emulator's and the CUDA one's): got (at element strides
+// rs, hs) against the reference's row-major [rows][heads] want, |got - want| / (1 + |want|) <= tol (NaN fails).
+// Returns the first mismatch as text (empty when none) and sets worst to the largest error.
+inline std::string lse_mismatch(const std::vector<float>& got, const std::vector<float>& want, int64_t rows,
+                                int32_t heads, int64_t rs, int64_t hs, double tol, double& worst) {
+  std::string err;
+  worst = 0.0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int32_t h = 0; h < heads; ++h) {
+      const double g = got[(size_t)(r * rs + h * hs)], w = want[(size_t)(r * heads + h)];
+      const double e = std::fabs(g - w) / (1.0 + std::fabs(w));
+      worst = std::max(worst, std::isnan(e) ? INFINITY : e);
+      if (err.empty() && !(e <= tol)) {
+        char buf[160];
+        snprintf(buf, sizeof buf, "lse[%lld][%d] = %.9g, reference %.9g; ", (long long)r, h, g, w);
+        err = buf;
+      }
+    }
+  return err;
+}
+
 inline std::vector<uint8_t> random_tensor(fmkv_dtype dt, int64_t rows, int32_t heads, int32_t d) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> chan(d);

@@ -231,6 +231,18 @@ def load_cache(cls: Any, path: Any, config: Any, device: Any = None, set_attenti
     return cache
 
 
+def _copy_row(layer: Any, r: int, q: Any, pages: np.ndarray, fk: Any, fv: Any) -> None:
+    """Snapshot sequence q's pages into batch row r's page range of ``layer`` (its first pages_per_seq pages from
+    r * pages_per_seq), and its fp16 regions when the snapshot has them."""
+    if q.block_table:
+        pps = layer.pages_per_seq
+        src = torch.from_numpy(pages[np.asarray(q.block_table, dtype=np.int64)])
+        layer.pages[r * pps:r * pps + len(q.block_table)].copy_(src)
+    if fk is not None:
+        layer.fp16_k[r].copy_(torch.from_numpy(fk[q.slot].copy()))
+        layer.fp16_v[r].copy_(torch.from_numpy(fv[q.slot].copy()))
+
+
 def _load_static_layer(layer: Any, path: str, e: Dict[str, Any]) -> None:
     """One FmkvStaticLayer (allocated at construction) filled in place from its snapshot: each sequence's pages
     into its own page range, fp16 regions, lengths, the timeline, the key offsets."""
@@ -251,13 +263,7 @@ def _load_static_layer(layer: Any, path: str, e: Dict[str, Any]) -> None:
                                  f"{len(q.block_table)} pages (expected {lengths[r]} in at most {pps}; {name} "
                                  f"max_cache_len {layer.max_cache_len})")
     for r in range(b):  # every check passed: nothing is written before
-        q = snap.sequence(r)
-        if q.block_table:
-            src = torch.from_numpy(pages[np.asarray(q.block_table, dtype=np.int64)])
-            layer.pages[r * pps:r * pps + len(q.block_table)].copy_(src)
-        if fk is not None:
-            layer.fp16_k[r].copy_(torch.from_numpy(fk[q.slot].copy()))
-            layer.fp16_v[r].copy_(torch.from_numpy(fv[q.slot].copy()))
+        _copy_row(layer, r, snap.sequence(r), pages, fk, fv)
     layer.lens.copy_(torch.tensor(lengths, dtype=layer.lens.dtype))
     layer.cumulative_length.fill_(int(e["timeline"]))
     layer.filled = bool(e["filled"])
@@ -299,12 +305,7 @@ def _load_layer(layer: Any, path: str, e: Dict[str, Any], device: Any) -> None:
         if q.num_tokens != e["length"] or len(q.block_table) > pps:
             raise fmkv.FmkvError(f"FmkvCache.load: {e['file']} sequence {r} holds {q.num_tokens} tokens in "
                                  f"{len(q.block_table)} pages (expected {e['length']} in at most {pps})")
-        if q.block_table:
-            src = torch.from_numpy(pages[np.asarray(q.block_table, dtype=np.int64)])
-            layer.pages[r * pps:r * pps + len(q.block_table)].copy_(src)
-        if fk is not None:
-            layer.fp16_k[r].copy_(torch.from_numpy(fk[q.slot].copy()))
-            layer.fp16_v[r].copy_(torch.from_numpy(fv[q.slot].copy()))
+        _copy_row(layer, r, q, pages, fk, fv)
     if c.sink_tokens + c.window_tokens == 0 and fk is not None:
         raise fmkv.FmkvError(f"FmkvCache.load: {e['file']} has fp16 regions the layer's config does not")
     layer.lens.fill_(e["length"])
