@@ -160,9 +160,10 @@ def load_cache(cls: Any, path: Any, config: Any, device: Any = None, set_attenti
         with open(mf) as f:
             m = json.load(f)
     except FileNotFoundError:
-        raise fmkv.FmkvError(f"FmkvCache.load: {mf!r} not found (not a directory written by FmkvCache.save)") from None
+        raise fmkv.FmkvError(f"{cls.__name__}.load: {mf!r} not found (not a directory written by "
+                             f"{cls.__name__}.save)") from None
     except (OSError, ValueError) as e:
-        raise fmkv.FmkvError(f"FmkvCache.load: {mf!r} cannot be read ({e})") from None
+        raise fmkv.FmkvError(f"{cls.__name__}.load: {mf!r} cannot be read ({e})") from None
     kind = _kind(cls)
     if isinstance(m, dict) and m.get("kind") in (KIND, STATIC_KIND) and m.get("kind") != kind:
         raise fmkv.FmkvError(f"{cls.__name__}.load: {path!r} holds a saved {m['kind']} (load it with that class)")
@@ -173,7 +174,7 @@ def load_cache(cls: Any, path: Any, config: Any, device: Any = None, set_attenti
     alloc = m.get("allocation") if static else None
     if static and alloc is not None:  # allocated at once, with the saved batch size and dtype
         opts.update(batch_size=alloc["batch"], dtype=getattr(torch, alloc["dtype"]),
-                    device=_storage_device(device, alloc["storage"]))
+                    device=_storage_device(device, alloc["storage"], cls.__name__))
     elif device is not None and not static:
         opts["device"] = str(device)
     from .compat import layer_types, text_config
@@ -187,14 +188,14 @@ def load_cache(cls: Any, path: Any, config: Any, device: Any = None, set_attenti
         raise fmkv.FmkvError(f"{cls.__name__}.load: the saved options do not fit this model ({e})") from None
     for key, want in m["model"].items():
         if cache.geometry.get(key) != want:
-            raise fmkv.FmkvError(f"FmkvCache.load: the model has {key} = {cache.geometry.get(key)}, the saved cache "
+            raise fmkv.FmkvError(f"{cls.__name__}.load: the model has {key} = {cache.geometry.get(key)}, the saved cache "
                                  f"{want}")
     if len(cache.layers) != m["num_layers"] or len(cache.fmkv_layers) != len(m["fmkv_layers"]):
-        raise fmkv.FmkvError(f"FmkvCache.load: the model has {len(cache.layers)} layers ({len(cache.fmkv_layers)} fmkv "
+        raise fmkv.FmkvError(f"{cls.__name__}.load: the model has {len(cache.layers)} layers ({len(cache.fmkv_layers)} fmkv "
                              f"layers), the saved cache {m['num_layers']} ({len(m['fmkv_layers'])})")
     for layer, e in zip(cache.fmkv_layers, m["fmkv_layers"]):
         if (layer.layer_idx, layer.k_bits, layer.v_bits) != (e["layer_idx"], e["k_bits"], e["v_bits"]):
-            raise fmkv.FmkvError(f"FmkvCache.load: fmkv layer {layer.layer_idx} k{layer.k_bits}v{layer.v_bits} does not "
+            raise fmkv.FmkvError(f"{cls.__name__}.load: fmkv layer {layer.layer_idx} k{layer.k_bits}v{layer.v_bits} does not "
                                  f"match the saved layer {e['layer_idx']} k{e['k_bits']}v{e['v_bits']}")
         if e["initialized"] and static:
             _load_static_layer(layer, path, e)
@@ -210,7 +211,6 @@ def load_cache(cls: Any, path: Any, config: Any, device: Any = None, set_attenti
     for (i, layer), e in zip(plain, m["sliding_layers"]):
         if e["initialized"]:
             kv = torch.load(os.path.join(path, e["file"]), map_location="cpu")
-            dev = _storage_device(device, e["storage"])
             if static:  # allocated at construction: filled in place (its tensors' addresses stay)
                 if tuple(layer.keys.shape) != tuple(kv["keys"].shape):
                     raise fmkv.FmkvError(f"{cls.__name__}.load: sliding layer {i} holds {tuple(kv['keys'].shape)} "
@@ -221,6 +221,7 @@ def load_cache(cls: Any, path: Any, config: Any, device: Any = None, set_attenti
                 if hasattr(layer, "cumulative_length_int"):
                     layer.cumulative_length_int = int(e.get("length_int", e["length"]))
                 continue
+            dev = _storage_device(device, e["storage"], cls.__name__)
             layer.lazy_initialization(kv["keys"].to(dev), kv["values"].to(dev))
             layer.keys, layer.values = kv["keys"].to(dev), kv["values"].to(dev)
             layer.cumulative_length = int(e["length"])
@@ -276,13 +277,13 @@ def _load_static_layer(layer: Any, path: str, e: Dict[str, Any]) -> None:
         layer._mu_set = [bool(x) for x in e["mu_set"]]
 
 
-def _storage_device(device: Any, saved: str) -> "torch.device":
-    """``device`` if given, else where the layer was saved from (CUDA: the current device)."""
+def _storage_device(device: Any, saved: str, who: str = "FmkvCache") -> "torch.device":
+    """``device`` if given, else where the layer was saved from (CUDA: the current device); ``who`` loads."""
     if device is not None:
         return torch.device(device)
     if saved == "cuda":
         if not torch.cuda.is_available():
-            raise fmkv.FmkvError("FmkvCache.load: the cache was saved from CUDA storage and torch sees no CUDA device "
+            raise fmkv.FmkvError(f"{who}.load: the cache was saved from CUDA storage and torch sees no CUDA device "
                                  "(pass device='cpu' to load it into host memory)")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
