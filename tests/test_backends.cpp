@@ -5,6 +5,7 @@
 #include "harness.h"
 #include "ref/quantize.h"
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -169,6 +170,59 @@ TEST_P(Backends, AttentionMatchesReference) {
       double err = rel_error(got, want);
       EXPECT_LT(err, attention_tolerance(b, out)) << fmkv_backend_name(b) << " d=" << sh.d << " k" << sh.kb << "v" << sh.vb
                                                   << " out dtype " << out << " max_seq_len " << o.max_seq_len;
+    }
+}
+
+// Queries of one GQA group whose scores lie far apart: the keys share a large common part M u (u a unit vector),
+// query head h is o_h sqrt(d) / M u + a small random part, so its scores are o_h + O(1), and the offsets o_h (which
+// softmax ignores) of any 4 consecutive heads are -150, -50, 50, 150 in some order: 100 or more apart. Each query's
+// softmax must use its own maximum: one that took another query's (a joint reduction of several queries' maxima
+// gone wrong) overflows exp or weights every token alike, while a maximum off by less than ~88 would give the same
+// result. The CPU kernels reduce the maxima of up to 4 queries together (R = 4 at GQA 4 and 8, R = 3 at GQA 3).
+// V has a common part too, so the output is not near zero and the bound is met with room.
+TEST_P(Backends, AttentionQueriesWithScoresFarApart) {
+  const fmkv_backend b = GetParam();
+  const double offsets[4] = {-150.0, 50.0, 150.0, -50.0};
+  const double tol = attention_tolerance(b, FMKV_F32);
+  for (int version : {2, 3})
+    for (const auto& [d, kb, vb, group] :
+         std::vector<std::array<int, 4>>{{128, 3, 3, 4}, {128, 4, 4, 8}, {64, 3, 4, 3}, {128, 4, 2, 2}, {64, 3, 3, 4}}) {
+      if (version > find_backend(b)->max_format_version) continue;
+      const int32_t kvh = 2, HQ = kvh * group;
+      fmkv_config c = config(d, kb, vb, kvh, 64);
+      c.format_version = version;
+      const Scenario a = make_scenario(c, {700, 301}, {1, 1});  // one query row per sequence after its tokens
+      Scenario fill = a;  // the cache holds the query rows' tokens too
+      fill.lens = {0, 0};
+      fill.rows = {701, 302};
+      const int64_t n = 1003;
+      std::normal_distribution<double> nd(0.0, 1.0);
+      std::vector<double> u(d), w(d);  // K's direction (unit) and V's common part, the same for every kv head
+      double un = 0.0;
+      for (int32_t i = 0; i < d; ++i) u[i] = nd(rng()), un += u[i] * u[i], w[i] = nd(rng());
+      for (auto& x : u) x /= std::sqrt(un);
+      const double M = 400.0;
+      std::vector<float> kf((size_t)n * kvh * d), vf((size_t)n * kvh * d);
+      for (size_t i = 0; i < kf.size(); ++i) kf[i] = (float)(M * u[i % d] + nd(rng())), vf[i] = (float)(w[i % d] + nd(rng()));
+      const LayerState st = run_append(FMKV_BACKEND_REF, fill, make_tensor(kf.data(), FMKV_F32, n, kvh, d),
+                                       make_tensor(vf.data(), FMKV_F32, n, kvh, d));
+      std::vector<float> qf((size_t)2 * HQ * d);
+      for (int64_t row = 0; row < 2; ++row)
+        for (int32_t h = 0; h < HQ; ++h)
+          for (int32_t i = 0; i < d; ++i)
+            qf[((size_t)row * HQ + h) * d + i] = (float)(offsets[(h + row) % 4] * std::sqrt((double)d) / M * u[i] + 0.3 * nd(rng()));
+      const fmkv_tensor q = make_tensor(qf.data(), FMKV_F32, 2, HQ, d);
+      const auto want = run_attention(FMKV_BACKEND_REF, a, st, q, FMKV_F32);
+      std::vector<float> got;
+      try {
+        got = run_attention(b, a, st, q, FMKV_F32);
+      } catch (const fmkv::Error& e) {
+        if (cuda_combination_not_compiled(b, e, d, kb, vb, version >= 3)) continue;
+        throw;
+      }
+      const double err = rel_error(got, want);
+      EXPECT_LT(err, tol) << fmkv_backend_name(b) << " format " << version << " d=" << d << " k" << kb << "v" << vb
+                          << " GQA " << group;
     }
 }
 

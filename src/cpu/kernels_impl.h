@@ -239,6 +239,41 @@ void make_int_query(const float* const* q, int32_t d, float step, IntQuery<R>& o
     }
 }
 
+// ---- the R maxima of a block's scores in one reduction -------------------------------------------
+// out[r] = the largest lane of x[r]. For N >= 8, vectors are folded in pairs at lane distance h = N / 2, N / 4, ...
+// (fold(a, b, h): lanes with bit h clear hold max(a[i], a[i ^ h]), the others max(b[i], b[i ^ h]); 4 operations
+// for two vectors) until one vector remains, which then folds into itself at the remaining distances: vector r's
+// maximum ends in lane sum over levels k of bit k of r times N >> (k + 1). R = 4 at N = 16: 16 operations where
+// four separate reductions take about 32. N < 8 (NEON's across-vector max is one instruction; scalar): one by one.
+template <class T, int R>
+void hmax_rows(const typename T::F* x, float* out) {
+  using F = typename T::F;
+  constexpr int N = T::N;
+  constexpr int L = R <= 1 ? 0 : R <= 2 ? 1 : R <= 4 ? 2 : 3;  // pair levels
+  if constexpr (N < 8 || (1 << L) > N) {
+    for (int r = 0; r < R; ++r) out[r] = T::hmax(x[r]);
+  } else {
+    F v[R];
+    for (int r = 0; r < R; ++r) v[r] = x[r];
+    int n = R, h = N / 2;
+    for (int k = 0; k < L; ++k, h /= 2) {
+      for (int j = 0; 2 * j < n; ++j) {
+        const F a = v[2 * j], b = 2 * j + 1 < n ? v[2 * j + 1] : a;
+        v[j] = T::max(T::blend_hbit(a, b, h), T::perm_xor(T::blend_hbit(b, a, h), h));
+      }
+      n = (n + 1) / 2;
+    }
+    for (; h >= 1; h /= 2) v[0] = T::max(v[0], T::perm_xor(v[0], h));
+    alignas(64) float lanes[N];
+    T::store(lanes, v[0]);
+    for (int r = 0; r < R; ++r) {
+      int lane = 0;
+      for (int k = 0; k < L; ++k) lane += ((r >> k) & 1) * (N >> (k + 1));
+      out[r] = lanes[lane];
+    }
+  }
+}
+
 // ---- decode attention over compressed pages ------------------------------------------------
 // One call = one kv head, R query vectors (GQA group heads x query rows), compressed tokens
 // [c0, c1) in blocks of N tokens (N = SIMD lanes; a block never crosses a page since P >= 16).
@@ -252,7 +287,8 @@ void make_int_query(const float* const* q, int32_t d, float step, IntQuery<R>& o
 // 16-entry table with the whole nibble (job.tk4 / tv4), so no sign step.
 // Scores come out as one vector per query.
 // K (fp16, k_bits == 16): lane = coordinate, one dot product per token.
-// Softmax: online, per block (max, exp, sum) in registers.
+// Softmax: online, per block in registers: the R queries' block maxima in one reduction (hmax_rows), the
+// correction exp only where a maximum grew, the sums of weights as vectors reduced once per call.
 // V: lane = coordinate (lane order pi, see LaneTables). Per token: broadcast the code words (4 and 5 bits:
 // the block's one or two nibble words, blended; 5 bits also the sign plane), shift by per-lane constants, look up, fma into
 // accumulators with weight p * scale; lanes u and u + 16 of a group share one token loop (one weight broadcast,
@@ -278,7 +314,8 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
   const typename T::Table16 tv16 = T::load_table16(T::kLut16 && VB == 4 ? job.tv4 : job.tv);
   const float NEG_INF = -__builtin_inff();
   float m[R], l[R];
-  for (int r = 0; r < R; ++r) m[r] = st[r].m, l[r] = st[r].l;
+  F lv[R];  // this call's sums of weights, per lane (l[r] + hsum(lv[r]) is the softmax denominator)
+  for (int r = 0; r < R; ++r) m[r] = st[r].m, l[r] = st[r].l, lv[r] = T::zero();
   alignas(64) float wbuf[R][N];
   alignas(64) float sbuf[R][N];
   alignas(64) uint32_t kscr[KT ? 4 * 8 * 16 : 1];  // tiled K: the tile's nibble words [q G + g][16 tokens]
@@ -425,27 +462,34 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
         for (int r = 0; r < R; ++r) s[r] = T::fmadd(T::add(part[0][r], part[1][r]), sc, s[r]);
       }
     }
-    // online softmax over the block
+    // online softmax over the block: the R block maxima in one reduction; the max correction only where a
+    // query's maximum grew; the weights' sums kept as vectors lv (reduced once, at the end)
     F p[R];
-    float corr[R];
+    float corr[R], bm[R];
+    int lim[R];
     for (int r = 0; r < R; ++r) {
-      int64_t lim64 = climit[r] - b0;
-      const int lim = lim64 <= 0 ? 0 : lim64 >= N ? N : (int)lim64;
-      p[r] = T::zero();
-      corr[r] = 1.0f;
-      if (lim == 0) continue;
-      if (job.softcap > 0.0f) {
+      const int64_t lim64 = climit[r] - b0;
+      lim[r] = lim64 <= 0 ? 0 : lim64 >= N ? N : (int)lim64;
+      if (lim[r] > 0 && job.softcap > 0.0f) {
         T::store(sbuf[r], s[r]);
-        for (int t = 0; t < lim; ++t) sbuf[r][t] = job.softcap * __builtin_tanhf(sbuf[r][t] / job.softcap);
+        for (int t = 0; t < lim[r]; ++t) sbuf[r][t] = job.softcap * __builtin_tanhf(sbuf[r][t] / job.softcap);
         s[r] = T::load(sbuf[r]);
       }
-      s[r] = T::select_valid(s[r], T::set1(NEG_INF), lim);
-      const float bm = T::hmax(s[r]);
-      const float mn = m[r] > bm ? m[r] : bm;
-      corr[r] = m[r] == NEG_INF ? 0.0f : __builtin_expf(m[r] - mn);
-      p[r] = T::select_valid(T::exp(T::sub(s[r], T::set1(mn))), T::zero(), lim);
-      l[r] = l[r] * corr[r] + T::hsum(p[r]);
-      m[r] = mn;
+      s[r] = T::select_valid(s[r], T::set1(NEG_INF), lim[r]);
+    }
+    hmax_rows<T, R>(s, bm);
+    for (int r = 0; r < R; ++r) {
+      p[r] = T::zero();
+      corr[r] = 1.0f;
+      if (lim[r] == 0) continue;
+      if (bm[r] > m[r]) {
+        corr[r] = m[r] == NEG_INF ? 0.0f : __builtin_expf(m[r] - bm[r]);
+        l[r] *= corr[r];
+        lv[r] = T::mul(lv[r], T::set1(corr[r]));
+        m[r] = bm[r];
+      }
+      p[r] = T::select_valid(T::exp(T::sub(s[r], T::set1(m[r]))), T::zero(), lim[r]);
+      lv[r] = T::add(lv[r], p[r]);
     }
     // V accumulation
     const uint32_t* vw = (const uint32_t*)vsec;
@@ -538,7 +582,7 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
       }
     }
   }
-  for (int r = 0; r < R; ++r) st[r].m = m[r], st[r].l = l[r];
+  for (int r = 0; r < R; ++r) st[r].m = m[r], st[r].l = l[r] + T::hsum(lv[r]);
 }
 
 // fp16 tokens (sink + window): lane = coordinate; per token one dot product per query (hsum),
