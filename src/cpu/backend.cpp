@@ -23,8 +23,8 @@ const Kernels& select_kernels() {
 #if defined(__x86_64__) && defined(FMKV_CPU_HAVE_AVX512)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
-  const bool vnni = avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  const bool vnni = avx512 && __builtin_cpu_supports("avx512vnni");
   const bool avx2vnni = avx2 && __builtin_cpu_supports("avxvnni");
   if (want == "scalar") return kernels_scalar();
   if (want == "avx2" && avx2) return kernels_avx2();

@@ -1,12 +1,13 @@
-// AVX-512F kernels (N = 16). Compiled with -mavx512f -mavx2 -mfma -mf16c (cmake/cpu_sources.cmake);
-// used only when the CPU reports AVX-512F. kernels_avx512vnni.cpp compiles this same file with VNNI + BW
+// AVX-512 kernels (N = 16). Compiled with -mavx512f -mavx512bw -mavx2 -mfma -mf16c (cmake/cpu_sources.cmake);
+// used only when the CPU reports AVX-512F and BW (BW: the 512-bit byte shuffle of nibble_v_scratch.h; every
+// AVX-512 CPU but the Xeon Phi has it). kernels_avx512vnni.cpp compiles this same file with VNNI
 // and the traits Avx512VnniT (format 3's K scored with integer dot products).
 // GCC 12 warns about _mm512_undefined_* inside its own headers (false positive).
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "kernels_impl.h"
 
-#ifndef FMKV_AVX512_ENTRY  // this file itself: the AVX-512F set
+#ifndef FMKV_AVX512_ENTRY  // this file itself: the AVX-512 (F + BW) set
 #define FMKV_AVX512_ENTRY kernels_avx512
 #define FMKV_AVX512_NAME "avx512"
 #define FMKV_AVX512_TRAITS Avx512T

@@ -8,6 +8,7 @@
 #include "../format/quantize_group.h"
 #include "fmkv/params.h"
 #include "kernels.h"
+#include "nibble_v_scratch.h"
 #include "simd.h"
 #include "tile.h"
 
@@ -292,7 +293,9 @@ void hmax_rows(const typename T::F* x, float* out) {
 // V: lane = coordinate (lane order pi, see LaneTables). Per token: broadcast the code words (4 and 5 bits:
 // the block's one or two nibble words, blended; 5 bits also the sign plane), shift by per-lane constants, look up, fma into
 // accumulators with weight p * scale; lanes u and u + 16 of a group share one token loop (one weight broadcast,
-// one sign-plane broadcast, and for tile blocks one scratch word serve both).
+// one sign-plane broadcast, and for tile blocks one scratch word serve both). 4-bit V on AVX2 / AVX-512 (VS): the
+// tile's nibble words are first rewritten into the tile-block V scratch layout (nibble_v_scratch.h, lanes still in
+// pi order), and the loop reads one scratch word per token as for tile blocks.
 // Tile blocks (format 3, 3-bit K: KT, V: VT; tile.h): at the first block of each 16-token tile the tile
 // block is unpacked into a scratch (tile_unpack_k / tile_unpack_v: K as 4 nibble words per token and
 // group, V as the X / YH words of a 4-token column per lane); K then runs the 4-bit loop on it (q in
@@ -319,7 +322,9 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
   alignas(64) float wbuf[R][N];
   alignas(64) float sbuf[R][N];
   alignas(64) uint32_t kscr[KT ? 4 * 8 * 16 : 1];  // tiled K: the tile's nibble words [q G + g][16 tokens]
-  alignas(64) uint32_t vscr[VT ? 4 * 8 * 16 : 1];  // tiled V: the tile's column words [kb G + g][16 lanes]
+  // 4-bit V through a scratch (nibble_v_scratch.h): the tile's nibble words rewritten in the tiled V scratch layout
+  constexpr bool VS = VB == 4 && kNibbleVScratch && N >= 8;
+  alignas(64) uint32_t vscr[VT || VS ? 4 * 8 * 16 : 1];  // tiled V: the tile's column words [kb G + g][16 lanes]
   constexpr bool IK = KT && T::kIntDot;  // tiled K scored with integer dot products
   IntQuery<IK ? R : 1> iq;
   alignas(16) uint8_t ktab[16];  // IK: u8 levels + 128 of the nibble (8-periodic)
@@ -361,9 +366,10 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
     const uint8_t* ksec = pg + job.k_off;
     const uint8_t* vsec = pg + job.v_off;
     const int nany = (int)imin(N, job.c1 - b0);
-    if ((KT || VT) && (t0 & 15) == 0) {  // the first block of a tile (blocks never cross one: N <= 16)
+    if ((KT || VT || VS) && (t0 & 15) == 0) {  // the first block of a tile (blocks never cross one: N <= 16)
       if (KT) tile_unpack_k(ksec + fmkv_tile_block_offset(d, t0), G, kscr);
       if (VT) tile_unpack_v(vsec + fmkv_tile_block_offset(d, t0), G, vscr);
+      if (VS) nibble_unpack_v((const uint32_t*)vsec + t0, P, G, vscr);
     }
     F s[R];
     if constexpr (KB == 16) {
@@ -510,9 +516,11 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
             A[h][r] = T::load(st[r].acc + g * 32 + u0[h]);
             if (corr[r] != 1.0f) A[h][r] = T::mul(A[h][r], T::set1(corr[r]));
           }
-        if constexpr (VT) {
+        if constexpr (VT || VS) {
           // Lanes u0 .. u0 + N - 1 of token t: words u0 & 15 .. of its column, its nibble u0 >> 4 (tile_v_word):
-          // the same words for both halves, their nibbles 4 bits apart.
+          // the same words for both halves, their nibbles 4 bits apart. Tile blocks: 8-periodic signed levels;
+          // 4-bit codes (VS): the whole nibble indexes the signed 16-entry table (T::kLut16), or its bits 0-2 the
+          // magnitudes and bit 3 the sign.
           // (t16 is a multiple of N: 0 for N = 16, so the word offsets are constants; for N >= 4 the shift depends
           // on t only and unrolls to immediates)
           const int32_t t16 = N >= 16 ? 0 : t0 & 15;
@@ -523,7 +531,12 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
             const int sh = tile_v_shift(N >= 4 ? t : t16 + t);
             const I W = T::loadi(vc + tile_v_word(t16 + t, g, G));
             F lev[HP];
-            for (int h = 0; h < HP; ++h) lev[h] = T::lut(tv, T::srl(W, sh + 4 * h));
+            for (int h = 0; h < HP; ++h) {
+              const I x = T::srl(W, sh + 4 * h);
+              if constexpr (VT) lev[h] = T::lut(tv, x);
+              else if constexpr (T::kLut16) lev[h] = T::lut16(tv16, x);
+              else lev[h] = T::xor_sign(T::lut(tv, x), T::sll(W, 28 - sh - 4 * h));
+            }
             for (int r = 0; r < R; ++r) {
               const F w = T::set1(wbuf[r][t]);
               for (int h = 0; h < HP; ++h) A[h][r] = T::fmadd(w, lev[h], A[h][r]);
