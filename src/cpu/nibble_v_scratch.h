@@ -1,13 +1,14 @@
-// 4-bit V (nibble words, FORMAT.md section 5: code j of a group is nibble j & 7 of word j >> 3) of a 16-token
-// tile rewritten into the V scratch layout of format 3's tile blocks (tile.h), so that the attention's V loop
-// reads one scratch word per token for two lanes of a group, as it does for tile blocks, instead of two
-// broadcast words, a blend and a variable shift per 16 lanes.
+// 4-bit V (nibble words: code j of a group at bit fmkv_nibble_shift(j) of word fmkv_nibble_word(j), FORMAT.md
+// section 6) of a 16-token tile rewritten into the V scratch layout of format 3's tile blocks (tile.h), so that the
+// attention's V loop reads one scratch word per token for two lanes of a group, as it does for tile blocks, instead
+// of two broadcast words, a blend and a variable shift per 16 lanes.
 //
 // Scratch vs[16 (kb G + g) + m] (uint32, kb = tile token >> 2 the token's column, m = 0..15): byte
 // tile_v_shift(t) / 8 of the word holds token t's codes of lanes m (low nibble) and m + 16 (high nibble), lanes in
 // the nibble-V lane order of kernels_impl.h (lane u stands for coordinate pi(u); the accumulator is un-permuted as
-// before). With pi(m) = c and pi(m + 16) = c + 8, the two codes are nibble n = c & 7 of the token's words w0 = c >> 3
-// and w0 + 1 (w0 = 0 or 2), and m = 4 (2 (n & 1) + w0 / 2) + (n >> 1). So per token the 16 bytes are
+// before). With pi(m) = c and pi(m + 16) = c + 8, the two codes are nibble n = c & 7 of the token's words
+// w0 = c >> 3 and w0 + 1 (w0 = 0 or 2: the format core's j >> 3 and j & 7), and m = 4 (2 (n & 1) + w0 / 2) + (n >> 1).
+// So per token the 16 bytes are
 //   vector i = 2 (n & 1) + w0 / 2: even nibbles of (W0, W1), of (W2, W3), odd nibbles of (W0, W1), of (W2, W3),
 //   byte n >> 1 of each: one select of a nibble mask and a 4-bit shift per vector (tokens are the SIMD lanes),
 // then a byte shuffle inside each 128-bit lane (4 tokens x 4 bytes -> the column's 4 words, bytes in token order
@@ -74,8 +75,10 @@ inline void nibble_unpack_v(const uint32_t* w, int64_t P, int32_t G, uint32_t* v
       y[3] = _mm256_shuffle_epi8(nibble_select(m4, _mm256_srli_epi32(w2, 4), w3), bt);
       for (int32_t c = 0; c < 2; ++c) {  // column 2 half + c: 128-bit lanes c of y[0..3]
         uint32_t* o = vs + 16 * ((2 * half + c) * G + g);
-        _mm256_storeu_si256((__m256i*)o, c ? _mm256_permute2x128_si256(y[0], y[1], 0x31) : _mm256_permute2x128_si256(y[0], y[1], 0x20));
-        _mm256_storeu_si256((__m256i*)(o + 8), c ? _mm256_permute2x128_si256(y[2], y[3], 0x31) : _mm256_permute2x128_si256(y[2], y[3], 0x20));
+        const __m256i lo = c ? _mm256_permute2x128_si256(y[0], y[1], 0x31) : _mm256_permute2x128_si256(y[0], y[1], 0x20);
+        const __m256i hi = c ? _mm256_permute2x128_si256(y[2], y[3], 0x31) : _mm256_permute2x128_si256(y[2], y[3], 0x20);
+        _mm256_storeu_si256((__m256i*)o, lo);
+        _mm256_storeu_si256((__m256i*)(o + 8), hi);
       }
     }
 }
