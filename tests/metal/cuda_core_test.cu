@@ -395,15 +395,9 @@ void run_attention_case(const AttentionCase& ac) {
   std::vector<uint32_t> lstatus;
   attention_cuda(L, ac.lens, offs, qbytes, ac.q_dt, HQ, ac.out_dt, opts, ac.simdgroups, ac.splits,
                  ac.merge_simdgroups, out_lse, lstatus, &lse_met, lrs, lhs);
-  const double lse_tol = 2.0 * 1e-5;
-  double worst = 0.0;
-  std::string lerr = lse_mismatch(lse_met, lse_ref, nrows, HQ, lrs, lhs, lse_tol, worst);
-  if (out_lse != out_met) lerr += "output bits differ from the call without lse; ";
-  if (lstatus[0] || lstatus[1])
-    lerr += "kernel status " + std::to_string(lstatus[0]) + "/" + std::to_string(lstatus[1]) + "; ";
-  snprintf(buf, sizeof buf, "worst |lse - ref| / (1 + |ref|) %.3g (bound %.0e)", worst, lse_tol);
-  report(lerr.empty(), std::string("lse ") + name + (head_major ? " lse head-major" : ""),
-         lerr.empty() ? std::string(buf) + ", output bits equal" : lerr + buf, since(t0));
+  const auto verdict =
+      lse_case_verdict(lse_met, lse_ref, nrows, HQ, lrs, lhs, 2.0 * 1e-5, out_lse == out_met, lstatus[0], lstatus[1]);
+  report(verdict.first, std::string("lse ") + name + (head_major ? " lse head-major" : ""), verdict.second, since(t0));
 }
 
 // Per-SIMD-group primitives, bit for bit, on adversarial inputs (as test_metal.cpp run_core_case).

@@ -219,14 +219,9 @@ void run_attention_case(const AttentionCase& ac) {
   attention_metal(L, ac.lens, offs, qbytes, ac.q_dt, HQ, ac.out_dt, opts, ac.simdgroups, ac.splits,
                   ac.merge_simdgroups, ac.order, out_lse, lstatus, lse_met.data(), lrs, lhs);
   const double lse_tol = 2.0 * 1e-5;  // 2 x the stated attention bound (backend.mm attention_rel_error)
-  double worst = 0.0;
-  std::string lerr = lse_mismatch(lse_met, lse_ref, nrows, HQ, lrs, lhs, lse_tol, worst);
-  if (out_lse != out_met) lerr += "output bits differ from the call without lse; ";
-  if (lstatus[0] || lstatus[1])
-    lerr += "kernel status " + std::to_string(lstatus[0]) + "/" + std::to_string(lstatus[1]) + "; ";
-  snprintf(buf, sizeof buf, "worst |lse - ref| / (1 + |ref|) %.3g (bound %.0e)", worst, lse_tol);
-  report(lerr.empty(), std::string("lse ") + name + (head_major ? " lse head-major" : ""),
-         lerr.empty() ? std::string(buf) + ", output bits equal" : lerr + buf,
+  const auto verdict =
+      lse_case_verdict(lse_met, lse_ref, nrows, HQ, lrs, lhs, lse_tol, out_lse == out_met, lstatus[0], lstatus[1]);
+  report(verdict.first, std::string("lse ") + name + (head_major ? " lse head-major" : ""), verdict.second,
          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 

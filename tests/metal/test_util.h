@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../compare.h"
@@ -48,6 +49,20 @@ inline std::string lse_mismatch(const std::vector<float>& got, const std::vector
       }
     }
   return err;
+}
+
+// The verdict of an lse case (both Metal kernel tests): lse within tol (lse_mismatch), the output bits those of the
+// call without lse (out_equal), the kernel's status words zero. Returns (passed, the report's message).
+inline std::pair<bool, std::string> lse_case_verdict(const std::vector<float>& got, const std::vector<float>& want,
+                                                     int64_t rows, int32_t heads, int64_t rs, int64_t hs, double tol,
+                                                     bool out_equal, uint32_t status0, uint32_t status1) {
+  double worst = 0.0;
+  std::string err = lse_mismatch(got, want, rows, heads, rs, hs, tol, worst);
+  if (!out_equal) err += "output bits differ from the call without lse; ";
+  if (status0 || status1) err += "kernel status " + std::to_string(status0) + "/" + std::to_string(status1) + "; ";
+  char buf[128];
+  snprintf(buf, sizeof buf, "worst |lse - ref| / (1 + |ref|) %.3g (bound %.0e)", worst, tol);
+  return {err.empty(), err.empty() ? std::string(buf) + ", output bits equal" : err + buf};
 }
 
 inline std::vector<uint8_t> random_tensor(fmkv_dtype dt, int64_t rows, int32_t heads, int32_t d) {
