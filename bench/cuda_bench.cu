@@ -294,7 +294,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "FMKV_BENCH_HEAD_DIM=%s: expected 64, 128 or 256\n", hdv);
     return 2;
   }
-  const int H = kvh && std::atoi(kvh) > 0 ? std::atoi(kvh) : 8, HQ = 4 * H, P = 64;
+  // FMKV_BENCH_Q_PER_KV: q heads per kv head (the GQA group; default 4, 1 to 32), e.g. 7 for 28 q / 4 kv heads
+  // (bench/cuda_bench.py --shape-sweep)
+  const char* qpk = std::getenv("FMKV_BENCH_Q_PER_KV");
+  const int group = qpk ? std::atoi(qpk) : 4;
+  if (group < 1 || group > 32) {
+    std::fprintf(stderr, "FMKV_BENCH_Q_PER_KV=%s: expected 1 to 32\n", qpk);
+    return 2;
+  }
+  const int H = kvh && std::atoi(kvh) > 0 ? std::atoi(kvh) : 8, HQ = group * H, P = 64;
   // FMKV_BENCH_Q_LEN: query rows per sequence (default 1; up to FMKV_FUSED_MAX_ROWS: speculative
   // verification), causal over the sequence's last q_len tokens; the decode step appends as many
   const char* qlv = std::getenv("FMKV_BENCH_Q_LEN");

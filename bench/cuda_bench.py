@@ -11,6 +11,7 @@ cuda_sdpa_variants.jsonl), merges, prints a table and writes docs/results/cuda_d
     ... --quantize-only --formats 5:4,5:5 --tag T  # those widths' rows, cuda_quantize_T.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --latency  # cuda_latency.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --kv-heads-sweep  # cuda_kv_heads.jsonl
+    python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --shape-sweep     # cuda_shapes.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --ragged  # cuda_decode_ragged.jsonl
     python3 bench/cuda_bench.py --bin build/fmkv_cuda_bench --out docs/results --formats 4:4,5:4,5:5 --tag code_width5
     ... --format-version 3: every fmkv case in format version 3 (the records say format_version)
@@ -184,19 +185,23 @@ KV_HEADS_SWEEP = (1, 2, 4, 8)
 KV_HEADS_CONTEXTS = (4096, 32768, 131072, 1048576)
 
 
+def only_records(a, runs):
+    """The binary's JSON records of one --only case per run (env: overrides of the environment, B, ctx, kb, vb)."""
+    recs = []
+    for env, B, ctx, kb, vb in runs:
+        res = subprocess.run([a.bin, "--only", str(B), str(ctx), str(kb), str(vb)], capture_output=True, text=True,
+                             env=dict(os.environ, **env))
+        sys.stderr.write(res.stderr)
+        recs += [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
+    return recs
+
+
 def kv_heads_sweep(a):
     """--kv-heads-sweep: B=1 decode with 1, 2, 4, 8 kv heads (4 q heads each: one GPU's share of a
     tensor-parallel model, or a small model), k3v3 and k4v4, 4k-1M, against SDPA of the same shapes in the
     same run; writes cuda_kv_heads.jsonl."""
-    recs = []
-    for H in KV_HEADS_SWEEP:
-        for kb, vb in ((3, 3), (4, 4)):
-            for ctx in KV_HEADS_CONTEXTS:
-                env = dict(os.environ, FMKV_BENCH_KV_HEADS=str(H))
-                res = subprocess.run([a.bin, "--only", "1", str(ctx), str(kb), str(vb)], capture_output=True,
-                                     text=True, env=env)
-                sys.stderr.write(res.stderr)
-                recs += [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
+    recs = only_records(a, [({"FMKV_BENCH_KV_HEADS": str(H)}, 1, ctx, kb, vb) for H in KV_HEADS_SWEEP
+                            for kb, vb in ((3, 3), (4, 4)) for ctx in KV_HEADS_CONTEXTS])
     copy = next(r for r in recs if r["kind"] == "copy")
     sdpa, out = {}, []
     for r in recs:
@@ -217,6 +222,52 @@ def kv_heads_sweep(a):
         print("k%dv%d %8d %8d %8d %10.2f %8.0f %6.1f %10.2f %8.2f" % (
             r["k_bits"], r["v_bits"], r["kv_heads"], r["q_heads"], r["context"], r["time_us"], r["gbps"],
             r["pct_copy_bw"], r["baseline_time_us"], r["speedup"]))
+
+
+# --shape-sweep: (head_dim, q heads per kv head) at 8 kv heads; (128, 4) is the headline shape
+SHAPE_SWEEP = tuple((128, g) for g in (1, 2, 4, 5, 7, 8, 12, 16)) + ((64, 4), (64, 7), (64, 16), (256, 2), (256, 4),
+                                                                      (256, 8))
+SHAPE_CONTEXTS = (131072, 1048576)
+SHAPE_SDPA_CONTEXT = 131072  # SDPA is timed at this context only (eight formulations per shape)
+
+
+def shape_sweep(a):
+    """--shape-sweep: B=1 decode, 8 kv heads, k3v3 and k4v4 at 128k and 1M tokens, for every (head_dim, GQA group)
+    of SHAPE_SWEEP (non-power-of-two groups and groups over the kernel's 8 query vectors per pass among them),
+    each with its percent of copy bandwidth relative to the headline shape's (d = 128, 4 q heads per kv head) of
+    the same run, and SDPA of the same shape at 128k; writes cuda_shapes.jsonl and cuda_shapes.png."""
+    recs = only_records(a, [({"FMKV_BENCH_HEAD_DIM": str(d), "FMKV_BENCH_Q_PER_KV": str(g)}, 1, ctx, kb, vb)
+                            for d, g in SHAPE_SWEEP for kb, vb in ((3, 3), (4, 4)) for ctx in SHAPE_CONTEXTS])
+    copy = next(r for r in recs if r["kind"] == "copy")
+    sdpa, out = {}, []
+    for r in recs:
+        if r["kind"] != "decode":
+            continue
+        key = (r["head_dim"], r["q_heads"])
+        if r["context"] == SHAPE_SDPA_CONTEXT and key not in sdpa:
+            sdpa[key] = sdpa_time_us(1, r["context"], l2_bytes=copy["l2_bytes"], HQ=r["q_heads"], H=r["kv_heads"],
+                                     d=r["head_dim"])
+        bt, be = sdpa[key] if r["context"] == SHAPE_SDPA_CONTEXT else (float("nan"), "not_timed")
+        rec = decode_record(r, bt, be, copy["device"], a.commit, suite="cuda_shapes")
+        if bt != bt:
+            rec.update(baseline=None, baseline_time_us=None, speedup=None)
+        out.append(rec)
+    head = {(r["k_bits"], r["v_bits"], r["context"]): r["pct_copy_bw"] for r in out
+            if r["head_dim"] == 128 and r["q_heads"] == 4 * r["kv_heads"]}
+    for r in out:
+        h = head.get((r["k_bits"], r["v_bits"], r["context"]))
+        r["vs_headline_bw"] = round(r["pct_copy_bw"] / h, 3) if h else None
+    write_jsonl(os.path.join(a.out, "cuda_shapes.jsonl"), out)
+    plot_shapes(out, os.path.join(a.out, "cuda_shapes.png"))
+    print("device: %s   copy bandwidth (read+write): %.0f GB/s" % (copy["device"], copy["gbps"]))
+    print("%-5s %4s %8s %8s %8s %10s %8s %6s %9s %10s %8s" % ("fmt", "d", "q_heads", "kv_heads", "context", "fmkv_us",
+                                                               "GB/s", "%copy", "/headline", "sdpa_us", "speedup"))
+    for r in out:
+        print("k%dv%d %4d %8d %8d %8d %10.2f %8.0f %6.1f %9s %10s %8s" % (
+            r["k_bits"], r["v_bits"], r["head_dim"], r["q_heads"], r["kv_heads"], r["context"], r["time_us"], r["gbps"],
+            r["pct_copy_bw"], "%.3f" % r["vs_headline_bw"] if r["vs_headline_bw"] else "-",
+            "%.2f" % r["baseline_time_us"] if r["baseline_time_us"] else "-",
+            "%.2f" % r["speedup"] if r["speedup"] else "-"))
 
 
 RAGGED_CASES = ("1k-64kx16", "64k,1kx15", "1k-16kx64", "128k,4kx7", "1k-256kx4")
@@ -320,6 +371,9 @@ def main():
     ap.add_argument("--kv-heads-sweep", action="store_true",
                     help="B=1 decode with 1/2/4/8 kv heads (4 q heads each), k3v3 and k4v4, with SDPA of the same "
                          "shapes; writes cuda_kv_heads.jsonl only")
+    ap.add_argument("--shape-sweep", action="store_true",
+                    help="B=1 decode, k3v3 and k4v4 at 128k and 1M, head_dim 64/128/256 and 1-16 q heads per kv head "
+                         "(SHAPE_SWEEP), %% of copy bandwidth against the headline shape's; writes cuda_shapes.jsonl")
     ap.add_argument("--formats", default=None,
                     help="the (K, V) widths of the default run, e.g. 4:4,5:4,5:5, each with an optional scale group "
                          "(4:4:64; default 32) (FMKV_BENCH_FORMATS of the binary; no window run); with --tag the files "
@@ -357,6 +411,9 @@ def main():
         return
     if a.kv_heads_sweep:
         kv_heads_sweep(a)
+        return
+    if a.shape_sweep:
+        shape_sweep(a)
         return
     cmd = [a.bin] + (["--quick"] if a.quick else []) + (["--latency"] if a.latency else [])
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -497,6 +554,38 @@ def plot_kv_heads(recs, path):
         at.set_title("decode attention on %s, few kv heads" % dev)
         asp.set_title("fmkv vs SDPA (same run, same shapes)")
         at.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    except Exception as e:
+        print("plot failed:", e, file=sys.stderr)
+
+
+def plot_shapes(recs, path):
+    """--shape-sweep: percent of copy bandwidth per (head_dim, q heads per kv head), k3v3 and k4v4 at each context,
+    with the band 0.85x the headline shape's."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        ctxs = sorted({r["context"] for r in recs})
+        fig, axes = plt.subplots(1, len(ctxs), figsize=(6 * len(ctxs), 4.5), squeeze=False)
+        shapes = sorted({(r["head_dim"], r["q_heads"] // r["kv_heads"]) for r in recs})
+        for ax, ctx in zip(axes[0], ctxs):
+            for i, ((kb, vb), color) in enumerate((((3, 3), "C0"), ((4, 4), "C1"))):
+                by = {(r["head_dim"], r["q_heads"] // r["kv_heads"]): r for r in recs
+                      if r["context"] == ctx and (r["k_bits"], r["v_bits"]) == (kb, vb)}
+                xs = [j + 0.4 * i for j, s in enumerate(shapes) if s in by]
+                ax.bar(xs, [by[s]["pct_copy_bw"] for s in shapes if s in by], width=0.4, color=color,
+                       label="fmkv k%dv%d" % (kb, vb))
+                head = by.get((128, 4))
+                if head:
+                    ax.axhline(0.85 * head["pct_copy_bw"], color=color, ls=":", lw=1,
+                               label="0.85 x k%dv%d at d=128, GQA 4" % (kb, vb))
+            ax.set_xticks([j + 0.2 for j in range(len(shapes))])
+            ax.set_xticklabels(["d%d\nG%d" % s for s in shapes], fontsize=8)
+            ax.set_ylabel("% of copy bandwidth")
+            ax.set_title("B=1, 8 kv heads, %dk tokens (%s)" % (ctx // 1024, recs[0]["device"] if recs else "?"))
+            ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
     except Exception as e:

@@ -194,6 +194,40 @@ def test_kv_heads_sweep_records_and_plot(tmp_path):
     assert png.stat().st_size > 10000
 
 
+def test_shape_sweep_relative_to_headline(tmp_path, monkeypatch):
+    """bench/cuda_bench.py --shape-sweep: each (head_dim, GQA group) runs as its own --only process with
+    FMKV_BENCH_HEAD_DIM / FMKV_BENCH_Q_PER_KV set; its bandwidth is read against the headline shape's (d = 128,
+    group 4) of the same format and context, SDPA is timed at 128k only, and the plot is written."""
+    spec = importlib.util.spec_from_file_location("cuda_bench", ROOT / "bench" / "cuda_bench.py")
+    cb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cb)
+    stub = tmp_path / "fmkv_cuda_bench"  # --only B ctx kb vb: % of copy bw 40 + group + d / 64 - kb (a known pattern)
+    stub.write_text("#!/bin/bash\n"
+                    "g=$FMKV_BENCH_Q_PER_KV; d=$FMKV_BENCH_HEAD_DIM; pct=$((40 + g + d / 64 - $4))\n"
+                    "echo '{\"kind\":\"copy\",\"gbps\":2000.0,\"device\":\"stub GPU\",\"l2_bytes\":1}'\n"
+                    "echo \"{\\\"kind\\\":\\\"decode\\\",\\\"k_bits\\\":$4,\\\"v_bits\\\":$5,\\\"batch\\\":$2,"
+                    "\\\"context\\\":$3,\\\"head_dim\\\":$d,\\\"q_heads\\\":$((8 * g)),\\\"kv_heads\\\":8,"
+                    "\\\"page_size\\\":64,\\\"time_us\\\":100.0,\\\"bytes\\\":1e6,\\\"gbps\\\":10.0,"
+                    "\\\"copy_gbps\\\":2000.0,\\\"pct_copy_bw\\\":$pct,\\\"nonfinite_out\\\":0}\"\n")
+    stub.chmod(0o755)
+    sdpa_calls = []
+    monkeypatch.setattr(cb, "sdpa_time_us", lambda B, ctx, **kw: sdpa_calls.append((ctx, kw["HQ"], kw["d"])) or
+                        (200.0, "fold_flash"))
+    monkeypatch.setattr(cb, "SHAPE_SWEEP", ((128, 4), (128, 7), (64, 16)))
+    cb.shape_sweep(argparse.Namespace(bin=str(stub), out=str(tmp_path), commit="abc1234"))
+    recs = [json.loads(l) for l in (tmp_path / "cuda_shapes.jsonl").read_text().splitlines()]
+    assert len(recs) == 3 * 2 * len(cb.SHAPE_CONTEXTS)
+    by = {(r["head_dim"], r["q_heads"], r["k_bits"], r["context"]): r for r in recs}
+    head = by[(128, 32, 3, 131072)]
+    assert head["pct_copy_bw"] == 43 and head["vs_headline_bw"] == 1.0
+    assert by[(128, 56, 3, 131072)]["vs_headline_bw"] == round(46 / 43, 3)
+    assert by[(64, 128, 4, 1048576)]["vs_headline_bw"] == round(53 / 42, 3)
+    assert by[(128, 56, 3, 131072)]["speedup"] == 2.0 and by[(128, 56, 3, 1048576)]["speedup"] is None
+    assert sorted(sdpa_calls) == [(131072, 32, 128), (131072, 56, 128), (131072, 128, 64)]
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install matplotlib): the plot is not checked")
+    assert (tmp_path / "cuda_shapes.png").stat().st_size > 10000
+
+
 def test_quantize_only_widths_and_tag(tmp_path):
     """bench/cuda_bench.py --quantize-only: --formats picks the widths the binary runs (--quant-only K V, each with
     the copy bandwidth of its own process), --tag names the file, and a width triple is refused."""
