@@ -8,8 +8,8 @@ one core by default. Writes the decode lines as JSON lines (BENCHMARKS.md fields
         [--rounds 5] [--contexts 32768] [--isas avx512,avx2] [--format-versions 2,3] [--kbits 3,4] [--geoms 0,1]
         [--threads 1] [--pin 1] [--commits SHA_BASE,SHA_NEW]
 
---geoms: cpu_bench's --geom (0: 32 q / 8 kv heads, d = 128; 1: 9 q / 3 kv heads, d = 64). The first NAME is the
-base of the ratios. A ratio base / variant above 1 means the variant is faster.
+--geoms: cpu_bench's --geom (0: 32 q / 8 kv heads, d = 128; 1: 9 q / 3 kv heads, d = 64; 2: 64 q / 8 kv heads,
+d = 128). The first NAME is the base of the ratios. A ratio base / variant above 1 means the variant is faster.
     python3 bench/cpu_ab.py --table FILE.jsonl   # the table of an existing file
 """
 import argparse

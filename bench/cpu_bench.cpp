@@ -1,7 +1,9 @@
 // CPU backend benchmark: decode attention on compressed pages, quantize-append throughput, and a
 // STREAM-style copy bandwidth measured in the same run. Prints one JSON object per line.
 //   cpu_bench [--contexts 4096,32768,131072] [--reps N] [--quick] [--format-version 2|3] [--kbits B]
-//             [--geom 0|1] [--skip-quant]
+//             [--geom 0|1|2] [--skip-quant]
+// (geometries: 0 = 32 q / 8 kv heads, d = 128; 1 = 9 q / 3 kv heads, d = 64; 2 = 64 q / 8 kv heads, d = 128, GQA 8,
+// only with --geom 2)
 // (an unknown flag, a missing value or an out-of-range number is an error: exit 2 with a message)
 // Timing: median of several runs (fewer at long contexts); the cache is filled with random valid
 // codes and finite fp16 scales (values do not change the work done).
@@ -170,7 +172,7 @@ int main(int argc, char** argv) {
     } else if (a == "--kbits") {
       only_kb = (int)number(i, a, 2, 16);
     } else if (a == "--geom") {
-      only_geom = (int)number(i, a, 0, 1);
+      only_geom = (int)number(i, a, 0, 2);
     } else if (a == "--format-version") {
       format_version = (int32_t)number(i, a, 0, 99);  // the C API names an unsupported version
     } else if (a == "--scale-group") {
@@ -250,12 +252,12 @@ int main(int argc, char** argv) {
   struct Geom {
     int hq, hkv, d;
   };
-  const Geom geoms[] = {{32, 8, 128}, {9, 3, 64}};
+  const Geom geoms[] = {{32, 8, 128}, {9, 3, 64}, {64, 8, 128}};
   const int64_t max_ctx = *std::max_element(contexts.begin(), contexts.end());
-  for (int gi = 0; gi < 2; ++gi)
+  for (int gi = 0; gi < 3; ++gi)
     for (Fmt f : fmts) {
       const Geom gm = geoms[gi];
-      if ((only_geom >= 0 && gi != only_geom) || (only_kb && f.kb != only_kb)) continue;
+      if ((only_geom >= 0 ? gi != only_geom : gi == 2) || (only_kb && f.kb != only_kb)) continue;
       fmkv_config c;
       fmkv_config_default(&c);
       c.head_dim = gm.d;

@@ -3,7 +3,7 @@
 // Thread -> data mapping. Work item = (sequence, kv head, piece): piece 0 holds the fp16 tokens
 // (sink + window, unrotated query), pieces 1..n are fixed chunks of compressed tokens (chunk size
 // depends only on the sequence length, never on the thread count). An item runs every query vector
-// of its kv head (query rows x GQA group heads, in tiles of kMaxTile) over its tokens, so each page
+// of its kv head (query rows x GQA group heads, in tiles of Kernels::max_tile: 8 or 4) over its tokens, so each page
 // is read once per tile and stays in cache for the next tile. Each (item, query vector) owns an
 // online-softmax state (m, l, acc); the merge (parallel over query vectors) combines pieces in
 // index order, un-permutes and un-rotates the compressed accumulator once (float32 FWHT), and
@@ -148,8 +148,8 @@ void decode_attention(const AttentionArgs& a) {
       if (c.k_bits == 4) signed_table16_4bit(codebook_table(version, 4, 0), job.tk4);
       if (c.v_bits == 4) signed_table16_4bit(codebook_table(version, 4, 1), job.tv4);
     }
-    for (int64_t v0 = 0; v0 < x.nvec; v0 += kMaxTile) {
-      const int R = (int)(x.nvec - v0 < kMaxTile ? x.nvec - v0 : kMaxTile);
+    for (int64_t v0 = 0; v0 < x.nvec; v0 += K.max_tile) {
+      const int R = (int)(x.nvec - v0 < K.max_tile ? x.nvec - v0 : K.max_tile);
       AttnState st[kMaxTile];
       const float* q[kMaxTile];
       int64_t pos[kMaxTile], climit[kMaxTile], cmax = 0;

@@ -46,17 +46,20 @@ struct AttnJob {
   float tk_step;
 };
 
-constexpr int kMaxTile = 4;  // query vectors per attention kernel call
+// The most query vectors of one attention kernel call (Kernels::max_tile: 8 where the ISA has 32 vector registers of
+// 16 lanes, else 4): each call reads and decodes its tokens once for all of them.
+constexpr int kMaxTile = 8;
 
 struct Kernels {
   const char* name;
   int lanes;
+  int max_tile;  // the most query vectors per attend call (<= kMaxTile)
   // Quantize one fp16 head vector x into token slot t of a quantized section (bits 2..5; tile blocks
   // when qp.tiled: only the token's bits of its block change).
   void (*quantize)(const QuantParams& qp, const uint16_t* x, uint8_t* section, int32_t P, int32_t t);
   // Convert n values of dtype (fmkv_dtype) to fp16 bits, round to nearest even.
   void (*to_f16)(const void* src, int32_t dtype, int32_t n, uint16_t* dst);
-  // R <= kMaxTile query vectors (q: scaled, rotated when k_bits != 16, in tile_k_query_order when K is
+  // R <= max_tile query vectors (q: scaled, rotated when k_bits != 16, in tile_k_query_order when K is
   // tiled) against job's tokens; climit[r]: compressed index limit (exclusive) of query r. Updates st[r]
   // (acc in lane order: unpermute's, or tile_v_unpermute's when V is tiled).
   void (*attend)(const AttnJob& job, int R, const float* const* q, const int64_t* climit, AttnState* st);

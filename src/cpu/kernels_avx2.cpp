@@ -30,7 +30,7 @@ void to_f16_avx2(const void* src, int32_t dtype, int32_t n, uint16_t* dst) {
 
 const Kernels& FMKV_AVX2_ENTRY() {
   using T = FMKV_AVX2_TRAITS;
-  static const Kernels k{FMKV_AVX2_NAME, 8, quantize_dispatch<T>, to_f16_avx2, attend_dispatch<T>, attend_fp16_t<T>, unpermute_acc};
+  static const Kernels k{FMKV_AVX2_NAME, 8, kMaxTileOf<T>, quantize_dispatch<T>, to_f16_avx2, attend_dispatch<T>, attend_fp16_t<T>, unpermute_acc};
   return k;
 }
 }  // namespace fmkv::cpu

@@ -34,7 +34,7 @@ void to_f16_avx512(const void* src, int32_t dtype, int32_t n, uint16_t* dst) {
 
 const Kernels& FMKV_AVX512_ENTRY() {
   using T = FMKV_AVX512_TRAITS;
-  static const Kernels k{FMKV_AVX512_NAME, 16, quantize_dispatch<T>, to_f16_avx512, attend_dispatch<T>, attend_fp16_t<T>, unpermute_acc};
+  static const Kernels k{FMKV_AVX512_NAME, 16, kMaxTileOf<T>, quantize_dispatch<T>, to_f16_avx512, attend_dispatch<T>, attend_fp16_t<T>, unpermute_acc};
   return k;
 }
 }  // namespace fmkv::cpu

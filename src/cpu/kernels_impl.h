@@ -626,8 +626,38 @@ void attend_fp16_t(int32_t d, int64_t ntok, const uint16_t* const* k, const uint
 
 using AttendFn = void (*)(const AttnJob&, const float* const*, const int64_t*, AttnState*);
 
+// Query vectors per attend call (Kernels::max_tile): 8 on the 16-lane sets (32 vector registers: the K loop's 2 R
+// partial sums and the V loop's 2 R accumulators fit), 4 elsewhere.
+template <class T>
+constexpr int kMaxTileOf = T::N >= 16 ? kMaxTile : 4;
+
+// More than 4 queries on the integer K path (its 3 R int32 accumulators do not fit the registers with R > 4:
+// measured 0.95x at R = 8): two calls of 4 and R - 4 queries over the same tokens.
+template <class T, int KB, int VB, int R, bool KT, bool VT>
+void attend_in_two(const AttnJob& job, const float* const* q, const int64_t* climit, AttnState* st) {
+  attend_t<T, KB, VB, 4, KT, VT>(job, q, climit, st);
+  attend_t<T, KB, VB, R - 4, KT, VT>(job, q + 4, climit + 4, st + 4);
+}
+
 template <class T, int KB, int VB, bool KT, bool VT>
 AttendFn pick_r(int R) {
+  if constexpr (kMaxTileOf<T> >= 8 && KT && T::kIntDot) {
+    switch (R) {
+      case 5: return attend_in_two<T, KB, VB, 5, KT, VT>;
+      case 6: return attend_in_two<T, KB, VB, 6, KT, VT>;
+      case 7: return attend_in_two<T, KB, VB, 7, KT, VT>;
+      case 8: return attend_in_two<T, KB, VB, 8, KT, VT>;
+      default: break;
+    }
+  } else if constexpr (kMaxTileOf<T> >= 8) {
+    switch (R) {
+      case 5: return attend_t<T, KB, VB, 5, KT, VT>;
+      case 6: return attend_t<T, KB, VB, 6, KT, VT>;
+      case 7: return attend_t<T, KB, VB, 7, KT, VT>;
+      case 8: return attend_t<T, KB, VB, 8, KT, VT>;
+      default: break;
+    }
+  }
   switch (R) {
     case 1: return attend_t<T, KB, VB, 1, KT, VT>;
     case 2: return attend_t<T, KB, VB, 2, KT, VT>;

@@ -36,7 +36,7 @@ void to_f16_neon(const void* src, int32_t dtype, int32_t n, uint16_t* dst) {
 }  // namespace
 
 const Kernels& kernels_neon() {
-  static const Kernels k{"neon", 4, quantize_dispatch<NeonT>, to_f16_neon, attend_dispatch<NeonT>, attend_fp16_t<NeonT>, unpermute_acc};
+  static const Kernels k{"neon", 4, kMaxTileOf<NeonT>, quantize_dispatch<NeonT>, to_f16_neon, attend_dispatch<NeonT>, attend_fp16_t<NeonT>, unpermute_acc};
   return k;
 }
 }  // namespace fmkv::cpu

@@ -16,7 +16,7 @@ void to_f16_scalar(const void* src, int32_t dtype, int32_t n, uint16_t* dst) {
 }  // namespace
 
 const Kernels& kernels_scalar() {
-  static const Kernels k{"scalar", 1, quantize_dispatch<ScalarT>, to_f16_scalar, attend_dispatch<ScalarT>, attend_fp16_t<ScalarT>, unpermute_acc};
+  static const Kernels k{"scalar", 1, kMaxTileOf<ScalarT>, quantize_dispatch<ScalarT>, to_f16_scalar, attend_dispatch<ScalarT>, attend_fp16_t<ScalarT>, unpermute_acc};
   return k;
 }
 }  // namespace fmkv::cpu
