@@ -46,8 +46,8 @@ struct AttnJob {
   float tk_step;
 };
 
-// The most query vectors of one attention kernel call (Kernels::max_tile: 8 where the ISA has 32 vector registers of
-// 16 lanes, else 4): each call reads and decodes its tokens once for all of them.
+// The most query vectors of one attention kernel call (Kernels::max_tile: 8 on the x86 sets, 4 on scalar and NEON):
+// each call reads and decodes its tokens once for all of them.
 constexpr int kMaxTile = 8;
 
 struct Kernels {

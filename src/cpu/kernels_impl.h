@@ -283,7 +283,7 @@ void hmax_rows(const typename T::F* x, float* out) {
 // words for 4 bits, nibble words and the sign plane for 5 bits) with constant shifts, looked up in the
 // codebook (register permute; 5 bits: a 16-entry table, T::lut16), signed, and
 // fma'd with the broadcast rotated q[j] into two partial sums per query (even / odd j: two FMA dependency
-// chains, so that R = 3 queries still keep the FMA pipes busy); per-group fp16 scales multiply the group
+// chains, so that R = 3 queries still keep the FMA pipes busy; one on 8-lane sets with R > 4); per-group fp16 scales multiply the group
 // sums. 4-bit codes on traits whose lut16 is one permute (T::kLut16: scalar, AVX-512) index a signed
 // 16-entry table with the whole nibble (job.tk4 / tv4), so no sign step.
 // Scores come out as one vector per query.
@@ -309,6 +309,10 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
   using F = typename T::F;
   using I = typename T::I;
   constexpr int N = T::N, HV = 32 / N;
+  // More than 4 queries on an 8-lane set (16 vector registers): one partial sum per query in the K loop (R chains
+  // are enough) and one half of a group's V lanes per token loop, so the 2 R accumulators of either do not spill.
+  constexpr bool kFewRegs = N < 16 && R > 4;
+  constexpr int KP = kFewRegs ? 1 : 2;  // K partial sums per query (2: two FMA chains, for R = 3)
   const int d = job.d, G = d / 32, P = job.P, ssh = job.ssh;
   const LaneTables& lt = lane_tables();
   const typename T::Table tk = T::load_table(job.tk), tv = T::load_table(job.tv);
@@ -422,17 +426,18 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
       for (int g = 0; g < G; ++g) {
         I W[4];
         for (int w = 0; w < 4; ++w) W[w] = T::loadi(kw + 16 * (w * G + g));
-        F part[2][R];
-        for (int r = 0; r < R; ++r) part[0][r] = part[1][r] = T::zero();
+        F part[KP][R];
+        for (int k = 0; k < KP; ++k)
+          for (int r = 0; r < R; ++r) part[k][r] = T::zero();
         const float* qg[R];
         for (int r = 0; r < R; ++r) qg[r] = q[r] + g * 32;
 #pragma GCC unroll 32
         for (int j = 0; j < 32; ++j) {
           const F lev = T::lut(tk, T::srl(W[j >> 3], 4 * (j & 7)));  // T::lut reads idx mod 8 or 16: 8-periodic table
-          for (int r = 0; r < R; ++r) part[j & 1][r] = T::fmadd(T::set1(qg[r][j]), lev, part[j & 1][r]);
+          for (int r = 0; r < R; ++r) part[j % KP][r] = T::fmadd(T::set1(qg[r][j]), lev, part[j % KP][r]);
         }
         const F sc = T::load_h(ksc + (int64_t)(g >> ssh) * P + t0);
-        for (int r = 0; r < R; ++r) s[r] = T::fmadd(T::add(part[0][r], part[1][r]), sc, s[r]);
+        for (int r = 0; r < R; ++r) s[r] = T::fmadd(KP == 2 ? T::add(part[0][r], part[KP - 1][r]) : part[0][r], sc, s[r]);
       }
     } else {
       for (int r = 0; r < R; ++r) s[r] = T::zero();
@@ -441,8 +446,9 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
       for (int g = 0; g < G; ++g) {
         I W[KB];
         for (int w = 0; w < KB; ++w) W[w] = T::loadi(kw + ((int64_t)g * KB + w) * P + t0);
-        F part[2][R];
-        for (int r = 0; r < R; ++r) part[0][r] = part[1][r] = T::zero();
+        F part[KP][R];
+        for (int k = 0; k < KP; ++k)
+          for (int r = 0; r < R; ++r) part[k][r] = T::zero();
         const float* qg[R];
         for (int r = 0; r < R; ++r) qg[r] = q[r] + g * 32;
 #pragma GCC unroll 32
@@ -462,10 +468,10 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
             const I idx = KB == 2 ? T::srl(W[0], j) : T::srl(W[fmkv_field_word(j)], fmkv_field_shift(j));
             lev = T::xor_sign(T::lut(tk, idx), T::sll(W[KB - 1], 31 - j));
           }
-          for (int r = 0; r < R; ++r) part[j & 1][r] = T::fmadd(T::set1(qg[r][j]), lev, part[j & 1][r]);
+          for (int r = 0; r < R; ++r) part[j % KP][r] = T::fmadd(T::set1(qg[r][j]), lev, part[j % KP][r]);
         }
         const F sc = T::load_h(ksc + (int64_t)(g >> ssh) * P + t0);
-        for (int r = 0; r < R; ++r) s[r] = T::fmadd(T::add(part[0][r], part[1][r]), sc, s[r]);
+        for (int r = 0; r < R; ++r) s[r] = T::fmadd(KP == 2 ? T::add(part[0][r], part[KP - 1][r]) : part[0][r], sc, s[r]);
       }
     }
     // online softmax over the block: the R block maxima in one reduction; the max correction only where a
@@ -506,7 +512,7 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
       const uint32_t* wg = vw + (int64_t)g * VB * P + t0;  // word w of token t: wg[w * P + t]
       // Lanes u and u + 16 of the group in one token loop (HP = 2 halves of N lanes: u0[0] = hv N, u0[1] = u0[0] +
       // 16): one broadcast weight per query serves both, and tiled V reads both from one scratch word.
-      constexpr int HP = HV >= 2 ? 2 : 1;
+      constexpr int HP = HV >= 2 && !kFewRegs ? 2 : 1;
       for (int hv = 0; hv < HV / HP; ++hv) {
         int u0[HP];
         for (int h = 0; h < HP; ++h) u0[h] = hv * N + 16 * h;
@@ -532,10 +538,10 @@ void attend_t(const AttnJob& job, const float* const* q, const int64_t* climit, 
             const I W = T::loadi(vc + tile_v_word(t16 + t, g, G));
             F lev[HP];
             for (int h = 0; h < HP; ++h) {
-              const I x = T::srl(W, sh + 4 * h);
+              const I x = T::srl(W, sh + 4 * (u0[h] >> 4));  // lanes 16..31: the high nibble
               if constexpr (VT) lev[h] = T::lut(tv, x);
               else if constexpr (T::kLut16) lev[h] = T::lut16(tv16, x);
-              else lev[h] = T::xor_sign(T::lut(tv, x), T::sll(W, 28 - sh - 4 * h));
+              else lev[h] = T::xor_sign(T::lut(tv, x), T::sll(W, 28 - sh - 4 * (u0[h] >> 4)));
             }
             for (int r = 0; r < R; ++r) {
               const F w = T::set1(wbuf[r][t]);
@@ -627,9 +633,10 @@ void attend_fp16_t(int32_t d, int64_t ntok, const uint16_t* const* k, const uint
 using AttendFn = void (*)(const AttnJob&, const float* const*, const int64_t*, AttnState*);
 
 // Query vectors per attend call (Kernels::max_tile): 8 on the 16-lane sets (32 vector registers: the K loop's 2 R
-// partial sums and the V loop's 2 R accumulators fit), 4 elsewhere.
+// partial sums and the V loop's 2 R accumulators fit) and on the 8-lane sets (attend_t's kFewRegs: R accumulators in
+// each loop), 4 on scalar and NEON.
 template <class T>
-constexpr int kMaxTileOf = T::N >= 16 ? kMaxTile : 4;
+constexpr int kMaxTileOf = T::N >= 8 ? kMaxTile : 4;
 
 // More than 4 queries on the integer K path (its 3 R int32 accumulators do not fit the registers with R > 4:
 // measured 0.95x at R = 8): two calls of 4 and R - 4 queries over the same tokens.
