@@ -185,6 +185,16 @@ KV_HEADS_SWEEP = (1, 2, 4, 8)
 KV_HEADS_CONTEXTS = (4096, 32768, 131072, 1048576)
 
 
+def same_shape_sdpa(r, copy, cache):
+    """The fastest SDPA formulation (time_us, variant) of decode record r's shape (batch, context, heads, head_dim),
+    timed once per shape (cache) with the L2 size of the run's copy record."""
+    key = (r["batch"], r["context"], r["q_heads"], r["kv_heads"], r["head_dim"])
+    if key not in cache:
+        cache[key] = sdpa_time_us(r["batch"], r["context"], l2_bytes=copy["l2_bytes"], HQ=r["q_heads"], H=r["kv_heads"],
+                                  d=r["head_dim"])
+    return cache[key]
+
+
 def only_records(a, runs):
     """The binary's JSON records of one --only case per run (env: overrides of the environment, B, ctx, kb, vb)."""
     recs = []
@@ -203,16 +213,9 @@ def kv_heads_sweep(a):
     recs = only_records(a, [({"FMKV_BENCH_KV_HEADS": str(H)}, 1, ctx, kb, vb) for H in KV_HEADS_SWEEP
                             for kb, vb in ((3, 3), (4, 4)) for ctx in KV_HEADS_CONTEXTS])
     copy = next(r for r in recs if r["kind"] == "copy")
-    sdpa, out = {}, []
-    for r in recs:
-        if r["kind"] != "decode":
-            continue
-        key = (r["kv_heads"], r["context"])
-        if key not in sdpa:
-            sdpa[key] = sdpa_time_us(1, r["context"], l2_bytes=copy["l2_bytes"], HQ=r["q_heads"], H=r["kv_heads"],
-                                     d=r["head_dim"])
-        bt, be = sdpa[key]
-        out.append(decode_record(r, bt, be, copy["device"], a.commit, suite="cuda_kv_heads"))
+    sdpa = {}
+    out = [decode_record(r, *same_shape_sdpa(r, copy, sdpa), copy["device"], a.commit, suite="cuda_kv_heads")
+           for r in recs if r["kind"] == "decode"]
     write_jsonl(os.path.join(a.out, "cuda_kv_heads.jsonl"), out)
     plot_kv_heads(out, os.path.join(a.out, "cuda_kv_heads.png"))
     print("device: %s   copy bandwidth (read+write): %.0f GB/s" % (copy["device"], copy["gbps"]))
@@ -243,11 +246,7 @@ def shape_sweep(a):
     for r in recs:
         if r["kind"] != "decode":
             continue
-        key = (r["head_dim"], r["q_heads"])
-        if r["context"] == SHAPE_SDPA_CONTEXT and key not in sdpa:
-            sdpa[key] = sdpa_time_us(1, r["context"], l2_bytes=copy["l2_bytes"], HQ=r["q_heads"], H=r["kv_heads"],
-                                     d=r["head_dim"])
-        bt, be = sdpa[key] if r["context"] == SHAPE_SDPA_CONTEXT else (float("nan"), "not_timed")
+        bt, be = same_shape_sdpa(r, copy, sdpa) if r["context"] == SHAPE_SDPA_CONTEXT else (float("nan"), "not_timed")
         rec = decode_record(r, bt, be, copy["device"], a.commit, suite="cuda_shapes")
         if bt != bt:
             rec.update(baseline=None, baseline_time_us=None, speedup=None)

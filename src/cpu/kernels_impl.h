@@ -646,30 +646,29 @@ void attend_in_two(const AttnJob& job, const float* const* q, const int64_t* cli
   attend_t<T, KB, VB, R - 4, KT, VT>(job, q + 4, climit + 4, st + 4);
 }
 
+// The kernel of R queries: attend_t, or on the integer K path with R > 4 attend_in_two.
+template <class T, int KB, int VB, int R, bool KT, bool VT>
+constexpr AttendFn attend_r() {
+  if constexpr (R > 4 && KT && T::kIntDot) return attend_in_two<T, KB, VB, R, KT, VT>;
+  else return attend_t<T, KB, VB, R, KT, VT>;
+}
+
 template <class T, int KB, int VB, bool KT, bool VT>
 AttendFn pick_r(int R) {
-  if constexpr (kMaxTileOf<T> >= 8 && KT && T::kIntDot) {
+  if constexpr (kMaxTileOf<T> >= 8) {
     switch (R) {
-      case 5: return attend_in_two<T, KB, VB, 5, KT, VT>;
-      case 6: return attend_in_two<T, KB, VB, 6, KT, VT>;
-      case 7: return attend_in_two<T, KB, VB, 7, KT, VT>;
-      case 8: return attend_in_two<T, KB, VB, 8, KT, VT>;
-      default: break;
-    }
-  } else if constexpr (kMaxTileOf<T> >= 8) {
-    switch (R) {
-      case 5: return attend_t<T, KB, VB, 5, KT, VT>;
-      case 6: return attend_t<T, KB, VB, 6, KT, VT>;
-      case 7: return attend_t<T, KB, VB, 7, KT, VT>;
-      case 8: return attend_t<T, KB, VB, 8, KT, VT>;
+      case 5: return attend_r<T, KB, VB, 5, KT, VT>();
+      case 6: return attend_r<T, KB, VB, 6, KT, VT>();
+      case 7: return attend_r<T, KB, VB, 7, KT, VT>();
+      case 8: return attend_r<T, KB, VB, 8, KT, VT>();
       default: break;
     }
   }
   switch (R) {
-    case 1: return attend_t<T, KB, VB, 1, KT, VT>;
-    case 2: return attend_t<T, KB, VB, 2, KT, VT>;
-    case 3: return attend_t<T, KB, VB, 3, KT, VT>;
-    default: return attend_t<T, KB, VB, 4, KT, VT>;
+    case 1: return attend_r<T, KB, VB, 1, KT, VT>();
+    case 2: return attend_r<T, KB, VB, 2, KT, VT>();
+    case 3: return attend_r<T, KB, VB, 3, KT, VT>();
+    default: return attend_r<T, KB, VB, 4, KT, VT>();
   }
 }
 // KT: K is 3-bit in tile blocks. A cache has tile blocks for every 3-bit section or for none (format 3 or 2).
