@@ -638,18 +638,19 @@ using AttendFn = void (*)(const AttnJob&, const float* const*, const int64_t*, A
 template <class T>
 constexpr int kMaxTileOf = T::N >= 8 ? kMaxTile : 4;
 
-// More than 4 queries on the integer K path (its 3 R int32 accumulators do not fit the registers with R > 4:
-// measured 0.95x at R = 8): two calls of 4 and R - 4 queries over the same tokens.
+// Two calls of 4 and R - 4 queries over the same tokens: 5 to 7 queries (only R = 8 is compiled beyond 4: each
+// instantiation of attend_t costs compile time in every kernel set), and more than 4 on the integer K path (its 3 R
+// int32 accumulators do not fit the registers: R = 8 measured 0.95x there).
 template <class T, int KB, int VB, int R, bool KT, bool VT>
 void attend_in_two(const AttnJob& job, const float* const* q, const int64_t* climit, AttnState* st) {
   attend_t<T, KB, VB, 4, KT, VT>(job, q, climit, st);
   attend_t<T, KB, VB, R - 4, KT, VT>(job, q + 4, climit + 4, st + 4);
 }
 
-// The kernel of R queries: attend_t, or on the integer K path with R > 4 attend_in_two.
+// The kernel of R queries: attend_t, or attend_in_two (above).
 template <class T, int KB, int VB, int R, bool KT, bool VT>
 constexpr AttendFn attend_r() {
-  if constexpr (R > 4 && KT && T::kIntDot) return attend_in_two<T, KB, VB, R, KT, VT>;
+  if constexpr (R > 4 && (R < 8 || (KT && T::kIntDot))) return attend_in_two<T, KB, VB, R, KT, VT>;
   else return attend_t<T, KB, VB, R, KT, VT>;
 }
 
