@@ -236,11 +236,20 @@ SHAPE_SDPA_CONTEXT = 131072  # SDPA is timed at this context only (eight formula
 
 def shape_sweep(a):
     """--shape-sweep: B=1 decode, 8 kv heads, k3v3 and k4v4 at 128k and 1M tokens, for every (head_dim, GQA group)
-    of SHAPE_SWEEP (non-power-of-two groups and groups over the kernel's 8 query vectors per pass among them),
-    each with its percent of copy bandwidth relative to the headline shape's (d = 128, 4 q heads per kv head) of
-    the same run, and SDPA of the same shape at 128k; writes cuda_shapes.jsonl and cuda_shapes.png."""
-    recs = only_records(a, [({"FMKV_BENCH_HEAD_DIM": str(d), "FMKV_BENCH_Q_PER_KV": str(g)}, 1, ctx, kb, vb)
-                            for d, g in SHAPE_SWEEP for kb, vb in ((3, 3), (4, 4)) for ctx in SHAPE_CONTEXTS])
+    of SHAPE_SWEEP (non-power-of-two groups and groups over 8 query vectors among them), each with its percent of
+    copy bandwidth relative to the headline shape's (d = 128, 4 q heads per kv head) of the same run, and SDPA of the
+    same shape at 128k; groups over 8 at head_dim <= 128 run twice, as the library picks the kernel (the wide one,
+    16 vectors per pass, where compiled: cuda_wide "default") and with FMKV_CUDA_WIDE=0 (passes of 8: "off"), the
+    default row's vs_wide_off the time ratio of the two. Writes cuda_shapes.jsonl and cuda_shapes.png (default rows)."""
+    def run(env_extra, tag):
+        recs = only_records(a, [(dict({"FMKV_BENCH_HEAD_DIM": str(d), "FMKV_BENCH_Q_PER_KV": str(g)}, **env_extra), 1,
+                                 ctx, kb, vb)
+                                for d, g in SHAPE_SWEEP if tag == "default" or (g > 8 and d <= 128)
+                                for kb, vb in ((3, 3), (4, 4)) for ctx in SHAPE_CONTEXTS])
+        for r in recs:
+            r["cuda_wide"] = tag
+        return recs
+    recs = run({}, "default") + run({"FMKV_CUDA_WIDE": "0"}, "off")
     copy = next(r for r in recs if r["kind"] == "copy")
     sdpa, out = {}, []
     for r in recs:
@@ -248,25 +257,31 @@ def shape_sweep(a):
             continue
         bt, be = same_shape_sdpa(r, copy, sdpa) if r["context"] == SHAPE_SDPA_CONTEXT else (float("nan"), "not_timed")
         rec = decode_record(r, bt, be, copy["device"], a.commit, suite="cuda_shapes")
+        rec["cuda_wide"] = r["cuda_wide"]
         if bt != bt:
             rec.update(baseline=None, baseline_time_us=None, speedup=None)
         out.append(rec)
+    key = lambda r: (r["head_dim"], r["q_heads"], r["kv_heads"], r["k_bits"], r["v_bits"], r["context"])
+    off = {key(r): r["time_us"] for r in out if r["cuda_wide"] == "off"}
     head = {(r["k_bits"], r["v_bits"], r["context"]): r["pct_copy_bw"] for r in out
-            if r["head_dim"] == 128 and r["q_heads"] == 4 * r["kv_heads"]}
+            if r["head_dim"] == 128 and r["q_heads"] == 4 * r["kv_heads"] and r["cuda_wide"] == "default"}
     for r in out:
         h = head.get((r["k_bits"], r["v_bits"], r["context"]))
         r["vs_headline_bw"] = round(r["pct_copy_bw"] / h, 3) if h else None
+        t_off = off.get(key(r)) if r["cuda_wide"] == "default" else None
+        r["vs_wide_off"] = round(t_off / r["time_us"], 3) if t_off else None
     write_jsonl(os.path.join(a.out, "cuda_shapes.jsonl"), out)
-    plot_shapes(out, os.path.join(a.out, "cuda_shapes.png"))
+    plot_shapes([r for r in out if r["cuda_wide"] == "default"], os.path.join(a.out, "cuda_shapes.png"))
     print("device: %s   copy bandwidth (read+write): %.0f GB/s" % (copy["device"], copy["gbps"]))
-    print("%-5s %4s %8s %8s %8s %10s %8s %6s %9s %10s %8s" % ("fmt", "d", "q_heads", "kv_heads", "context", "fmkv_us",
-                                                               "GB/s", "%copy", "/headline", "sdpa_us", "speedup"))
+    print("%-5s %4s %8s %8s %8s %8s %10s %8s %6s %9s %10s %8s %9s" % (
+        "fmt", "d", "q_heads", "kv_heads", "context", "wide", "fmkv_us", "GB/s", "%copy", "/headline", "sdpa_us",
+        "speedup", "/wide_off"))
     for r in out:
-        print("k%dv%d %4d %8d %8d %8d %10.2f %8.0f %6.1f %9s %10s %8s" % (
-            r["k_bits"], r["v_bits"], r["head_dim"], r["q_heads"], r["kv_heads"], r["context"], r["time_us"], r["gbps"],
-            r["pct_copy_bw"], "%.3f" % r["vs_headline_bw"] if r["vs_headline_bw"] else "-",
+        print("k%dv%d %4d %8d %8d %8d %8s %10.2f %8.0f %6.1f %9s %10s %8s %9s" % (
+            r["k_bits"], r["v_bits"], r["head_dim"], r["q_heads"], r["kv_heads"], r["context"], r["cuda_wide"],
+            r["time_us"], r["gbps"], r["pct_copy_bw"], "%.3f" % r["vs_headline_bw"] if r["vs_headline_bw"] else "-",
             "%.2f" % r["baseline_time_us"] if r["baseline_time_us"] else "-",
-            "%.2f" % r["speedup"] if r["speedup"] else "-"))
+            "%.2f" % r["speedup"] if r["speedup"] else "-", "%.3f" % r["vs_wide_off"] if r["vs_wide_off"] else "-"))
 
 
 RAGGED_CASES = ("1k-64kx16", "64k,1kx15", "1k-16kx64", "128k,4kx7", "1k-256kx4")

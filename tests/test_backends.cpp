@@ -178,7 +178,8 @@ TEST_P(Backends, AttentionMatchesReference) {
 // softmax ignores) of any 4 consecutive heads are -150, -50, 50, 150 in some order: 100 or more apart. Each query's
 // softmax must use its own maximum: one that took another query's (a joint reduction of several queries' maxima
 // gone wrong) overflows exp or weights every token alike, while a maximum off by less than ~88 would give the same
-// result. The CPU kernels reduce the maxima of up to 4 queries together (R = 4 at GQA 4 and 8, R = 3 at GQA 3).
+// result. The CPU kernels reduce the maxima of up to 4 queries together (R = 4 at GQA 4 and 8, R = 3 at GQA 3); CUDA's
+// wide kernels keep two halves of 8 query vectors (GQA 12 and 16), each with its own softmax state.
 // V has a common part too, so the output is not near zero and the bound is met with room.
 TEST_P(Backends, AttentionQueriesWithScoresFarApart) {
   const fmkv_backend b = GetParam();
@@ -186,7 +187,8 @@ TEST_P(Backends, AttentionQueriesWithScoresFarApart) {
   const double tol = attention_tolerance(b, FMKV_F32);
   for (int version : {2, 3})
     for (const auto& [d, kb, vb, group] :
-         std::vector<std::array<int, 4>>{{128, 3, 3, 4}, {128, 4, 4, 8}, {64, 3, 4, 3}, {128, 4, 2, 2}, {64, 3, 3, 4}}) {
+         std::vector<std::array<int, 4>>{{128, 3, 3, 4}, {128, 4, 4, 8}, {64, 3, 4, 3}, {128, 4, 2, 2}, {64, 3, 3, 4},
+                                         {128, 3, 3, 16}, {64, 4, 4, 12}}) {
       if (version > find_backend(b)->max_format_version) continue;
       const int32_t kvh = 2, HQ = kvh * group;
       fmkv_config c = config(d, kb, vb, kvh, 64);
@@ -482,6 +484,37 @@ TEST_P(Backends, FormatVersion3MatchesOrIsRefused) {
     const std::string what = std::string(fmkv_backend_name(b)) + " d=" + std::to_string(sh.d) + " k" +
                              std::to_string(sh.kb) + "v" + std::to_string(sh.vb);
     check_option_case(b, supported, c, sh.lens, sh.rows, sh.group, "format version 3 is not supported", what + " in format 3");
+  }
+}
+
+// More than 8 query vectors per (sequence, kv head): GQA groups of 9, 12 and 16, and query rows x group up to 48
+// (speculative verification). The CUDA backend runs them through its wide kernels (16 vectors per pass, each tile
+// decoded once for both halves; a half with dead columns, several passes) where compiled, else in passes of 8; the
+// CPU kernels in calls of up to 8. Formats 2 and 3, the widths of CUDA's default wide grid and others, every
+// head_dim, sinks and windows, ragged rows; attention and the fused step against the reference.
+TEST_P(Backends, AttentionGroupsOverEightVectors) {
+  const fmkv_backend b = GetParam();
+  struct W {
+    int d, kb, vb, kv_heads, group, page, sink, window, rule, version;
+    std::vector<int64_t> lens, rows;
+  };
+  const W cases[] = {
+      {128, 3, 3, 2, 16, 64, 0, 0, FMKV_SCALE_LSQ, 3, {3000, 700}, {1, 1}},
+      {128, 3, 3, 2, 12, 16, 4, 16, FMKV_SCALE_RMS, 2, {1500, 40}, {1, 3}},
+      {128, 4, 4, 1, 16, 64, 0, 32, FMKV_SCALE_LSQ, 2, {5000}, {1}},
+      {64, 4, 4, 2, 9, 32, 2, 0, FMKV_SCALE_RMS, 3, {900, 0, 260}, {2, 1, 1}},
+      {64, 3, 3, 3, 8, 128, 0, 0, FMKV_SCALE_LSQ, 3, {2000, 65}, {3, 6}},
+      {128, 2, 2, 2, 16, 32, 0, 0, FMKV_SCALE_LSQ, 2, {800}, {1}},
+      {256, 3, 3, 1, 12, 64, 0, 0, FMKV_SCALE_RMS, 3, {1200}, {2}},
+  };
+  for (const W& sh : cases) {
+    fmkv_config c = config(sh.d, sh.kb, sh.vb, sh.kv_heads, sh.page, sh.sink, sh.window, sh.rule);
+    c.format_version = sh.version;
+    if (sh.version > find_backend(b)->max_format_version) continue;  // (its own test checks the refusal)
+    const std::string what = std::string(fmkv_backend_name(b)) + " d=" + std::to_string(sh.d) + " k" +
+                             std::to_string(sh.kb) + "v" + std::to_string(sh.vb) + " format " +
+                             std::to_string(sh.version) + " GQA " + std::to_string(sh.group);
+    check_option_case(b, true, c, sh.lens, sh.rows, sh.group, "", what);
   }
 }
 

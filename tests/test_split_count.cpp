@@ -38,6 +38,16 @@ struct Case {
   const char* why;
 };
 
+// The wide kernels (16 query vectors per pass, 2 CTAs per SM) count passes of 16: 4 rows x 4 q heads per kv head
+// is one pass there (trimmed at 32k like one-row decode) and two passes of the 8-vector kernel (not trimmed).
+TEST(SplitCount, WideKernelsCountPassesOf16Vectors) {
+  const SplitDevice wide{132, 2};
+  EXPECT_EQ(preferred_splits(1, 8, 32, 4, 1, wide, 32768, 2 * kSplitVectors), 32);
+  EXPECT_EQ(preferred_splits(1, 8, 32, 4, 1, wide, 32768, kSplitVectors), 64);
+  EXPECT_EQ(preferred_splits(1, 8, 128, 1, 1, wide, 32768, 2 * kSplitVectors), 32);  // GQA 16, one row
+  EXPECT_EQ(preferred_splits(1, 8, 128, 2, 1, wide, 32768, 2 * kSplitVectors), 64);  // 2 rows: two passes of 16
+}
+
 TEST(SplitCount, Rule) {
   const Case cases[] = {
       // grids of more than one wave keep ceil(1056 / pairs) capped at 64

@@ -87,19 +87,19 @@ __global__ void __launch_bounds__(128) f2_pv(const uint8_t* tiles, const uint32_
   for (int k = 0; k < 4; ++k) L.TV[k] = tab[k];
   L.vmul = vmul;
   __syncwarp();
-  float acc[G][2][4] = {};
+  float acc[1][G][2][4] = {};  // one half of 8 query vectors (NH = 1)
   for (int t = 0; t < ntiles; ++t) {
     const uint8_t* s = st[warp][t & 1];
-    float pr[4];
-    for (int k = 0; k < 4; ++k) pr[k] = sp[warp][t & 1][k][lane];
+    float pr[1][4];
+    for (int k = 0; k < 4; ++k) pr[0][k] = sp[warp][t & 1][k][lane];
     const uint32_t* vw = (const uint32_t*)s + 4 * tid;  // the lane's token words (tokens 4 tid .. 4 tid + 3)
     const uint32_t* vs = (const uint32_t*)(s + G * VB * 64) + gID;  // V scales of tokens 2 gID, 2 gID + 1
-    fmkv::cuda::tile_pv<D, VB, false>(vw, vs, pr, 0, 16, gID, L, acc, lane);
+    fmkv::cuda::tile_pv<D, VB, false, 1>(vw, vs, pr, 0, 16, gID, L, acc, lane);
   }
   float sum = 0;
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < 2; ++j)
-      for (int k = 0; k < 4; ++k) sum += acc[g][j][k];
+      for (int k = 0; k < 4; ++k) sum += acc[0][g][j][k];
   out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
 }
 

@@ -44,10 +44,10 @@ constexpr int KB = 3, TB2 = G * KB * 64 + G * 64;  // bytes per staged tile: cod
 __global__ void __launch_bounds__(128) f2_scores(const uint8_t* tiles, const uint32_t* tab, const uint32_t* kmul,
                                                  const uint2* qsrc, float* out, int ntiles) {
   __shared__ __align__(16) uint8_t st[kWarps][2][TB2];
-  __shared__ uint2 qb[kWarps][G][2][32];
+  __shared__ uint2 qb[kWarps][1][G][2][32];  // one half of 8 query vectors (NH = 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gID = lane / 4, tid = lane % 4;
   for (int i = lane; i < 2 * TB2 / 4; i += 32) ((uint32_t*)st[warp])[i] = ((const uint32_t*)tiles)[i];
-  for (int i = lane; i < G * 2 * 32; i += 32) (&qb[warp][0][0][0])[i] = qsrc[i];
+  for (int i = lane; i < G * 2 * 32; i += 32) (&qb[warp][0][0][0][0])[i] = qsrc[i];
   fmkv::cuda::TileLane L;
   for (int k = 0; k < 4; ++k) L.TK[k] = tab[k];
   L.kmul[0] = kmul[0];
@@ -56,12 +56,12 @@ __global__ void __launch_bounds__(128) f2_scores(const uint8_t* tiles, const uin
   float acc[4] = {0, 0, 0, 0};
   for (int t = 0; t < ntiles; ++t) {
     const uint8_t* s = st[warp][t & 1];
-    float sc[4] = {0, 0, 0, 0};
+    float sc[1][4] = {{0, 0, 0, 0}};
     const uint32_t* kw = (const uint32_t*)s + 2 * gID;
     const uint32_t* ks = (const uint32_t*)(s + G * KB * 64) + gID;
-    fmkv::cuda::tile_scores<D, KB, false>(nullptr, kw, ks, qb[warp], lane, tid, L, sc);
+    fmkv::cuda::tile_scores<D, KB, false, 1>(nullptr, kw, ks, qb[warp], lane, tid, L, sc);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) acc[k] += sc[k];
+    for (int k = 0; k < 4; ++k) acc[k] += sc[0][k];
   }
   for (int k = 0; k < 4; ++k) out[(blockIdx.x * blockDim.x + threadIdx.x) * 4 + k] = acc[k];
 }

@@ -64,6 +64,11 @@ struct AttnFn {  // a compiled decode-attention kernel and its dynamic shared me
 #ifndef FMKV_ATTN_MIN_BLOCKS
 #define FMKV_ATTN_MIN_BLOCKS 3
 #endif
+// The same for the wide kernels (two halves of kQV query vectors per pass, attn_compiled_wide): their second
+// set of accumulators and softmax state does not fit 168 registers.
+#ifndef FMKV_ATTN_WIDE_MIN_BLOCKS
+#define FMKV_ATTN_WIDE_MIN_BLOCKS 2
+#endif
 // kMinTilesPerSplit, kMaxSplits, kFusedMaxRows: split_count.h
 constexpr int kAttnWarps = 4, kQV = 8;
 static_assert(kAttnWarps == kSplitWarps && kQV == kSplitVectors, "split_count.h counts tiles per warp and passes");

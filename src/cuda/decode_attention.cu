@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(NT) merge_kernel(AttnParams p) {
 // The split count (split_count.h), or FMKV_CUDA_SPLITS=n (1..254) for measurements. max_len: the
 // call's length bound (opts.max_seq_len, 0: unknown) -> the most compressed tokens of a sequence.
 int32_t split_count(const fmkv_config& c, int32_t num_seqs, int32_t q_heads, int64_t rows, int32_t nraw,
-                    const SplitDevice& dev, int64_t max_len) {
+                    const SplitDevice& dev, int64_t max_len, int vectors_per_pass) {
   static const int forced = [] {
     const char* e = std::getenv("FMKV_CUDA_SPLITS");
     const int n = e ? std::atoi(e) : 0;
@@ -198,7 +198,7 @@ int32_t split_count(const fmkv_config& c, int32_t num_seqs, int32_t q_heads, int
   }();
   if (forced) return forced;
   const int64_t compressed = max_len > 0 ? compressed_end(c, max_len) - c.sink_tokens : -1;
-  return preferred_splits(num_seqs, c.num_kv_heads, q_heads, rows, nraw, dev, compressed);
+  return preferred_splits(num_seqs, c.num_kv_heads, q_heads, rows, nraw, dev, compressed, vectors_per_pass);
 }
 
 int64_t align256(int64_t x) { return (x + 255) & ~(int64_t)255; }
@@ -226,11 +226,36 @@ bool tiled_config(const fmkv_config& c) {
   return fmkv_tiled_codes(c.format_version, c.k_bits) || fmkv_tiled_codes(c.format_version, c.v_bits);
 }
 
-AttnFn attn_kernel(const fmkv_config& c) {
+// The kernel of a config: wide_vectors > 0 asks for the wide kernel (attn_compiled_wide: 2 x kQV query vectors per
+// pass), for a call whose (sequence, kv head) pairs have that many query vectors (wide_vectors()); {} where not
+// compiled.
+AttnFn attn_kernel(const fmkv_config& c, bool wide = false) {
   const bool f3 = tiled_config(c);
   AttnFn fn{};
-  with_k_bits(c.k_bits, [&](auto kb) { fn = attn_kernel_k<decltype(kb)::value>(c.head_dim, c.v_bits, c.page_size, f3); });
+  with_k_bits(c.k_bits,
+              [&](auto kb) { fn = attn_kernel_k<decltype(kb)::value>(c.head_dim, c.v_bits, c.page_size, f3, wide); });
   return fn;
+}
+// The kernel of a call of `rows` query rows over num_seqs sequences and q_heads q heads: the wide one when a
+// (sequence, kv head) pair has more than kQV query vectors on average (rows per sequence x GQA group) and it is
+// compiled, unless FMKV_CUDA_WIDE=0 (measurements: the kQV-vector passes for every call). *vectors_per_pass: what
+// the split count plans with (split_count.h).
+AttnFn attn_kernel_for_call(const fmkv_config& c, int32_t num_seqs, int32_t q_heads, int64_t rows, int* vectors_per_pass) {
+  static const bool wide_on = [] {
+    const char* e = std::getenv("FMKV_CUDA_WIDE");
+    return !(e && std::string(e) == "0");
+  }();
+  const int64_t gq = std::max<int64_t>(q_heads / std::max(c.num_kv_heads, 1), 1);
+  const int64_t vectors = ceil_div(std::max<int64_t>(rows, 1), std::max<int64_t>(num_seqs, 1)) * gq;
+  if (wide_on && vectors > kQV) {
+    const AttnFn wide = attn_kernel(c, true);
+    if (wide) {
+      *vectors_per_pass = 2 * kQV;
+      return wide;
+    }
+  }
+  *vectors_per_pass = kQV;
+  return attn_kernel(c);
 }
 
 // The current device's CTA slots for `fn` (SMs, CTAs per SM: split_count.h), after opting the kernel in to
@@ -275,12 +300,13 @@ int64_t attention_workspace_bytes(const fmkv_config& cfg, int32_t q_heads, int64
   if (q_heads <= 0 || max_rows <= 0) return 0;
   // the larger of an attention call's plan (one raw-domain CTA per pair) and a fused step's with fp16
   // regions (two)
-  const SplitDevice dev = split_device(attn_kernel(cfg));
+  int vpp = kQV;
+  const SplitDevice dev = split_device(attn_kernel_for_call(cfg, num_seqs, q_heads, max_rows, &vpp));
   // (a balanced call may take up to balance_cap partial slots; whether it runs is known only at the call)
   const bool balanced = balanced_call(num_seqs);
   int32_t cap = 1;
   for (int32_t nraw = 1; nraw <= 2; ++nraw) {
-    const int32_t ns = split_count(cfg, num_seqs, q_heads, max_rows, nraw, dev, max_seq_len);
+    const int32_t ns = split_count(cfg, num_seqs, q_heads, max_rows, nraw, dev, max_seq_len, vpp);
     cap = std::max(cap, balanced ? balance_cap(num_seqs, ns) : ns);
   }
   return workspace_for(max_rows, q_heads, cfg.head_dim, cap, balanced);
@@ -301,13 +327,14 @@ void launch(const AttentionArgs& a, const AppendArgs* ap) {
   const fmkv_config& c = a.cfg;
   if (a.batch.num_seqs == 0 || a.q.rows == 0) return;
   const int32_t d = c.head_dim, HQ = a.q.heads;
-  const AttnFn fn = attn_kernel(c);
+  int vpp = kQV;
+  const AttnFn fn = attn_kernel_for_call(c, a.batch.num_seqs, HQ, a.q.rows, &vpp);
   if (!fn) check_attention(c);  // throws, naming the combination (the C API asked it before the call)
   // a fused step with fp16 regions: a second sink/window CTA attends the tokens before the step
   const int32_t nraw = ap != nullptr && c.sink_tokens + c.window_tokens > 0 ? 2 : 1;
   // splits per (sequence, kv head) of the grid, and partial slots per query vector (cap >= ns: a balanced
   // call's long sequences take more, split_count.h); a smaller workspace than planned lowers cap first
-  int32_t ns = split_count(c, a.batch.num_seqs, HQ, a.q.rows, nraw, split_device(fn), a.opts.max_seq_len);
+  int32_t ns = split_count(c, a.batch.num_seqs, HQ, a.q.rows, nraw, split_device(fn), a.opts.max_seq_len, vpp);
   const int64_t bound = a.opts.max_seq_len > 0 ? compressed_end(c, a.opts.max_seq_len) - c.sink_tokens : -1;
   const bool balanced = balanced_call(a.batch.num_seqs) && balance_pays(bound, ns);
   int32_t cap = balanced ? balance_cap(a.batch.num_seqs, ns) : ns;

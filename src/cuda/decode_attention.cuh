@@ -8,9 +8,10 @@
 // has ns_s splits, and a split CTA whose own sequence needs fewer than nsplit takes an extra split of a
 // longer one; otherwise ns_s = nsplit. Roles of CTA (sp, sequence s, kv head h):
 //   split_cta, sp < nsplit: split k of the ns_s of its sequence (k = sp unless the plan moved it), a
-//     contiguous range of 16-token tiles of the sequence's compressed tokens, for up to kQV = 8 query
-//     vectors per pass (all q heads of the GQA group x query rows), so every K/V byte is read once per 8
-//     query vectors; partial slot split_slot(k) (attn_params.cuh).
+//     contiguous range of 16-token tiles of the sequence's compressed tokens, for up to NH x kQV query
+//     vectors per pass (all q heads of the GQA group x query rows; kQV = 8, NH = 1, or 2 in the wide
+//     kernels of calls with more than 8 vectors per (sequence, kv head), attn_compiled_wide), so every K/V
+//     byte is read and decoded once per NH x 8 query vectors; partial slot split_slot(k) (attn_params.cuh).
 //   fp16_part (fp16_part.cuh), sp == nsplit of an attention call or sp == nsplit + 1 of a fused step with
 //     fp16 regions (nraw = 2): the fp16 sink and window tokens (a fused step's: those before the step);
 //     partial slot raw_slot(z).
@@ -216,11 +217,13 @@ struct TileGeom {
   // in 64 KB, else 2
   static constexpr int stages = kAttnWarps * 3 * bytes <= 64 * 1024 ? 3 : 2;
   static constexpr int stage_bytes = kAttnWarps * stages * bytes;
-  static constexpr int combine_bytes = kAttnWarps * kQV * D * 4;  // sm_acc; sq (kQV x D floats) is smaller
+  static constexpr int combine_bytes = kAttnWarps * kQV * D * 4;  // sm_acc (one half of a pass at a time)
   static constexpr int smem = stage_bytes > combine_bytes ? stage_bytes : combine_bytes;
-  static constexpr int split_bytes = smem + kQV * D * 4;  // + the Q rotation buffer
-  // the sink/window CTA uses the same dynamic shared memory for the fp16 part (Fp16Geom)
-  static constexpr int smem_total = split_bytes > Fp16Geom<D>::bytes ? split_bytes : Fp16Geom<D>::bytes;
+  // + the Q rotation buffer of a pass of NH x kQV vectors; the sink/window CTA uses the same dynamic shared
+  // memory for the fp16 part (Fp16Geom)
+  static constexpr int smem_total(int NH) {
+    return smem + NH * kQV * D * 4 > Fp16Geom<D>::bytes ? smem + NH * kQV * D * 4 : Fp16Geom<D>::bytes;
+  }
 };
 
 // ---- Split CTAs. Warp w of split sp takes the tiles tb + w + 4k of the split's range [tb, te) (the warp
@@ -239,19 +242,24 @@ struct TileGeom {
 //     (4 tid + 1, 4 tid + 3)); coordinates of each group: 2 gID, 2 gID + 16 (mma 0) and 2 gID + 1,
 //     2 gID + 17 (mma 1), 4- and 5-bit V: 4 gID, 4 gID + 1 (mma 0) and 4 gID + 2, 4 gID + 3 (mma 1).
 //   O^T (C fragment of the V mma): those coordinates x queries 2 tid, 2 tid + 1.
+// A pass of a split CTA takes NH halves of kQV query vectors (NH = 2: "wide" kernels, groups of more than kQV
+// query vectors per (sequence, kv head), attn_compiled_wide): vector i of the pass is column i % kQV of half
+// i / kQV, whose mma columns, softmax state and accumulators are the lane's own (a second set of each); a tile is
+// staged and decoded once per pass for both halves.
 constexpr uint32_t kTokensPerStep = 16 * kAttnWarps;  // a warp's consecutive tiles are this many tokens apart
-constexpr int kQVPerWarp = kQV / kAttnWarps;          // query vectors a warp loads and rotates per pass
+constexpr int kQVPerWarp = kQV / kAttnWarps;          // query vectors a warp loads and rotates per half
+constexpr int kMaxHalves = 2;                         // NH <= kMaxHalves
 static_assert(kQV % kAttnWarps == 0, "whole query vectors per warp");
 
 // The split CTA's static shared memory (declared in attn_kernel; the kernel's prologue fills tab and pow2).
-template <int D>
+template <int D, int NH>
 struct SplitShared {
-  float (&qmax)[kQV];                            // max |q| of the pass's vectors
+  float (&qmax)[NH * kQV];                       // max |q| of the pass's vectors
   const uint32_t (*tab)[32];                     // K (rows 0 .. kTabRows(KB) - 1) and V level tables, a copy per lane
   uint32_t (&pow2)[32];                          // 1 << i (the multipliers of TileLane::kmul, vmul, kmul5, vmul5)
-  uint2 (&qb)[kAttnWarps][D / 32][2][32];        // each warp's copy of its lanes' Q fragments (B operand)
-  float (&m)[kAttnWarps][kQV], (&l)[kAttnWarps][kQV];  // each warp's (m, l) for the combine
-  int64_t (&vpos)[kQV], (&vpart)[kQV];           // the pass's vectors: position (causal limit), partial index
+  uint2 (&qb)[kAttnWarps][NH][D / 32][2][32];    // each warp's copy of its lanes' Q fragments (B operand), per half
+  float (&m)[kAttnWarps][NH * kQV], (&l)[kAttnWarps][NH * kQV];  // each warp's (m, l) for the combine
+  int64_t (&vpos)[NH * kQV], (&vpart)[NH * kQV];  // the pass's vectors: position (causal limit), partial index
 };
 
 // Where lane `lane`'s cp.async chunks of a tile come from: chunk c = lane + 32 i of the tile (TileGeom
@@ -289,18 +297,18 @@ __device__ __forceinline__ void tile_copy_plan(const AttnParams& p, int lane, in
   }
 }
 
-// Q of a pass, requested: warp w loads query vectors vb + w + 4 u (u < kQVPerWarp; lane: coordinates
+// Q of a pass, requested: warp w loads query vectors vb + w + 4 u (u < NH x kQVPerWarp; lane: coordinates
 // lane + 32 r) into xq[u] (0 past the call's vectors: load_elems skips offset -1) and lane 0 records each
 // vector's position and partial index (-1 past the call's vectors) in sh.vpos / sh.vpart.
-template <int D>
+template <int D, int NH>
 __device__ __forceinline__ void split_q_request(const AttnParams& p, int h, int64_t r0, int64_t n, int64_t len,
-                                                int64_t vb, int64_t nqv, int warp, int lane, const SplitShared<D>& sh,
-                                                float (&xq)[kQVPerWarp][D / 32], int64_t (&qrow)[kQVPerWarp],
-                                                int (&qhead)[kQVPerWarp]) {
-  constexpr int NR = D / 32;
-  int64_t qoff[kQVPerWarp * NR];
+                                                int64_t vb, int64_t nqv, int warp, int lane, const SplitShared<D, NH>& sh,
+                                                float (&xq)[NH * kQVPerWarp][D / 32], int64_t (&qrow)[NH * kQVPerWarp],
+                                                int (&qhead)[NH * kQVPerWarp]) {
+  constexpr int NR = D / 32, NU = NH * kQVPerWarp;
+  int64_t qoff[NU * NR];
 #pragma unroll
-  for (int u = 0; u < kQVPerWarp; ++u) {
+  for (int u = 0; u < NU; ++u) {
     const int i = warp + u * kAttnWarps;
     const int64_t v = vb + i;
     int64_t vr;  // query row (within the sequence) and q head of vector v (warp-uniform)
@@ -315,19 +323,19 @@ __device__ __forceinline__ void split_q_request(const AttnParams& p, int h, int6
 #pragma unroll
     for (int r = 0; r < NR; ++r) qoff[u * NR + r] = v < nqv ? qrow[u] * p.q_rs + qhead[u] * p.q_hs + lane + 32 * r : -1;
   }
-  load_elems<kQVPerWarp * NR>(p.q, p.q_dtype, qoff, reinterpret_cast<float(&)[kQVPerWarp * NR]>(xq));
+  load_elems<NU * NR>(p.q, p.q_dtype, qoff, reinterpret_cast<float(&)[NU * NR]>(xq));
 }
 
 // Q of a pass, prepared (same mapping as split_q_request): each value checked (NaN / Inf: reported, used as
 // 0), the vector rotated in the warp's registers (signs, FWHT, 1/sqrt(D); not for fp16 K, which the cache
 // holds unrotated) and stored to sq[i] (i = w + 4 u), its max |q| to sh.qmax[i].
-template <int D, bool K16>
-__device__ __forceinline__ void split_q_rotate(const AttnParams& p, int warp, int lane, float (&xq)[kQVPerWarp][D / 32],
-                                               const int64_t (&qrow)[kQVPerWarp], const int (&qhead)[kQVPerWarp],
-                                               float (*sq)[D], const SplitShared<D>& sh) {
+template <int D, bool K16, int NH>
+__device__ __forceinline__ void split_q_rotate(const AttnParams& p, int warp, int lane, float (&xq)[NH * kQVPerWarp][D / 32],
+                                               const int64_t (&qrow)[NH * kQVPerWarp], const int (&qhead)[NH * kQVPerWarp],
+                                               float (*sq)[D], const SplitShared<D, NH>& sh) {
   constexpr int NR = D / 32;
 #pragma unroll
-  for (int u = 0; u < kQVPerWarp; ++u) {
+  for (int u = 0; u < NH * kQVPerWarp; ++u) {
     const int i = warp + u * kAttnWarps;
     float(&x)[NR] = xq[u];
 #pragma unroll
@@ -358,18 +366,18 @@ struct TileLane {
   uint32_t k16, vsel;      // 16 (the sign move of nibble_bytes); 4-bit V: the byte interleave of two tokens
   uint32_t z;              // format-3 V: 0x0808, the zero low bytes' selector nibbles (tile_v_fragment)
   bool softcapped;
-  float inv_cap, fac2[2];  // 1 / softcap; score factor of queries 2 tid + j (max |q| x scale, log2 units)
+  float inv_cap, fac2[kMaxHalves][2];  // 1 / softcap; score factor of queries 2 tid + j of half hh (max |q| x scale, log2 units)
   uint32_t kmul[2], vmul;  // multipliers that move sign / magnitude-bit planes into bits 15 / 31
-  int vlim[2], tlim;       // visibility thresholds on a tile's token offset (tile_softmax, tile_pv)
+  int vlim[kMaxHalves][2], tlim;  // visibility thresholds on a tile's token offset (tile_softmax, tile_pv)
 };
 
 // Before the tile loop of a pass (after the barrier that publishes sq, sh.qmax and sh.tab): this lane's
-// TileLane, and this warp's Q fragments (B operand, query vector gID normalised to max |q| = 1, fp16) to
-// qb = sh.qb[warp], in the coordinate order the K decode of tile_scores pairs. ci_first: the warp's first
+// TileLane, and this warp's Q fragments (B operand of half hh: query vector kQV hh + gID normalised to max |q| = 1,
+// fp16) to qb = sh.qb[warp], in the coordinate order the K decode of tile_scores pairs. ci_first: the warp's first
 // compressed token; C: the sequence's compressed tokens.
-template <int D, int KB, int VB, bool F3>
-__device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, int gID, int tid, const SplitShared<D>& sh,
-                                                const float (*sq)[D], uint2 (&qb)[D / 32][2][32], uint64_t ci_first,
+template <int D, int KB, int VB, bool F3, int NH>
+__device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, int gID, int tid, const SplitShared<D, NH>& sh,
+                                                const float (*sq)[D], uint2 (&qbh)[NH][D / 32][2][32], uint64_t ci_first,
                                                 int64_t C, TileLane& L) {
   constexpr int G = D / 32, RK = level_table_rows(KB);
 #pragma unroll
@@ -404,57 +412,65 @@ __device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, i
   // the two tokens' bytes interleaved first (selector vsel)
   L.vsel = (gID & 1) ? 0x7362u : 0x5140u;
   L.z = sh.pow2[3] * 0x0101u;  // 0x0808, from shared memory: a register operand of the LOP3
-  // B operand: query vector gID, normalised to max |q| = 1; kept in shared memory and read per tile
+  // B operand: query vector gID of each half, normalised to max |q| = 1; kept in shared memory and read per tile
   // (ld.volatile: not hoisted into 16 registers, which would cost occupancy)
-  if constexpr (kTiled<KB, F3>) {
-    // format 3: q16 = q x 32639 / max |q| rounded, in two int8 parts (qh, ql): b0 / b1 of mma.m16n8k32 =
-    // coordinates 32 g + 4 tid .. + 3 / 32 g + 16 + 4 tid .. + 3 (tile_k_fragment's k order)
-    const float qmax = sh.qmax[gID], qs = qmax > 0.0f ? kTileQScale / qmax : 0.0f;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      uint32_t hw[2], lw[2];
+  for (int hh = 0; hh < NH; ++hh) {
+    const int qi = kQV * hh + gID;
+    uint2(&qb)[D / 32][2][32] = qbh[hh];
+    if constexpr (kTiled<KB, F3>) {
+      // format 3: q16 = q x 32639 / max |q| rounded, in two int8 parts (qh, ql): b0 / b1 of mma.m16n8k32 =
+      // coordinates 32 g + 4 tid .. + 3 / 32 g + 16 + 4 tid .. + 3 (tile_k_fragment's k order)
+      const float qmax = sh.qmax[qi], qs = qmax > 0.0f ? kTileQScale / qmax : 0.0f;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        hw[j] = 0u;
-        lw[j] = 0u;
+      for (int g = 0; g < G; ++g) {
+        uint32_t hw[2], lw[2];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int q16 = __float2int_rn(sq[gID][32 * g + 16 * j + 4 * tid + e] * qs);
-          const int qh = (q16 + 128) >> 8, ql = q16 - 256 * qh;
-          hw[j] |= ((uint32_t)qh & 0xffu) << (8 * e);
-          lw[j] |= ((uint32_t)ql & 0xffu) << (8 * e);
+        for (int j = 0; j < 2; ++j) {
+          hw[j] = 0u;
+          lw[j] = 0u;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int q16 = __float2int_rn(sq[qi][32 * g + 16 * j + 4 * tid + e] * qs);
+            const int qh = (q16 + 128) >> 8, ql = q16 - 256 * qh;
+            hw[j] |= ((uint32_t)qh & 0xffu) << (8 * e);
+            lw[j] |= ((uint32_t)ql & 0xffu) << (8 * e);
+          }
         }
+        qb[g][0][lane] = make_uint2(hw[0], hw[1]);
+        qb[g][1][lane] = make_uint2(lw[0], lw[1]);
       }
-      qb[g][0][lane] = make_uint2(hw[0], hw[1]);
-      qb[g][1][lane] = make_uint2(lw[0], lw[1]);
+    } else {
+      const float qmax = sh.qmax[qi], qinv = qmax > 0.0f ? 1.0f / qmax : 0.0f;
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          // k pairs (2 tid, 2 tid + 1) and (2 tid + 8, 2 tid + 9) hold the coordinates the K decode pairs:
+          // 3 bits and fp16 K: (b, b + 16), (b + 1, b + 17) with b = 32 g + 8 c + 2 tid; 2 bits (make_x2s order):
+          // (b, b + 1), (b + 16, b + 17)
+          // 4 and 5 bits (nibbles): (b, b + 1), (b + 2, b + 3) with b = 32 g + 8 tid + 4 c
+          constexpr bool NIB = KB == 4 || KB == 5;
+          const int b = NIB ? 32 * g + 8 * tid + 4 * c : 32 * g + 8 * c + 2 * tid;
+          const int o1 = KB == 2 || NIB ? 1 : 16, o2 = KB == 2 ? 16 : NIB ? 2 : 1, o3 = NIB ? 3 : 17;
+          qb[g][c][lane] = make_uint2(pack_half2(sq[qi][b] * qinv, sq[qi][b + o1] * qinv),
+                                      pack_half2(sq[qi][b + o2] * qinv, sq[qi][b + o3] * qinv));
+        }
     }
-  } else {
-    const float qmax = sh.qmax[gID], qinv = qmax > 0.0f ? 1.0f / qmax : 0.0f;
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        // k pairs (2 tid, 2 tid + 1) and (2 tid + 8, 2 tid + 9) hold the coordinates the K decode pairs:
-        // 3 bits and fp16 K: (b, b + 16), (b + 1, b + 17) with b = 32 g + 8 c + 2 tid; 2 bits (make_x2s order):
-        // (b, b + 1), (b + 16, b + 17)
-        // 4 and 5 bits (nibbles): (b, b + 1), (b + 2, b + 3) with b = 32 g + 8 tid + 4 c
-        constexpr bool NIB = KB == 4 || KB == 5;
-        const int b = NIB ? 32 * g + 8 * tid + 4 * c : 32 * g + 8 * c + 2 * tid;
-        const int o1 = KB == 2 || NIB ? 1 : 16, o2 = KB == 2 ? 16 : NIB ? 2 : 1, o3 = NIB ? 3 : 17;
-        qb[g][c][lane] = make_uint2(pack_half2(sq[gID][b] * qinv, sq[gID][b + o1] * qinv),
-                                    pack_half2(sq[gID][b + o2] * qinv, sq[gID][b + o3] * qinv));
-      }
   }
-  // this lane's softmax rows: query vectors 2 tid + j
+  // this lane's softmax rows: query vectors 2 tid + j of each half
   L.softcapped = p.softcap > 0.0f;
   L.inv_cap = L.softcapped ? 1.0f / p.softcap : 0.0f;
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    // (format-3 K: int32 sums of q16 x integer levels, so also x step / 32639)
-    const float fac = sh.qmax[2 * tid + j] * p.sm_scale * (kTiled<KB, F3> ? p.tile_step[0] / kTileQScale : 1.0f);
-    // scores are kept in log2 units (x log2 e) inside the tile loop; m is converted back at the end
-    L.fac2[j] = p.softcap > 0.0f ? fac : fac * kLog2e;
-  }
+  for (int hh = 0; hh < NH; ++hh)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      // (format-3 K: int32 sums of q16 x integer levels, so also x step / 32639)
+      const float fac =
+          sh.qmax[kQV * hh + 2 * tid + j] * p.sm_scale * (kTiled<KB, F3> ? p.tile_step[0] / kTileQScale : 1.0f);
+      // scores are kept in log2 units (x log2 e) inside the tile loop; m is converted back at the end
+      L.fac2[hh][j] = p.softcap > 0.0f ? fac : fac * kLog2e;
+    }
   // Sign (and 4-bit magnitude bit 2) planes are moved into bits 15 / 31 by multiplying with per-lane
   // powers of two: IMAD issues to the FMA pipe, a shift (SHF) to the integer ALU pipe, the tile
   // loop's busiest (CUDA-NOTES "Floors"). K: coordinate 8c + 2 tid -> bit 15; V: coordinate 2 gID.
@@ -470,16 +486,30 @@ __device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, i
   const int64_t rel0 = (int64_t)p.S + (int64_t)ci_first, crem = (int64_t)C - (int64_t)ci_first;
   const int cnt = crem > (1 << 30) ? (1 << 30) : (int)crem;  // tokens from the warp's first one
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int64_t pj = sh.vpos[2 * tid + j], r = pj < 0 ? -1 : pj - rel0;  // causal limit (-1: none)
-    const int lim = r < cnt - 1 ? (int)r : cnt - 1;
-    L.vlim[j] = lim - 2 * gID;
-  }
+  for (int hh = 0; hh < NH; ++hh)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int64_t pj = sh.vpos[kQV * hh + 2 * tid + j], r = pj < 0 ? -1 : pj - rel0;  // causal limit (-1: none)
+      const int lim = r < cnt - 1 ? (int)r : cnt - 1;
+      L.vlim[hh][j] = lim - 2 * gID;
+    }
   L.tlim = cnt - 2 * gID;
 }
 
-// S = K Q^T of one staged tile: sc[k] (zero on entry) += score of token 2 gID + (k >> 1) and query
-// 2 tid + (k & 1), in units of the normalised Q (tile_softmax applies max |q| x scale). The lane decodes
+// c4[hh] += K Q^T of one K fragment (a0 .. a3) and the Q fragments of group g, chunk c of each half hh.
+template <int NH, int G>
+__device__ __forceinline__ void mma_halves(float (&c4)[NH][4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           const uint2 (&qb)[NH][G][2][32], int g, int c, int lane) {
+#pragma unroll
+  for (int hh = 0; hh < NH; ++hh) {
+    const uint2 qf = load_shared_u2(&qb[hh][g][c][lane]);
+    mma16816(c4[hh], a0, a1, a2, a3, qf.x, qf.y);
+  }
+}
+
+// S = K Q^T of one staged tile: sc[hh][k] (zero on entry) += score of token 2 gID + (k >> 1) and query
+// 2 tid + (k & 1) of half hh, in units of the normalised Q (tile_softmax applies max |q| x scale); the K
+// fragments are decoded once for every half. The lane decodes
 // tokens a = 2 gID, b = 2 gID + 1 (ka: their fp16 K rows; else kw: their words of code plane 0 of group 0,
 // ks: their scales of group 0) and, of each group g and chunk c (an mma each): 3 bits and fp16 K
 // coordinates (i0, i0 + 16) (a0 / a1) and (i0 + 1, i0 + 17) (a2 / a3) with i0 = 8 c + 2 tid; 2 bits
@@ -487,38 +517,44 @@ __device__ __forceinline__ void tile_lane_setup(const AttnParams& p, int lane, i
 // 8 tid + 4 c .. + 3; 5 bits: with bits 8 tid + 4 c .. + 3 of sign plane 4) -- the pairs qb (this warp's Q
 // fragments) holds Q in. Each group's mma result (its
 // own accumulator) is multiplied by the token's fp16 scale in fp32.
-template <int D, int KB, bool F3>
+template <int D, int KB, bool F3, int NH>
 __device__ __forceinline__ void tile_scores(const uint16_t* ka, const uint32_t* kw, const uint32_t* ks,
-                                            const uint2 (&qb)[D / 32][2][32], int lane, int tid, const TileLane& L,
-                                            float (&sc)[4]) {
+                                            const uint2 (&qb)[NH][D / 32][2][32], int lane, int tid, const TileLane& L,
+                                            float (&sc)[NH][4]) {
   constexpr int G = D / 32;
   constexpr bool K16 = KB == FMKV_FP16_BITS;
   constexpr int KW = K16 ? 1 : KB;  // code words per group and token (K)
   if constexpr (kTiled<KB, F3>) {  // format 3 (kw: the staged tile block): two IMMA per group, exact int32
     uint32_t X[G], Y[G];
     tile_load<G>((const uint8_t*)kw, lane, X, Y);
-    int d[G][4];
+    int d[G][NH][4];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       uint32_t a[4];
       tile_k_fragment(X[g], Y[g], a);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) d[g][i] = 0;
-      const uint2 qh = load_shared_u2(&qb[g][0][lane]);
-      mma16832s8(d[g], a[0], a[1], a[2], a[3], qh.x, qh.y);
+      for (int hh = 0; hh < NH; ++hh) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) d[g][i] <<= 8;
-      const uint2 ql = load_shared_u2(&qb[g][1][lane]);
-      mma16832s8(d[g], a[0], a[1], a[2], a[3], ql.x, ql.y);
+        for (int i = 0; i < 4; ++i) d[g][hh][i] = 0;
+        const uint2 qh = load_shared_u2(&qb[hh][g][0][lane]);
+        mma16832s8(d[g][hh], a[0], a[1], a[2], a[3], qh.x, qh.y);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) d[g][hh][i] <<= 8;
+        const uint2 ql = load_shared_u2(&qb[hh][g][1][lane]);
+        mma16832s8(d[g][hh], a[0], a[1], a[2], a[3], ql.x, ql.y);
+      }
     }
 #pragma unroll
     for (int g = G - 1; g >= 0; --g) {
       const uint32_t s2 = ks[g * 8];
       const float fa = h_lo(s2), fb = h_hi(s2);
-      sc[0] += (float)d[g][0] * fa;
-      sc[1] += (float)d[g][1] * fa;
-      sc[2] += (float)d[g][2] * fb;
-      sc[3] += (float)d[g][3] * fb;
+#pragma unroll
+      for (int hh = 0; hh < NH; ++hh) {
+        sc[hh][0] += (float)d[g][hh][0] * fa;
+        sc[hh][1] += (float)d[g][hh][1] * fa;
+        sc[hh][2] += (float)d[g][hh][2] * fb;
+        sc[hh][3] += (float)d[g][hh][3] * fb;
+      }
     }
   } else if constexpr (K16) {
     const uint16_t* kb = ka + D;
@@ -531,16 +567,17 @@ __device__ __forceinline__ void tile_scores(const uint16_t* ka, const uint32_t* 
         const uint32_t a1 = (uint32_t)kb[b] | ((uint32_t)kb[b + 16] << 16);
         const uint32_t a2 = (uint32_t)ka[b + 1] | ((uint32_t)ka[b + 17] << 16);
         const uint32_t a3 = (uint32_t)kb[b + 1] | ((uint32_t)kb[b + 17] << 16);
-        const uint2 qf = load_shared_u2(&qb[g][c][lane]);
-        mma16816(sc, a0, a1, a2, a3, qf.x, qf.y);
+        mma_halves<NH, G>(sc, a0, a1, a2, a3, qb, g, c, lane);
       }
   } else {
-    float c4g[G][4];
+    float c4g[G][NH][4];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      float(&c4)[4] = c4g[g];
+      float(&c4)[NH][4] = c4g[g];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) c4[i] = 0.0f;
+      for (int hh = 0; hh < NH; ++hh)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c4[hh][i] = 0.0f;
       if constexpr (KB == 5) {  // magnitude nibbles as for 4 bits, from 16-entry tables; signs from plane 4
         const uint2 w2 = *(const uint2*)(kw + (g * 5 + tid) * 16);  // word tid of tokens a, b
         const uint2 s2 = *(const uint2*)(kw + (g * 5 + 4) * 16);    // their sign planes
@@ -551,9 +588,8 @@ __device__ __forceinline__ void tile_scores(const uint16_t* ka, const uint32_t* 
           nibble16_bytes(c ? w2.y >> 16 : w2.y, L.k16, L.NK5, lb, hb);
           ha |= sign_bytes((s2.x * L.kmul5[c]) >> 28) & 0x80808080u;
           hb |= sign_bytes((s2.y * L.kmul5[c]) >> 28) & 0x80808080u;
-          const uint2 qf = load_shared_u2(&qb[g][c][lane]);
-          mma16816(c4, prmt(la, ha, 0x5140u), prmt(lb, hb, 0x5140u), prmt(la, ha, 0x7362u), prmt(lb, hb, 0x7362u),
-                   qf.x, qf.y);
+          mma_halves<NH, G>(c4, prmt(la, ha, 0x5140u), prmt(lb, hb, 0x5140u), prmt(la, ha, 0x7362u),
+                            prmt(lb, hb, 0x7362u), qb, g, c, lane);
         }
       } else if constexpr (KB == 4) {  // nibbles: two pairs per token from one half-word, no sign work after
         const uint2 w2 = *(const uint2*)(kw + (g * 4 + tid) * 16);  // word tid of tokens a, b
@@ -562,9 +598,8 @@ __device__ __forceinline__ void tile_scores(const uint16_t* ka, const uint32_t* 
           uint32_t la, ha, lb, hb;
           nibble_bytes(c ? w2.x >> 16 : w2.x, L.k16, L.NK, la, ha);
           nibble_bytes(c ? w2.y >> 16 : w2.y, L.k16, L.NK, lb, hb);
-          const uint2 qf = load_shared_u2(&qb[g][c][lane]);
-          mma16816(c4, prmt(la, ha, 0x5140u), prmt(lb, hb, 0x5140u), prmt(la, ha, 0x7362u), prmt(lb, hb, 0x7362u),
-                   qf.x, qf.y);
+          mma_halves<NH, G>(c4, prmt(la, ha, 0x5140u), prmt(lb, hb, 0x5140u), prmt(la, ha, 0x7362u),
+                            prmt(lb, hb, 0x7362u), qb, g, c, lane);
         }
       } else {  // planes: the group's words of tokens a (2 gID) and b (2 gID + 1)
         uint32_t wa[KW], wb[KW];
@@ -592,8 +627,7 @@ __device__ __forceinline__ void tile_scores(const uint16_t* ka, const uint32_t* 
             a2 = lookup(sa.y, L.TK) ^ ((wa[KW - 1] * m1) & kSignMask);
             a3 = lookup(sb.y, L.TK) ^ ((wb[KW - 1] * m1) & kSignMask);
           }
-          const uint2 qf = load_shared_u2(&qb[g][c][lane]);
-          mma16816(c4, a0, a1, a2, a3, qf.x, qf.y);
+          mma_halves<NH, G>(c4, a0, a1, a2, a3, qb, g, c, lane);
         }
       }
     }
@@ -605,24 +639,27 @@ __device__ __forceinline__ void tile_scores(const uint16_t* ka, const uint32_t* 
     for (int g = G - 1; g >= 0; --g) {
       const uint32_t s2 = ks[g * 8];
       const float fa = h_lo(s2), fb = h_hi(s2);
-      sc[0] += c4g[g][0] * fa;
-      sc[1] += c4g[g][1] * fa;
-      sc[2] += c4g[g][2] * fb;
-      sc[3] += c4g[g][3] * fb;
+#pragma unroll
+      for (int hh = 0; hh < NH; ++hh) {
+        sc[hh][0] += c4g[g][hh][0] * fa;
+        sc[hh][1] += c4g[g][hh][1] * fa;
+        sc[hh][2] += c4g[g][hh][2] * fb;
+        sc[hh][3] += c4g[g][hh][3] * fb;
+      }
     }
   }
 }
 
-// Online softmax of the lane's queries 2 tid + j over its tokens 2 gID + e of the tile (koff: the tile's
-// first token from the warp's first; the 8 lanes of equal tid share a query): pr[k] = exp2(score - m_run)
+// Online softmax of the lane's queries 2 tid + j of half hh over its tokens 2 gID + e of the tile (koff: the
+// tile's first token from the warp's first; the 8 lanes of equal tid share a query): pr[k] = exp2(score - m_run)
 // of token 2 gID + (k >> 1), query 2 tid + (k & 1) (0 where not visible); m_run (log2 units) and l_run
 // updated, acc (O of the same queries) rescaled when the running max moves.
 template <int G>
-__device__ __forceinline__ void tile_softmax(const AttnParams& p, const float (&sc)[4], int koff, const TileLane& L,
+__device__ __forceinline__ void tile_softmax(const AttnParams& p, const float (&sc)[4], int koff, const TileLane& L, int hh,
                                              float (&m_run)[2], float (&l_run)[2], float (&acc)[G][2][4],
                                              float (&pr)[4]) {
 #pragma unroll
-  for (int k = 0; k < 4; ++k) pr[k] = sc[k] * L.fac2[k & 1];
+  for (int k = 0; k < 4; ++k) pr[k] = sc[k] * L.fac2[hh][k & 1];
   if (L.softcapped) {  // uniform branch
 #pragma unroll
     for (int k = 0; k < 4; ++k) pr[k] = p.softcap * tanhf(pr[k] * L.inv_cap) * kLog2e;
@@ -635,7 +672,7 @@ __device__ __forceinline__ void tile_softmax(const AttnParams& p, const float (&
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int e = k >> 1, j = k & 1;  // token 2 gID + e, query 2 tid + j
-    pr[k] = koff + e <= L.vlim[j] ? pr[k] : -INFINITY;
+    pr[k] = koff + e <= L.vlim[hh][j] ? pr[k] : -INFINITY;
     lm[j] = fmaxf(lm[j], pr[k]);
   }
   if (__any_sync(0xffffffffu, lm[0] > m_run[0] || lm[1] > m_run[1])) {
@@ -667,11 +704,12 @@ __device__ __forceinline__ void tile_softmax(const AttnParams& p, const float (&
 
 // O^T += V^T P^T of one staged tile: the lane's V coordinates of each group (the V mapping above) x its
 // tokens 4 tid .. 4 tid + 3 (vw: their words of code plane 0 of group 0; vs: the V scales of tokens 2 gID,
-// 2 gID + 1 of group 0), P (pr, tile_softmax's C-fragment layout) times the tokens' V scales (0 from
-// token offset tlim on), rounded to fp16 and transposed into the B operand.
-template <int D, int VB, bool F3>
-__device__ __forceinline__ void tile_pv(const uint32_t* vw, const uint32_t* vs, const float (&pr)[4], int koff, int tlim,
-                                        int gID, const TileLane& L, float (&acc)[D / 32][2][4], int lane) {
+// 2 gID + 1 of group 0), P of each half (pr[hh], tile_softmax's C-fragment layout) times the tokens' V scales (0
+// from token offset tlim on), rounded to fp16 and transposed into the B operand; the V fragments are decoded once
+// for every half.
+template <int D, int VB, bool F3, int NH>
+__device__ __forceinline__ void tile_pv(const uint32_t* vw, const uint32_t* vs, const float (&pr)[NH][4], int koff, int tlim,
+                                        int gID, const TileLane& L, float (&acc)[NH][D / 32][2][4], int lane) {
   constexpr int G = D / 32;
   const int i0v = 2 * gID, fwv = gID >> 2;
   uint32_t XV[G], YV[G];  // format 3: the lane's words of the staged V tile block
@@ -682,9 +720,12 @@ __device__ __forceinline__ void tile_pv(const uint32_t* vw, const uint32_t* vs, 
     // (tokens past the end get scale 0: their bytes may be uninitialised, and 0 x Inf is NaN)
     const uint32_t vs2 = vs[g * 8];
     const float sa = koff < tlim ? h_lo(vs2) : 0.0f, sb = koff + 1 < tlim ? h_hi(vs2) : 0.0f;
-    uint32_t pb0 = pack_half2(pr[0] * sa, pr[1] * sa), pb1 = pack_half2(pr[2] * sb, pr[3] * sb);
-    pb0 = movmatrix_trans(pb0);
-    pb1 = movmatrix_trans(pb1);
+    uint32_t pb0[NH], pb1[NH];
+#pragma unroll
+    for (int hh = 0; hh < NH; ++hh) {
+      pb0[hh] = movmatrix_trans(pack_half2(pr[hh][0] * sa, pr[hh][1] * sa));
+      pb1[hh] = movmatrix_trans(pack_half2(pr[hh][2] * sb, pr[hh][3] * sb));
+    }
     uint32_t aA0, aA1, aA2, aA3, aB0, aB1, aB2, aB3;
     if constexpr (kTiled<VB, F3>) {
       uint32_t a[8];
@@ -767,19 +808,23 @@ __device__ __forceinline__ void tile_pv(const uint32_t* vw, const uint32_t* vs, 
         aB3 = lookup(s2cd.y, L.TV) ^ ((whi_cd * m1) & kSignMask);
       }
     }
-    mma16816(acc[g][0], aA0, aA1, aA2, aA3, pb0, pb1);
-    mma16816(acc[g][1], aB0, aB1, aB2, aB3, pb0, pb1);
+#pragma unroll
+    for (int hh = 0; hh < NH; ++hh) {
+      mma16816(acc[hh][g][0], aA0, aA1, aA2, aA3, pb0[hh], pb1[hh]);
+      mma16816(acc[hh][g][1], aB0, aB1, aB2, aB3, pb0[hh], pb1[hh]);
+    }
   }
 }
 
 // The tile loop of one warp and pass: tile k (k < nmy) is computed from stage k % NST of the warp's
 // stages wst while tile k + NST - 1 is copied into the stage freed by tile k - 1 (issue) and the page
 // entry of tile k + NST is read (entry_k; pg_ahead carries it to the next issue).
-template <int D, int KB, int VB, bool F3, class EntryK, class Issue>
+template <int D, int KB, int VB, bool F3, int NH, class EntryK, class Issue>
 __device__ __forceinline__ void split_tile_loop(const AttnParams& p, int nmy, const EntryK& entry_k, const Issue& issue,
                                                 int32_t& pg_ahead, const uint8_t* wst, int lane, int gID, int tid,
-                                                const uint2 (&qb)[D / 32][2][32], const TileLane& L, float (&m_run)[2],
-                                                float (&l_run)[2], float (&acc)[D / 32][2][4]) {
+                                                const uint2 (&qb)[NH][D / 32][2][32], const TileLane& L,
+                                                float (&m_run)[NH][2], float (&l_run)[NH][2],
+                                                float (&acc)[NH][D / 32][2][4]) {
   constexpr int G = D / 32;
   using TG = TileGeom<D, KB, VB>;
   constexpr int NST = TG::stages, TB = TG::bytes;
@@ -797,34 +842,39 @@ __device__ __forceinline__ void split_tile_loop(const AttnParams& p, int nmy, co
     const uint8_t* st = wst + stage * TB;  // the staged tile
     stage = stage + 1 == NST ? 0 : stage + 1;
     // this lane's words of the staged tile (the mapping above)
-    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float sc[NH][4];
+#pragma unroll
+    for (int hh = 0; hh < NH; ++hh)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sc[hh][i] = 0.0f;
     const uint16_t* ka = (const uint16_t*)st + 2 * gID * D;           // fp16 K: tokens 2 gID, 2 gID + 1
     // tokens 2 gID, 2 gID + 1, plane 0 (format 3: the tile block)
     const uint32_t* kw = kTiled<KB, F3> ? (const uint32_t*)st : (const uint32_t*)st + 2 * gID;
     const uint32_t* ks = (const uint32_t*)(st + G * KB * 64) + gID;   // their scales, group 0
-    tile_scores<D, KB, F3>(ka, kw, ks, qb, lane, tid, L, sc);
-    float pr[4];
-    tile_softmax<G>(p, sc, koff, L, m_run, l_run, acc, pr);
+    tile_scores<D, KB, F3, NH>(ka, kw, ks, qb, lane, tid, L, sc);
+    float pr[NH][4];
+#pragma unroll
+    for (int hh = 0; hh < NH; ++hh) tile_softmax<G>(p, sc[hh], koff, L, hh, m_run[hh], l_run[hh], acc[hh], pr[hh]);
     const uint8_t* vst = st + TG::kbytes;
     // tokens 4 tid .. 4 tid + 3, plane 0 (format 3: the tile block)
     const uint32_t* vw = kTiled<VB, F3> ? (const uint32_t*)vst : (const uint32_t*)vst + 4 * tid;
     const uint32_t* vs = (const uint32_t*)(vst + G * VB * 64) + gID;  // V scales of tokens 2 gID, 2 gID + 1
-    tile_pv<D, VB, F3>(vw, vs, pr, koff, L.tlim, gID, L, acc, lane);
+    tile_pv<D, VB, F3, NH>(vw, vs, pr, koff, L.tlim, gID, L, acc, lane);
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
 }
 
-// Combine the 4 warps' (m_run, l_run, acc) of a pass and store the split's partial of each live vector
+// Combine the 4 warps' (m_run, l_run, acc) of half hh of a pass and store the split's partial of each live vector
 // (sh.vpart[i] + slot, the split's partial slot): (m in natural-log units, l) and acc in the raw domain. A warp's (m, l, O) go to its
 // own stages wst when they fit (no other warp touches those: no barrier before the stores), else to
 // sm_acc (which overlaps the other warps' stages: wait for them first). One barrier, then thread -> data:
-// vector i = tidx / 16 of the pass, float4 columns 4 (tidx % 16) + 64 u (u < D / 64); each thread forms
+// vector i = kQV hh + tidx / 16 of the pass, float4 columns 4 (tidx % 16) + 64 u (u < D / 64); each thread forms
 // its vector's combined max, the warps' factors and sum itself (no second barrier), and the half warp of
 // the vector applies the inverse rotation (half_warp_unrotate).
-template <int D, int KB, int VB, bool F3>
-__device__ __forceinline__ void split_combine_store(const AttnParams& p, int slot, int64_t vb, int64_t nqv, int tidx, int warp,
-                                                    int gID, int tid, uint8_t* smem, uint8_t* wst,
-                                                    const SplitShared<D>& sh, const float (&m_run)[2],
+template <int D, int KB, int VB, bool F3, int NH>
+__device__ __forceinline__ void split_combine_store(const AttnParams& p, int slot, int64_t vb, int64_t nqv, int hh, int tidx,
+                                                    int warp, int gID, int tid, uint8_t* smem, uint8_t* wst,
+                                                    const SplitShared<D, NH>& sh, const float (&m_run)[2],
                                                     float (&l_run)[2], const float (&acc)[D / 32][2][4]) {
   using TG = TileGeom<D, KB, VB>;
   constexpr int G = D / 32, NST = TG::stages, TB = TG::bytes;
@@ -838,8 +888,8 @@ __device__ __forceinline__ void split_combine_store(const AttnParams& p, int slo
 #pragma unroll
     for (int o = 4; o <= 16; o <<= 1) l_run[j] += __shfl_xor_sync(0xffffffffu, l_run[j], o);
     if (gID == 0) {
-      sh.m[warp][2 * tid + j] = m_run[j] * 0.69314718055994531f;  // back to natural-log units
-      sh.l[warp][2 * tid + j] = l_run[j];
+      sh.m[warp][kQV * hh + 2 * tid + j] = m_run[j] * 0.69314718055994531f;  // back to natural-log units
+      sh.l[warp][kQV * hh + 2 * tid + j] = l_run[j];
     }
   }
 #pragma unroll
@@ -855,15 +905,15 @@ __device__ __forceinline__ void split_combine_store(const AttnParams& p, int slo
   __syncthreads();
   constexpr int TPV = 128 / kQV, NU = D / (4 * TPV);  // threads per vector, float4 columns per thread
   static_assert(TPV == 16 && NU * 64 == D, "a half warp per vector (half_warp_unrotate's mapping)");
-  const int i = tidx / TPV, c0 = 4 * (tidx % TPV);
+  const int i = tidx / TPV, c0 = 4 * (tidx % TPV), iv = kQV * hh + i;  // vector iv of the pass
   float M = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sh.m[w][i]);
+  for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sh.m[w][iv]);
   float f[kAttnWarps], L = 0.0f;
 #pragma unroll
   for (int w = 0; w < kAttnWarps; ++w) {
-    f[w] = M == -INFINITY ? 0.0f : fast_exp2((sh.m[w][i] - M) * kLog2e);  // (M = -inf: every warp empty)
-    L += sh.l[w][i] * f[w];
+    f[w] = M == -INFINITY ? 0.0f : fast_exp2((sh.m[w][iv] - M) * kLog2e);  // (M = -inf: every warp empty)
+    L += sh.l[w][iv] * f[w];
   }
   float y[4 * NU];
 #pragma unroll
@@ -882,8 +932,8 @@ __device__ __forceinline__ void split_combine_store(const AttnParams& p, int slo
   // the partial leaves in the raw domain (the merge then needs no rotation: it is linear), every
   // thread taking part in the shuffles (vectors past the call's are computed on (-inf, 0) and dropped)
   half_warp_unrotate<D>(y, p.sw, tidx % TPV);
-  if (vb + i < nqv) {
-    const int64_t idx = sh.vpart[i] + slot;
+  if (vb + iv < nqv) {
+    const int64_t idx = sh.vpart[iv] + slot;
     if (c0 == 0) p.part_ml[idx] = make_float2(M, L);
 #pragma unroll
     for (int u = 0; u < NU; ++u)
@@ -894,13 +944,13 @@ __device__ __forceinline__ void split_combine_store(const AttnParams& p, int slo
 
 // Split sp of the ns compressed splits of (sequence s, kv head h), after the kernel's prologue: the tiles
 // [tb, te) of its share of the sequence's C compressed tokens (partial slot split_slot(sp)); an empty share (a short sequence) writes (m, l) = (-inf, 0)
-// for every query vector and returns. Per pass of kQV query vectors: Q requested, the warp's first tiles'
-// copies issued, Q rotated (split_q_*), the tile loop (tile_lane_setup, split_tile_loop), the combine
-// (split_combine_store).
-template <int D, int KB, int VB, int P, bool F3>
+// for every query vector and returns. Per pass of NH x kQV query vectors: Q requested, the warp's first tiles'
+// copies issued, Q rotated (split_q_*), the tile loop (tile_lane_setup, split_tile_loop), the combine of each
+// half (split_combine_store).
+template <int D, int KB, int VB, int P, bool F3, int NH>
 __device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int sp, int ns, int tidx, int warp, int lane, int gID,
                                           int tid, int64_t r0, int64_t n, int64_t len, int64_t C, uint8_t* smem,
-                                          const SplitShared<D>& sh) {
+                                          const SplitShared<D, NH>& sh) {
   constexpr bool K16 = KB == FMKV_FP16_BITS;
   using TG = TileGeom<D, KB, VB>;
   constexpr int NST = TG::stages, TB = TG::bytes;
@@ -976,15 +1026,15 @@ __device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int
         cp_async16_zfill(dst + 512 * i, hb + (uint32_t)(kFixedSlot ? ch_off[i] : ch_off[i] + (int)t0 * ch_mul[i]), ok);
     cp_async_commit();  // one group per tile slot, so wait_group counts tiles
   };
-  for (int64_t vb = 0; vb < nqv; vb += kQV) {
+  for (int64_t vb = 0; vb < nqv; vb += NH * kQV) {
     // Q is requested first (one round trip, in flight while the first tiles' page entries are read
     // and their copies issued), then checked and rotated. (Requesting the entries first and issuing
     // the copies after the rotation made ptxas spill in the k4v3 tile loop; its gain was not
     // separable from run-to-run spread.)
-    float xq[kQVPerWarp][D / 32];
-    int64_t qrow[kQVPerWarp];
-    int qhead[kQVPerWarp];
-    split_q_request<D>(p, h, r0, n, len, vb, nqv, warp, lane, sh, xq, qrow, qhead);
+    float xq[NH * kQVPerWarp][D / 32];
+    int64_t qrow[NH * kQVPerWarp];
+    int qhead[NH * kQVPerWarp];
+    split_q_request<D, NH>(p, h, r0, n, len, vb, nqv, warp, lane, sh, xq, qrow, qhead);
     // Start streaming this warp's first tiles before the Q work, so their latency overlaps it.
     int32_t pg_ahead = entry_k(0);
 #pragma unroll 1
@@ -993,28 +1043,41 @@ __device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int
       issue(k, k, pg_ahead);
       pg_ahead = pn;
     }
-    split_q_rotate<D, K16>(p, warp, lane, xq, qrow, qhead, sq, sh);
+    split_q_rotate<D, K16, NH>(p, warp, lane, xq, qrow, qhead, sq, sh);
     __syncthreads();  // also: sh.tab filled
     FMKV_TRACE(p, 0, 4);
     TileLane L;
-    tile_lane_setup<D, KB, VB, F3>(p, lane, gID, tid, sh, sq, sh.qb[warp], ci_first, C, L);
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
-    float acc[D / 32][2][4];
+    tile_lane_setup<D, KB, VB, F3, NH>(p, lane, gID, tid, sh, sq, sh.qb[warp], ci_first, C, L);
+    float m_run[NH][2], l_run[NH][2], acc[NH][D / 32][2][4];
 #pragma unroll
-    for (int g = 0; g < D / 32; ++g)
+    for (int hh = 0; hh < NH; ++hh) {
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+      for (int j = 0; j < 2; ++j) {
+        m_run[hh][j] = -INFINITY;
+        l_run[hh][j] = 0.0f;
+      }
 #pragma unroll
-        for (int k = 0; k < 4; ++k) acc[g][mt][k] = 0.0f;
-    split_tile_loop<D, KB, VB, F3>(p, nmy, entry_k, issue, pg_ahead, wst, lane, gID, tid, sh.qb[warp], L, m_run, l_run, acc);
+      for (int g = 0; g < D / 32; ++g)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int k = 0; k < 4; ++k) acc[hh][g][mt][k] = 0.0f;
+    }
+    split_tile_loop<D, KB, VB, F3, NH>(p, nmy, entry_k, issue, pg_ahead, wst, lane, gID, tid, sh.qb[warp], L, m_run, l_run,
+                                       acc);
     cp_async_wait<0>();
     if (bad_k >= 0 && lane == 0) {  // the first out-of-range entry of this warp's tiles
       const uint32_t rel = (slot0 + kTokensPerStep * (uint32_t)bad_k) / P;
       report_error(p.err, kOutOfRange, kErrBlockTable, s, (long long)(ci_first / P + rel), bt_first[rel], p.num_pages);
     }
     FMKV_TRACE(p, 0, 6);
-    split_combine_store<D, KB, VB, F3>(p, split_slot(sp), vb, nqv, tidx, warp, gID, tid, smem, wst, sh, m_run, l_run, acc);
-    if (vb + kQV < nqv) __syncthreads();  // the next pass rewrites the stages, sh.vpart and sh.m / sh.l
+#pragma unroll
+    for (int hh = 0; hh < NH; ++hh) {
+      if (hh > 0) __syncthreads();  // every thread is done reading the previous half's warp results
+      split_combine_store<D, KB, VB, F3, NH>(p, split_slot(sp), vb, nqv, hh, tidx, warp, gID, tid, smem, wst, sh, m_run[hh],
+                                             l_run[hh], acc[hh]);
+    }
+    if (vb + NH * kQV < nqv) __syncthreads();  // the next pass rewrites the stages, sh.vpart and sh.m / sh.l
   }
   FMKV_TRACE(p, 0, 7, kTraceSplit);
   grid_dependents_launch();  // the merge kernel may start launching (it waits for this grid's writes)
@@ -1024,19 +1087,21 @@ __device__ __forceinline__ void split_cta(const AttnParams& p, int s, int h, int
 // every load of a tile is a constant offset from one tile pointer). The prologue, shared by every CTA:
 // the codebook levels requested (split CTAs), the dependency wait, the error word and the sequence's batch
 // arrays in one round trip, the sequence checks; then the CTA's role: fused_step (CTA nsplit of a fused
-// step), fp16_part (CTA nsplit of an attention call, CTA nsplit + 1 of a fused step) or split_cta.
-template <int D, int KB, int VB, int P, bool F3>
-__global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn_kernel(AttnParams p) {
+// step), fp16_part (CTA nsplit of an attention call, CTA nsplit + 1 of a fused step) or split_cta. NH: halves of
+// kQV query vectors per pass of a split CTA (2: the wide kernels, attn_compiled_wide).
+template <int D, int KB, int VB, int P, bool F3, int NH>
+__global__ void __launch_bounds__(128, D > 128 ? 2 : NH > 1 ? FMKV_ATTN_WIDE_MIN_BLOCKS : FMKV_ATTN_MIN_BLOCKS)
+    attn_kernel(AttnParams p) {
   constexpr int G = D / 32;
   constexpr bool K16 = KB == FMKV_FP16_BITS;
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float s_qmax[kQV];
+  __shared__ float s_qmax[NH * kQV];
   constexpr int RK = level_table_rows(KB), RV = level_table_rows(VB);
   __shared__ uint32_t s_tab[RK + RV][32];
   __shared__ uint32_t s_pow2[32];
-  __shared__ uint2 s_qb[kAttnWarps][G][2][32];
-  __shared__ float sm_m[kAttnWarps][kQV], sm_l[kAttnWarps][kQV];
-  __shared__ int64_t s_vpos[kQV], s_vpart[kQV];
+  __shared__ uint2 s_qb[kAttnWarps][NH][G][2][32];
+  __shared__ float sm_m[kAttnWarps][NH * kQV], sm_l[kAttnWarps][NH * kQV];
+  __shared__ int64_t s_vpos[NH * kQV], s_vpart[NH * kQV];
   FMKV_TRACE(p, 0, 0);
   const int y = blockIdx.y, h = blockIdx.x, z = blockIdx.z, sp = z < p.nraw ? p.nsplit + z : z - p.nraw;
   const int tidx = threadIdx.x, warp = tidx >> 5, lane = tidx & 31, gID = lane >> 2, tid = lane & 3;
@@ -1107,7 +1172,7 @@ __global__ void __launch_bounds__(128, D <= 128 ? FMKV_ATTN_MIN_BLOCKS : 2) attn
     FMKV_TRACE(p, 0, 7, p.fused && sp == p.nsplit ? kTraceFused : kTraceFp16Part);
     return;
   }
-  split_cta<D, KB, VB, P, F3>(p, s, h, k, ns, tidx, warp, lane, gID, tid, r0, n, len, C, smem,
+  split_cta<D, KB, VB, P, F3, NH>(p, s, h, k, ns, tidx, warp, lane, gID, tid, r0, n, len, C, smem,
                           {s_qmax, s_tab, s_pow2, s_qb, sm_m, sm_l, s_vpos, s_vpart});
 }
 
@@ -1139,30 +1204,46 @@ constexpr bool attn_compiled_f3(int d, int kb, int vb) {
 #endif
 }
 const char* const kAttnDefaultGridF3 = "k3v3 for head_dim 64/128/256 and k16v3 for head_dim 64/128";
+// The wide kernels (NH = 2: 16 query vectors per pass, each tile decoded once for both halves), used for calls of
+// more than kQV query vectors per (sequence, kv head) (GQA groups over 8, query rows x group over 8 in
+// speculative verification); without one a call runs the kQV-vector kernel's passes (each pass decodes every
+// tile again). head_dim <= 128 (at 256 the second set of accumulators does not fit the registers); a default
+// build compiles them for the README table's widths at head_dim 128 (k3v3 in formats 2 and 3, k4v4; every page
+// size: the models with GQA groups over 8 have head_dim 128), the full grid for every combination it compiles.
+constexpr bool attn_compiled_wide(int d, int kb, int vb, bool f3) {
+#ifdef FMKV_CUDA_FULL_GRID
+  return d <= 128 && (f3 ? attn_compiled_f3(d, kb, vb) : attn_compiled(d, kb, vb));
+#else
+  return d == 128 && ((kb == 3 && vb == 3) || (!f3 && kb == 4 && vb == 4));
+#endif
+}
 
-template <int D, int KB, int VB, bool F3>
+template <int D, int KB, int VB, bool F3, int NH>
 AttnFn attn_kernel_for_page(int page) {
   if constexpr (F3 ? !attn_compiled_f3(D, KB, VB) : !attn_compiled(D, KB, VB)) {
     return {};
+  } else if constexpr (NH > 1 && !attn_compiled_wide(D, KB, VB, F3)) {
+    return {};
   } else {
-    constexpr int smem = TileGeom<D, KB, VB>::smem_total;
+    constexpr int smem = TileGeom<D, KB, VB>::smem_total(NH);
     switch (page) {
-      case 16: return {attn_kernel<D, KB, VB, 16, F3>, smem};
-      case 32: return {attn_kernel<D, KB, VB, 32, F3>, smem};
-      case 64: return {attn_kernel<D, KB, VB, 64, F3>, smem};
-      case 128: return {attn_kernel<D, KB, VB, 128, F3>, smem};
-      case 256: return {attn_kernel<D, KB, VB, 256, F3>, smem};
+      case 16: return {attn_kernel<D, KB, VB, 16, F3, NH>, smem};
+      case 32: return {attn_kernel<D, KB, VB, 32, F3, NH>, smem};
+      case 64: return {attn_kernel<D, KB, VB, 64, F3, NH>, smem};
+      case 128: return {attn_kernel<D, KB, VB, 128, F3, NH>, smem};
+      case 256: return {attn_kernel<D, KB, VB, 256, F3, NH>, smem};
     }
     return {};
   }
 }
 
 // The compiled kernel of K width KB for (head_dim d, V width vb, page size, f3: format 3's tile blocks, passed
-// only when a side is tiled); {} where not compiled. Defined in decode_k.cuh and instantiated once per K width
-// in its own translation unit (generated by cmake/cuda.cmake from the width range), so the K widths compile
-// in parallel and this header's includers (decode_attention.cu) compile none of the kernels.
+// only when a side is tiled; wide: the NH = 2 kernel); {} where not compiled. Defined in decode_k.cuh and
+// instantiated once per K width in its own translation unit (generated by cmake/cuda.cmake from the width
+// range), so the K widths compile in parallel and this header's includers (decode_attention.cu) compile none of
+// the kernels.
 template <int KB>
-AttnFn attn_kernel_k(int d, int vb, int page, bool f3);
+AttnFn attn_kernel_k(int d, int vb, int page, bool f3, bool wide);
 
 }  // namespace cuda
 }  // namespace fmkv

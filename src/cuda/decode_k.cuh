@@ -12,23 +12,28 @@
 namespace fmkv {
 namespace cuda {
 
+template <int KB, int D, int V, int NH>
+AttnFn attn_kernel_dvn(int page, bool f3) {
+  return f3 ? attn_kernel_for_page<D, KB, V, true, NH>(page) : attn_kernel_for_page<D, KB, V, false, NH>(page);
+}
+
 template <int KB>
-AttnFn attn_kernel_k(int d, int vb, int page, bool f3) {
+AttnFn attn_kernel_k(int d, int vb, int page, bool f3, bool wide) {
   static_assert(is_k_bits(KB), "FMKV_DECODE_K_BITS is not a K width of the format");
   AttnFn fn{};
   const auto for_v = [&](auto VB) {
     constexpr int V = decltype(VB)::value;
     switch (d) {
-      case 64: fn = f3 ? attn_kernel_for_page<64, KB, V, true>(page) : attn_kernel_for_page<64, KB, V, false>(page); break;
-      case 128: fn = f3 ? attn_kernel_for_page<128, KB, V, true>(page) : attn_kernel_for_page<128, KB, V, false>(page); break;
-      case 256: fn = f3 ? attn_kernel_for_page<256, KB, V, true>(page) : attn_kernel_for_page<256, KB, V, false>(page); break;
+      case 64: fn = wide ? attn_kernel_dvn<KB, 64, V, 2>(page, f3) : attn_kernel_dvn<KB, 64, V, 1>(page, f3); break;
+      case 128: fn = wide ? attn_kernel_dvn<KB, 128, V, 2>(page, f3) : attn_kernel_dvn<KB, 128, V, 1>(page, f3); break;
+      case 256: fn = wide ? AttnFn{} : attn_kernel_dvn<KB, 256, V, 1>(page, f3); break;
     }
   };
   with_code_bits(vb, for_v);
   return fn;
 }
 
-template AttnFn attn_kernel_k<FMKV_DECODE_K_BITS>(int d, int vb, int page, bool f3);
+template AttnFn attn_kernel_k<FMKV_DECODE_K_BITS>(int d, int vb, int page, bool f3, bool wide);
 
 }  // namespace cuda
 }  // namespace fmkv

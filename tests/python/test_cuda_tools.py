@@ -197,17 +197,19 @@ def test_kv_heads_sweep_records_and_plot(tmp_path):
 def test_shape_sweep_relative_to_headline(tmp_path, monkeypatch):
     """bench/cuda_bench.py --shape-sweep: each (head_dim, GQA group) runs as its own --only process with
     FMKV_BENCH_HEAD_DIM / FMKV_BENCH_Q_PER_KV set; its bandwidth is read against the headline shape's (d = 128,
-    group 4) of the same format and context, SDPA is timed at 128k only, and the plot is written."""
+    group 4) of the same format and context, SDPA is timed at 128k only, groups over 8 also run with FMKV_CUDA_WIDE=0
+    (their default rows' vs_wide_off the time ratio), and the plot is written."""
     spec = importlib.util.spec_from_file_location("cuda_bench", ROOT / "bench" / "cuda_bench.py")
     cb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cb)
     stub = tmp_path / "fmkv_cuda_bench"  # --only B ctx kb vb: % of copy bw 40 + group + d / 64 - kb (a known pattern)
-    stub.write_text("#!/bin/bash\n"
-                    "g=$FMKV_BENCH_Q_PER_KV; d=$FMKV_BENCH_HEAD_DIM; pct=$((40 + g + d / 64 - $4))\n"
+    stub.write_text("#!/bin/bash\n"  # FMKV_CUDA_WIDE=0: twice the time
+                    "g=$FMKV_BENCH_Q_PER_KV; d=$FMKV_BENCH_HEAD_DIM; pct=$((40 + g + d / 64 - $4)); t=100.0\n"
+                    "if [ \"$FMKV_CUDA_WIDE\" = 0 ]; then t=200.0; fi\n"
                     "echo '{\"kind\":\"copy\",\"gbps\":2000.0,\"device\":\"stub GPU\",\"l2_bytes\":1}'\n"
                     "echo \"{\\\"kind\\\":\\\"decode\\\",\\\"k_bits\\\":$4,\\\"v_bits\\\":$5,\\\"batch\\\":$2,"
                     "\\\"context\\\":$3,\\\"head_dim\\\":$d,\\\"q_heads\\\":$((8 * g)),\\\"kv_heads\\\":8,"
-                    "\\\"page_size\\\":64,\\\"time_us\\\":100.0,\\\"bytes\\\":1e6,\\\"gbps\\\":10.0,"
+                    "\\\"page_size\\\":64,\\\"time_us\\\":$t,\\\"bytes\\\":1e6,\\\"gbps\\\":10.0,"
                     "\\\"copy_gbps\\\":2000.0,\\\"pct_copy_bw\\\":$pct,\\\"nonfinite_out\\\":0}\"\n")
     stub.chmod(0o755)
     sdpa_calls = []
@@ -216,8 +218,11 @@ def test_shape_sweep_relative_to_headline(tmp_path, monkeypatch):
     monkeypatch.setattr(cb, "SHAPE_SWEEP", ((128, 4), (128, 7), (64, 16)))
     cb.shape_sweep(argparse.Namespace(bin=str(stub), out=str(tmp_path), commit="abc1234"))
     recs = [json.loads(l) for l in (tmp_path / "cuda_shapes.jsonl").read_text().splitlines()]
-    assert len(recs) == 3 * 2 * len(cb.SHAPE_CONTEXTS)
-    by = {(r["head_dim"], r["q_heads"], r["k_bits"], r["context"]): r for r in recs}
+    assert len(recs) == (3 + 1) * 2 * len(cb.SHAPE_CONTEXTS)  # (64, 16) also with FMKV_CUDA_WIDE=0
+    off = [r for r in recs if r["cuda_wide"] == "off"]
+    assert {(r["head_dim"], r["q_heads"]) for r in off} == {(64, 128)} and all(r["time_us"] == 200.0 for r in off)
+    by = {(r["head_dim"], r["q_heads"], r["k_bits"], r["context"]): r for r in recs if r["cuda_wide"] == "default"}
+    assert by[(64, 128, 3, 131072)]["vs_wide_off"] == 2.0 and by[(128, 56, 3, 131072)]["vs_wide_off"] is None
     head = by[(128, 32, 3, 131072)]
     assert head["pct_copy_bw"] == 43 and head["vs_headline_bw"] == 1.0
     assert by[(128, 56, 3, 131072)]["vs_headline_bw"] == round(46 / 43, 3)
