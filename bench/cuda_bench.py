@@ -90,7 +90,8 @@ def sdpa_variant_us(B, ctx, layout, backend, HQ=32, H=8, d=128, l2_bytes=60 << 2
         ts.sort()
         return ts[len(ts) // 2]
     finally:
-        del qs, ks, vs, outs
+        for tensors in (qs, ks, vs, outs):  # free the copies before the next shape (run() holds the lists)
+            tensors.clear()
         torch.cuda.empty_cache()
 
 
