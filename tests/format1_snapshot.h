@@ -26,10 +26,10 @@ struct Case {
 // 2-bit V with the RMS rule, and 3-bit codes only (format 1 and 2 bytes identical).
 inline std::vector<Case> cases() {
   return {
-      {"format1_k4v4.fmkv", {64, 2, 4, 4, 16, 0, 0, FMKV_SCALE_LSQ, 7, 2}, 2, {37, 20}},
-      {"format1_k16v4_sink_window.fmkv", {64, 2, 16, 4, 16, 2, 4, FMKV_SCALE_LSQ, 11, 2}, 1, {45, 9}},
-      {"format1_k4v2_rms.fmkv", {128, 1, 4, 2, 32, 0, 0, FMKV_SCALE_RMS, 3, 2}, 1, {70}},
-      {"format1_k3v3.fmkv", {64, 1, 3, 3, 16, 0, 0, FMKV_SCALE_LSQ, 5, 2}, 1, {33}},
+      {"format1_k4v4.fmkv", {64, 2, 4, 4, 16, 0, 0, FMKV_SCALE_LSQ, 7, 2, 0}, 2, {37, 20}},
+      {"format1_k16v4_sink_window.fmkv", {64, 2, 16, 4, 16, 2, 4, FMKV_SCALE_LSQ, 11, 2, 0}, 1, {45, 9}},
+      {"format1_k4v2_rms.fmkv", {128, 1, 4, 2, 32, 0, 0, FMKV_SCALE_RMS, 3, 2, 0}, 1, {70}},
+      {"format1_k3v3.fmkv", {64, 1, 3, 3, 16, 0, 0, FMKV_SCALE_LSQ, 5, 2, 0}, 1, {33}},
   };
 }
 

@@ -184,7 +184,9 @@ TEST(IntegerLevels, OperandGrids) {
       EXPECT_EQ(fmkv::f64_to_f16_bits(-(double)v), h | 0x8000u);
     }
     EXPECT_LE(e3.distortion, opt * (b <= 2 ? 1.0001 : b == 3 ? 1.011 : 1.05)) << b << "-bit three significant bits";
-    if (b == 4) EXPECT_GT(e3.distortion, opt * 1.01) << "4-bit: the finding documented in format3-prototypes.md";
+    if (b == 4) {
+      EXPECT_GT(e3.distortion, opt * 1.01) << "4-bit: the finding documented in format3-prototypes.md";
+    }
     EXPECT_GE(e3.distortion, opt * (1 - 1e-12));
     const fmkv::IntegerLevels e4 = fmkv::integer_levels_on_grid(b, fmkv::LevelGrid::kFourSignificantBits);
     for (int v : positive_half(e4)) {

@@ -246,8 +246,9 @@ TEST(Reference, ScaleGroup64IsOneScalePer64Coordinates) {
               const double lv = decode_level_table(codes[64 * s + j], bits, 0);
               for (int m = 0; m < magnitude_count(bits); ++m) {
                 const double other = table_mag(0, bits, m) * (u < 0 ? -1 : 1);
-                if (std::fabs(std::fabs(u - other) - std::fabs(u - lv)) > 2e-3 * std::fabs(u) + 1e-4)
+                if (std::fabs(std::fabs(u - other) - std::fabs(u - lv)) > 2e-3 * std::fabs(u) + 1e-4) {
                   EXPECT_LE(std::fabs(u - lv), std::fabs(u - other)) << "d=" << d << " bits " << bits << " coord " << 64 * s + j;
+                }
               }
               num += y[64 * s + j] * lv;
               den += lv * lv;

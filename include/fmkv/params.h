@@ -27,8 +27,8 @@ typedef enum fmkv_backend {
 typedef struct fmkv_config {
   int32_t head_dim;      /* 64, 128, 256 */
   int32_t num_kv_heads;  /* >= 1 */
-  int32_t k_bits;        /* 2, 3, 4, or 16 (K kept in fp16) */
-  int32_t v_bits;        /* 2, 3, 4 */
+  int32_t k_bits;        /* 2, 3, 4, 5, or 16 (K kept in fp16) */
+  int32_t v_bits;        /* 2, 3, 4, 5 */
   int32_t page_size;     /* tokens per page: power of two in [16, 256] */
   int32_t sink_tokens;   /* first S tokens kept in fp16 (never compressed) */
   int32_t window_tokens; /* last W tokens kept in fp16, compressed as they age out */
