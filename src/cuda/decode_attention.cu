@@ -226,9 +226,8 @@ bool tiled_config(const fmkv_config& c) {
   return fmkv_tiled_codes(c.format_version, c.k_bits) || fmkv_tiled_codes(c.format_version, c.v_bits);
 }
 
-// The kernel of a config: wide_vectors > 0 asks for the wide kernel (attn_compiled_wide: 2 x kQV query vectors per
-// pass), for a call whose (sequence, kv head) pairs have that many query vectors (wide_vectors()); {} where not
-// compiled.
+// The kernel of a config: kQV query vectors per pass, or with `wide` the wide kernel (attn_compiled_wide: 2 x kQV);
+// {} where not compiled.
 AttnFn attn_kernel(const fmkv_config& c, bool wide = false) {
   const bool f3 = tiled_config(c);
   AttnFn fn{};

@@ -1,5 +1,6 @@
 // The decode attention kernels of one K width, FMKV_DECODE_K_BITS: every compiled (head_dim, V width,
-// page size, format) of attn_compiled / attn_compiled_f3 (decode_attention.cuh). cmake/cuda.cmake generates
+// page size, format, 8 or 16 query vectors per pass) of attn_compiled / attn_compiled_f3 / attn_compiled_wide
+// (decode_attention.cuh). cmake/cuda.cmake generates
 // one translation unit per K width (FMKV_CODE_BITS_MIN .. FMKV_CUDA_CODE_BITS_MAX and FMKV_FP16_BITS, read from
 // include/fmkv/format.h and src/cuda/code_widths.cuh) that defines FMKV_DECODE_K_BITS and includes this file, so the widths' kernels
 // compile in parallel; decode_attention.cu calls the explicit instantiations through with_k_bits.
