@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <cstdlib>
 
 #include <string>
 
@@ -56,6 +57,12 @@ long long* error_word();  // device pointer of the current device's error word
 void check_cuda(cudaError_t e, const char* what);
 inline cudaStream_t to_stream(void* s) { return (cudaStream_t)s; }
 int sm_count();
+// A measurement switch NAME=0 in the environment (FMKV_CUDA_PDL, FMKV_CUDA_BALANCE, FMKV_CUDA_WIDE: a feature
+// off for A/B timing); read by each caller once per process.
+inline bool env_switched_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e && std::string(e) == "0";
+}
 
 __device__ __forceinline__ void report_error(long long* err, int code, int kind, long long seq,
                                              long long index, long long value, long long bound) {

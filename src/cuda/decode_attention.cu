@@ -214,10 +214,7 @@ int64_t workspace_for(int64_t rows, int32_t q_heads, int32_t d, int32_t cap, boo
 // Whether a call of num_seqs sequences is balanced (split_count.h): 2 .. kBalanceMaxSeqs sequences, unless
 // FMKV_CUDA_BALANCE=0 (measurements: the uniform plan for every sequence).
 bool balanced_call(int32_t num_seqs) {
-  static const bool on = [] {
-    const char* e = std::getenv("FMKV_CUDA_BALANCE");
-    return !(e && std::string(e) == "0");
-  }();
+  static const bool on = !env_switched_off("FMKV_CUDA_BALANCE");
   return on && num_seqs >= 2 && num_seqs <= kBalanceMaxSeqs;
 }
 
@@ -240,13 +237,8 @@ AttnFn attn_kernel(const fmkv_config& c, bool wide = false) {
 // compiled, unless FMKV_CUDA_WIDE=0 (measurements: the kQV-vector passes for every call). *vectors_per_pass: what
 // the split count plans with (split_count.h).
 AttnFn attn_kernel_for_call(const fmkv_config& c, int32_t num_seqs, int32_t q_heads, int64_t rows, int* vectors_per_pass) {
-  static const bool wide_on = [] {
-    const char* e = std::getenv("FMKV_CUDA_WIDE");
-    return !(e && std::string(e) == "0");
-  }();
-  const int64_t gq = std::max<int64_t>(q_heads / std::max(c.num_kv_heads, 1), 1);
-  const int64_t vectors = ceil_div(std::max<int64_t>(rows, 1), std::max<int64_t>(num_seqs, 1)) * gq;
-  if (wide_on && vectors > kQV) {
+  static const bool wide_on = !env_switched_off("FMKV_CUDA_WIDE");
+  if (wide_on && vectors_per_pair(num_seqs, c.num_kv_heads, q_heads, rows) > kQV) {
     const AttnFn wide = attn_kernel(c, true);
     if (wide) {
       *vectors_per_pass = 2 * kQV;

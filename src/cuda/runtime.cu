@@ -64,10 +64,7 @@ bool programmatic_launch_supported() {
   }
   // FMKV_CUDA_PDL=0 turns programmatic launches off (for A/B timing; the kernels' griddepcontrol
   // instructions are no-ops in an ordinary launch)
-  static const bool disabled = [] {
-    const char* e = std::getenv("FMKV_CUDA_PDL");
-    return e && std::string(e) == "0";
-  }();
+  static const bool disabled = env_switched_off("FMKV_CUDA_PDL");
   return g_cc_major[dev] >= 9 && !disabled;
 }
 

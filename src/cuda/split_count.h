@@ -127,13 +127,20 @@ inline int64_t resident_cut(int64_t tiles, int64_t pairs, int64_t nraw, const Sp
 //  * A known length bound (`compressed` >= 0: the most compressed tokens any sequence of the call has,
 //    from fmkv_attention_opts.max_seq_len) caps the count at useful_splits(compressed): a short call
 //    launches no empty splits (they cost ~1-1.7 us at 4k with 1-2 kv heads).
+// Query vectors per (sequence, kv head) of a call of `rows` query rows over num_seqs sequences: rows per sequence
+// (the average, rounded up) x q heads per kv head. A split CTA takes them in passes (preferred_splits), and the
+// CUDA backend picks its wide kernels above kSplitVectors (attn_kernel_for_call, decode_attention.cu).
+inline int64_t vectors_per_pair(int32_t num_seqs, int32_t kv_heads, int32_t q_heads, int64_t rows) {
+  const int64_t gq = std::max<int64_t>(q_heads / std::max(kv_heads, 1), 1);
+  return ceil_div(std::max<int64_t>(rows, 1), std::max<int32_t>(num_seqs, 1)) * gq;
+}
+
 inline int32_t preferred_splits(int32_t num_seqs, int32_t kv_heads, int32_t q_heads, int64_t rows, int32_t nraw,
                                 const SplitDevice& dev, int64_t compressed, int vectors_per_pass = kSplitVectors) {
   const int64_t seqs = std::max(num_seqs, 1), pairs = seqs * std::max(kv_heads, 1);
   // passes of a split CTA over its tiles: query vectors per (sequence, kv head) in batches of vectors_per_pass
   // (kSplitVectors, or twice that for the wide kernels)
-  const int64_t gq = std::max<int64_t>(q_heads / std::max(kv_heads, 1), 1);
-  const int64_t passes = ceil_div(ceil_div(std::max<int64_t>(rows, 1), seqs) * gq, vectors_per_pass);
+  const int64_t passes = ceil_div(vectors_per_pair(num_seqs, kv_heads, q_heads, rows), vectors_per_pass);
   int64_t ns = std::min<int64_t>(std::max<int64_t>(ceil_div(1056, pairs), 1), 64);
   if (dev.sms > 0 && rows <= (int64_t)kFusedMaxRows * seqs) {
     const int64_t two_per_sm = std::max<int64_t>(dev.target() / pairs - nraw, 1);
